@@ -1,0 +1,18 @@
+"""Distribution ``hp-megatron``: GDN, KDA and MLA mixers for megatron-core with context parallelism."""
+from setuptools import find_packages, setup
+
+setup(
+    name="hp-megatron",
+    version="0.1.0",
+    description="Megatron-style model-parallel GDN, KDA and MLA layers with TP/SP/CP and three kernel backends",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["hp_megatron", "hp_megatron.*", "layers", "layers.*"]),
+    install_requires=["torch>=2.6", "megatron-core>=0.14.0", "numpy", "packaging"],
+    extras_require={
+        "triton": ["flash-linear-attention>=0.6.0", "fla-core>=0.6.0", "triton>=3.7.1"],
+        "npu": ["torch_npu"],
+        "test": ["pytest>=8", "transformers>=5.6,<6", "psutil", "tokenizers"],
+    },
+)
