@@ -1,0 +1,34 @@
+"""Kernel backend registry: ``eager`` (pure PyTorch), ``triton`` (flash-linear-attention), ``ascendc`` (fla-npu).
+
+A backend is a module exposing, with already-validated inputs (see ``layers/ops/validation.py``)::
+
+    chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state,
+                           use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, use_gate_in_kernel,
+                           A_log, dt_bias, cu_seqlens) -> (o, final_state_or_None)
+    chunk_kda(..., same keywords ..., lower_bound, safe_gate) -> (o, final_state_or_None)
+    causal_conv1d(x, weight, *, bias, activation, cu_seqlens, history) -> y
+
+``cu_seqlens`` is None or a CPU int64 tensor. Optional backends are imported lazily and raise
+``RuntimeError`` naming the missing package; nothing falls back to another backend.
+"""
+from __future__ import annotations
+
+import importlib
+
+BACKENDS = ("eager", "triton", "ascendc")
+_MODULES = {
+    "eager": "layers.ops.eager.backend",
+    "triton": "layers.ops.triton.backend",
+    "ascendc": "layers.ops.ascendc.backend",
+}
+
+
+def get_backend(name: str):
+    """Return the backend module called ``name`` (validated, lazily imported)."""
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    module = importlib.import_module(_MODULES[name])
+    check = getattr(module, "check_available", None)
+    if check is not None:
+        check()  # raises RuntimeError naming the missing package / device
+    return module
