@@ -1,0 +1,117 @@
+"""Chunked WY delta rule in pure PyTorch (GDN: scalar gate per head, KDA: gate per key channel).
+
+Within a chunk of C tokens, with gamma the in-chunk cumulative log decay (per channel for KDA):
+  A    = StrictLower(beta_i * sum_c k_ic k_jc exp(gamma_ic - gamma_jc)),  T = (I + A)^-1
+  W    = T (beta K exp(gamma)),  U = T (beta V),  Kt = K exp(gamma_C - gamma)
+  Vn   = U - W S,  S' = exp(gamma_C) S + Kt^T Vn                       (StateScan, sequential)
+  o    = scale * [ (Q exp(gamma)) S + Tril(sum_c q_ic k_jc exp(gamma_ic - gamma_jc)) Vn ]
+Everything but the state pass is batched over chunks, heads and sequences. The pairwise decay factors
+are evaluated so that no exponent is positive: exactly for GDN, and for KDA by recursive blocking
+(off-diagonal blocks through a reference point between the two tokens, 4-token diagonal blocks elementwise).
+"""
+from __future__ import annotations
+
+import torch
+
+from layers.ops.eager.chunking import chunk_layout, from_chunks, to_chunks
+from layers.ops.eager.gates import prepare_inputs
+from layers.ops.eager.scan import StateScan
+
+CHUNK_SIZE = 64
+
+
+def _pair_exponent(gi: torch.Tensor, gj: torch.Tensor, inclusive: bool) -> torch.Tensor:
+    """gamma_i - gamma_j where j precedes i (j <= i if inclusive), -inf elsewhere. gi [..., C], gj [..., C]."""
+    C = gi.shape[-1]
+    keep = torch.ones(C, C, dtype=torch.bool, device=gi.device).tril(0 if inclusive else -1)
+    return (gi[..., :, None] - gj[..., None, :]).masked_fill(~keep, float("-inf"))
+
+
+def decayed_gram(a: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor, inclusive: bool) -> torch.Tensor:
+    """out_ij = sum_c a_ic b_jc exp(gamma_ic - gamma_jc) for j < i (j <= i if inclusive), else 0.
+
+    a, b [..., C, K]; gamma [..., C] (scalar decay) or [..., C, K] (per channel). Returns [..., C, C].
+    """
+    if gamma.dim() == a.dim() - 1:
+        return (a @ b.transpose(-1, -2)) * _pair_exponent(gamma, gamma, inclusive).exp()
+    return _channel_gram(a, b, gamma, inclusive)
+
+
+def _channel_gram(a, b, gamma, inclusive):
+    """Per-channel decayed gram by recursive 4-way blocking.
+
+    Off-diagonal blocks are matmuls through a reference point r between the two tokens (the last token
+    of the preceding block), so both factors exp(gamma_i - gamma_r), exp(gamma_r - gamma_j) are <= 1.
+    Diagonal blocks recurse (batched over blocks); blocks of <= 4 tokens are evaluated elementwise.
+    """
+    C = a.shape[-2]
+    if C <= 4 or C % 4:
+        keep = torch.ones(C, C, dtype=torch.bool, device=a.device).tril(0 if inclusive else -1)
+        expo = (gamma[..., :, None, :] - gamma[..., None, :, :]).masked_fill(~keep[..., None], float("-inf"))
+        return (a[..., :, None, :] * b[..., None, :, :] * expo.exp()).sum(-1)
+    s = C // 4
+    diag = _channel_gram(a.unflatten(-2, (4, s)), b.unflatten(-2, (4, s)), gamma.unflatten(-2, (4, s)), inclusive)
+    rows = []
+    for blk in range(4):
+        cur = slice(blk * s, (blk + 1) * s)
+        parts = []
+        if blk:
+            ref = gamma[..., blk * s - 1: blk * s, :]
+            a_ref = a[..., cur, :] * (gamma[..., cur, :] - ref).exp()
+            b_ref = b[..., : blk * s, :] * (ref - gamma[..., : blk * s, :]).exp()
+            parts.append(a_ref @ b_ref.transpose(-1, -2))
+        parts.append(diag[..., blk, :, :])
+        if blk < 3:
+            parts.append(a.new_zeros(*a.shape[:-2], s, C - (blk + 1) * s))
+        rows.append(torch.cat(parts, dim=-1))
+    return torch.cat(rows, dim=-2)
+
+
+def _chunk_inputs(k, v, g, beta, layout):
+    """Gather to chunks and build the WY quantities: (gamma, W, U, Kt, decay)."""
+    kc, vc, bc = to_chunks(k, layout), to_chunks(v, layout), to_chunks(beta, layout)   # bc [n,HV,C]
+    gamma = to_chunks(g, layout).cumsum(2)                       # [n,HV,C] or [n,HV,C,K]
+    per_channel = gamma.dim() == 4
+    gexp = gamma.exp() if per_channel else gamma.exp()[..., None]
+    g_last = gamma[:, :, -1:]                                    # [n,HV,1] or [n,HV,1,K]
+    tail = (g_last - gamma).exp() if per_channel else (g_last - gamma).exp()[..., None]
+    A = bc[..., None] * decayed_gram(kc, kc, gamma, inclusive=False)
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    rhs = torch.cat([bc[..., None] * kc * gexp, bc[..., None] * vc], dim=-1)
+    WU = torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)
+    K = kc.shape[-1]
+    W, U = WU[..., :K], WU[..., K:]
+    decay = g_last.squeeze(2).exp()
+    if not per_channel:
+        decay = decay[..., None].expand(-1, -1, K)
+    return kc, gamma, gexp, W, U, kc * tail, decay
+
+
+def chunked_delta_rule(kind, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
+                       use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, use_gate_in_kernel=False,
+                       A_log=None, dt_bias=None, lower_bound=None, with_output=True):
+    """Eager GDN (kind="gdn") / KDA (kind="kda") on validated inputs; see layers.ops.delta_rule.
+
+    Returns (o [B,T,HV,V] in q.dtype or None when ``with_output`` is False, final_state [N,HV,K,V] fp32 or None).
+    """
+    B, T, H, _ = q.shape
+    HV = v.shape[2]
+    out_dtype = q.dtype
+    q, k, v, g, beta = prepare_inputs(kind, q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                      use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                                      use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                                      lower_bound=lower_bound)
+    if HV != H:
+        q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    layout = chunk_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
+    kc, gamma, gexp, W, U, Kt, decay = _chunk_inputs(k, v, g, beta, layout)
+    order = layout.seq_order
+    S0 = None if initial_state is None else initial_state.float().index_select(0, order)
+    Hs, Vn, S_sorted = StateScan.apply(W, U, Kt, decay, S0, (layout.step_offsets, layout.step_counts))
+    final = S_sorted.index_select(0, torch.argsort(order)) if output_final_state else None
+    if not with_output:
+        return None, final
+    qc = to_chunks(q, layout)
+    o = (qc * gexp) @ Hs + decayed_gram(qc, kc, gamma, inclusive=True) @ Vn
+    o = from_chunks(o * scale, layout, B, T)
+    return o.to(out_dtype), final
