@@ -57,6 +57,9 @@ def _validate(kind, q, k, v, g, beta, scale, initial_state, output_final_state, 
         if safe_gate and (lower_bound is None or not -5 <= lower_bound < 0):
             raise ValueError(f"safe_gate=True requires lower_bound in [-5, 0), got {lower_bound!r}")
     check_same_device(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)
+    if cp_context is not None and cu_seqlens is not None:
+        raise ValueError("with cp_context, give the GLOBAL cu_seqlens to build_cp_context and leave the op's "
+                         "cu_seqlens=None (the context knows this rank's pieces)")
     cu = normalize_cu_seqlens(cu_seqlens, B, T)
     N = B if cu is None else cu.numel() - 1
     check_state("initial_state", initial_state, (N, HV, K, V))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from layers.ops.eager.chunk import chunked_delta_rule
+from layers.ops.eager.conv import causal_conv1d  # noqa: F401  (backend interface)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, **kw):

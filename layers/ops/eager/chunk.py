@@ -78,7 +78,8 @@ def _chunk_inputs(k, v, g, beta, layout):
     A = bc[..., None] * decayed_gram(kc, kc, gamma, inclusive=False)
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
     rhs = torch.cat([bc[..., None] * kc * gexp, bc[..., None] * vc], dim=-1)
-    WU = torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)
+    # explicit inverse then one matmul: faster on CPU than a triangular solve with a wide right-hand side
+    WU = torch.linalg.solve_triangular(A + eye, eye.expand_as(A), upper=False, unitriangular=True) @ rhs
     K = kc.shape[-1]
     W, U = WU[..., :K], WU[..., K:]
     decay = g_last.squeeze(2).exp()

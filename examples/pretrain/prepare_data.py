@@ -1,0 +1,107 @@
+"""Build the example's default dataset offline: CPython's documentation text -> BPE tokenizer -> Megatron indexed data.
+
+The text is ``pydoc_data.topics`` (the help() topics shipped with every CPython, ~0.5 MB of English and
+code). A byte-level BPE tokenizer is trained on it with the ``tokenizers`` package, and every topic becomes
+one document (tokens + end-of-document) in megatron-core's ``IndexedDataset`` format (``.bin`` + ``.idx``).
+
+    python examples/pretrain/prepare_data.py --output-dir out/data/pydoc --vocab-size 4096
+
+Outputs ``tokenizer.json`` and ``pydoc_text_document.{bin,idx}``; pass ``--data-path
+out/data/pydoc/pydoc_text_document --tokenizer out/data/pydoc/tokenizer.json`` to pretrain_hybrid.py.
+Re-running with the same arguments rebuilds byte-identical files.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+EOD = "<|endoftext|>"
+PAD = "<|pad|>"
+DATA_NAME = "pydoc_text_document"
+
+
+def documents():
+    """The help() topics of this interpreter, in sorted key order (deterministic)."""
+    from pydoc_data.topics import topics
+
+    return [topics[key].strip() + "\n" for key in sorted(topics)]
+
+
+def train_tokenizer(texts, vocab_size: int):
+    """Byte-level BPE (GPT-2 style pre-tokenization) trained on ``texts``; EOD and PAD are special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD, PAD], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+class BPETokenizer:
+    """The attributes megatron-core's GPTDataset reads (``vocab_size``, ``eod``, ``pad``) over a trained
+    ``tokenizers`` BPE model, plus ``tokenize``/``detokenize``."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"tokenizer file {path} not found; run examples/pretrain/prepare_data.py")
+        self._tok = Tokenizer.from_file(path)
+        self.vocab_size = self._tok.get_vocab_size()
+        self.eod = self._tok.token_to_id(EOD)
+        self.pad = self._tok.token_to_id(PAD)
+        if self.eod is None or self.pad is None:
+            raise ValueError(f"tokenizer {path} lacks the special tokens {EOD!r} and {PAD!r}")
+
+    def tokenize(self, text: str):
+        return self._tok.encode(text).ids
+
+    def detokenize(self, ids) -> str:
+        return self._tok.decode(list(ids))
+
+
+def build(output_dir: str, vocab_size: int = 4096) -> str:
+    """Write tokenizer.json and the indexed dataset into ``output_dir``; return the data path prefix."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    os.makedirs(output_dir, exist_ok=True)
+    texts = documents()
+    tokenizer_path = os.path.join(output_dir, "tokenizer.json")
+    train_tokenizer(texts, vocab_size).save(tokenizer_path)
+    tokenizer = BPETokenizer(tokenizer_path)
+    prefix = os.path.join(output_dir, DATA_NAME)
+    dtype = np.uint16 if tokenizer.vocab_size < 65500 else np.int32
+    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=dtype)
+    for text in texts:
+        ids = tokenizer.tokenize(text) + [tokenizer.eod]
+        builder.add_document(torch.tensor(ids), [len(ids)])
+    builder.finalize(get_idx_path(prefix))
+    return prefix
+
+
+def default_data_ready(output_dir: str) -> bool:
+    return all(os.path.exists(os.path.join(output_dir, name))
+               for name in ("tokenizer.json", DATA_NAME + ".bin", DATA_NAME + ".idx"))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output-dir", default="out/data/pydoc")
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    args = parser.parse_args()
+    prefix = build(args.output_dir, args.vocab_size)
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    data = IndexedDataset(prefix)
+    tokens = int(data.sequence_lengths.sum())
+    print(f"wrote {prefix}.bin/.idx: {len(data)} documents, {tokens} tokens; tokenizer "
+          f"{os.path.join(args.output_dir, 'tokenizer.json')} ({BPETokenizer(os.path.join(args.output_dir, 'tokenizer.json')).vocab_size} entries)")
+
+
+if __name__ == "__main__":
+    main()

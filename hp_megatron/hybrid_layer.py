@@ -1,0 +1,102 @@
+"""A ``TransformerLayer`` whose mixer (and, optionally, every other submodule) follows a layer pattern.
+
+Megatron-LM's ``--spec`` imports one module-level object and ``TransformerBlock`` replicates a layer
+spec for the layers of its pipeline stage, so a spec cannot know at import time which pipeline or
+virtual-pipeline stage it will serve. :class:`HybridLayer` therefore resolves its type when it is built,
+from the *global* 1-based layer number (local number + the stage's layer offset):
+``pattern[(global_layer_number - 1) % len(pattern)]`` picks a symbol, and the symbol picks a complete
+``TransformerLayerSubmodules`` from :class:`HybridLayerSubmodules`. A pattern as long as ``num_layers``
+describes every layer explicitly; a shorter one repeats ("KKKM" = three KDA layers, then one MLA layer).
+
+Checkpoints: mixers of different types have different parameter names, so they cannot be stacked along
+megatron's layer axis. :meth:`HybridLayer.sharded_state_dict` always writes per-layer keys
+``decoder.layers.<global index>.…`` (megatron's "non-homogeneous" naming), which stay valid under any
+pipeline / virtual-pipeline split.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.transformer.transformer_layer import (TransformerLayer, TransformerLayerSubmodules,
+                                                         get_transformer_layer_offset)
+
+
+@dataclass
+class HybridLayerSubmodules:
+    """One ``TransformerLayerSubmodules`` per pattern symbol, e.g. ``{"K": kda_layer, "M": mla_layer}``."""
+
+    layer_types: Dict[str, TransformerLayerSubmodules] = field(default_factory=dict)
+
+
+def validate_pattern(pattern: str, symbols) -> str:
+    """Check a layer pattern against the known symbols; return it unchanged."""
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"layer pattern must be a non-empty string, got {pattern!r}")
+    unknown = sorted(set(pattern) - set(symbols))
+    if unknown:
+        raise ValueError(f"layer pattern {pattern!r} uses symbols {unknown} that have no layer spec; "
+                         f"known symbols: {sorted(symbols)}")
+    return pattern
+
+
+def symbol_for_layer(pattern: str, global_layer_number: int) -> str:
+    """The pattern symbol of a 1-based global layer number (the pattern repeats)."""
+    if global_layer_number < 1:
+        raise ValueError(f"global layer numbers start at 1, got {global_layer_number}")
+    return pattern[(global_layer_number - 1) % len(pattern)]
+
+
+def layer_types_for(pattern: str, num_layers: int) -> str:
+    """The symbols of layers 1..num_layers, as one string (e.g. ``"KKKMKKKM"``)."""
+    return "".join(symbol_for_layer(pattern, i) for i in range(1, num_layers + 1))
+
+
+def stage_layer_offset(config, vp_stage=None, pg_collection=None, model_comm_pgs=None,
+                       pp_layer_offset=None) -> int:
+    """Global index of this pipeline (and virtual-pipeline) stage's first layer.
+
+    megatron-core 0.14's ``get_transformer_layer_offset`` is ``(config, vp_stage)``; 0.15+ take
+    ``pp_rank`` as well; 0.18+ may hand the offset to the layer directly (``pp_layer_offset``).
+    """
+    if pp_layer_offset is not None:
+        return int(pp_layer_offset)
+    if "pp_rank" in inspect.signature(get_transformer_layer_offset).parameters:
+        groups = pg_collection if pg_collection is not None else model_comm_pgs
+        pp_group = getattr(groups, "pp", None) if groups is not None else None
+        pp_rank = pp_group.rank() if pp_group is not None else None
+        return get_transformer_layer_offset(config, vp_stage, pp_rank)
+    return get_transformer_layer_offset(config, vp_stage)
+
+
+class HybridLayer(TransformerLayer):
+    """``TransformerLayer`` built from the pattern symbol of its global layer number.
+
+    Spec: ``ModuleSpec(module=HybridLayer, params={"pattern": "KKKM"},
+    submodules=HybridLayerSubmodules(layer_types={"K": ..., "M": ...}))``. ``self.layer_symbol`` records
+    the chosen symbol. All other constructor arguments pass through to ``TransformerLayer`` unchanged.
+    """
+
+    def __init__(self, config, submodules: HybridLayerSubmodules, layer_number: int = 1, *args,
+                 pattern: Optional[str] = None, **kwargs):
+        if not isinstance(submodules, HybridLayerSubmodules):
+            raise TypeError(f"HybridLayer needs HybridLayerSubmodules, got {type(submodules).__name__}")
+        pattern = validate_pattern(pattern, submodules.layer_types)
+        offset = stage_layer_offset(config, kwargs.get("vp_stage"), kwargs.get("pg_collection"),
+                                    kwargs.get("model_comm_pgs"), kwargs.get("pp_layer_offset"))
+        self.layer_symbol = symbol_for_layer(pattern, layer_number + offset)
+        self.layer_pattern = pattern
+        super().__init__(config, submodules.layer_types[self.layer_symbol], layer_number, *args, **kwargs)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """Per-layer checkpoint keys (``<prefix><global index>.``) instead of the stacked layer axis."""
+        if not sharded_offsets:  # the block already asked for per-layer keys
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if len(sharded_offsets) != 1 or sharded_offsets[0][0] != 0:
+            raise ValueError(f"HybridLayer expects only megatron's layer-axis offset, got {sharded_offsets}")
+        global_index = sharded_offsets[0][1]
+        state = super().sharded_state_dict(prefix, (), metadata)
+        replace_prefix_for_sharding(state, prefix, f"{prefix}{global_index}.")
+        return state

@@ -1,0 +1,121 @@
+"""Causal softmax core attention for megatron-core's ``SelfAttention`` with CP, without Transformer Engine.
+
+megatron-core's local ``DotProductAttention`` refuses context parallelism and allocates CUDA buffers;
+TE's attention needs TE. :class:`ContextParallelDotProductAttention` takes the same constructor and
+forward arguments, so it can be the ``core_attention`` of the standard attention layers ("A" in
+"GGGA") on any device:
+
+* CP = 1: causal (per document for THD) attention of the local sequence.
+* CP > 1: all-gather K and V over the CP group (the backward reduce-scatters their gradients back to
+  their owners), put them in global token order, and let the local (zigzag or contiguous) queries
+  attend with global causal positions. Memory per rank is that of the full K/V of one layer.
+
+The attention math is ``layers.attention.causal_attention`` (eager SDPA or Ascend's fused kernel).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hp_megatron.data import cp_token_index
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along dim 0 over ``group``; backward sums the gradients and keeps this rank's part."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        world = group.size()
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group = ctx.group
+        world, rank = group.size(), group.rank()
+        grad = grad.contiguous()
+        local = grad.shape[0] // world
+        if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter
+            dist.all_reduce(grad, group=group)
+            return grad[rank * local:(rank + 1) * local].clone(), None
+        out = torch.empty((local,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter_tensor(out, grad, group=group)
+        return out, None
+
+
+class ContextParallelDotProductAttention(nn.Module):
+    """Drop-in ``core_attention`` for megatron-core ``SelfAttention`` (causal masks only).
+
+    forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+    packed_seq_params=None): BSHD ``query [s, b, np, hn]``, ``key/value [s, b, ng, hn]`` (GQA groups,
+    np % ng == 0) -> ``[s, b, np*hn]``; THD ``[t, np, hn]`` -> ``[t, np*hn]``. ``s``/``t`` are this CP
+    rank's tokens. ``attention_mask`` is not read: masking is causal, per document for THD.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self",
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None,
+                 model_comm_pgs=None, backend: str = "eager", layout: str | None = None, **kwargs):
+        super().__init__()
+        name = getattr(attn_mask_type, "name", attn_mask_type)
+        if name not in (None, "causal", "padding_causal"):
+            raise ValueError(f"{type(self).__name__} supports causal masks only, got attn_mask_type={attn_mask_type!r}")
+        if attention_type not in ("self", None):
+            raise ValueError(f"{type(self).__name__} supports self-attention only, got {attention_type!r}")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"{type(self).__name__} has no attention dropout; set attention_dropout=0, got {dropout}")
+        self.config = config
+        self.layer_number = layer_number
+        self.backend = backend
+        self.layout = layout or getattr(config, "hp_cp_layout", None) or "zigzag"
+        self.head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim ** -0.5
+        groups = pg_collection if pg_collection is not None else model_comm_pgs
+        self.cp_group = getattr(groups, "cp", None) if groups is not None else None
+        if self.cp_group is None:
+            from megatron.core import parallel_state
+
+            self.cp_group = parallel_state.get_context_parallel_group()
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        from layers.attention import causal_attention
+
+        if attention_bias is not None:
+            raise ValueError(f"{type(self).__name__} does not take an attention_bias")
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if thd:  # [t, n, d] -> [t, 1, n, d]
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        s_local, b, heads, _ = query.shape
+        if heads % key.shape[2]:
+            raise ValueError(f"query heads {heads} must be a multiple of key/value groups {key.shape[2]}")
+        cu = None
+        if thd:
+            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+        group = self.cp_group
+        cp_size = group.size() if group is not None else 1
+        q_ids = None
+        if cp_size > 1:
+            total = s_local * cp_size
+            order = torch.cat([cp_token_index(total, cp_size, r, cu, self.layout) for r in range(cp_size)])
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(total)
+            inverse = inverse.to(key.device)
+            key = _GatherSeq.apply(key, group).index_select(0, inverse)
+            value = _GatherSeq.apply(value, group).index_select(0, inverse)
+            q_ids = order[group.rank() * s_local:(group.rank() + 1) * s_local]
+        repeat = heads // key.shape[2]
+        if repeat > 1:
+            key = key.repeat_interleave(repeat, dim=2)
+            value = value.repeat_interleave(repeat, dim=2)
+        # [s, b, n, d] -> [b, s, n, d]
+        out = causal_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+                               scale=self.softmax_scale, q_ids=q_ids,
+                               cu_seqlens=None if cu is None else cu.to(torch.int64), backend=self.backend)
+        out = out.transpose(0, 1).reshape(s_local, b, -1)
+        return out.squeeze(1) if thd else out

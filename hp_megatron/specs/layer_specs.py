@@ -1,0 +1,127 @@
+"""Layer specs: one mixer per layer (``get_layer_spec``) or a repeating pattern of mixers (``get_hybrid_layer_spec``).
+
+Every spec is a plain megatron-core ``ModuleSpec`` tree, so any submodule can be swapped by editing it:
+``spec.submodules.self_attention.submodules.out_proj = MyRowParallelLinear`` (single mixer) or
+``spec.submodules.layer_types["K"].mlp = my_moe_spec`` (hybrid).
+
+Pattern symbols (``SYMBOLS``): ``G`` GDN, ``K`` KDA, ``M`` MLA, ``A`` standard causal softmax attention.
+"""
+from __future__ import annotations
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from hp_megatron.hybrid_layer import HybridLayer, HybridLayerSubmodules, validate_pattern
+from hp_megatron.specs.providers import get_spec_provider
+
+MIXERS = ("gdn", "kda", "mla", "attn")
+SYMBOLS = {"G": "gdn", "K": "kda", "M": "mla", "A": "attn"}
+
+
+def _attention_spec(provider, qk_layernorm: bool) -> ModuleSpec:
+    norm = provider.layer_norm(rms_norm=True, for_qk=True) if qk_layernorm else IdentityOp
+    return ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=provider.column_parallel_linear(),
+            core_attention=ModuleSpec(module=provider.core_attention(),
+                                      params={"backend": provider.attention_backend}),
+            linear_proj=provider.row_parallel_linear(),
+            q_layernorm=norm,
+            k_layernorm=norm,
+        ),
+    )
+
+
+def _delta_mixer_spec(mixer: str, provider) -> ModuleSpec:
+    from layers.delta_mixer import DeltaMixerSubmodules
+
+    if mixer == "gdn":
+        from layers.gdn import GatedDeltaNet as module
+    else:
+        from layers.kda import KimiDeltaAttention as module
+    return ModuleSpec(
+        module=module,
+        params={"backend": provider.mixer_backend},
+        submodules=DeltaMixerSubmodules(
+            in_proj=provider.column_parallel_linear(),
+            out_norm=provider.layer_norm(rms_norm=True),
+            out_proj=provider.row_parallel_linear(),
+        ),
+    )
+
+
+def _mla_spec(provider) -> ModuleSpec:
+    from layers.mla import MLASubmodules, MultiLatentAttention
+
+    norm = provider.layer_norm(rms_norm=True, for_qk=True)
+    column, row = provider.column_parallel_linear(), provider.row_parallel_linear()
+    return ModuleSpec(
+        module=MultiLatentAttention,
+        params={"attention_backend": provider.attention_backend},
+        submodules=MLASubmodules(
+            linear_q_proj=column,
+            linear_q_down_proj=column,
+            linear_q_up_proj=column,
+            linear_kv_down_proj=column,
+            linear_kv_up_proj=column,
+            linear_proj=row,
+            q_layernorm=norm,
+            kv_layernorm=norm,
+        ),
+    )
+
+
+def get_mixer_spec(mixer: str, backend="eager", *, qk_layernorm: bool = False, linear: str = "local") -> ModuleSpec:
+    """The ``self_attention`` spec of one mixer (``gdn | kda | mla | attn``) for a backend or provider."""
+    if mixer not in MIXERS:
+        raise ValueError(f"mixer must be one of {MIXERS}, got {mixer!r}")
+    provider = get_spec_provider(backend, linear=linear)
+    if mixer == "attn":
+        return _attention_spec(provider, qk_layernorm)
+    if mixer == "mla":
+        return _mla_spec(provider)
+    return _delta_mixer_spec(mixer, provider)
+
+
+def get_layer_submodules(mixer: str, backend="eager", *, qk_layernorm: bool = False,
+                         linear: str = "local") -> TransformerLayerSubmodules:
+    """Pre-norm residual layer: RMSNorm -> mixer -> residual, RMSNorm -> MLP -> residual."""
+    provider = get_spec_provider(backend, linear=linear)
+    norm = provider.layer_norm(rms_norm=True)
+    return TransformerLayerSubmodules(
+        input_layernorm=norm,
+        self_attention=get_mixer_spec(mixer, provider, qk_layernorm=qk_layernorm),
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=norm,
+        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=provider.column_parallel_linear(),
+                                                            linear_fc2=provider.row_parallel_linear())),
+        mlp_bda=get_bias_dropout_add,
+    )
+
+
+def get_layer_spec(mixer: str, backend="eager", *, qk_layernorm: bool = False, linear: str = "local") -> ModuleSpec:
+    """``ModuleSpec(TransformerLayer)`` whose ``self_attention`` is one mixer, for every layer of a model."""
+    return ModuleSpec(module=TransformerLayer,
+                      submodules=get_layer_submodules(mixer, backend, qk_layernorm=qk_layernorm, linear=linear))
+
+
+def get_hybrid_layer_spec(pattern: str, backend="eager", *, qk_layernorm: bool = False,
+                          linear: str = "local") -> ModuleSpec:
+    """``ModuleSpec(HybridLayer)`` for a repeating layer pattern such as ``"KKKM"`` or ``"GGGA"``.
+
+    Layer ``i`` (global, 1-based) gets the mixer of ``pattern[(i - 1) % len(pattern)]``, resolved when the
+    layer is built, so every pipeline / virtual-pipeline stage builds the right types.
+    """
+    validate_pattern(pattern, SYMBOLS)
+    layer_types = {symbol: get_layer_submodules(SYMBOLS[symbol], backend, qk_layernorm=qk_layernorm,
+                                                linear=linear)
+                   for symbol in sorted(set(pattern))}
+    return ModuleSpec(module=HybridLayer, params={"pattern": pattern},
+                      submodules=HybridLayerSubmodules(layer_types=layer_types))

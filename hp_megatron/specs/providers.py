@@ -1,0 +1,124 @@
+"""Backend spec providers in the shape of megatron-core's ``BackendSpecProvider``.
+
+A provider answers "which class builds this submodule": column/row-parallel linears, norms, the core
+attention of standard attention layers, plus ``mixer_backend`` — the kernel backend name our GDN/KDA
+mixers dispatch to (``layers.ops``) — and ``attention_backend`` for softmax attention.
+
+=================  ==================================  ==========  =================
+provider           linears                             mixers      softmax attention
+=================  ==================================  ==========  =================
+EagerSpecProvider  megatron-core Column/RowParallel    eager       eager (torch SDPA)
+TritonSpecProvider same, or TE linears (linear="te")   triton      eager (torch SDPA)
+AscendCSpecProvider megatron-core Column/RowParallel   ascendc     npu (fused attention)
+=================  ==================================  ==========  =================
+
+Norms are ``layers.norm.RMSNorm`` everywhere (megatron's ``WrappedTorchNorm`` refuses sequence
+parallelism). Nothing falls back silently: asking for TE linears without Transformer Engine raises.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from megatron.core.models.backends import BackendSpecProvider
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLPSubmodules
+
+from hp_megatron.specs.attention import ContextParallelDotProductAttention
+
+BACKENDS = ("eager", "triton", "ascendc")
+LINEAR_IMPLS = ("local", "te")
+
+
+def _te_linears():
+    try:
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
+        import transformer_engine  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError("Transformer Engine linears were requested (linear='te') but the package "
+                           "'transformer_engine' is not installed (pip install transformer_engine[pytorch])"
+                           ) from err
+    return TEColumnParallelLinear, TERowParallelLinear
+
+
+class _HPSpecProvider(BackendSpecProvider):
+    """Shared implementation; subclasses set ``mixer_backend`` and ``attention_backend``."""
+
+    mixer_backend = "eager"
+    attention_backend = "eager"
+
+    def __init__(self, linear: str = "local"):
+        if linear not in LINEAR_IMPLS:
+            raise ValueError(f"linear must be one of {LINEAR_IMPLS}, got {linear!r}")
+        self.linear_impl = linear
+        self._linears = _te_linears() if linear == "te" else (ColumnParallelLinear, RowParallelLinear)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(linear={self.linear_impl!r})"
+
+    # --- megatron-core BackendSpecProvider protocol ---
+    def column_parallel_linear(self) -> type:
+        return self._linears[0]
+
+    def row_parallel_linear(self) -> type:
+        return self._linears[1]
+
+    def fuse_layernorm_and_linear(self) -> bool:
+        return False
+
+    def column_parallel_layer_norm_linear(self) -> Optional[type]:
+        return None
+
+    def layer_norm(self, rms_norm: bool = True, for_qk: bool = False) -> type:
+        if not rms_norm:
+            raise ValueError("hp_megatron specs use RMSNorm; rms_norm=False (LayerNorm) is not provided")
+        from layers.norm import RMSNorm
+
+        return RMSNorm
+
+    def core_attention(self) -> type:
+        return ContextParallelDotProductAttention
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool
+                            ) -> Tuple[type, Optional[MLPSubmodules]]:
+        from megatron.core.transformer.moe.experts import SequentialMLP
+
+        if moe_use_grouped_gemm:
+            raise ValueError("grouped-GEMM experts need Transformer Engine specs; use moe_use_grouped_gemm=False")
+        return SequentialMLP, MLPSubmodules(linear_fc1=self.column_parallel_linear(),
+                                            linear_fc2=self.row_parallel_linear())
+
+    def activation_func(self) -> type:
+        return None
+
+
+class EagerSpecProvider(_HPSpecProvider):
+    """Pure PyTorch everywhere: the reference backend, runs on CPU, GPU and NPU."""
+
+    mixer_backend = "eager"
+    attention_backend = "eager"
+
+
+class TritonSpecProvider(_HPSpecProvider):
+    """flash-linear-attention Triton kernels for the mixers (NVIDIA GPU); TE linears with ``linear="te"``."""
+
+    mixer_backend = "triton"
+    attention_backend = "eager"
+
+
+class AscendCSpecProvider(_HPSpecProvider):
+    """fla-npu Ascend C kernels for the mixers and ``torch_npu`` fused attention (Ascend NPU)."""
+
+    mixer_backend = "ascendc"
+    attention_backend = "npu"
+
+
+_PROVIDERS = {"eager": EagerSpecProvider, "triton": TritonSpecProvider, "ascendc": AscendCSpecProvider}
+
+
+def get_spec_provider(backend="eager", linear: str = "local"):
+    """A provider instance from a backend name (``eager | triton | ascendc``) or a provider (returned as is)."""
+    if isinstance(backend, _HPSpecProvider):
+        return backend
+    if backend not in _PROVIDERS:
+        raise ValueError(f"backend must be one of {BACKENDS} or a spec provider, got {backend!r}")
+    return _PROVIDERS[backend](linear=linear)

@@ -1,0 +1,350 @@
+"""``MultiLatentAttention``: DeepSeek-style MLA as megatron-core's ``self_attention`` submodule, no TE.
+
+Data flow per rank (megatron layout ``[s, b, ...]``; ``s`` = tokens of this CP rank, ``/TP`` under
+sequence parallelism; THD packs documents with ``b = 1``)::
+
+    kv = linear_kv_down_proj(x) -> [c (kv_lora_rank) | k_pe (qk_pos_emb_head_dim)]
+    c  = kv_layernorm(c);  k_pe = rope(k_pe, global positions)
+    q  = linear_q_up_proj(q_layernorm(linear_q_down_proj(x)))   (or linear_q_proj(x) without q_lora_rank)
+    q  = [q_nope | rope(q_pe)]                                    per TP-local head
+    K/V = linear_kv_up_proj(c) per head, keys [k_nope | k_pe]
+    o  = causal softmax(q K^T * mscale^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim)) V
+    out, bias = linear_proj(o)
+
+Heads are split over TP (column-parallel up projections, row-parallel output). Under CP the attention
+runs through ``layers.cp.mla`` (strategies ``expanded_ulysses``, ``latent_ulysses``, ``latent``).
+Parameter names equal megatron-core's ``MLASelfAttention``; ``sharded_state_dict`` writes the latent
+norms under Transformer Engine's fused names by default (``linear_q_up_proj.layer_norm_weight``,
+``linear_kv_up_proj.layer_norm_weight``) so checkpoints interchange with megatron's TE spec.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+from layers.attention.masking import document_starts
+from layers.cp.mla import STRATEGIES, MLADims, check_strategy, expand_keys_values, mla_context_parallel, token_order
+from layers.cp.plan import check_layout
+from layers.rotary import MLARotary, apply_mla_rope, mla_softmax_scale
+
+# megatron/TE cp_comm_type names that select one of our strategies; others keep the configured strategy.
+TE_CP_COMM_TYPES = {"a2a": "expanded_ulysses", "all_gather": "latent"}
+# our parameter name -> the name megatron's TE spec (fused layer-norm linears) stores it under
+TE_NORM_NAMES = {"q_layernorm.weight": "linear_q_up_proj.layer_norm_weight",
+                 "kv_layernorm.weight": "linear_kv_up_proj.layer_norm_weight"}
+
+
+@dataclass
+class MLASelfAttentionSubmodules:
+    """Spec-swappable parts, the same fields as megatron-core's ``MLASelfAttentionSubmodules``."""
+
+    linear_q_proj: Union[ModuleSpec, type] = None
+    linear_q_down_proj: Union[ModuleSpec, type] = None
+    linear_q_up_proj: Union[ModuleSpec, type] = None
+    linear_kv_down_proj: Union[ModuleSpec, type] = None
+    linear_kv_up_proj: Union[ModuleSpec, type] = None
+    core_attention: Union[ModuleSpec, type] = None
+    linear_proj: Union[ModuleSpec, type] = None
+    q_layernorm: Union[ModuleSpec, type] = None
+    kv_layernorm: Union[ModuleSpec, type] = None
+
+
+def _process_groups(pg_collection, model_comm_pgs):
+    pgs = pg_collection if pg_collection is not None else model_comm_pgs
+    if pgs is None:
+        try:
+            from megatron.core.process_groups_config import ProcessGroupCollection as Groups
+        except ImportError:  # megatron-core 0.14
+            from megatron.core.process_groups_config import ModelCommProcessGroups as Groups
+        pgs = Groups.use_mpu_process_groups(required_pgs=["tp", "cp"])
+    return pgs.tp, getattr(pgs, "cp", None)
+
+
+def _group_size(group) -> int:
+    return 1 if group is None else group.size()
+
+
+def _spec_module(spec):
+    return spec.module if isinstance(spec, ModuleSpec) else spec
+
+
+def _mask_type_name(attn_mask_type):
+    return getattr(attn_mask_type, "name", attn_mask_type)
+
+
+class MultiLatentAttention(MegatronModule):
+    """Multi-head latent attention (self-attention, causal) with TP, SP, packed THD and CP.
+
+    Args beyond megatron's: ``cp_strategy`` (``"latent"`` default, or ``"latent_ulysses"``,
+    ``"expanded_ulysses"``; also read from ``config.mla_cp_strategy``), ``cp_layout`` (``"zigzag"``,
+    Megatron's, or ``"contiguous"``), ``rope_type`` (overrides ``config.rope_type``; ``"none"`` = NoPE as in
+    Kimi Linear), ``checkpoint_norm_names`` (``"te"`` or ``"local"`` names of the latent norms in
+    ``sharded_state_dict``). ``comm_stats`` (a ``layers.cp.accounting.CommStats`` or None) records CP bytes.
+    """
+
+    def __init__(self, config, submodules: MLASelfAttentionSubmodules, layer_number: Optional[int] = None,
+                 attn_mask_type=None, cp_comm_type: Optional[str] = None, pg_collection=None,
+                 model_comm_pgs=None, *, cp_strategy: Optional[str] = None, cp_layout: str = "zigzag",
+                 rope_type: Optional[str] = None, checkpoint_norm_names: str = "te", comm_stats=None, **kwargs):
+        super().__init__(config=config)
+        if _mask_type_name(attn_mask_type) not in (None, "causal"):
+            raise ValueError(f"MultiLatentAttention supports only causal self-attention, got attn_mask_type="
+                             f"{attn_mask_type!r}")
+        if checkpoint_norm_names not in ("te", "local"):
+            raise ValueError(f"checkpoint_norm_names must be 'te' or 'local', got {checkpoint_norm_names!r}")
+        self.layer_number = layer_number
+        self.tp_group, self.cp_group = _process_groups(pg_collection, model_comm_pgs)
+        self.tp_size = _group_size(self.tp_group)
+        self.cp_layout = check_layout(cp_layout)
+        self.cp_strategy = self._select_strategy(cp_strategy, cp_comm_type)
+        self.checkpoint_norm_names = checkpoint_norm_names
+        self.comm_stats = comm_stats
+
+        c = config
+        heads = c.num_attention_heads
+        if heads % self.tp_size:
+            raise ValueError(f"num_attention_heads={heads} must be divisible by the TP size {self.tp_size}")
+        self.dims = MLADims(heads=heads // self.tp_size, qk=c.qk_head_dim, pe=c.qk_pos_emb_head_dim,
+                            v=c.v_head_dim, kv_lora_rank=c.kv_lora_rank)
+        self.q_head_dim = c.qk_head_dim + c.qk_pos_emb_head_dim
+        self.rotary = MLARotary.from_config(c, rope_type)
+        self.softmax_scale = mla_softmax_scale(c.qk_head_dim, c.qk_pos_emb_head_dim, c.rotary_scaling_factor,
+                                               c.mscale_all_dim)
+        self.q_lora_rank = c.q_lora_rank
+
+        linear = dict(config=c, init_method=c.init_method, bias=False, skip_bias_add=False, is_expert=False)
+        if c.q_lora_rank is None:
+            self.linear_q_proj = build_module(submodules.linear_q_proj, c.hidden_size, heads * self.q_head_dim,
+                                              gather_output=False, tp_comm_buffer_name="q_proj",
+                                              tp_group=self.tp_group, **linear)
+        else:
+            self.linear_q_down_proj = build_module(submodules.linear_q_down_proj, c.hidden_size, c.q_lora_rank,
+                                                   tp_comm_buffer_name="q_down_proj",
+                                                   **self._down_kwargs(submodules.linear_q_down_proj), **linear)
+            self.linear_q_up_proj = build_module(submodules.linear_q_up_proj, c.q_lora_rank,
+                                                 heads * self.q_head_dim, gather_output=False,
+                                                 tp_comm_buffer_name="q_up_proj", tp_group=self.tp_group, **linear)
+            self.q_layernorm = build_module(submodules.q_layernorm, hidden_size=c.q_lora_rank, config=c,
+                                            eps=c.layernorm_epsilon)
+        self.linear_kv_down_proj = build_module(submodules.linear_kv_down_proj, c.hidden_size,
+                                                c.kv_lora_rank + c.qk_pos_emb_head_dim,
+                                                tp_comm_buffer_name="kv_down_proj",
+                                                **self._down_kwargs(submodules.linear_kv_down_proj), **linear)
+        self.linear_kv_up_proj = build_module(submodules.linear_kv_up_proj, c.kv_lora_rank,
+                                              heads * (c.qk_head_dim + c.v_head_dim), gather_output=False,
+                                              tp_comm_buffer_name="kv_up_proj", tp_group=self.tp_group, **linear)
+        self.kv_layernorm = build_module(submodules.kv_layernorm, hidden_size=c.kv_lora_rank, config=c,
+                                         eps=c.layernorm_epsilon)
+        self.core_attention = build_module(submodules.core_attention, config=c, layer_number=layer_number,
+                                           attn_mask_type=attn_mask_type, attention_type="self",
+                                           softmax_scale=self.softmax_scale, k_channels=self.q_head_dim,
+                                           v_channels=c.v_head_dim, cp_comm_type=cp_comm_type,
+                                           pg_collection=pg_collection)
+        self.linear_proj = build_module(submodules.linear_proj, heads * c.v_head_dim, c.hidden_size, config=c,
+                                        init_method=c.output_layer_init_method, bias=c.add_bias_linear,
+                                        input_is_parallel=True, skip_bias_add=True, is_expert=False,
+                                        tp_comm_buffer_name="proj", tp_group=self.tp_group)
+        for name in ("linear_q_up_proj", "linear_kv_up_proj"):
+            if hasattr(getattr(self, name, None), "layer_norm_weight"):
+                raise ValueError(f"{name} must be a plain column-parallel linear; fused layer-norm linears are not "
+                                 "supported (put the norm in q_layernorm/kv_layernorm)")
+        self._register_load_state_dict_pre_hook(self._accept_te_norm_names)
+
+    # -- construction helpers ---------------------------------------------------------------------------
+    def _select_strategy(self, cp_strategy, cp_comm_type) -> str:
+        if cp_strategy is None and isinstance(cp_comm_type, str):
+            cp_strategy = cp_comm_type if cp_comm_type in STRATEGIES else TE_CP_COMM_TYPES.get(cp_comm_type)
+        if cp_strategy is None:
+            cp_strategy = getattr(self.config, "mla_cp_strategy", None) or "latent"
+        return check_strategy(cp_strategy)
+
+    def _down_kwargs(self, spec) -> dict:
+        module = _spec_module(spec)
+        if isinstance(module, type) and issubclass(module, ColumnParallelLinear):
+            return {"gather_output": False, "tp_group": self.tp_group}
+        if self.tp_size > 1:
+            raise ValueError(f"with TP={self.tp_size} the latent down projections must be ColumnParallelLinear "
+                             f"(got {module!r}); replicated projections would need TP gradient reduction")
+        return {}
+
+    # -- forward ----------------------------------------------------------------------------------------
+    def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
+                attention_bias=None, packed_seq_params=None, position_ids=None, sequence_len_offset=None, *,
+                inference_params=None, **kwargs):
+        """hidden_states ``[s, b, hidden]`` -> ``(output [s, b, hidden], bias or None)``.
+
+        ``attention_mask`` is ignored (the layer is causal, as Transformer Engine's causal attention
+        ignores it); positions come from the CP layout and ``packed_seq_params`` (THD: global
+        ``cu_seqlens_q_padded`` or ``cu_seqlens_q``).
+        """
+        self._check_forward_args(hidden_states, key_value_states, inference_context, inference_params,
+                                 rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,
+                                 attention_bias, position_ids, packed_seq_params)
+        cu_seqlens = self._global_cu_seqlens(packed_seq_params)
+        cp_group = self._cp_group(packed_seq_params)
+        cp_size = _group_size(cp_group)
+        dims = self.dims
+
+        latent, rope_key = self._kv_latent(hidden_states)                # [s, b, r], [s, b, p]
+        latent, rope_key = latent.transpose(0, 1), rope_key.transpose(0, 1)
+        batch, seq = latent.shape[:2]
+        q_ids, positions = self._token_positions(batch, seq, cp_size, cp_group, cu_seqlens, latent.device)
+        cos_sin = self.rotary.cos_sin(positions)
+        rope_key = apply_mla_rope(rope_key, cos_sin, token_dim=1)
+
+        def make_query():
+            return self._query(hidden_states, cos_sin)
+
+        kv_weight = self.linear_kv_up_proj.weight
+        if cp_size == 1:
+            query = make_query()
+            key, value = expand_keys_values(latent, rope_key, kv_weight, dims, dims.heads)
+            out = self.core_attention(query, key, value, q_ids=None, cu_seqlens=cu_seqlens)
+        else:
+            payload = torch.cat((latent, rope_key), dim=-1)
+            out = mla_context_parallel(self.cp_strategy, kv_payload=payload, make_query=make_query,
+                                       kv_weight=kv_weight, dims=dims, attention=self.core_attention,
+                                       group=cp_group, layout=self.cp_layout, cu_seqlens=cu_seqlens,
+                                       stats=self.comm_stats)
+        out = out.reshape(batch, seq, dims.heads * dims.v).transpose(0, 1).contiguous()
+        return self.linear_proj(out)
+
+    def _check_forward_args(self, hidden_states, key_value_states, inference_context, inference_params,
+                            rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, attention_bias,
+                            position_ids, packed_seq_params):
+        if hidden_states.dim() != 3:
+            raise ValueError(f"hidden_states must be [s, b, hidden], got shape {tuple(hidden_states.shape)}")
+        if inference_context is not None or inference_params is not None:
+            raise ValueError("MultiLatentAttention does not support inference contexts (KV caches); "
+                             "got inference_context/inference_params")
+        if key_value_states is not None:
+            raise ValueError("MultiLatentAttention is self-attention only; key_value_states must be None")
+        if rotary_pos_emb is not None or rotary_pos_cos is not None or rotary_pos_sin is not None or \
+                rotary_pos_cos_sin is not None:
+            raise ValueError("MultiLatentAttention applies its own rotary embedding; rotary_pos_emb/cos/sin must "
+                             "be None (megatron's GPTModel skips RoPE when config.multi_latent_attention)")
+        if attention_bias is not None:
+            raise ValueError("MultiLatentAttention does not support attention_bias")
+        if position_ids is not None:
+            raise ValueError("MultiLatentAttention derives positions from the CP layout and packed_seq_params; "
+                             "explicit position_ids are not supported")
+        if packed_seq_params is not None and getattr(packed_seq_params, "local_cp_size", None) is not None \
+                and packed_seq_params.cp_group is None:
+            raise ValueError("packed_seq_params.local_cp_size is set without packed_seq_params.cp_group")
+
+    def _cp_group(self, packed_seq_params):
+        group = getattr(packed_seq_params, "cp_group", None) if packed_seq_params is not None else None
+        return group if group is not None else self.cp_group
+
+    @staticmethod
+    def _global_cu_seqlens(packed_seq_params):
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            return None
+        cu = packed_seq_params.cu_seqlens_q_padded
+        if cu is None:
+            cu = packed_seq_params.cu_seqlens_q
+        if cu is None:
+            raise ValueError("packed_seq_params.qkv_format == 'thd' needs cu_seqlens_q (or cu_seqlens_q_padded)")
+        kv = packed_seq_params.cu_seqlens_kv_padded
+        if kv is None:
+            kv = packed_seq_params.cu_seqlens_kv
+        cu = cu.detach().to("cpu", torch.int64)
+        if kv is not None and not torch.equal(kv.detach().to("cpu", torch.int64), cu):
+            raise ValueError("self-attention needs identical query and key document boundaries; "
+                             f"cu_seqlens_q={cu.tolist()} cu_seqlens_kv={kv.tolist()}")
+        return cu
+
+    def _token_positions(self, batch, seq, cp_size, cp_group, cu_seqlens, device):
+        """Global ids (CPU int64 [seq]) and rotary positions ([seq] on device) of the local tokens."""
+        total = seq * cp_size
+        if cu_seqlens is not None:
+            if batch != 1:
+                raise ValueError(f"packed THD input needs batch 1 (hidden_states [t, 1, h]), got batch {batch}")
+            if int(cu_seqlens[-1]) != total:
+                raise ValueError(f"cu_seqlens[-1]={int(cu_seqlens[-1])} must equal the global packed token count "
+                                 f"{total} (local tokens {seq} x CP {cp_size})")
+        if cp_size == 1:
+            ids = torch.arange(seq)
+        else:
+            ids = token_order(cp_size, cp_group.rank(), self.cp_layout, total, cu_seqlens).local_ids
+        positions = ids - document_starts(ids, cu_seqlens) if cu_seqlens is not None else ids
+        return ids, positions.to(device)
+
+    def _kv_latent(self, hidden_states):
+        """-> normalized latent [s, b, r] and un-rotated shared key [s, b, p], full local sequence, with
+        gradients that are complete over TP (every TP rank's heads contribute)."""
+        r, p = self.dims.kv_lora_rank, self.dims.pe
+        kv, _ = self.linear_kv_down_proj(hidden_states)
+        kv = self._gather_columns(kv, r + p)
+        latent, rope_key = torch.split(kv, [r, p], dim=-1)
+        sp = self.config.sequence_parallel and self.tp_size > 1
+        if sp:
+            latent = scatter_to_sequence_parallel_region(latent, group=self.tp_group)
+        latent = self.kv_layernorm(latent)
+        if sp:
+            latent = gather_from_sequence_parallel_region(latent, group=self.tp_group)
+        elif self.tp_size > 1:
+            latent = copy_to_tensor_model_parallel_region(latent, group=self.tp_group)
+        if self.tp_size > 1:
+            rope_key = copy_to_tensor_model_parallel_region(rope_key, group=self.tp_group)
+        return latent, rope_key
+
+    def _gather_columns(self, x, width):
+        if x.shape[-1] == width:
+            return x
+        if x.shape[-1] * self.tp_size != width:
+            raise ValueError(f"down projection output width {x.shape[-1]} is neither {width} nor {width} / TP")
+        return gather_from_tensor_model_parallel_region(x, group=self.tp_group)
+
+    def _query(self, hidden_states, cos_sin):
+        """-> rotated queries [b, s, heads, qk + pe] of the local tokens for the TP-local heads."""
+        if self.q_lora_rank is None:
+            q, _ = self.linear_q_proj(hidden_states)
+        else:
+            qc, _ = self.linear_q_down_proj(hidden_states)
+            qc = self._gather_columns(qc, self.q_lora_rank)
+            if self.config.sequence_parallel and self.tp_size > 1:
+                qc = scatter_to_sequence_parallel_region(qc, group=self.tp_group)
+            q, _ = self.linear_q_up_proj(self.q_layernorm(qc))
+        q = q.view(q.shape[0], q.shape[1], self.dims.heads, self.q_head_dim).transpose(0, 1)
+        q_nope, q_pe = q.split((self.dims.qk, self.dims.pe), dim=-1)
+        return torch.cat((q_nope, apply_mla_rope(q_pe, cos_sin, token_dim=1)), dim=-1)
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """megatron dist_checkpointing state: TP-sharded projections (replicated over CP); the latent norms
+        under TE's fused names when ``checkpoint_norm_names == "te"``."""
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.checkpoint_norm_names != "te":
+            return sharded
+        renamed = {}
+        for key, value in sharded.items():
+            local = key[len(prefix):] if key.startswith(prefix) else key
+            if local in TE_NORM_NAMES:
+                new_key = prefix + TE_NORM_NAMES[local]
+                if hasattr(value, "key"):
+                    value.key = value.key[: len(value.key) - len(local)] + TE_NORM_NAMES[local]
+                renamed[new_key] = value
+            else:
+                renamed[key] = value
+        return renamed
+
+    def _accept_te_norm_names(self, state_dict, prefix, *args, **kwargs):
+        for ours, te in TE_NORM_NAMES.items():
+            if prefix + te in state_dict and prefix + ours not in state_dict:
+                state_dict[prefix + ours] = state_dict.pop(prefix + te)
+
+
+__all__ = ["MultiLatentAttention", "MLASelfAttentionSubmodules", "TE_CP_COMM_TYPES", "TE_NORM_NAMES"]

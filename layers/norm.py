@@ -1,0 +1,93 @@
+"""RMS norms with megatron-core's norm constructor signature ``(config, hidden_size, eps)``.
+
+megatron-core builds norms as ``build_module(spec, config=..., hidden_size=..., eps=...)``; its
+``WrappedTorchNorm`` refuses sequence parallelism, and Transformer Engine's norms need TE. These run anywhere.
+
+* :class:`RMSNorm` normalizes hidden states; it marks its weight ``sequence_parallel`` so megatron's grad
+  finalization all-reduces the weight gradient over the TP group when the norm runs on sequence-parallel shards.
+* :class:`GatedRMSNorm` is the output norm of GDN (SiLU gate, Qwen3-Next) and KDA (sigmoid gate, Kimi Linear):
+  ``rmsnorm(x) * weight * act(gate)``, all in fp32, result in x's dtype.
+
+With ``config.layernorm_zero_centered_gamma`` the weight is stored as ``gamma - 1`` (initialized to zeros).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GATE_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "sigmoid": torch.sigmoid}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2, -1) + eps)``, statistics in fp32, result in x's dtype."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   activation: str = "silu") -> torch.Tensor:
+    """``rmsnorm(x) * weight * act(gate)`` over the last dim, computed in fp32, returned in x's dtype."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.float() * GATE_ACTIVATIONS[activation](gate.float())).to(x.dtype)
+
+
+def _norm_weight(config, hidden_size) -> nn.Parameter:
+    if hidden_size is None or isinstance(hidden_size, bool) or int(hidden_size) <= 0:
+        raise ValueError(f"a norm needs a positive hidden_size, got {hidden_size!r}")
+    dtype = getattr(config, "params_dtype", torch.float32) if config is not None else torch.float32
+    device = "cpu"
+    if config is not None and not getattr(config, "use_cpu_initialization", True) and torch.cuda.is_available():
+        device = torch.cuda.current_device()
+    zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+    init = torch.zeros if zero_centered else torch.ones
+    return nn.Parameter(init(int(hidden_size), dtype=dtype, device=device))
+
+
+class RMSNorm(nn.Module):
+    """RMS normalization over the last dimension (``[..., hidden_size]``)."""
+
+    def __init__(self, config=None, hidden_size: int | None = None, eps: float = 1e-5, **kwargs):
+        super().__init__()
+        self.eps = float(eps)
+        self.zero_centered_gamma = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+        self.weight = _norm_weight(config, hidden_size)
+        sequence_parallel = bool(getattr(config, "sequence_parallel", False)) if config is not None else False
+        setattr(self.weight, "sequence_parallel", sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+        return rms_norm(x, weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class GatedRMSNorm(nn.Module):
+    """``forward(x, gate)``: ``rmsnorm(x) * weight * act(gate)`` per head, fp32 math (x, gate ``[..., hidden_size]``).
+
+    ``activation`` is ``"silu"`` (GDN / Qwen3-Next ``RMSNormGated``) or ``"sigmoid"`` (KDA / Kimi Linear
+    ``o_norm``). The weight is shared by all heads, so with heads split over tensor parallelism its gradient is
+    partial on every rank; the mixer that owns this norm completes it (see ``layers.delta_mixer``).
+    """
+
+    def __init__(self, config=None, hidden_size: int | None = None, eps: float = 1e-5, activation: str = "silu",
+                 **kwargs):
+        super().__init__()
+        if activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(GATE_ACTIVATIONS)}, got {activation!r}")
+        self.eps = float(eps)
+        self.activation = activation
+        self.zero_centered_gamma = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+        self.weight = _norm_weight(config, hidden_size)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if x.shape != gate.shape:
+            raise ValueError(f"gate must have the shape of x {tuple(x.shape)}, got {tuple(gate.shape)}")
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+        return gated_rms_norm(x, gate, weight, self.eps, self.activation)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, activation={self.activation}"

@@ -1,0 +1,96 @@
+"""The triton backend: flash-linear-attention 0.6's fused kernels behind the ``layers.ops`` contract.
+
+Inputs arrive validated by ``layers/ops/delta_rule.py`` / ``layers/ops/conv.py``; this module only maps the
+contract onto FLA's public ops (keywords only), moves packed boundaries to the GPU, and converts the conv
+history ``[N, W-1, D]`` into FLA's cache layout ``[N, D, W]``. Autograd is FLA's (gradients for q, k, v, g,
+beta, A_log, dt_bias, the initial state, conv weight/bias/history). CP runs through the generic engine
+(``layers/cp/state_parallel.py``), which calls these ops for summaries (values ``[v | 0]``, fp32 initial state
+``[0 | I]``) and for the local pass; FLA tiles V, so the V+K wide summary pass is supported (K <= 256).
+"""
+from __future__ import annotations
+
+import torch
+
+from layers.ops.triton.runtime import (check_device_available, check_tensor_device, device_cu_seqlens,
+                                       gdn_backward_blocker, load_fla)
+
+
+def check_available() -> None:
+    """RuntimeError naming flash-linear-attention / triton / the GPU when the backend cannot run here."""
+    load_fla()
+    check_device_available()
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _common(q, k, v, g, beta, initial_state, cu_seqlens):
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        check_tensor_device(name, x)
+    if q.shape[-1] > 256:
+        raise ValueError(f"backend='triton': flash-linear-attention supports head dim K <= 256, got K={q.shape[-1]}")
+    state = None if initial_state is None else initial_state.float()  # FLA KDA asserts fp32; GDN keeps fp32 too
+    cu, cu_cpu = device_cu_seqlens(cu_seqlens, q.device)
+    return state, cu, cu_cpu
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state,
+                           use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log,
+                           dt_bias, cu_seqlens):
+    """GDN through ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` -> ``(o [B,T,HV,V], final [N,HV,K,V] fp32)``."""
+    fla = load_fla()
+    state, cu, cu_cpu = _common(q, k, v, g, beta, initial_state, cu_seqlens)
+    if _needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
+        reason = gdn_backward_blocker(q.device)
+        if reason is not None:
+            raise RuntimeError(reason)
+    gate = {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias} if use_gate_in_kernel else {}
+    return fla.chunk_gated_delta_rule(
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, **gate)
+
+
+def chunk_kda(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+              use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias, cu_seqlens, lower_bound=None,
+              safe_gate=False):
+    """KDA through ``fla.ops.kda.chunk_kda`` -> ``(o [B,T,HV,V], final [N,HV,K,V] fp32)``."""
+    fla = load_fla()
+    state, cu, cu_cpu = _common(q, k, v, g, beta, initial_state, cu_seqlens)
+    gate = {"A_log": A_log, "dt_bias": dt_bias} if use_gate_in_kernel else {}
+    return fla.chunk_kda(
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, safe_gate=safe_gate, lower_bound=lower_bound,
+        cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, **gate)
+
+
+def delta_rule_final_state(kind, k, v, g, beta, *, initial_state, cu_seqlens, safe_gate=False, **kw):
+    """Final states only, for the CP engine's segment summaries (FLA always computes o too; it is dropped)."""
+    op = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
+    extra = {"safe_gate": safe_gate} if kind == "kda" else {}
+    _, final = op(k, k, v, g, beta, scale=1.0, initial_state=initial_state, output_final_state=True,
+                  cu_seqlens=cu_seqlens, **extra, **kw)
+    return final
+
+
+def history_to_fla_cache(history: torch.Tensor) -> torch.Tensor:
+    """``[N, W-1, D]`` (oldest token first) -> FLA's conv cache ``[N, D, W]``: slot 0 unused, slots 1..W-1 hold
+    the W-1 previous tokens in order (FLA reads token t-j, j=1..W-1, from slot W-j). Differentiable."""
+    N, _, D = history.shape
+    padded = torch.cat([history.new_zeros(N, 1, D), history], dim=1)
+    return padded.transpose(1, 2).contiguous()
+
+
+def causal_conv1d(x, weight, *, bias, activation, cu_seqlens, history):
+    """Depthwise causal conv through ``fla.modules.causal_conv1d.causal_conv1d`` (Triton) -> y ``[B,T,D]``."""
+    fla = load_fla()
+    check_tensor_device("x", x)
+    cu, cu_cpu = device_cu_seqlens(cu_seqlens, x.device)
+    cache = None
+    if history is not None and history.shape[1] > 0:
+        cache = history_to_fla_cache(history)
+    y, _ = fla.causal_conv1d(x=x, weight=weight, bias=bias, initial_state=cache, output_final_state=False,
+                             activation=activation, backend="triton", cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    return y

@@ -1,0 +1,168 @@
+"""Lazy loading and capability checks for flash-linear-attention (FLA) 0.6 on NVIDIA GPUs.
+
+Nothing here imports ``fla`` or ``triton`` at module import time; :func:`load_fla` does it once, checks
+versions and the keyword signatures this backend relies on, and raises ``RuntimeError`` naming what is
+missing. FLA's own constraints that matter to callers (checked in the FLA 0.6.0 wheel source):
+
+- q, k, v, g, beta token-major ``[B, T, heads, dim]``; head dim K <= 256; V any width (tiled by the kernels);
+- KDA ``initial_state`` must be float32 (asserted by FLA); GDN accepts any float state;
+- ``cu_seqlens`` must live on the GPU (the kernels index it); a CPU copy avoids host syncs;
+- GDN backward on Hopper (sm90) with triton 3.4 <= version < 3.7.1 gives wrong gradients (FLA issue #640) and
+  FLA raises inside backward unless the tilelang backend is installed; we raise before the forward instead.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+import torch
+
+PACKAGES = "flash-linear-attention>=0.6.0 (fla-core) and triton>=3.7.1"
+INSTALL_HINT = "pip install 'hp-megatron[triton]'  (flash-linear-attention>=0.6.0, fla-core>=0.6.0, triton>=3.7.1)"
+MIN_FLA = (0, 6, 0)
+MIN_TRITON = (3, 3, 0)  # FLA 0.6's own floor; 3.7.1 is required for GDN backward on Hopper (see module doc)
+SAFE_TRITON_HOPPER_GDN_BWD = (3, 7, 1)
+
+# Keywords this backend passes; a renamed/removed one in a future FLA must fail loudly, not silently.
+_REQUIRED_KEYWORDS = {
+    "chunk_gated_delta_rule": ("q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
+                               "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "cu_seqlens",
+                               "cu_seqlens_cpu"),
+    "chunk_kda": ("q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
+                  "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "safe_gate",
+                  "lower_bound", "cu_seqlens", "cu_seqlens_cpu"),
+    "causal_conv1d": ("x", "weight", "bias", "initial_state", "output_final_state", "activation", "backend",
+                      "cu_seqlens", "cu_seqlens_cpu"),
+}
+# Passed through **kwargs in FLA 0.6 (not visible in the signature): use_gate_in_kernel/A_log/dt_bias for
+# GDN, A_log/dt_bias for KDA. Both functions must therefore accept **kwargs.
+_NEEDS_VAR_KEYWORD = ("chunk_gated_delta_rule", "chunk_kda")
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def _fmt(version: tuple[int, ...]) -> str:
+    return ".".join(str(x) for x in version)
+
+
+@dataclass(frozen=True)
+class FLA:
+    """The three FLA entry points this backend calls, plus the versions found."""
+    chunk_gated_delta_rule: Callable
+    chunk_kda: Callable
+    causal_conv1d: Callable
+    fla_version: tuple[int, ...]
+    triton_version: tuple[int, ...]
+
+
+def _check_signature(name: str, fn: Callable) -> None:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError) as error:
+        raise RuntimeError(f"backend='triton': flash-linear-attention's {name} has no inspectable signature; "
+                           f"need {PACKAGES}") from error
+    missing = [p for p in _REQUIRED_KEYWORDS[name] if p not in params]
+    if missing:
+        raise RuntimeError(f"backend='triton': flash-linear-attention's {name} lacks keyword(s) {missing}; "
+                           f"need {PACKAGES}")
+    if name in _NEEDS_VAR_KEYWORD and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        raise RuntimeError(f"backend='triton': flash-linear-attention's {name} no longer takes **kwargs "
+                           f"(A_log/dt_bias/use_gate_in_kernel); need {PACKAGES}")
+
+
+@lru_cache(maxsize=1)
+def load_fla() -> FLA:
+    """Import FLA's public ops once; RuntimeError naming the missing package or version otherwise."""
+    if importlib.util.find_spec("triton") is None:
+        raise RuntimeError(f"backend='triton' requires triton, which is not installed; need {PACKAGES}. "
+                           f"Install: {INSTALL_HINT}")
+    import triton
+
+    triton_version = _version_tuple(triton.__version__)
+    if triton_version < MIN_TRITON:
+        raise RuntimeError(f"backend='triton' found triton {triton.__version__}, too old; need {PACKAGES}. "
+                           f"Install: {INSTALL_HINT}")
+    try:
+        fla = importlib.import_module("fla")
+    except ImportError as error:
+        raise RuntimeError(f"backend='triton' requires flash-linear-attention (package 'fla'), which is not "
+                           f"importable ({error}); need {PACKAGES}. Install: {INSTALL_HINT}") from error
+    fla_version = _version_tuple(getattr(fla, "__version__", "0"))
+    if fla_version < MIN_FLA:
+        raise RuntimeError(f"backend='triton' found flash-linear-attention {getattr(fla, '__version__', '?')}, "
+                           f"too old; need {PACKAGES}. Install: {INSTALL_HINT}")
+    try:
+        gdn = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+        kda = importlib.import_module("fla.ops.kda").chunk_kda
+        conv = importlib.import_module("fla.modules.causal_conv1d").causal_conv1d
+    except (ImportError, AttributeError) as error:
+        raise RuntimeError(f"backend='triton': flash-linear-attention {_fmt(fla_version)} does not expose "
+                           f"chunk_gated_delta_rule / chunk_kda / causal_conv1d ({error}); need {PACKAGES}") from error
+    for name, fn in (("chunk_gated_delta_rule", gdn), ("chunk_kda", kda), ("causal_conv1d", conv)):
+        _check_signature(name, fn)
+    return FLA(gdn, kda, conv, fla_version, triton_version)
+
+
+def check_device_available() -> None:
+    """RuntimeError unless an NVIDIA GPU is visible (FLA's Triton kernels have no CPU path)."""
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        raise RuntimeError("backend='triton' runs flash-linear-attention's Triton kernels and needs an NVIDIA "
+                           "GPU (torch.cuda.is_available() is False or this is not a CUDA build of torch)")
+
+
+def check_tensor_device(name: str, x: torch.Tensor) -> None:
+    if x.device.type != "cuda":
+        raise ValueError(f"backend='triton' needs CUDA tensors; {name} is on {x.device}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"backend='triton' supports float32/float16/bfloat16 inputs; {name} has {x.dtype}")
+
+
+def _tilelang_installed() -> bool:
+    return importlib.util.find_spec("tilelang") is not None
+
+
+def gdn_backward_blocker(device: torch.device) -> str | None:
+    """Why FLA cannot differentiate GDN on ``device`` with this triton, or None when it can.
+
+    FLA 0.6 raises in ``chunk_bwd_dqkwg`` on Hopper with 3.4.0 <= triton < 3.7.1 (wrong gradients, FLA #640)
+    unless its tilelang backend is installed.
+    """
+    version = load_fla().triton_version
+    if version >= SAFE_TRITON_HOPPER_GDN_BWD or version < (3, 4, 0) or _tilelang_installed():
+        return None
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return None
+    return (f"backend='triton': GDN backward on Hopper ({torch.cuda.get_device_name(device)}) needs "
+            f"triton>=3.7.1, found triton {_fmt(version)} (flash-linear-attention issue #640: wrong gradients "
+            f"with triton 3.4-3.7.0). Install triton>=3.7.1 (or tilelang), or run GDN forward without grad")
+
+
+_CU_CACHE: dict = {}
+
+
+def device_cu_seqlens(cu_seqlens: torch.Tensor | None, device: torch.device):
+    """``(cu on device, cu on CPU)`` for FLA. The CPU copy lets FLA build chunk indices without a sync.
+
+    Device copies are cached per CPU tensor (identity and version), so a plan's boundaries are uploaded once.
+    """
+    if cu_seqlens is None:
+        return None, None
+    key = (id(cu_seqlens), cu_seqlens._version, str(device))
+    hit = _CU_CACHE.get(key)
+    if hit is not None and hit[0] is cu_seqlens:
+        return hit[1], cu_seqlens
+    on_device = cu_seqlens.to(device=device, dtype=torch.int64, non_blocking=True)
+    if len(_CU_CACHE) >= 32:
+        _CU_CACHE.clear()
+    _CU_CACHE[key] = (cu_seqlens, on_device)
+    return on_device, cu_seqlens

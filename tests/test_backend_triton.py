@@ -1,0 +1,334 @@
+"""backend="triton" (flash-linear-attention kernels) against backend="eager", on an NVIDIA GPU.
+
+GPU-only tests skip cleanly without CUDA or FLA (two CPU tests check the error and the conv-cache layout).
+Each case runs the triton op on bf16 inputs and the eager op on fp32 copies of the same values (on the same
+GPU), and compares outputs, final states and every input gradient by relative L2 error <= 2e-2 (DESIGN.md
+section 4, bf16 kernels). CP: every method of the CP engine with P=4 gloo processes sharing the one GPU;
+each rank compares its CP run (triton) with the single-rank eager run of the same global problem.
+
+Shapes keep FLA's compile-time constants (H, K, V and the feature flags) to a few sets, because the first
+call with new constants autotunes for minutes; see benchmarks/gpu_check.sh.
+"""
+from __future__ import annotations
+
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist import rel_err, run_distributed
+from layers.ops import causal_conv1d, chunk_gated_delta_rule, chunk_kda
+from layers.ops.backends import get_backend
+from reference import make_problem
+
+OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}
+TOL = 2e-2
+CP_WORLD = 4
+
+
+def _unavailable_reason():
+    try:
+        get_backend("triton")
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+REASON = _unavailable_reason()
+needs_gpu = pytest.mark.skipif(REASON is not None, reason=f"triton backend unavailable: {REASON}")
+
+
+def _gdn_grad_blocker():
+    if REASON is not None:
+        return None
+    from layers.ops.triton.runtime import gdn_backward_blocker
+
+    return gdn_backward_blocker(torch.device("cuda", torch.cuda.current_device()))
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _to(tensors, device, dtype):
+    """Leaf copies on ``device``: q/k/v/g/beta in ``dtype``, states and gate parameters in fp32."""
+    out = {}
+    for name, x in tensors.items():
+        target = torch.float32 if name in ("initial_state", "A_log", "dt_bias") else dtype
+        out[name] = x.detach().to(device=device, dtype=target).requires_grad_()
+    return out
+
+
+def _run(kind, backend, tensors, flags, do, dS, **extra):
+    """Run an op, backprop ``<o, do> + <S, dS>``; returns (o, S, grads) in fp32 on CPU."""
+    o, S = OPS[kind](**tensors, **flags, output_final_state=True, backend=backend, **extra)
+    loss = (o.float() * do).sum() + (S.float() * dS).sum()
+    names = list(tensors)
+    grads = torch.autograd.grad(loss, [tensors[n] for n in names], allow_unused=True)
+    return (o.detach().float().cpu(), S.detach().float().cpu(),
+            {n: None if g is None else g.float().cpu() for n, g in zip(names, grads)})
+
+
+def compare_single_rank(kind, problem, device, backend="triton", dtype=torch.bfloat16, safe_gate=False):
+    """Relative errors of ``backend`` (``dtype`` inputs) against eager (fp32 copies of the same values)."""
+    tensors, flags = make_problem(kind, **problem)
+    extra = {"safe_gate": safe_gate} if kind == "kda" else {}
+    low = _to(tensors, device, dtype)
+    ref = {n: x.detach().float().requires_grad_() for n, x in low.items()}
+    gen = torch.Generator().manual_seed(7)
+    B, T, HV, V = tensors["v"].shape
+    N = B if flags.get("cu_seqlens") is None else flags["cu_seqlens"].numel() - 1
+    K = tensors["q"].shape[-1]
+    do = torch.randn(B, T, HV, V, generator=gen).to(device)
+    dS = torch.randn(N, HV, K, V, generator=gen).to(device)
+    o, S, grads = _run(kind, backend, low, flags, do, dS, **extra)
+    o_ref, S_ref, grads_ref = _run(kind, "eager", ref, flags, do, dS, **extra)
+    errs = {"o": rel_err(o, o_ref), "final_state": rel_err(S, S_ref)}
+    for name in grads:
+        errs[f"d{name}"] = rel_err(grads[name], grads_ref[name])
+    return errs
+
+
+# Layer-like flags (FLA's GatedDeltaNet / KimiDeltaAttention) at the benchmark's H, K, V: shares compiled kernels
+# with benchmarks/gpu_layers.py. "variants" covers GVA, packed documents, h0/final-state gradients, outside gates.
+SINGLE_CASES = {
+    "gdn": {
+        "layer_flags": dict(B=2, T=200, H=16, HV=16, K=128, V=128, l2norm_in_kernel=True, beta_sigmoid=True,
+                            gate_in_kernel=True),
+        "variants": dict(B=1, T=300, H=4, HV=8, K=64, V=64, cu_seqlens=[0, 1, 130, 260, 300],
+                         initial_state=True),
+    },
+    "kda": {
+        "layer_flags": dict(B=2, T=200, H=16, HV=16, K=128, V=128, l2norm_in_kernel=True, beta_sigmoid=True,
+                            gate_in_kernel=True, lower_bound=-5.0),
+        "variants": dict(B=1, T=300, H=4, HV=8, K=64, V=64, cu_seqlens=[0, 1, 130, 260, 300],
+                         initial_state=True),
+    },
+}
+SINGLE_PARAMS = [pytest.param(kind, name, id=f"{kind}-{name}") for kind in SINGLE_CASES for name in SINGLE_CASES[kind]]
+
+
+# ------------------------------------------------------------------------------------------- CPU checks
+@pytest.mark.skipif(REASON is None, reason="flash-linear-attention and a GPU are present")
+def test_missing_backend_names_packages():
+    with pytest.raises(RuntimeError) as info:
+        chunk_gated_delta_rule(*(torch.zeros(1, 4, 1, 8) for _ in range(3)), torch.zeros(1, 4, 1),
+                               torch.ones(1, 4, 1), backend="triton")
+    message = str(info.value)
+    assert "triton" in message and ("flash-linear-attention" in message or "GPU" in message)
+
+
+def test_history_to_fla_cache_layout():
+    """FLA reads token t-j (j = 1..W-1) of the history from cache slot W-j; slot 0 is unused."""
+    from layers.ops.triton.backend import history_to_fla_cache
+
+    N, W, D = 2, 4, 3
+    history = torch.arange(N * (W - 1) * D, dtype=torch.float32).reshape(N, W - 1, D)  # oldest token first
+    cache = history_to_fla_cache(history)
+    assert cache.shape == (N, D, W) and cache.is_contiguous()
+    assert torch.equal(cache[:, :, 0], torch.zeros(N, D))
+    for j in range(1, W):  # token t-j is history[:, W-1-j]
+        assert torch.equal(cache[:, :, W - j], history[:, W - 1 - j])
+
+
+# ------------------------------------------------------------------------------------------ single rank
+@needs_gpu
+def test_gdn_backward_guard_on_old_triton_hopper():
+    """Where FLA would give wrong GDN gradients (Hopper, triton < 3.7.1), the op refuses up front."""
+    reason = _gdn_grad_blocker()
+    if reason is None:
+        pytest.skip("this GPU/triton combination supports GDN backward")
+    tensors, flags = make_problem("gdn", **SINGLE_CASES["gdn"]["layer_flags"])
+    low = _to(tensors, "cuda", torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"triton>=3\.7\.1"):
+        chunk_gated_delta_rule(**low, **flags, backend="triton")
+    with torch.no_grad():  # forward alone is fine and matches eager
+        o, _ = chunk_gated_delta_rule(**low, **flags, backend="triton")
+        o_ref, _ = chunk_gated_delta_rule(**{n: x.float() for n, x in low.items()}, **flags, backend="eager")
+    assert rel_err(o.float(), o_ref) <= TOL
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind,case", SINGLE_PARAMS)
+def test_single_rank_matches_eager(kind, case):
+    if kind == "gdn" and _gdn_grad_blocker():
+        pytest.skip(_gdn_grad_blocker())
+    problem = SINGLE_CASES[kind][case]
+    safe_gate = problem.get("lower_bound") is not None  # FLA's tensor-core path for bounded gates
+    errs = compare_single_rank(kind, problem, "cuda", safe_gate=safe_gate)
+    assert all(e <= TOL for e in errs.values()), errs
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", ["silu_batch", "packed_history_bias"])
+def test_conv_matches_eager(case):
+    gen = torch.Generator().manual_seed(3)
+    if case == "silu_batch":
+        B, T, D, W, cu, with_hist, with_bias = 2, 200, 256, 4, None, False, False
+    else:
+        B, T, D, W, cu, with_hist, with_bias = 1, 300, 256, 4, torch.tensor([0, 2, 130, 300]), True, True
+    N = B if cu is None else cu.numel() - 1
+    raw = {"x": torch.randn(B, T, D, generator=gen), "weight": torch.randn(D, W, generator=gen) / W}
+    if with_bias:
+        raw["bias"] = torch.randn(D, generator=gen)
+    if with_hist:
+        raw["history"] = torch.randn(N, W - 1, D, generator=gen)
+    dy = torch.randn(B, T, D, generator=gen).cuda()
+    results = {}
+    for backend, dtype in (("triton", torch.bfloat16), ("eager", torch.float32)):
+        leaves = {n: x.to("cuda", dtype if n in ("x", "history") else torch.float32).requires_grad_()
+                  for n, x in raw.items()}
+        if backend == "eager":  # the same bf16-rounded values in fp32
+            leaves = {n: x.detach().to(torch.bfloat16 if n in ("x", "history") else x.dtype).float()
+                      .requires_grad_() for n, x in leaves.items()}
+        y = causal_conv1d(leaves["x"], leaves["weight"], bias=leaves.get("bias"), activation="silu",
+                          cu_seqlens=cu, history=leaves.get("history"), backend=backend)
+        grads = torch.autograd.grad((y.float() * dy).sum(), list(leaves.values()))
+        results[backend] = (y.float(), dict(zip(leaves, grads)))
+    (y, g), (y_ref, g_ref) = results["triton"], results["eager"]
+    errs = {"y": rel_err(y, y_ref), **{f"d{n}": rel_err(g[n], g_ref[n]) for n in g}}
+    assert all(e <= TOL for e in errs.values()), errs
+
+
+# ------------------------------------------------------------------------------------------- CP (gloo)
+# Methods of the CP engine; hybrid = Ulysses(2) x p2p. P=4, H=4 and HV=8 (GVA) so Ulysses divides the heads.
+CP_METHODS = [
+    ("p2p", {}), ("allgather", {}), ("grouped_allgather_p2p", {"group_size": 2}), ("recursive_doubling", {}),
+    ("ulysses", {}), ("hybrid_ulysses2_p2p", {"ulysses_degree": 2}),
+]
+# (name, layout, B, T, global cu_seqlens); zigzag THD documents are multiples of 2P = 8 tokens.
+CP_LAYOUTS = [
+    ("zigzag_bshd", "zigzag", 2, 512, None),
+    ("zigzag_thd", "zigzag", 1, 512, [0, 128, 384, 512]),
+    ("contiguous_thd", "contiguous", 1, 512, [0, 100, 420, 512]),
+]
+CP_PROBLEM = dict(H=4, HV=8, K=64, V=64, l2norm_in_kernel=True, beta_sigmoid=True, gate_in_kernel=True)
+
+
+def _cp_cases():
+    cases = []
+    for kind in ("gdn", "kda"):
+        for method, opts in CP_METHODS:
+            cases.append((kind, "zigzag_bshd", method, opts))
+        for layout_name, *_ in CP_LAYOUTS[1:]:
+            cases.append((kind, layout_name, "allgather", {}))
+            cases.append((kind, layout_name, "p2p", {}))
+    return cases
+
+
+def _global_problem(kind, layout_name, seed):
+    _, layout, B, T, cu = next(c for c in CP_LAYOUTS if c[0] == layout_name)
+    problem = dict(CP_PROBLEM, B=B, T=T, cu_seqlens=cu, seed=seed)
+    if kind == "kda":
+        problem["lower_bound"] = -5.0
+    tensors, flags = make_problem(kind, **problem)
+    flags.pop("cu_seqlens", None)
+    return layout, tensors, flags, (None if cu is None else torch.tensor(cu, dtype=torch.int64))
+
+
+def _allreduce_cpu(x):
+    x = x.detach().float().cpu().contiguous()
+    dist.all_reduce(x)
+    return x
+
+
+def cp_case(rank, world, kind, layout_name, method, opts, backend, device, dtype, seed=11):
+    """One CP case on every rank: CP(backend) vs single-rank eager; returns rel errors (same on all ranks)."""
+    from layers.cp import build_cp_context, shard, unshard
+
+    layout, tensors, flags, cu = _global_problem(kind, layout_name, seed)
+    extra = {"safe_gate": True} if kind == "kda" else {}
+    method_name = "p2p" if method.startswith("hybrid") else method
+    ctx = build_cp_context(None, method=method_name, layout=layout, cu_seqlens=cu, **opts)
+    # Reference: the whole problem on this rank, eager fp32 (values rounded to dtype first).
+    low = _to(tensors, device, dtype)
+    ref = {n: x.detach().float().requires_grad_() for n, x in low.items()}
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(tensors["v"].shape, generator=gen).to(device)
+    o_ref, _ = OPS[kind](**ref, **flags, cu_seqlens=cu, backend="eager", **extra)
+    ref_grads = torch.autograd.grad((o_ref * do).sum(), list(ref.values()))
+    # CP: shard the global leaves (gradients land at this rank's tokens), run, unshard.
+    local = {n: (shard(x, ctx, 1) if n in ("q", "k", "v", "g", "beta") else x) for n, x in low.items()}
+    o_local, _ = OPS[kind](**local, **flags, cp_context=ctx, backend=backend, **extra)
+    loss = (o_local.float() * shard(do, ctx, 1)).sum()
+    grads = torch.autograd.grad(loss, list(low.values()))
+    o_full = unshard(o_local.detach(), ctx, 1)
+    errs = {"o": rel_err(o_full.float().cpu(), o_ref.detach().cpu())}
+    for name, g, g_ref in zip(low, grads, ref_grads):
+        errs[f"d{name}"] = rel_err(_allreduce_cpu(g), g_ref.cpu())  # each rank holds its tokens' part
+    return errs
+
+
+def cp_conv_case(rank, world, layout_name, method, opts, backend, device, dtype, seed=5):
+    from layers.cp import build_cp_context, shard, unshard
+
+    _, layout, B, T, cu = next(c for c in CP_LAYOUTS if c[0] == layout_name)
+    cu = None if cu is None else torch.tensor(cu, dtype=torch.int64)
+    ctx = build_cp_context(None, method=method, layout=layout, cu_seqlens=cu, conv_kernel_size=4, **opts)
+    gen = torch.Generator().manual_seed(seed)
+    D, W = 64, 4
+    x = torch.randn(B, T, D, generator=gen).to(device, dtype).requires_grad_()
+    w = (torch.randn(D, W, generator=gen) / W).to(device).requires_grad_()
+    dy = torch.randn(B, T, D, generator=gen).to(device)
+    x_ref, w_ref = x.detach().float().requires_grad_(), w.detach().clone().requires_grad_()
+    y_ref = causal_conv1d(x_ref, w_ref, activation="silu", cu_seqlens=cu, backend="eager")
+    gx_ref, gw_ref = torch.autograd.grad((y_ref * dy).sum(), [x_ref, w_ref])
+    y_local = causal_conv1d(shard(x, ctx, 1), w, activation="silu", cp_context=ctx, backend=backend)
+    gx, gw = torch.autograd.grad((y_local.float() * shard(dy, ctx, 1)).sum(), [x, w])
+    y_full = unshard(y_local.detach(), ctx, 1)
+    return {"y": rel_err(y_full.float().cpu(), y_ref.detach().cpu()),
+            "dx": rel_err(_allreduce_cpu(gx), gx_ref.cpu()), "dweight": rel_err(_allreduce_cpu(gw), gw_ref.cpu())}
+
+
+def cp_worker(rank, world, backend="triton", device="cuda", dtype=torch.bfloat16):
+    """All CP cases in one spawn; per case a dict of errors, {"skipped": why} or {"error": traceback}."""
+    if device == "cuda":
+        torch.cuda.set_device(0)  # P processes share the one GPU
+    gdn_blocker = None
+    if backend == "triton":
+        from layers.ops.triton.runtime import gdn_backward_blocker
+
+        gdn_blocker = gdn_backward_blocker(torch.device(device, 0))
+    results = {}
+    for kind, layout_name, method, opts in _cp_cases():
+        key = f"{kind}-{layout_name}-{method}"
+        if kind == "gdn" and gdn_blocker:
+            results[key] = {"skipped": gdn_blocker}
+            continue
+        try:
+            results[key] = cp_case(rank, world, kind, layout_name, method, opts, backend, device, dtype)
+        except Exception:  # noqa: BLE001 - reported per case; ranks stay in lockstep (same cases, same order)
+            results[key] = {"error": traceback.format_exc()}
+            dist.barrier()
+    for layout_name, *_ in CP_LAYOUTS:
+        for method, opts in (("p2p", {}), ("allgather", {}), ("ulysses", {})):
+            key = f"conv-{layout_name}-{method}"
+            try:
+                results[key] = cp_conv_case(rank, world, layout_name, method, opts, backend, device, dtype)
+            except Exception:  # noqa: BLE001
+                results[key] = {"error": traceback.format_exc()}
+                dist.barrier()
+    return results
+
+
+CP_KEYS = ([f"{k}-{lay}-{m}" for k, lay, m, _ in _cp_cases()]
+           + [f"conv-{lay}-{m}" for lay, *_ in CP_LAYOUTS for m in ("p2p", "allgather", "ulysses")])
+
+
+@pytest.fixture(scope="module")
+def cp_results():
+    if torch.cuda.device_count() < 1:
+        pytest.skip("needs one CUDA device")
+    timeout = float(os.environ.get("HP_GPU_CP_TIMEOUT", "900"))
+    return run_distributed(cp_worker, CP_WORLD, timeout=timeout)
+
+
+@needs_gpu
+@pytest.mark.parametrize("key", CP_KEYS)
+def test_cp_matches_single_rank_eager(cp_results, key):
+    per_rank = [r[key] for r in cp_results]
+    first = per_rank[0]
+    if "skipped" in first:
+        pytest.skip(first["skipped"])
+    errors = [r["error"] for r in per_rank if "error" in r]
+    assert not errors, errors[0]
+    assert all(e <= TOL for e in first.values()), first
