@@ -11,11 +11,15 @@ import torch
 
 from dist import rel_err
 from layers.ops.delta_rule import chunk_gated_delta_rule, chunk_kda
-from layers.ops.eager.summary import apply_summary, compose_summaries, segment_summary, summary_adjoint
+from layers.ops.summary import apply_summary, compose_summaries, segment_summary, summary_adjoint
 from reference import as_f64_leaves, make_problem, recurrent_delta_rule, transition_product
 
 OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}
 TOL = 1e-5
+# A transition M is a product of contractions, small by cancellation (norm ~1e-3 after 150 weakly forgetting
+# steps); the chunked WY form builds it as Diag(e^gamma_C) - Kt^T W per chunk, measured at ~1e-5 relative
+# to fp64 where a per-token fp32 product gets ~6e-7. Its effect on states is held to TOL below.
+M_TOL = 3e-5
 SUMMARY_FLAGS = ("use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "use_gate_in_kernel", "lower_bound",
                  "cu_seqlens")
 
@@ -42,6 +46,13 @@ def _ref_kw(t, flags):
     return dict(kw, A_log=t.get("A_log"), dt_bias=t.get("dt_bias"))
 
 
+def transition_err(M, M_ref):
+    """Relative L2 error of a transition, with the denominator floored at 1e-4 of the identity's norm: a
+    segment that forgets (almost) everything has M ~ 0 (fp32 underflow), which must then be ~0 absolutely."""
+    floor = 1e-4 * M_ref.shape[-1] ** 0.5 * (M_ref[..., 0, 0].numel() ** 0.5)
+    return float((M.double() - M_ref.double()).norm() / max(float(M_ref.double().norm()), floor))
+
+
 def _random_state(N, HV, K, V, seed):
     return torch.randn(N, HV, K, V, generator=torch.Generator().manual_seed(seed))
 
@@ -58,7 +69,7 @@ def test_summary_matches_reference(kind, kw):
 
     M_ref = transition_product(kind, t["k"], t["g"], t["beta"], **_ref_kw(t, flags))
     _, E_ref = recurrent_delta_rule(kind, **t, **flags)
-    assert rel_err(M, M_ref) <= TOL, f"M rel err {rel_err(M, M_ref):.3e}"
+    assert transition_err(M, M_ref) <= M_TOL, f"M rel err {transition_err(M, M_ref):.3e}"
     assert rel_err(E, E_ref) <= TOL, f"E rel err {rel_err(E, E_ref):.3e}"
     for seed in (1, 2):  # any incoming state: the summary reproduces the run's final state
         S_in = _random_state(N, HV, K, V, seed) * (10.0 if seed == 2 else 1.0)
@@ -71,8 +82,9 @@ def test_summary_matches_reference(kind, kw):
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 @pytest.mark.parametrize("cuts", [(64,), (37, 101), (1, 2, 130)])
-def test_compose_equals_summary_of_concatenation(kind, cuts):
-    tensors, flags = make_problem(kind, B=2, T=150, H=1, HV=2, K=8, V=8, gate_in_kernel=True,
+@pytest.mark.parametrize("forget", ["weak", "mixed"])
+def test_compose_equals_summary_of_concatenation(kind, cuts, forget):
+    tensors, flags = make_problem(kind, B=2, T=150, H=1, HV=2, K=8, V=8, gate_in_kernel=True, forget=forget,
                                   l2norm_in_kernel=True, beta_sigmoid=True, seed=21)
     t = {n: x.detach() for n, x in tensors.items()}
     whole = _summary(kind, t, flags)
@@ -83,7 +95,11 @@ def test_compose_equals_summary_of_concatenation(kind, cuts):
         part = {n: (x[:, s:e] if n in seq else x) for n, x in t.items()}
         summ = _summary(kind, part, flags)
         acc = summ if acc is None else compose_summaries(summ, acc)
-    assert rel_err(acc[0], whole[0]) <= TOL and rel_err(acc[1], whole[1]) <= TOL
+    assert transition_err(acc[0], whole[0]) <= M_TOL, f"M rel err {transition_err(acc[0], whole[0]):.3e}"
+    assert rel_err(acc[1], whole[1]) <= TOL, f"E rel err {rel_err(acc[1], whole[1]):.3e}"
+    S_in = _random_state(2, 2, 8, 8, 5)
+    _, S_ref = recurrent_delta_rule(kind, **t, **flags, initial_state=S_in)
+    assert rel_err(apply_summary(*acc, S_in), S_ref) <= TOL
 
 
 def test_compose_is_associative():

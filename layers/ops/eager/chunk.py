@@ -107,7 +107,7 @@ def chunked_delta_rule(kind, q, k, v, g, beta, *, scale, initial_state, output_f
     layout = chunk_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
     kc, gamma, gexp, W, U, Kt, decay = _chunk_inputs(k, v, g, beta, layout)
     order = layout.seq_order
-    S0 = None if initial_state is None else initial_state.float().index_select(0, order)
+    S0 = None if initial_state is None else initial_state.to(q.dtype).index_select(0, order)
     Hs, Vn, S_sorted = StateScan.apply(W, U, Kt, decay, S0, (layout.step_offsets, layout.step_counts))
     final = S_sorted.index_select(0, torch.argsort(order)) if output_final_state else None
     if not with_output:

@@ -24,13 +24,14 @@ class ChunkLayout:
     seq_order: torch.Tensor         # int64 [N]: sorted position -> sequence index
     step_offsets: tuple             # first chunk of each step
     step_counts: tuple              # active sequences (a prefix of the sorted order) at each step
+    dense: bool                     # equal-length rows without cu_seqlens: chunking is pad + reshape
 
     def to(self, device) -> "ChunkLayout":
         if self.gather_index.device == torch.device(device):
             return self
         return ChunkLayout(self.chunk_size, self.num_tokens, self.num_seqs, self.num_chunks,
                            self.gather_index.to(device), self.scatter_index.to(device), self.seq_order.to(device),
-                           self.step_offsets, self.step_counts)
+                           self.step_offsets, self.step_counts, self.dense)
 
 
 @lru_cache(maxsize=64)
@@ -61,7 +62,7 @@ def _build(batch: int, seq_len: int, cu_key: tuple | None, chunk_size: int) -> C
     counts = active.sum(1)
     offsets = torch.cumsum(counts, 0) - counts
     return ChunkLayout(chunk_size, num_tokens, len(lengths), int(step_idx.numel()), gather, scatter, order,
-                       tuple(offsets.tolist()), tuple(counts.tolist()))
+                       tuple(offsets.tolist()), tuple(counts.tolist()), cu_key is None)
 
 
 def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, chunk_size: int,
@@ -73,6 +74,12 @@ def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, chun
 
 def to_chunks(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     """[B, T, HV, *F] -> [num_chunks, HV, C, *F] (zero padding), differentiable."""
+    if layout.dense:   # slot j*B + b holds chunk j of row b
+        B, T, C = x.shape[0], x.shape[1], layout.chunk_size
+        n = layout.num_chunks // B
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, n * C - T)) if n * C != T else x
+        x = x.view(B, n, C, *x.shape[2:]).transpose(0, 1).transpose(2, 3)
+        return x.reshape(n * B, *x.shape[2:])
     flat = x.reshape(layout.num_tokens, *x.shape[2:])
     flat = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
     y = flat.index_select(0, layout.gather_index).view(layout.num_chunks, layout.chunk_size, *x.shape[2:])
@@ -81,5 +88,9 @@ def to_chunks(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
 
 def from_chunks(y: torch.Tensor, layout: ChunkLayout, batch: int, seq_len: int) -> torch.Tensor:
     """[num_chunks, HV, C, *F] -> [B, T, HV, *F], dropping padding, differentiable."""
+    if layout.dense:
+        n, C = layout.num_chunks // batch, layout.chunk_size
+        x = y.view(n, batch, *y.shape[1:]).transpose(0, 1).transpose(2, 3)
+        return x.reshape(batch, n * C, *x.shape[3:])[:, :seq_len]
     flat = y.transpose(1, 2).reshape(layout.num_chunks * layout.chunk_size, *y.shape[1:2], *y.shape[3:])
     return flat.index_select(0, layout.scatter_index).view(batch, seq_len, *flat.shape[1:])

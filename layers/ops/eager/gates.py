@@ -7,6 +7,11 @@ import torch.nn.functional as F
 L2NORM_EPS = 1e-6
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half/bf16/fp32 inputs, fp64 for fp64 inputs (gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     """FLA's l2norm: x / sqrt(sum(x^2) + 1e-6) over the last dim (not F.normalize)."""
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
@@ -14,8 +19,8 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 
 def gdn_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
     """-exp(A_log) * softplus(g + dt_bias); g [..., HV], A_log/dt_bias [HV]."""
-    x = g if dt_bias is None else g + dt_bias.float()
-    return -A_log.float().exp() * F.softplus(x)
+    x = g if dt_bias is None else g + dt_bias.to(g.dtype)
+    return -A_log.to(g.dtype).exp() * F.softplus(x)
 
 
 def kda_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
@@ -26,18 +31,19 @@ def kda_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor 
     lower_bound * sigmoid(exp(A_log)[h] * (g + dt_bias)), or lower_bound * sigmoid(g + dt_bias) if A_log is None.
     """
     HV, K = g.shape[-2:]
-    x = g if dt_bias is None else g + dt_bias.float().view(HV, K)
+    x = g if dt_bias is None else g + dt_bias.to(g.dtype).view(HV, K)
     if lower_bound is None:
-        return -A_log.float().exp()[:, None] * F.softplus(x)
+        return -A_log.to(g.dtype).exp()[:, None] * F.softplus(x)
     if A_log is not None:
-        x = A_log.float().exp()[:, None] * x
+        x = A_log.to(g.dtype).exp()[:, None] * x
     return lower_bound * torch.sigmoid(x)
 
 
 def prepare_inputs(kind, q, k, v, g, beta, *, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                    use_gate_in_kernel, A_log, dt_bias, lower_bound=None):
-    """Return fp32 (q, k, v, g, beta) with the in-kernel transforms applied (autograd-tracked)."""
-    q, k, v, g, beta = q.float(), k.float(), v.float(), g.float(), beta.float()
+    """Return (q, k, v, g, beta) in fp32 (fp64 for fp64 inputs) with the in-kernel transforms applied."""
+    dt = compute_dtype(q.dtype)
+    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     if use_beta_sigmoid_in_kernel:

@@ -67,10 +67,13 @@ def chunk_kda(q, k, v, g, beta, *, scale, initial_state, output_final_state, use
 
 
 def delta_rule_final_state(kind, k, v, g, beta, *, initial_state, cu_seqlens, safe_gate=False, **kw):
-    """Final states only, for the CP engine's segment summaries (FLA always computes o too; it is dropped)."""
+    """Final states only, for the CP engine's segment summaries (FLA always computes o too; it is dropped).
+
+    ``v`` may arrive in fp32 (the engine's ``[v | 0]``); FLA wants one dtype for k and v, and the cast is exact
+    for values that came from ``k.dtype`` inputs padded with zeros."""
     op = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
     extra = {"safe_gate": safe_gate} if kind == "kda" else {}
-    _, final = op(k, k, v, g, beta, scale=1.0, initial_state=initial_state, output_final_state=True,
+    _, final = op(k, k, v.to(k.dtype), g, beta, scale=1.0, initial_state=initial_state, output_final_state=True,
                   cu_seqlens=cu_seqlens, **extra, **kw)
     return final
 

@@ -1,0 +1,59 @@
+"""Affine segment summaries: S_out = M S_in + E for a whole segment (per sequence and value head), fp32.
+
+M = A_T ... A_1 (K x K) is the product of the per-token transitions and E the end state from zero. They
+come from one state pass with values [v | 0_K] and initial state [0 | I_K]: the state columns evolve
+independently, so the final state is [E | M]. Summaries compose associatively and their adjoint
+(dS_in = M^T dS_out) is what the context-parallel engine sends backwards.
+"""
+from __future__ import annotations
+
+import torch
+
+from layers.ops.backends import get_backend
+
+
+def augmented_final_states(kind, impl, k, v, g, beta, cu_seqlens, flags):
+    """Final states [N, HV, K, V+K] = [E | M] of every sequence through backend module ``impl``.
+
+    Inputs are validated ``[B,T,...]`` tensors; ``flags`` are the op's gate/beta/l2norm keywords.
+    """
+    B, T, HV, V = v.shape
+    K = k.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    dt = torch.float64 if v.dtype == torch.float64 else torch.float32
+    v_aug = torch.cat([v.to(dt), v.new_zeros(B, T, HV, K, dtype=dt)], dim=-1)
+    S0 = torch.zeros(N, HV, K, V + K, device=v.device, dtype=dt)
+    S0[..., V:] = torch.eye(K, device=v.device, dtype=dt)
+    if hasattr(impl, "delta_rule_final_state"):
+        return impl.delta_rule_final_state(kind, k, v_aug, g, beta, initial_state=S0, cu_seqlens=cu_seqlens, **flags)
+    fn = impl.chunk_gated_delta_rule if kind == "gdn" else impl.chunk_kda
+    _, final = fn(k, k, v_aug.to(v.dtype), g, beta, scale=1.0, initial_state=S0, output_final_state=True,
+                  cu_seqlens=cu_seqlens, **flags)
+    return final
+
+
+def segment_summary(kind, k, v, g, beta, *, cu_seqlens=None, backend="eager", **flags):
+    """(M [N,HV,K,K], E [N,HV,K,V]) fp32 of each sequence of validated GDN/KDA inputs (differentiable).
+
+    ``flags``: use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias
+    (and lower_bound for KDA), as in the ops.
+    """
+    V = v.shape[-1]
+    final = augmented_final_states(kind, get_backend(backend), k, v, g, beta, cu_seqlens, flags)
+    return final[..., V:], final[..., :V]
+
+
+def apply_summary(M: torch.Tensor, E: torch.Tensor, S_in: torch.Tensor) -> torch.Tensor:
+    """S_out = M S_in + E."""
+    return M @ S_in + E
+
+
+def compose_summaries(later, earlier):
+    """Summary of running ``earlier`` then ``later``: (M2 M1, M2 E1 + E2)."""
+    (M2, E2), (M1, E1) = later, earlier
+    return M2 @ M1, M2 @ E1 + E2
+
+
+def summary_adjoint(M: torch.Tensor, dS_out: torch.Tensor) -> torch.Tensor:
+    """Gradient carried to S_in by a segment: M^T dS_out."""
+    return M.transpose(-1, -2) @ dS_out
