@@ -28,6 +28,10 @@ import torch.distributed as dist
 
 from layers.cp.accounting import current_phase
 
+# torch >= 2.13 names the single-tensor collectives *_single; older releases *_into_tensor / *_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 # -- group helpers ------------------------------------------------------------------------------------------
 def group_size(group=None) -> int:
@@ -64,7 +68,7 @@ def all_gather_raw(x: torch.Tensor, group=None, stats=None, async_op: bool = Fal
     if P == 1:
         out[0].copy_(x)
         return (out, None) if async_op else out
-    work = dist.all_gather_into_tensor(out.view(-1), x.view(-1), group=group, async_op=async_op)
+    work = _all_gather_single(out.view(-1), x.view(-1), group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 
@@ -80,7 +84,7 @@ def reduce_scatter_raw(x: torch.Tensor, group=None, stats=None, async_op: bool =
     if P == 1:
         out.copy_(x[0])
         return (out, None) if async_op else out
-    work = dist.reduce_scatter_tensor(out.view(-1), x.view(-1), group=group, async_op=async_op)
+    work = _reduce_scatter_single(out.view(-1), x.view(-1), group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 

@@ -11,12 +11,15 @@ itself (no metadata exchange):
 * token g is needed by rank q iff q owns a token g' of the same document with 0 < g' - g <= W-1 and g is not
   q's own; every (q, g) pair is sent once, in ascending g, by g's owner.
 
-One all-to-all (uneven splits, differentiable: backward returns the halo gradients to their owners) moves
-the tokens; each piece's history ``[W-1, D]`` is then gathered from ``[local tokens | received | zero row]``
-and the backend's conv runs once over all local pieces with ``cu_seqlens`` = the pieces.
+One batch of point-to-point messages, only between ranks that share a boundary (``collectives.send_recv``,
+differentiable: backward returns the halo gradients to their owners), moves the tokens; each piece's history
+``[W-1, D]`` is then gathered from ``[local tokens | received | zero row]`` and the backend's conv runs once
+over all local pieces with ``cu_seqlens`` = the pieces. The conv always uses the full P-rank layout of the
+op's input (``ctx.plan_for``), whatever the state method (Ulysses included).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -43,6 +46,14 @@ class HaloPattern:
     piece_cu_seqlens: torch.Tensor
     history_index: torch.Tensor
     communicates: bool
+    device_copies: dict  # (name, device) -> the index tensor on that device
+
+    def index_on(self, name: str, device: torch.device) -> torch.Tensor:
+        """``send_index`` / ``history_index`` on ``device`` (copied once per device)."""
+        key = (name, device)
+        if key not in self.device_copies:
+            self.device_copies[key] = getattr(self, name).to(device)
+        return self.device_copies[key]
 
 
 class _GlobalLayout:
@@ -117,7 +128,7 @@ def _pattern_cached(plan: ChainPlan, cu_key, W: int) -> HaloPattern:
     cand = (starts[:, None] - shifts).reshape(-1)
     cand = cand[cand >= lay.doc_bounds(starts)[0].repeat_interleave(H)]
     cand = torch.unique(cand)
-    cand_owner, cand_local = lay.owner_and_local(cand)
+    cand_owner = lay.owner_and_local(cand)[0]
     later = cand[:, None] + shifts  # [n_cand, H] tokens whose window holds the candidate
     in_doc = later < lay.doc_bounds(cand)[1][:, None]
     req = lay.owner_and_local(later.clamp_max(B * T - 1))[0]
@@ -142,23 +153,19 @@ def _pattern_cached(plan: ChainPlan, cu_key, W: int) -> HaloPattern:
     hist_ids = first[:, None] - H + torch.arange(H, dtype=torch.int64)  # [n_pieces, H]
     valid = hist_ids >= lay.doc_bounds(first)[0][:, None]
     owner, local = lay.owner_and_local(torch.where(valid, hist_ids, first[:, None]))
-    sorted_tok, perm = torch.sort(recv_tok)
-    slot = torch.searchsorted(sorted_tok, hist_ids).clamp_max(max(sorted_tok.numel() - 1, 0))
+    n_recv = recv_tok.numel()
     remote = valid & (owner != r)
-    if sorted_tok.numel() == 0:
-        found = torch.zeros_like(remote)
-        recv_row = torch.zeros_like(hist_ids)
-    else:
-        found = sorted_tok[slot] == hist_ids
-        recv_row = perm[slot]
+    sorted_tok, perm = torch.sort(recv_tok)
+    slot = torch.searchsorted(sorted_tok, hist_ids).clamp_max(max(n_recv - 1, 0))
+    found = sorted_tok[slot] == hist_ids if n_recv else torch.zeros_like(remote)
     if bool((remote & ~found).any()):
         raise RuntimeError("halo pattern misses tokens a local piece needs (internal error in layers/cp/halo.py)")
-    n_recv = recv_tok.numel()
+    recv_row = perm[slot] if n_recv else torch.zeros_like(hist_ids)
     history_index = torch.where(valid, torch.where(owner == r, local, n_local + recv_row),
                                 torch.full_like(hist_ids, n_local + n_recv))
     return HaloPattern(send_index=send_index, send_counts=tuple(send_counts.tolist()),
                        recv_counts=tuple(recv_counts.tolist()), piece_cu_seqlens=piece_cu,
-                       history_index=history_index, communicates=bool(pair_key.numel() > 0))
+                       history_index=history_index, communicates=bool(pair_key.numel() > 0), device_copies={})
 
 
 def halo_pattern(plan: ChainPlan, cu_seqlens: torch.Tensor | None, kernel_size: int) -> HaloPattern:
@@ -173,7 +180,7 @@ def _exchange(x_flat: torch.Tensor, pattern: HaloPattern, group, stats):
     that its backward (which communicates) runs on every rank, also on ranks that receive nothing.
     """
     D = x_flat.shape[1]
-    sent = x_flat.index_select(0, pattern.send_index.to(x_flat.device))
+    sent = x_flat.index_select(0, pattern.index_on("send_index", x_flat.device))
     chunks = torch.split(sent, list(pattern.send_counts))
     dsts = [q for q, n in enumerate(pattern.send_counts) if n > 0]
     srcs = [p for p, n in enumerate(pattern.recv_counts) if n > 0]
@@ -191,22 +198,24 @@ def causal_conv1d_with_cp(impl, ctx, x: torch.Tensor, weight: torch.Tensor, *, b
     """
     B, T_local, D = x.shape
     W = weight.shape[1]
+    expected = getattr(ctx, "conv_kernel_size", None)
+    if expected is not None and expected != W:
+        raise ValueError(f"the CP context was built for conv_kernel_size={expected}, got weight of kernel size "
+                         f"W={W} (shape {tuple(weight.shape)})")
     plan = ctx.plan_for(B, T_local)
     pattern = halo_pattern(plan, ctx.cu_seqlens, W)
     x_flat = x.reshape(B * T_local, D)
     if pattern.communicates:
         stats = getattr(ctx, "stats", None)
-        if stats is not None and stats.enabled:
-            with stats.call("conv_halo", "forward") as record:
+        with (stats.call("conv_halo", "forward") if stats is not None else nullcontext()) as record:
+            if record is not None:
                 record.steps = 1
-                received, x_flat = _exchange(x_flat, pattern, ctx.group, stats)
-        else:
             received, x_flat = _exchange(x_flat, pattern, ctx.group, stats)
     else:
         received = x_flat.new_zeros(0, D)
     table = torch.cat([x_flat, received, x_flat.new_zeros(1, D)], dim=0)
-    H = W - 1
-    history = table.index_select(0, pattern.history_index.reshape(-1).to(x.device)).reshape(pattern.history_index.shape[0], H, D)
+    index = pattern.index_on("history_index", x.device)
+    history = table.index_select(0, index.reshape(-1)).reshape(index.shape[0], W - 1, D)
     y = impl.causal_conv1d(x_flat[None], weight, bias=bias, activation=activation,
                            cu_seqlens=pattern.piece_cu_seqlens, history=history)
     return y.reshape(B, T_local, D)

@@ -1,0 +1,258 @@
+"""CP contexts: one object that carries the group, method, layout, sub-groups, plans and comm accounting.
+
+``build_cp_context(group, method=..., layout=..., cu_seqlens=None, group_size=None, ulysses_degree=None)``
+validates the configuration, creates (once, cached) the sub-groups the method needs and returns a
+``CPContext`` that the ops take as ``cp_context=``. ``shard`` / ``unshard`` map global tensors to this rank's
+local order (Megatron's) and back.
+
+Rank arithmetic (P ranks, Ulysses degree U, Q = P / U): rank r is in Ulysses group r // U (ranks
+U*(r//U) .. U*(r//U)+U-1) at index r % U, and in the state group of the ranks with the same index
+{r % U, U + r % U, ...} at index r // U. After the Ulysses exchange, state rank q holds the tokens of
+Ulysses group q, which is exactly the Q-rank layout of the same name (``inner_layout``; ``contiguous`` with
+one piece per sequence when Q == 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from layers.cp.accounting import CommStats
+from layers.cp.chain import STATE_METHODS, ChainComm
+from layers.cp.collectives import all_gather, group_rank
+from layers.cp.collectives import group_size as _pg_size
+from layers.cp.plan import (build_chain_plan, check_divisibility, check_layout, local_seq_index,
+                            normalize_global_cu_seqlens)
+
+METHODS = ("ulysses",) + STATE_METHODS
+
+_SUBGROUPS: dict = {}
+
+
+def _subgroup(global_ranks: tuple):
+    """The process group of ``global_ranks`` (sorted), created once per world and cached.
+
+    Created with ``use_local_synchronization=True``: only the member ranks call into ``new_group`` (every
+    member creates its sub-groups in the same order: Ulysses group, state group, gather group), so a
+    context can be built on any group without the rest of the world taking part.
+    """
+    world = dist.GroupMember.WORLD
+    if len(global_ranks) == dist.get_world_size() and tuple(global_ranks) == tuple(range(len(global_ranks))):
+        return world
+    key = (id(world), tuple(global_ranks))
+    pg = _SUBGROUPS.get(key)
+    if pg is None:
+        pg = dist.new_group(list(global_ranks), use_local_synchronization=True)
+        _SUBGROUPS[key] = pg
+    return pg
+
+
+@dataclass(eq=False)
+class CPContext:
+    """Everything a CP op needs. Fields (read-only by convention):
+
+    group, world_size P, rank: the CP group and this rank in it.
+    method: as requested; state_method: the scan method used for the state chain (``"p2p"`` when
+        method == "ulysses", where the chain has one rank and nothing is sent).
+    layout: layout of the local input; inner_layout: layout of the state group after the Ulysses exchange.
+    cu_seqlens: global packed boundaries (CPU int64 [N+1]) or None.
+    group_size: g of grouped_allgather_p2p (or None).
+    ulysses_degree U, ulysses_rank (index in the Ulysses group), ulysses_group (U consecutive ranks).
+    state_world_size Q = P / U, state_rank, state_group (ranks with the same Ulysses index).
+    gather_group: this rank's g consecutive state ranks (grouped_allgather_p2p), else None.
+    chain_comm: the ``ChainComm`` for ``exclusive_scan`` / ``ChainScan``.
+    conv_kernel_size: optional, for the short-convolution halo.
+    stats: ``CommStats`` recording every collective issued through this context.
+    """
+
+    group: object
+    world_size: int
+    rank: int
+    method: str
+    state_method: str
+    layout: str
+    inner_layout: str
+    cu_seqlens: torch.Tensor | None
+    group_size: int | None
+    ulysses_degree: int
+    ulysses_rank: int
+    ulysses_group: object
+    state_world_size: int
+    state_rank: int
+    state_group: object
+    gather_group: object
+    chain_comm: ChainComm
+    conv_kernel_size: int | None = None
+    stats: CommStats = field(default_factory=CommStats)
+
+    # -- shapes and plans ------------------------------------------------------------------------------
+    def global_len(self, local_len: int) -> int:
+        """Global T from the local length (T_local * P); checked against cu_seqlens for packed input."""
+        T = int(local_len) * self.world_size
+        if self.cu_seqlens is not None and T != int(self.cu_seqlens[-1]):
+            raise ValueError(f"local length {local_len} x P={self.world_size} = {T} does not match the packed "
+                             f"token count cu_seqlens[-1]={int(self.cu_seqlens[-1])}")
+        return T
+
+    def plan_for(self, batch: int, local_len: int):
+        """ChainPlan of this rank in the P-rank ``layout`` (the layout of the op's local input)."""
+        T = self.global_len(local_len)
+        return build_chain_plan(self.world_size, self.rank, self.layout, batch=batch, seq_len=T,
+                                cu_seqlens=self.cu_seqlens)
+
+    def state_plan_for(self, batch: int, local_len: int):
+        """ChainPlan of this rank's state rank among Q in ``inner_layout`` (after Ulysses; = plan_for when
+        U == 1). ``local_len`` is the length of the op's local input (before Ulysses)."""
+        if self.ulysses_degree == 1:
+            return self.plan_for(batch, local_len)
+        T = self.global_len(local_len)
+        return build_chain_plan(self.state_world_size, self.state_rank, self.inner_layout, batch=batch,
+                                seq_len=T, cu_seqlens=self.cu_seqlens)
+
+    def check_heads(self, **heads: int) -> None:
+        """ValueError unless every head count (e.g. ``H=..., HV=...``) is divisible by the Ulysses degree."""
+        U = self.ulysses_degree
+        bad = {k: v for k, v in heads.items() if v % U != 0}
+        if bad:
+            raise ValueError(f"Ulysses needs head counts divisible by the Ulysses degree U={U}; got "
+                             + ", ".join(f"{k}={v}" for k, v in bad.items()))
+
+
+def build_cp_context(group=None, *, method: str, layout: str, cu_seqlens=None, group_size: int | None = None,
+                     ulysses_degree: int | None = None, conv_kernel_size: int | None = None,
+                     stats: CommStats | None = None) -> CPContext:
+    """Validate a CP configuration and build its context (sub-groups created once and cached).
+
+    group: any torch.distributed process group (None = WORLD). method: one of ``METHODS``. layout:
+    ``"zigzag" | "contiguous"``. cu_seqlens: GLOBAL packed boundaries when inputs are packed (THD).
+    group_size: g for ``grouped_allgather_p2p`` (must divide P / U). ulysses_degree: U for the hybrid
+    Ulysses(U) x state(P/U) (must divide P); ``method="ulysses"`` means U = P.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("build_cp_context needs an initialized torch.distributed process group")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_layout(layout)
+    group = dist.GroupMember.WORLD if group is None else group
+    P, rank = _pg_size(group), group_rank(group)
+    for name, val in (("group_size", group_size), ("ulysses_degree", ulysses_degree),
+                      ("conv_kernel_size", conv_kernel_size)):
+        if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {val!r}")
+    if method == "ulysses":
+        if ulysses_degree not in (None, P):
+            raise ValueError(f"method='ulysses' uses all P={P} ranks for Ulysses; ulysses_degree must be None "
+                             f"or {P}, got {ulysses_degree}")
+        U = P
+    else:
+        U = ulysses_degree or 1
+        if P % U != 0:
+            raise ValueError(f"ulysses_degree U={U} must divide the CP size P={P}")
+    Q = P // U
+    if method == "grouped_allgather_p2p":
+        if group_size is None:
+            raise ValueError("method='grouped_allgather_p2p' needs group_size (ranks per all-gather group)")
+        if Q % group_size != 0:
+            raise ValueError(f"group_size={group_size} must divide the number of state ranks P/U={Q} "
+                             f"(P={P}, U={U})")
+    elif group_size is not None:
+        raise ValueError(f"group_size is only used by method='grouped_allgather_p2p', got it with {method!r}")
+    cu = normalize_global_cu_seqlens(cu_seqlens)
+    if cu is not None:
+        check_divisibility(P, layout, int(cu[-1]), cu)
+
+    # sub-groups (global ranks), created in the same order on every member
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if list(ranks) != sorted(ranks):
+        # sub-groups order their members by global rank; the rank arithmetic assumes the group does too
+        raise ValueError(f"the CP group must order its global ranks increasingly, got {list(ranks)}")
+    u_idx, q_idx = rank % U, rank // U
+    ulysses_group = _subgroup(tuple(sorted(ranks[q_idx * U:(q_idx + 1) * U]))) if 1 < U < P else (
+        group if U == P else None)
+    if U == 1:
+        state_ranks = ranks
+        state_group = group
+    else:
+        state_ranks = tuple(ranks[q * U + u_idx] for q in range(Q))
+        state_group = _subgroup(tuple(sorted(state_ranks)))
+    gather_group = None
+    if method == "grouped_allgather_p2p" and group_size > 1:
+        lo = (q_idx // group_size) * group_size
+        gather_ranks = state_ranks[lo:lo + group_size]
+        gather_group = state_group if group_size == Q else _subgroup(tuple(sorted(gather_ranks)))
+    state_method = "p2p" if method == "ulysses" else method
+    return CPContext(group=group, world_size=P, rank=rank, method=method, state_method=state_method,
+                     layout=layout, inner_layout=layout if Q > 1 else "contiguous", cu_seqlens=cu,
+                     group_size=group_size, ulysses_degree=U, ulysses_rank=u_idx, ulysses_group=ulysses_group,
+                     state_world_size=Q, state_rank=q_idx, state_group=state_group, gather_group=gather_group,
+                     chain_comm=ChainComm(state_group, group_size, gather_group),
+                     conv_kernel_size=conv_kernel_size, stats=stats if stats is not None else CommStats())
+
+
+# -- shard / unshard ----------------------------------------------------------------------------------------
+def _seq_len_of(x, seq_dim, ctx):
+    if not -x.dim() <= seq_dim < x.dim():
+        raise ValueError(f"seq_dim={seq_dim} out of range for a tensor of shape {tuple(x.shape)}")
+    return x.shape[seq_dim]
+
+
+def shard(x: torch.Tensor, ctx: CPContext, seq_dim: int) -> torch.Tensor:
+    """This rank's part of the global tensor ``x`` along ``seq_dim``, in local (layout) order.
+
+    BSHD zigzag equals megatron-core's ``get_batch_on_this_cp_rank``; packed THD (ctx.cu_seqlens) zigzag
+    equals Transformer Engine's ``thd_get_partitioned_indices``. Differentiable (an index_select).
+    """
+    T = _seq_len_of(x, seq_dim, ctx)
+    idx = local_seq_index(ctx.world_size, ctx.rank, ctx.layout, T, ctx.cu_seqlens)
+    return x.index_select(seq_dim, idx.to(x.device))
+
+
+_INVERSE: dict = {}
+
+
+def _gather_inverse(P, layout, T, cu):
+    key = (P, layout, T, None if cu is None else tuple(cu.tolist()))
+    inv = _INVERSE.get(key)
+    if inv is None:
+        ids = torch.cat([local_seq_index(P, r, layout, T, cu) for r in range(P)])
+        inv = torch.empty_like(ids)
+        inv[ids] = torch.arange(ids.numel())
+        _INVERSE[key] = inv
+    return inv
+
+
+class _GatherOwnerGrad(torch.autograd.Function):
+    """All-gather whose backward keeps this rank's slice of the gradient (for a loss replicated on all ranks)."""
+
+    @staticmethod
+    def forward(ctx, x, group, stats):
+        from layers.cp.collectives import all_gather_raw
+
+        ctx.rank = group_rank(group)
+        return all_gather_raw(x, group, stats)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[ctx.rank], None, None
+
+
+def unshard(x_local: torch.Tensor, ctx: CPContext, seq_dim: int, *, grad: str = "sum") -> torch.Tensor:
+    """The global tensor from every rank's local part (inverse of ``shard``), differentiable.
+
+    grad="sum": the adjoint of the all-gather (reduce-scatter): the owner receives the sum over ranks of the
+    gradient of its tokens, right when every rank's loss is a different term of one global sum.
+    grad="owner": the owner keeps its own slice of its own gradient, right when every rank computes the same
+    replicated loss from the gathered tensor.
+    """
+    if grad not in ("sum", "owner"):
+        raise ValueError(f"grad must be 'sum' or 'owner', got {grad!r}")
+    T_loc = _seq_len_of(x_local, seq_dim, ctx)
+    P = ctx.world_size
+    T = ctx.global_len(T_loc)
+    xl = x_local.movedim(seq_dim, 0).contiguous()
+    gathered = (all_gather(xl, ctx.group, ctx.stats) if grad == "sum"
+                else _GatherOwnerGrad.apply(xl, ctx.group, ctx.stats))          # [P, T_loc, ...]
+    flat = gathered.reshape((P * T_loc,) + tuple(xl.shape[1:]))
+    inv = _gather_inverse(P, ctx.layout, T, ctx.cu_seqlens).to(flat.device)
+    return flat.index_select(0, inv).movedim(0, seq_dim)

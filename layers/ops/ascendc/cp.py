@@ -1,0 +1,274 @@
+"""State-passing CP on fla-npu's native summary and merge kernels (the FLA-KCP decomposition).
+
+The CP engine (``layers/cp/state_parallel.py``) calls :func:`state_passing_cp` instead of its generic path
+when the backend module has it. On this rank's pieces (``plan.local_cu_seqlens``, flattened tokens):
+
+forward (no autograd inside one Function):
+  1. native prepare (GDN ``chunk_gated_delta_rule_fwd_prepare`` / KDA ``chunk_kda_fwd_prepare``), then
+     ``pre_process_fwd_kernel_merged`` -> [E | M] of every piece (fp32); the exit pieces give the own
+     positions' summaries, masked where links are cut or a document starts inside the segment;
+  2. exchange: S_in of every own position (``allgather``: one all-gather, folded by ``merge_fwd_bwd_kernel``;
+     ``p2p`` / ``grouped_allgather_p2p``: ``layers.cp.chain.exclusive_scan``);
+  3. the local run with initial_state = S_in at the entry pieces (GDN composite forward; KDA chunk_fwd_h +
+     finalize).
+backward:
+  1. ``pre_process_bwd_kernel_merged`` per entry piece -> dS_loc (gradient of the rank's own outputs w.r.t.
+     the state entering the position);
+  2. reverse exchange of (M^T, dS_loc) -> the gradient of the state leaving each own position;
+  3. the local native backward with that terminal gradient (``dht``) and the saved initial states gives
+     every input gradient; nothing else crosses ranks (no dh0 is sent back).
+``recursive_doubling`` raises NotImplementedError (no native support yet). Ulysses is the engine's (it
+re-shards heads before calling this hook). Limits: K = V = 128 (the native CP kernels).
+"""
+from __future__ import annotations
+
+import torch
+
+from layers.ops.ascendc import runtime
+from layers.ops.ascendc.gdn import check_gdn
+from layers.ops.ascendc.kda import (batch4, check_kda, head_major, kda_local_backward, kda_meta, kda_prepare,
+                                    token_major_scalars, untoken)
+from layers.ops.eager.gates import gdn_gate
+
+SUPPORTED_METHODS = ("p2p", "allgather", "grouped_allgather_p2p")
+MERGE_MAX_HEADS = 256  # merge_fwd_bwd_kernel's HV limit; chains x heads are folded in groups of this size
+
+
+# ------------------------------------------------------------------------------------------- exchange
+def _fold_native(ops, chain, n_fold, position, forward, K, V):
+    """merge_fwd_bwd_kernel over chain summaries [L, R, K, V+K] (R = chains x heads), in head groups."""
+    R = chain.shape[1]
+    out = chain.new_zeros(R, K, V, dtype=torch.float32)
+    if n_fold == 0:
+        return out
+    for r0 in range(0, R, MERGE_MAX_HEADS):
+        part = out[r0:r0 + MERGE_MAX_HEADS]                 # contiguous slice of dim 0: a view merge writes into
+        ops.merge_fwd_bwd_kernel(part, chain[:, r0:r0 + MERGE_MAX_HEADS].contiguous(), n_fold, position,
+                                 forward=forward)
+    return out
+
+
+def _allgather_native(ops, ctx, plan, A, B, forward):
+    """One all-gather of [B | A] (fla-npu's hm layout) of every own position, folded by the native merge."""
+    from layers.cp.collectives import all_gather_raw
+
+    D, n_own, HV, K, W = B.shape
+    gathered = all_gather_raw(torch.cat([B, A], dim=-1), ctx.chain_comm.group, ctx.stats)  # [P,D,n,HV,K,W+K]
+    L = plan.chain_length
+    chain = torch.stack([gathered[plan.owners[t], :, plan.owner_slot[t]] for t in range(L)], 0)
+    chain = chain.reshape(L, D * HV, K, W + K)
+    out = torch.empty_like(B)
+    for s, t in enumerate(plan.own_positions):
+        n_fold = t if forward else L - 1 - t
+        out[:, s] = _fold_native(ops, chain, n_fold, t, forward, K, W).view(D, HV, K, W)
+    return out
+
+
+def exchange(ops, ctx, plan, A, B, forward: bool):
+    """Exclusive fold of (A, B) over own positions in chain order (forward) or reversed (backward)."""
+    method = ctx.state_method
+    if method == "allgather":
+        return _allgather_native(ops, ctx, plan, A, B, forward)
+    from layers.cp.chain import exclusive_scan
+
+    L = plan.chain_length
+    order = range(L) if forward else reversed(range(L))
+    return exclusive_scan(method, A, B, plan, order, ctx.stats, comm=ctx.chain_comm,
+                          phase="forward" if forward else "backward")
+
+
+def _masks(plan, device):
+    keep_link = plan.link_mask[:, list(plan.own_positions)].to(device, torch.float32)             # [D, n_own]
+    keep_m = keep_link * plan.exit_has_transition.to(device, torch.float32)
+    return keep_link[..., None, None, None], keep_m[..., None, None, None]
+
+
+def _pieces(plan):
+    cu = [int(x) for x in plan.local_cu_seqlens.tolist()]
+    return cu, plan.entry_piece.reshape(-1).tolist(), plan.exit_piece.reshape(-1).tolist()
+
+
+def _summaries_to_initial(ops, ctx, plan, hm, HV, K, V, device):
+    """hm [n_pieces, HV, K, V+K] -> (S_in [D,n_own,HV,K,V], masked M [D,n_own,HV,K,K], init [n_pieces,...])."""
+    cu, entry, exit_ = _pieces(plan)
+    D, n_own = plan.exit_piece.shape
+    summary = hm[torch.tensor(exit_, device=device)].view(D, n_own, HV, K, V + K)
+    keep_link, keep_m = _masks(plan, device)
+    E, M = summary[..., :V] * keep_link, summary[..., V:] * keep_m
+    S_in = exchange(ops, ctx, plan, M, E, forward=True)
+    init = S_in.new_zeros(len(cu) - 1, HV, K, V)
+    init[torch.tensor(entry, device=device)] = S_in.reshape(-1, HV, K, V)
+    return M, init
+
+
+def _terminal_gradients(ops, ctx, plan, M, dS_loc, n_pieces, device):
+    """dht [n_pieces, HV, K, V]: gradient of the state leaving each exit piece (zero elsewhere)."""
+    lam = exchange(ops, ctx, plan, M.transpose(-1, -2).contiguous(), dS_loc, forward=False)
+    keep_link, _ = _masks(plan, device)
+    _, _, exit_ = _pieces(plan)
+    HV, K, V = dS_loc.shape[2:]
+    dht = lam.new_zeros(n_pieces, HV, K, V)
+    dht[torch.tensor(exit_, device=device)] = (lam * keep_link).reshape(-1, HV, K, V)
+    return dht
+
+
+def _entry_windows(plan):
+    cu, entry, _ = _pieces(plan)
+    return [[cu[p], cu[p + 1]] for p in entry]
+
+
+# ---------------------------------------------------------------------------------------------- GDN
+class _GDNStateCP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, meta):
+        ops, plan, cp = meta["ops"], meta["plan"], meta["ctx"]
+        cu = meta["cu"]
+        HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+        hm_in = [x.transpose(1, 2).contiguous() for x in (q, k, v)]                         # BNSD, B = 1
+        prep = ops.chunk_gated_delta_rule_fwd_prepare(
+            *hm_in, g.transpose(1, 2).contiguous(), beta.transpose(1, 2).contiguous(), runtime.CHUNK,
+            use_qk_l2norm_in_kernel=meta["l2norm"], use_beta_sigmoid_in_kernel=meta["beta_sigmoid"],
+            use_exp2=True, cu_seqlens=cu, output_a=False)
+        q_hat, k_hat, _, _, _, g_log2, w, u, _ = runtime.slots("chunk_gated_delta_rule_fwd_prepare", prep, 9,
+                                                              (0, 1, 4, 5, 6, 7))
+        hm = ops.pre_process_fwd_kernel_merged(k_hat, w, u, g=g_log2, cu_seqlens=cu, chunk_size=runtime.CHUNK)
+        M, init = _summaries_to_initial(ops, cp, plan, hm, HV, K, V, q.device)
+        result = ops.chunk_gated_delta_rule_fwd(
+            q, k, v, g, beta, initial_state=init, output_final_state=False, chunk_size=runtime.CHUNK,
+            cu_seqlens=cu, scale=meta["scale"], use_exp2=False, use_qk_l2norm_in_kernel=meta["l2norm"],
+            use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=meta["beta_sigmoid"], disable_recompute=True,
+            layout="TND")
+        o, _, g_cumsum, A, beta_eff, _, qh, kh, q_rstd, k_rstd = runtime.slots(
+            "chunk_gated_delta_rule_fwd", result, 10, (0, 2, 3, 4, 6, 7) + ((8, 9) if meta["l2norm"] else ()))
+        ctx.save_for_backward(qh, kh, v, g_cumsum, beta_eff, A, init, q_rstd, k_rstd,
+                              beta if meta["beta_sigmoid"] else None, q_hat, k_hat, w, g_log2, M)
+        ctx.meta = meta
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        meta = ctx.meta
+        ops, plan, cp, cu, scale = meta["ops"], meta["plan"], meta["ctx"], meta["cu"], meta["scale"]
+        (qh, kh, v, g_cumsum, beta_eff, A, init, q_rstd, k_rstd, beta_raw, q_hat, k_hat, w, g_log2,
+         M) = ctx.saved_tensors
+        do = do.contiguous()
+        do_hm = do.transpose(1, 2).contiguous()
+        dv_local = ops.chunk_bwd_dv_local(q_hat, k_hat, do_hm, g_cumsum, scale, runtime.CHUNK, cu_seqlens=cu)
+        V = v.shape[-1]
+        dS_loc = torch.stack([ops.pre_process_bwd_kernel_merged(
+            q_hat, k_hat, w, do_hm, dv_local, g=g_log2, cu_seqlens=window, scale=scale,
+            chunk_size=runtime.CHUNK)[..., :V] for window in _entry_windows(plan)], 0)
+        D, n_own = plan.entry_piece.shape
+        dS_loc = dS_loc.view(D, n_own, *dS_loc.shape[1:])
+        dht = _terminal_gradients(ops, cp, plan, M, dS_loc, init.shape[0], do.device)
+        grads = ops.chunk_gated_delta_rule_bwd(
+            qh, kh, v, g_cumsum, beta_eff, A, do, scale, chunk_size=runtime.CHUNK, cu_seqlens=cu,
+            initial_state=init, dht=dht, q_rstd=q_rstd, k_rstd=k_rstd, beta_raw=beta_raw, use_exp2=False,
+            use_qk_l2norm_in_kernel=meta["l2norm"], use_gate_in_kernel=False,
+            use_beta_sigmoid_in_kernel=meta["beta_sigmoid"], layout="TND")
+        dq, dk, dv, dbeta, dg, _, _, _ = runtime.slots("chunk_gated_delta_rule_bwd", grads, 8, (0, 1, 2, 3, 4))
+        qd, kd, vd, gd, bd = ctx.dtypes
+        return dq.to(qd), dk.to(kd), dv.to(vd), dg.to(gd), dbeta.to(bd), None
+
+
+# ---------------------------------------------------------------------------------------------- KDA
+class _KDAStateCP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, meta):
+        ops, plan, cp, kmeta = meta["ops"], meta["plan"], meta["ctx"], meta["kda"]
+        HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+        p = kda_prepare(ops, q, k, v, g, beta, A_log, dt_bias, kmeta)
+        hm = ops.pre_process_fwd_kernel_merged(batch4(p["kg"], True), batch4(p["w"], True), batch4(p["u"], True),
+                                               gk=batch4(p["gk"], True), cu_seqlens=kmeta["cu"],
+                                               chunk_size=runtime.CHUNK)
+        M, init = _summaries_to_initial(ops, cp, plan, hm, HV, K, V, q.device)
+        h, v_new, _ = runtime.slots("chunk_fwd_h", ops.chunk_fwd_h(
+            p["kg"], p["w"], p["u"], gk=p["gk"], initial_state=init, output_final_state=False,
+            chunk_size=runtime.CHUNK, cu_seqlens=kmeta["cu"], use_exp2=True), 3, (0, 1))
+        o = ops.chunk_kda_fwd_finalize(p["qg_scaled"], p["Aqk"], v_new, h, output_layout="TND",
+                                       cu_seqlens=kmeta["cu"])
+        saved = {n: p[n] for n in ("gk", "Aqk", "Akk", "w", "qg", "kg", "q_hat", "k_hat", "q_rstd", "k_rstd",
+                                   "beta_eff")}
+        saved.update(v_new=v_new, h=h, v_hm=head_major(v, True), g_hm=head_major(g, True), A_log=A_log,
+                     dt_bias=dt_bias, h0=init, M=M)
+        ctx.names = tuple(saved)
+        ctx.save_for_backward(*saved.values())
+        ctx.meta = meta
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+        return untoken(o, True)
+
+    @staticmethod
+    def backward(ctx, do):
+        meta = ctx.meta
+        ops, plan, cp, kmeta = meta["ops"], meta["plan"], meta["ctx"], meta["kda"]
+        saved = dict(zip(ctx.names, ctx.saved_tensors))
+        do_hm = head_major(do, True)                                                       # NTD [HV, T, V]
+        result = ops.chunk_kda_bwd_prepare(saved["Aqk"], saved["v_new"], do_hm, saved["h"], scale=kmeta["scale"],
+                                           chunk_size=runtime.CHUNK, layout="NTD", cu_seqlens=kmeta["cu"])
+        _, dv_local, _ = runtime.slots("chunk_kda_bwd_prepare", result, 3, (0, 1, 2))
+        V = do.shape[-1]
+        dS_loc = torch.stack([ops.pre_process_bwd_kernel_merged(
+            batch4(saved["qg"], True), batch4(saved["kg"], True), batch4(saved["w"], True), batch4(do_hm, True),
+            batch4(dv_local, True), gk=batch4(saved["gk"], True), cu_seqlens=window, scale=kmeta["scale"],
+            chunk_size=runtime.CHUNK)[..., :V] for window in _entry_windows(plan)], 0)
+        D, n_own = plan.entry_piece.shape
+        dS_loc = dS_loc.view(D, n_own, *dS_loc.shape[1:])
+        dht = _terminal_gradients(ops, cp, plan, saved["M"], dS_loc, saved["h0"].shape[0], do.device)
+        dq, dk, dv, dbeta, dg, da_log, ddt, _ = kda_local_backward(ops, saved, do_hm, dht, saved["h0"], kmeta)
+        dbeta, dg = token_major_scalars(dbeta, dg, True)
+        qd, kd, vd, gd, bd = ctx.dtypes
+        return (untoken(dq, True).to(qd), untoken(dk, True).to(kd), untoken(dv, True).to(vd), dg.to(gd),
+                dbeta.to(bd), da_log, None if ddt is None else ddt.reshape(-1), None)
+
+
+# ---------------------------------------------------------------------------------------------- hook
+def state_passing_cp(kind, ctx, plan, q, k, v, g, beta, *, scale, flags):
+    """CP engine hook: GDN/KDA on this rank's ``[B, T_local, ...]`` shards in ``plan``'s local order.
+
+    ``ctx``: the ``CPContext`` (uses ``state_method``, ``chain_comm``, ``stats``); ``plan``: its state-group
+    ``ChainPlan`` for this shape; ``flags``: the op keywords (use_qk_l2norm_in_kernel,
+    use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias and, for KDA, lower_bound, safe_gate).
+    Returns o ``[B, T_local, HV, V]``, differentiable w.r.t. q, k, v, g, beta, A_log, dt_bias.
+    """
+    method = ctx.state_method
+    if method == "recursive_doubling":
+        raise NotImplementedError("backend='ascendc' CP: recursive_doubling has no native fla-npu support yet; "
+                                  f"use one of {SUPPORTED_METHODS} or 'ulysses'")
+    if method not in SUPPORTED_METHODS:
+        raise ValueError(f"backend='ascendc' CP supports {SUPPORTED_METHODS}, got {method!r}")
+    B, T_loc, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if K != 128 or V != 128:
+        raise ValueError(f"backend='ascendc' CP uses fla-npu's summary kernels, which need K=V=128; got K={K}, V={V}")
+    device_name = runtime.soc(q.device)
+    flat = lambda x: x.reshape(1, B * T_loc, *x.shape[2:])  # noqa: E731  pieces index the flattened tokens
+    q1, k1, v1, g1, b1 = map(flat, (q, k, v, g, beta))
+    cu = [int(x) for x in plan.local_cu_seqlens.tolist()]
+    gate, A_log, dt_bias = flags.get("use_gate_in_kernel", False), flags.get("A_log"), flags.get("dt_bias")
+    if kind == "gdn":
+        ops = runtime.require_api("gdn"), runtime.require_api("cp"), runtime.require_api("cp_gdn")
+        runtime.check_dtype("gdn", q=q, k=k, v=v)
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias))
+        check_gdn(q, v, device_name, needs_grad)
+        if gate:
+            g1 = gdn_gate(g1.float(), A_log, dt_bias)
+        meta = {"ops": ops[0], "plan": plan, "ctx": ctx, "cu": cu, "scale": float(scale),
+                "l2norm": flags.get("use_qk_l2norm_in_kernel", False),
+                "beta_sigmoid": flags.get("use_beta_sigmoid_in_kernel", False)}
+        o = _GDNStateCP.apply(q1, k1, v1, g1.float().contiguous(), b1.contiguous(), meta)
+    else:
+        ops = runtime.require_api("kda"), runtime.require_api("cp")
+        runtime.check_dtype("kda", q=q, k=k, v=v)
+        check_kda(q, v)
+        kmeta = kda_meta(q, scale=scale, output_final_state=False,
+                         use_qk_l2norm_in_kernel=flags.get("use_qk_l2norm_in_kernel", False),
+                         use_beta_sigmoid_in_kernel=flags.get("use_beta_sigmoid_in_kernel", False),
+                         use_gate_in_kernel=gate, lower_bound=flags.get("lower_bound"),
+                         safe_gate=flags.get("safe_gate", False), cu_seqlens=plan.local_cu_seqlens)
+        meta = {"ops": ops[0], "plan": plan, "ctx": ctx, "kda": kmeta}
+        A = None if A_log is None or not gate else A_log.float()
+        dtb = None if dt_bias is None or not gate else dt_bias.float()
+        o = _KDAStateCP.apply(q1, k1, v1, g1, b1, A, dtb, meta)
+    return o.view(B, T_loc, HV, V)
