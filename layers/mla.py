@@ -25,7 +25,6 @@ from typing import Optional, Union
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -69,6 +68,25 @@ def _process_groups(pg_collection, model_comm_pgs):
             from megatron.core.process_groups_config import ModelCommProcessGroups as Groups
         pgs = Groups.use_mpu_process_groups(required_pgs=["tp", "cp"])
     return pgs.tp, getattr(pgs, "cp", None)
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over TP (every TP rank's heads contribute).
+
+    megatron's ``copy_to_tensor_model_parallel_region`` reduces ``grad.contiguous()`` and returns the
+    unreduced gradient when it arrives non-contiguous, which happens here after the layout transposes.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def _group_size(group) -> int:
@@ -296,9 +314,9 @@ class MultiLatentAttention(MegatronModule):
         if sp:
             latent = gather_from_sequence_parallel_region(latent, group=self.tp_group)
         elif self.tp_size > 1:
-            latent = copy_to_tensor_model_parallel_region(latent, group=self.tp_group)
+            latent = _SumGradOverTP.apply(latent, self.tp_group)
         if self.tp_size > 1:
-            rope_key = copy_to_tensor_model_parallel_region(rope_key, group=self.tp_group)
+            rope_key = _SumGradOverTP.apply(rope_key, self.tp_group)
         return latent, rope_key
 
     def _gather_columns(self, x, width):
@@ -347,4 +365,121 @@ class MultiLatentAttention(MegatronModule):
                 state_dict[prefix + ours] = state_dict.pop(prefix + te)
 
 
-__all__ = ["MultiLatentAttention", "MLASelfAttentionSubmodules", "TE_CP_COMM_TYPES", "TE_NORM_NAMES"]
+def mla_submodules(backend: str = "eager") -> MLASelfAttentionSubmodules:
+    """Submodules without Transformer Engine: column/row-parallel linears, RMSNorm latents, and the
+    ``eager`` (torch SDPA) or ``npu`` (``torch_npu.npu_fusion_attention``) core attention."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    from layers.attention import CoreAttention, NPUCoreAttention
+    from layers.norm import RMSNorm
+
+    if backend not in ("eager", "npu"):
+        raise ValueError(f"MLA core-attention backend must be 'eager' or 'npu', got {backend!r}")
+    return MLASelfAttentionSubmodules(
+        linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
+        linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
+        linear_kv_up_proj=ColumnParallelLinear,
+        core_attention=CoreAttention if backend == "eager" else NPUCoreAttention,
+        linear_proj=RowParallelLinear, q_layernorm=RMSNorm, kv_layernorm=RMSNorm)
+
+
+def mla_module_spec(backend: str = "eager", **params) -> ModuleSpec:
+    """``ModuleSpec`` of ``MultiLatentAttention`` for a ``TransformerLayer``'s ``self_attention``."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    return ModuleSpec(module=MultiLatentAttention, params={"attn_mask_type": AttnMaskType.causal, **params},
+                      submodules=mla_submodules(backend))
+
+
+# -- transformers (DeepSeek-V3 / Kimi-Linear) state dicts ------------------------------------------------------
+# transformers name -> ours; q_b_proj/q_proj/kv_b_proj/o_proj are split over TP by heads.
+HF_TO_MLA = {
+    "q_proj.weight": "linear_q_proj.weight",
+    "q_a_proj.weight": "linear_q_down_proj.weight",
+    "q_a_layernorm.weight": "q_layernorm.weight",
+    "q_b_proj.weight": "linear_q_up_proj.weight",
+    "kv_a_proj_with_mqa.weight": "linear_kv_down_proj.weight",
+    "kv_a_layernorm.weight": "kv_layernorm.weight",
+    "kv_b_proj.weight": "linear_kv_up_proj.weight",
+    "o_proj.weight": "linear_proj.weight",
+    "o_proj.bias": "linear_proj.bias",
+}
+
+
+def _rope_to_interleaved(dim: int) -> torch.Tensor:
+    """Row order turning transformers' half-split rotary channels into interleaved pairs (ours)."""
+    half = torch.arange(dim // 2)
+    return torch.stack((half, half + dim // 2), dim=1).reshape(-1)
+
+
+def _permute_rope_rows(weight, groups, group_width, pe, order):
+    """Reorder the last ``pe`` rows of each of ``groups`` row groups of width ``group_width``."""
+    rows = weight.reshape(groups, group_width, -1).clone()
+    rows[:, group_width - pe:] = rows[:, group_width - pe:][:, order]
+    return rows.reshape(weight.shape)
+
+
+def _tp_slice(name, tensor, tp_rank, tp_size):
+    if tp_size == 1:
+        return tensor
+    if name in ("linear_q_proj.weight", "linear_q_up_proj.weight", "linear_kv_up_proj.weight",
+                "linear_q_down_proj.weight", "linear_kv_down_proj.weight"):
+        return tensor.chunk(tp_size, dim=0)[tp_rank].clone()
+    if name == "linear_proj.weight":
+        return tensor.chunk(tp_size, dim=1)[tp_rank].clone()
+    return tensor
+
+
+def mla_state_dict_from_hf(hf_state: dict, config, *, rope_interleave: bool = True, tp_rank: int = 0,
+                           tp_size: int = 1) -> dict:
+    """Our (TP-rank ``tp_rank``) state dict from a transformers ``DeepseekV3Attention`` /
+    ``KimiLinearAttention`` state dict (keys relative to the attention module).
+
+    ``rope_interleave=False`` (transformers' half-split rotary layout) reorders the rotary rows of the
+    query and shared-key projections into megatron's interleaved pairs. Biases other than ``o_proj``'s
+    are rejected (megatron's MLA has none).
+    """
+    unknown = sorted(k for k in hf_state if k not in HF_TO_MLA)
+    if unknown:
+        raise ValueError(f"unsupported transformers MLA parameters {unknown} (attention_bias on the latent "
+                         "projections has no megatron counterpart)")
+    pe, q_dim = config.qk_pos_emb_head_dim, config.qk_head_dim + config.qk_pos_emb_head_dim
+    out = {}
+    for hf_name, tensor in hf_state.items():
+        name = HF_TO_MLA[hf_name]
+        tensor = tensor.detach()
+        if not rope_interleave and config.qk_pos_emb_head_dim:
+            order = _rope_to_interleaved(pe)
+            if name in ("linear_q_proj.weight", "linear_q_up_proj.weight"):
+                tensor = _permute_rope_rows(tensor, config.num_attention_heads, q_dim, pe, order)
+            elif name == "linear_kv_down_proj.weight":
+                tensor = _permute_rope_rows(tensor, 1, tensor.shape[0], pe, order)
+        out[name] = _tp_slice(name, tensor, tp_rank, tp_size)
+    return out
+
+
+def mla_state_dict_to_hf(state: dict, config, *, rope_interleave: bool = True) -> dict:
+    """Inverse of :func:`mla_state_dict_from_hf` for a TP=1 state dict (TE norm names accepted)."""
+    back = {v: k for k, v in HF_TO_MLA.items()}
+    for ours, te in TE_NORM_NAMES.items():
+        back[te] = back[ours]
+    pe, q_dim = config.qk_pos_emb_head_dim, config.qk_head_dim + config.qk_pos_emb_head_dim
+    inverse = torch.argsort(_rope_to_interleaved(pe)) if pe else None
+    out = {}
+    for name, tensor in state.items():
+        if name not in back:
+            if name.endswith("_extra_state"):
+                continue
+            raise ValueError(f"parameter {name!r} has no transformers counterpart")
+        tensor = tensor.detach()
+        if not rope_interleave and pe:
+            if name in ("linear_q_proj.weight", "linear_q_up_proj.weight"):
+                tensor = _permute_rope_rows(tensor, config.num_attention_heads, q_dim, pe, inverse)
+            elif name == "linear_kv_down_proj.weight":
+                tensor = _permute_rope_rows(tensor, 1, tensor.shape[0], pe, inverse)
+        out[back[name]] = tensor
+    return out
+
+
+__all__ = ["MultiLatentAttention", "MLASelfAttentionSubmodules", "mla_submodules", "mla_module_spec",
+           "mla_state_dict_from_hf", "mla_state_dict_to_hf", "HF_TO_MLA", "TE_CP_COMM_TYPES", "TE_NORM_NAMES"]
