@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.transformer.transformer_layer import (TransformerLayer, TransformerLayerSubmodules,
@@ -29,6 +29,9 @@ class HybridLayerSubmodules:
     """One ``TransformerLayerSubmodules`` per pattern symbol, e.g. ``{"K": kda_layer, "M": mla_layer}``."""
 
     layer_types: Dict[str, TransformerLayerSubmodules] = field(default_factory=dict)
+    # symbols whose mixer computes its own positions (MLA): the model's rotary tables are not passed to them,
+    # so patterns may mix MLA with RoPE attention layers
+    own_positions: Tuple[str, ...] = ()
 
 
 def validate_pattern(pattern: str, symbols) -> str:
@@ -71,6 +74,9 @@ def stage_layer_offset(config, vp_stage=None, pg_collection=None, model_comm_pgs
     return get_transformer_layer_offset(config, vp_stage)
 
 
+_ROTARY_KWARGS = ("rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin")
+
+
 class HybridLayer(TransformerLayer):
     """``TransformerLayer`` built from the pattern symbol of its global layer number.
 
@@ -83,12 +89,25 @@ class HybridLayer(TransformerLayer):
                  pattern: Optional[str] = None, **kwargs):
         if not isinstance(submodules, HybridLayerSubmodules):
             raise TypeError(f"HybridLayer needs HybridLayerSubmodules, got {type(submodules).__name__}")
+        if pattern is None:
+            pattern = getattr(config, "hp_layer_pattern", None)
+            if pattern is None:
+                raise ValueError("HybridLayer without a pattern reads config.hp_layer_pattern (--hp-layer-pattern), "
+                                 "which is not set")
         pattern = validate_pattern(pattern, submodules.layer_types)
         offset = stage_layer_offset(config, kwargs.get("vp_stage"), kwargs.get("pg_collection"),
                                     kwargs.get("model_comm_pgs"), kwargs.get("pp_layer_offset"))
         self.layer_symbol = symbol_for_layer(pattern, layer_number + offset)
         self.layer_pattern = pattern
+        self.drops_rotary = self.layer_symbol in submodules.own_positions
         super().__init__(config, submodules.layer_types[self.layer_symbol], layer_number, *args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        if self.drops_rotary:
+            for name in _ROTARY_KWARGS:
+                if kwargs.get(name) is not None:
+                    kwargs[name] = None
+        return super().forward(*args, **kwargs)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         """Per-layer checkpoint keys (``<prefix><global index>.``) instead of the stacked layer axis."""

@@ -12,7 +12,7 @@ reference gradients for every input, including the in-kernel gate parameters and
 
 ``make_problem`` builds well-conditioned random problems for the tests: keys are l2-normalised (in the op
 or here) so that ``b ||k||^2 <= 1`` keeps the recurrence stable; ``forget`` picks the decay regime:
-"strong" (about -5 per step), "weak" (about -0.01), "mixed".
+"strong" (about -5 per step), "very_strong" (about -16), "weak" (about -0.01), "mixed" (about -0.15).
 """
 from __future__ import annotations
 
@@ -174,15 +174,19 @@ def make_problem(kind, *, B=1, T=16, H=1, HV=1, K=8, V=8, cu_seqlens=None, forge
     t = {}
     if gate_in_kernel:
         g = randn(*gshape)
-        strong = forget == "strong"
+        strong = forget in ("strong", "very_strong")
         if A_log:
-            # strong: exp(A_log) ~ 3.5 times softplus(g + ~1) ~ 1.4 gives g about -5 per step
-            base, spread = (math.log(3.5), 0.2) if strong else (0.0, 0.5)
+            # strong: exp(A_log) ~ 3.5 times softplus(g + ~1) ~ 1.4 gives g about -5 per step;
+            # weak: 0.08 times softplus(g - 2) ~ 0.15 gives about -0.01; otherwise about -0.15
+            base, spread = {"strong": (math.log(3.5), 0.2), "very_strong": (math.log(12.0), 0.2),
+                            "weak": (math.log(0.08), 0.2)}.get(forget, (0.0, 0.5))
             t["A_log"] = base + spread * randn(HV) if lower_bound is None else 0.5 * randn(HV)
         if dt_bias:
             t["dt_bias"] = (1.0 if strong else -2.0) + 0.5 * randn(HV if kind == "gdn" else HV * K)
     elif forget == "strong":
         g = -(5.0 + 0.5 * rand(*gshape))
+    elif forget == "very_strong":
+        g = -(15.0 + 2.0 * rand(*gshape))
     elif forget == "weak":
         g = -0.01 * (0.5 + rand(*gshape))
     else:

@@ -190,7 +190,8 @@ def test_conv_matches_eager(case):
 
 
 # ------------------------------------------------------------------------------------------- CP (gloo)
-# Methods of the CP engine; hybrid = Ulysses(2) x p2p. P=4, H=4 and HV=8 (GVA) so Ulysses divides the heads.
+# Methods of the CP engine; hybrid = Ulysses(2) x p2p. P=4; the benchmark's H=16, K=V=128, so the kernels compiled
+# here (local pass, V+K wide summaries, Ulysses head slices) are reused by benchmarks/gpu_layers.py section (e).
 CP_METHODS = [
     ("p2p", {}), ("allgather", {}), ("grouped_allgather_p2p", {"group_size": 2}), ("recursive_doubling", {}),
     ("ulysses", {}), ("hybrid_ulysses2_p2p", {"ulysses_degree": 2}),
@@ -201,7 +202,7 @@ CP_LAYOUTS = [
     ("zigzag_thd", "zigzag", 1, 512, [0, 128, 384, 512]),
     ("contiguous_thd", "contiguous", 1, 512, [0, 100, 420, 512]),
 ]
-CP_PROBLEM = dict(H=4, HV=8, K=64, V=64, l2norm_in_kernel=True, beta_sigmoid=True, gate_in_kernel=True)
+CP_PROBLEM = dict(H=16, HV=16, K=128, V=128, l2norm_in_kernel=True, beta_sigmoid=True, gate_in_kernel=True)
 
 
 def _cp_cases():
@@ -279,33 +280,104 @@ def cp_conv_case(rank, world, layout_name, method, opts, backend, device, dtype,
             "dx": rel_err(_allreduce_cpu(gx), gx_ref.cpu()), "dweight": rel_err(_allreduce_cpu(gw), gw_ref.cpu())}
 
 
+class _Done:
+    """Work handle of a collective that already completed (the staged copies below are synchronous)."""
+
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _on_device(t) -> bool:
+    return t.device.type != "cpu"
+
+
+def _stage_through_host(fn):
+    """Wrap ``fn(output, input, ...)``: gloo moves only CPU tensors, so CUDA tensors go through host copies."""
+    def staged(output, input, *args, async_op=False, **kwargs):
+        if not (_on_device(output) or _on_device(input)):
+            return fn(output, input, *args, async_op=async_op, **kwargs)
+        host = output.detach().cpu()
+        fn(host, input.detach().cpu(), *args, async_op=False, **kwargs)
+        output.copy_(host)
+        return _Done() if async_op else None
+    return staged
+
+
+def _staged_batch_isend_irecv(original):
+    def staged(ops):
+        if not any(_on_device(op.tensor) for op in ops):
+            return original(ops)
+        host_ops, copies = [], []
+        for op in ops:
+            buf = op.tensor.detach().cpu()
+            if op.op is dist.irecv:
+                copies.append((op.tensor, buf))
+            host_ops.append(dist.P2POp(op.op, buf, op.peer, op.group, op.tag))
+        for work in original(host_ops):
+            work.wait()
+        for target, buf in copies:
+            target.copy_(buf)
+        return [_Done()]
+    return staged
+
+
+def install_gloo_cuda_staging():
+    """P gloo processes share one GPU (NCCL refuses two ranks on one device); gloo's collectives take CPU
+    tensors only, so the ones the CP engine uses stage CUDA tensors through host memory in these tests.
+    Must run before ``layers.cp`` is imported (it binds some of these functions at import)."""
+    import sys
+
+    if "layers.cp.collectives" in sys.modules:
+        raise RuntimeError("install_gloo_cuda_staging() must run before layers.cp.collectives is imported")
+    for name in ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
+                 "all_to_all_single"):
+        if hasattr(dist, name):
+            setattr(dist, name, _stage_through_host(getattr(dist, name)))
+    dist.batch_isend_irecv = _staged_batch_isend_irecv(dist.batch_isend_irecv)
+
+
 def cp_worker(rank, world, backend="triton", device="cuda", dtype=torch.bfloat16):
     """All CP cases in one spawn; per case a dict of errors, {"skipped": why} or {"error": traceback}."""
     if device == "cuda":
         torch.cuda.set_device(0)  # P processes share the one GPU
+        install_gloo_cuda_staging()
     gdn_blocker = None
     if backend == "triton":
         from layers.ops.triton.runtime import gdn_backward_blocker
 
         gdn_blocker = gdn_backward_blocker(torch.device(device, 0))
     results = {}
+    log = os.environ.get("HP_GPU_CP_LOG") if rank == 0 else None  # per-case lines survive a timeout
+
+    def record(key, value):
+        results[key] = value
+        if log:
+            import json
+            import time
+
+            with open(log, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"case": key, "t": round(time.monotonic(), 1), **value}) + "\n")
+
     for kind, layout_name, method, opts in _cp_cases():
         key = f"{kind}-{layout_name}-{method}"
         if kind == "gdn" and gdn_blocker:
-            results[key] = {"skipped": gdn_blocker}
+            record(key, {"skipped": gdn_blocker})
             continue
         try:
-            results[key] = cp_case(rank, world, kind, layout_name, method, opts, backend, device, dtype)
+            record(key, cp_case(rank, world, kind, layout_name, method, opts, backend, device, dtype))
         except Exception:  # noqa: BLE001 - reported per case; ranks stay in lockstep (same cases, same order)
-            results[key] = {"error": traceback.format_exc()}
+            record(key, {"error": traceback.format_exc()})
             dist.barrier()
     for layout_name, *_ in CP_LAYOUTS:
         for method, opts in (("p2p", {}), ("allgather", {}), ("ulysses", {})):
             key = f"conv-{layout_name}-{method}"
             try:
-                results[key] = cp_conv_case(rank, world, layout_name, method, opts, backend, device, dtype)
+                record(key, cp_conv_case(rank, world, layout_name, method, opts, backend, device, dtype))
             except Exception:  # noqa: BLE001
-                results[key] = {"error": traceback.format_exc()}
+                record(key, {"error": traceback.format_exc()})
                 dist.barrier()
     return results
 

@@ -49,7 +49,11 @@ class BPETokenizer:
 
         if not os.path.exists(path):
             raise FileNotFoundError(f"tokenizer file {path} not found; run examples/pretrain/prepare_data.py")
+        import hashlib
+
         self._tok = Tokenizer.from_file(path)
+        with open(path, "rb") as f:  # GPTDataset hashes this into its index-cache file names
+            self.unique_identifiers = {"class": type(self).__name__, "sha256": hashlib.sha256(f.read()).hexdigest()}
         self.vocab_size = self._tok.get_vocab_size()
         self.eod = self._tok.token_to_id(EOD)
         self.pad = self._tok.token_to_id(PAD)

@@ -21,9 +21,10 @@ from hp_megatron.specs.providers import get_spec_provider
 
 MIXERS = ("gdn", "kda", "mla", "attn")
 SYMBOLS = {"G": "gdn", "K": "kda", "M": "mla", "A": "attn"}
+OWN_POSITIONS = ("M",)  # MLA applies its own rotary embedding (or none); G/K ignore positions
 
 
-def _attention_spec(provider, qk_layernorm: bool) -> ModuleSpec:
+def _attention_spec(provider, qk_layernorm: bool, cp_layout) -> ModuleSpec:
     norm = provider.layer_norm(rms_norm=True, for_qk=True) if qk_layernorm else IdentityOp
     return ModuleSpec(
         module=SelfAttention,
@@ -31,7 +32,8 @@ def _attention_spec(provider, qk_layernorm: bool) -> ModuleSpec:
         submodules=SelfAttentionSubmodules(
             linear_qkv=provider.column_parallel_linear(),
             core_attention=ModuleSpec(module=provider.core_attention(),
-                                      params={"backend": provider.attention_backend}),
+                                      params={"backend": provider.attention_backend,
+                                              **({} if cp_layout is None else {"layout": cp_layout})}),
             linear_proj=provider.row_parallel_linear(),
             q_layernorm=norm,
             k_layernorm=norm,
@@ -39,38 +41,40 @@ def _attention_spec(provider, qk_layernorm: bool) -> ModuleSpec:
     )
 
 
-def _delta_mixer_spec(mixer: str, provider) -> ModuleSpec:
+def _delta_mixer_spec(mixer: str, provider, cp_layout) -> ModuleSpec:
     from layers.delta_mixer import DeltaMixerSubmodules
+    from layers.gdn import GatedDeltaNet
+    from layers.kda import KimiDeltaAttention
 
-    if mixer == "gdn":
-        from layers.gdn import GatedDeltaNet as module
-    else:
-        from layers.kda import KimiDeltaAttention as module
+    params = {"backend": provider.mixer_backend}
+    if cp_layout is not None:
+        params["cp_layout"] = cp_layout
     return ModuleSpec(
-        module=module,
-        params={"backend": provider.mixer_backend},
+        module=GatedDeltaNet if mixer == "gdn" else KimiDeltaAttention,
+        params=params,
         submodules=DeltaMixerSubmodules(
             in_proj=provider.column_parallel_linear(),
-            out_norm=provider.layer_norm(rms_norm=True),
+            out_norm=provider.gated_norm(),
             out_proj=provider.row_parallel_linear(),
         ),
     )
 
 
-def _mla_spec(provider) -> ModuleSpec:
-    from layers.mla import MLASubmodules, MultiLatentAttention
+def _mla_spec(provider, cp_layout) -> ModuleSpec:
+    from layers.mla import MLASelfAttentionSubmodules, MultiLatentAttention
 
     norm = provider.layer_norm(rms_norm=True, for_qk=True)
     column, row = provider.column_parallel_linear(), provider.row_parallel_linear()
     return ModuleSpec(
         module=MultiLatentAttention,
-        params={"attention_backend": provider.attention_backend},
-        submodules=MLASubmodules(
+        params={"attn_mask_type": AttnMaskType.causal, **({} if cp_layout is None else {"cp_layout": cp_layout})},
+        submodules=MLASelfAttentionSubmodules(
             linear_q_proj=column,
             linear_q_down_proj=column,
             linear_q_up_proj=column,
             linear_kv_down_proj=column,
             linear_kv_up_proj=column,
+            core_attention=provider.latent_core_attention(),
             linear_proj=row,
             q_layernorm=norm,
             kv_layernorm=norm,
@@ -78,26 +82,30 @@ def _mla_spec(provider) -> ModuleSpec:
     )
 
 
-def get_mixer_spec(mixer: str, backend="eager", *, qk_layernorm: bool = False, linear: str = "local") -> ModuleSpec:
-    """The ``self_attention`` spec of one mixer (``gdn | kda | mla | attn``) for a backend or provider."""
+def get_mixer_spec(mixer: str, backend="eager", *, qk_layernorm: bool = False, linear: str = "local",
+                   cp_layout: str | None = None) -> ModuleSpec:
+    """The ``self_attention`` spec of one mixer (``gdn | kda | mla | attn``) for a backend or provider.
+
+    ``cp_layout`` (``zigzag | contiguous``) is written into the mixer's params; None leaves the mixer's own
+    default (config ``delta_cp_layout`` for GDN/KDA, zigzag otherwise)."""
     if mixer not in MIXERS:
         raise ValueError(f"mixer must be one of {MIXERS}, got {mixer!r}")
     provider = get_spec_provider(backend, linear=linear)
     if mixer == "attn":
-        return _attention_spec(provider, qk_layernorm)
+        return _attention_spec(provider, qk_layernorm, cp_layout)
     if mixer == "mla":
-        return _mla_spec(provider)
-    return _delta_mixer_spec(mixer, provider)
+        return _mla_spec(provider, cp_layout)
+    return _delta_mixer_spec(mixer, provider, cp_layout)
 
 
-def get_layer_submodules(mixer: str, backend="eager", *, qk_layernorm: bool = False,
-                         linear: str = "local") -> TransformerLayerSubmodules:
+def get_layer_submodules(mixer: str, backend="eager", *, qk_layernorm: bool = False, linear: str = "local",
+                         cp_layout: str | None = None) -> TransformerLayerSubmodules:
     """Pre-norm residual layer: RMSNorm -> mixer -> residual, RMSNorm -> MLP -> residual."""
     provider = get_spec_provider(backend, linear=linear)
     norm = provider.layer_norm(rms_norm=True)
     return TransformerLayerSubmodules(
         input_layernorm=norm,
-        self_attention=get_mixer_spec(mixer, provider, qk_layernorm=qk_layernorm),
+        self_attention=get_mixer_spec(mixer, provider, qk_layernorm=qk_layernorm, cp_layout=cp_layout),
         self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=norm,
         mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=provider.column_parallel_linear(),
@@ -106,22 +114,26 @@ def get_layer_submodules(mixer: str, backend="eager", *, qk_layernorm: bool = Fa
     )
 
 
-def get_layer_spec(mixer: str, backend="eager", *, qk_layernorm: bool = False, linear: str = "local") -> ModuleSpec:
+def get_layer_spec(mixer: str, backend="eager", *, qk_layernorm: bool = False, linear: str = "local",
+                   cp_layout: str | None = None) -> ModuleSpec:
     """``ModuleSpec(TransformerLayer)`` whose ``self_attention`` is one mixer, for every layer of a model."""
     return ModuleSpec(module=TransformerLayer,
-                      submodules=get_layer_submodules(mixer, backend, qk_layernorm=qk_layernorm, linear=linear))
+                      submodules=get_layer_submodules(mixer, backend, qk_layernorm=qk_layernorm, linear=linear,
+                                                      cp_layout=cp_layout))
 
 
-def get_hybrid_layer_spec(pattern: str, backend="eager", *, qk_layernorm: bool = False,
-                          linear: str = "local") -> ModuleSpec:
+def get_hybrid_layer_spec(pattern: str | None, backend="eager", *, qk_layernorm: bool = False,
+                          linear: str = "local", cp_layout: str | None = None) -> ModuleSpec:
     """``ModuleSpec(HybridLayer)`` for a repeating layer pattern such as ``"KKKM"`` or ``"GGGA"``.
 
     Layer ``i`` (global, 1-based) gets the mixer of ``pattern[(i - 1) % len(pattern)]``, resolved when the
-    layer is built, so every pipeline / virtual-pipeline stage builds the right types.
+    layer is built, so every pipeline / virtual-pipeline stage builds the right types. ``pattern=None``
+    holds every symbol and reads the pattern from ``config.hp_layer_pattern`` (``--hp-layer-pattern``)
+    when the layers are built.
     """
-    validate_pattern(pattern, SYMBOLS)
+    symbols = sorted(SYMBOLS) if pattern is None else sorted(set(validate_pattern(pattern, SYMBOLS)))
     layer_types = {symbol: get_layer_submodules(SYMBOLS[symbol], backend, qk_layernorm=qk_layernorm,
-                                                linear=linear)
-                   for symbol in sorted(set(pattern))}
+                                                linear=linear, cp_layout=cp_layout)
+                   for symbol in symbols}
     return ModuleSpec(module=HybridLayer, params={"pattern": pattern},
-                      submodules=HybridLayerSubmodules(layer_types=layer_types))
+                      submodules=HybridLayerSubmodules(layer_types=layer_types, own_positions=OWN_POSITIONS))

@@ -76,7 +76,20 @@ class _HPSpecProvider(BackendSpecProvider):
         return RMSNorm
 
     def core_attention(self) -> type:
+        """Core attention of standard attention layers (megatron ``SelfAttention``'s interface)."""
         return ContextParallelDotProductAttention
+
+    def latent_core_attention(self) -> type:
+        """Core attention of ``layers.MultiLatentAttention`` (unequal q/k and v head dims)."""
+        from layers.attention import CoreAttention, NPUCoreAttention
+
+        return NPUCoreAttention if self.attention_backend == "npu" else CoreAttention
+
+    def gated_norm(self) -> type:
+        """Output norm of the GDN/KDA mixers (RMSNorm times the activated gate)."""
+        from layers.norm import GatedRMSNorm
+
+        return GatedRMSNorm
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool
                             ) -> Tuple[type, Optional[MLPSubmodules]]:

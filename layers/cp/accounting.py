@@ -99,3 +99,68 @@ def current_phase() -> str:
     import torch
 
     return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
+# -- closed forms (docs/cp.md) --------------------------------------------------------------------------------
+def _powers_upto(i: int) -> int:
+    """Number of powers of two <= i (0 for i <= 0)."""
+    return i.bit_length() if i > 0 else 0
+
+
+def state_scan_comm(method: str, layout: str, world_size: int, rank: int, *, num_chains: int, heads: int,
+                    k_dim: int, v_dim: int, group_size: int | None = None, phase: str = "forward",
+                    element_size: int = 4) -> dict:
+    """Closed-form bytes_sent, bytes_received and steps of one ``exclusive_scan`` on ``rank``.
+
+    s = D*HV*K*V*e bytes (one running state), m = D*HV*K*(K+V)*e (one position's map [M | E]),
+    n = 2 (zigzag) or 1 (contiguous) own positions, L = n*P, nb(i) = number of powers of two <= i:
+
+    * p2p: steps = L - 1 - (n - 1) = owner changes (2(P-1) zigzag, P-1 contiguous); zigzag rank r sends and
+      receives ([r>0] + [r<P-1]) s; contiguous forward receives s if r > 0 and sends s if r < P-1 (mirrored
+      in backward).
+    * allgather: 1 step; (P-1) n m sent and received.
+    * grouped_allgather_p2p (g | P, G = P/g, group q = r // g): (g-1) n m for the all-gather plus the p2p terms
+      of ``p2p`` with (G, q) for (P, r); steps = [g>1] + (2(G-1) zigzag, G-1 contiguous).
+    * recursive_doubling: ceil(log2 L) steps; zigzag: (nb(r) + nb(2P-1-r) - [r = P-1]) m sent and received;
+      contiguous forward: nb(r) m received, nb(P-1-r) m sent (mirrored in backward).
+    """
+    P, r = world_size, rank
+    n = 2 if layout == "zigzag" else 1
+    L = n * P
+    s = num_chains * heads * k_dim * v_dim * element_size
+    m = num_chains * heads * k_dim * (k_dim + v_dim) * element_size
+    if P == 1:
+        return {"bytes_sent": 0, "bytes_received": 0, "steps": 0}
+
+    def walk(nodes, node):                       # (sent, received, steps) of a state walking over nodes
+        if nodes == 1:
+            return 0, 0, 0
+        if layout == "zigzag":
+            k = (node > 0) + (node < nodes - 1)
+            return k * s, k * s, 2 * (nodes - 1)
+        first, last = (node == 0, node == nodes - 1) if phase == "forward" else (node == nodes - 1, node == 0)
+        return (0 if last else s), (0 if first else s), nodes - 1
+
+    if method == "allgather":
+        sent = recv = (P - 1) * n * m
+        steps = 1
+    elif method == "p2p":
+        sent, recv, steps = walk(P, r)
+    elif method == "grouped_allgather_p2p":
+        g = group_size
+        if g is None or P % g:
+            raise ValueError(f"group_size must divide P={P}, got {g}")
+        sent, recv, steps = walk(P // g, r // g)
+        sent += (g - 1) * n * m
+        recv += (g - 1) * n * m
+        steps += g > 1
+    elif method == "recursive_doubling":
+        steps = (L - 1).bit_length()             # ceil(log2 L)
+        if layout == "zigzag":
+            sent = recv = (_powers_upto(r) + _powers_upto(2 * P - 1 - r) - (r == P - 1)) * m
+        else:
+            i = r if phase == "forward" else P - 1 - r
+            sent, recv = _powers_upto(P - 1 - i) * m, _powers_upto(i) * m
+    else:
+        raise ValueError(f"unknown state method {method!r}")
+    return {"bytes_sent": int(sent), "bytes_received": int(recv), "steps": int(steps)}

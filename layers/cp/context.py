@@ -42,6 +42,8 @@ def _subgroup(global_ranks: tuple):
         return world
     key = (id(world), tuple(global_ranks))
     pg = _SUBGROUPS.get(key)
+    if pg is not None and pg not in getattr(dist.distributed_c10d, "_world").pg_map:
+        pg = None                                 # destroyed (e.g. the world was re-initialized)
     if pg is None:
         pg = dist.new_group(list(global_ranks), use_local_synchronization=True)
         _SUBGROUPS[key] = pg

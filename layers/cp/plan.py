@@ -136,8 +136,8 @@ def check_divisibility(world_size: int, layout: str, seq_len: int, cu_seqlens: t
                                  f"pairs violating it: {bad[:8]}")
     else:
         if seq_len % P != 0:
-            raise ValueError(f"contiguous layout needs the {'packed token count' if cu_seqlens is not None else 'sequence length'} "
-                             f"divisible by P={P} (CP size), got T={seq_len}")
+            what = "packed token count" if cu_seqlens is not None else "sequence length"
+            raise ValueError(f"contiguous layout needs the {what} divisible by P={P} (CP size), got T={seq_len}")
 
 
 @lru_cache(maxsize=256)

@@ -21,6 +21,9 @@ from layers.ops.summary import augmented_final_states
 
 def _state_passing(kind, impl, ctx, plan, q, k, v, g, beta, scale, flags):
     """Run on [B, T, ...] tensors laid out as the state-group ``plan`` describes."""
+    hook = getattr(impl, "state_passing_cp", None)
+    if hook is not None:   # a backend with native summary/merge kernels (Ascend C) runs its own decomposition
+        return hook(kind, ctx, plan, q, k, v, g, beta, scale=scale, flags=flags)
     B, T = q.shape[:2]
     HV, V, K = v.shape[2], v.shape[3], k.shape[3]
     flat = lambda x: x.reshape(1, B * T, *x.shape[2:])   # noqa: E731  pieces index flattened tokens

@@ -10,9 +10,11 @@ run on the NPU tensors (aten kernels through torch_npu) -- stated here and in do
 from __future__ import annotations
 
 from layers.ops.ascendc import runtime
-from layers.ops.ascendc.cp import state_passing_cp  # noqa: F401  (the CP engine's hook)
-from layers.ops.ascendc.gdn import chunk_gated_delta_rule  # noqa: F401
-from layers.ops.ascendc.kda import chunk_kda  # noqa: F401
+from layers.ops.ascendc.cp import state_passing_cp  # the CP engine's hook
+from layers.ops.ascendc.gdn import chunk_gated_delta_rule
+from layers.ops.ascendc.kda import chunk_kda
+
+__all__ = ["check_available", "chunk_gated_delta_rule", "chunk_kda", "causal_conv1d", "state_passing_cp"]
 
 
 def check_available() -> None:

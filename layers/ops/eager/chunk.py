@@ -33,7 +33,7 @@ def decayed_gram(a: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor, inclusiv
     a, b [..., C, K]; gamma [..., C] (scalar decay) or [..., C, K] (per channel). Returns [..., C, C].
     """
     if gamma.dim() == a.dim() - 1:
-        return (a @ b.transpose(-1, -2)) * _pair_exponent(gamma, gamma, inclusive).exp()
+        return (a @ b.transpose(-1, -2)) * _pair_exponent(gamma, gamma, inclusive).to(a.dtype).exp()
     return _channel_gram(a, b, gamma, inclusive)
 
 
@@ -48,7 +48,7 @@ def _channel_gram(a, b, gamma, inclusive):
     if C <= 4 or C % 4:
         keep = torch.ones(C, C, dtype=torch.bool, device=a.device).tril(0 if inclusive else -1)
         expo = (gamma[..., :, None, :] - gamma[..., None, :, :]).masked_fill(~keep[..., None], float("-inf"))
-        return (a[..., :, None, :] * b[..., None, :, :] * expo.exp()).sum(-1)
+        return (a[..., :, None, :] * b[..., None, :, :] * expo.to(a.dtype).exp()).sum(-1)
     s = C // 4
     diag = _channel_gram(a.unflatten(-2, (4, s)), b.unflatten(-2, (4, s)), gamma.unflatten(-2, (4, s)), inclusive)
     rows = []
@@ -57,8 +57,8 @@ def _channel_gram(a, b, gamma, inclusive):
         parts = []
         if blk:
             ref = gamma[..., blk * s - 1: blk * s, :]
-            a_ref = a[..., cur, :] * (gamma[..., cur, :] - ref).exp()
-            b_ref = b[..., : blk * s, :] * (ref - gamma[..., : blk * s, :]).exp()
+            a_ref = a[..., cur, :] * (gamma[..., cur, :] - ref).to(a.dtype).exp()
+            b_ref = b[..., : blk * s, :] * (ref - gamma[..., : blk * s, :]).to(a.dtype).exp()
             parts.append(a_ref @ b_ref.transpose(-1, -2))
         parts.append(diag[..., blk, :, :])
         if blk < 3:
@@ -70,11 +70,15 @@ def _channel_gram(a, b, gamma, inclusive):
 def _chunk_inputs(k, v, g, beta, layout):
     """Gather to chunks and build the WY quantities: (gamma, W, U, Kt, decay)."""
     kc, vc, bc = to_chunks(k, layout), to_chunks(v, layout), to_chunks(beta, layout)   # bc [n,HV,C]
-    gamma = to_chunks(g, layout).cumsum(2)                       # [n,HV,C] or [n,HV,C,K]
+    # gamma stays fp64: with strong decay it reaches -1e3 in a chunk, and differences of nearby tokens must
+    # keep their digits; each difference is cast to the compute dtype before exp.
+    dt = kc.dtype
+    gamma = to_chunks(g, layout).double().cumsum(2)              # [n,HV,C] or [n,HV,C,K]
     per_channel = gamma.dim() == 4
-    gexp = gamma.exp() if per_channel else gamma.exp()[..., None]
+    gexp = gamma.to(dt).exp() if per_channel else gamma.to(dt).exp()[..., None]
     g_last = gamma[:, :, -1:]                                    # [n,HV,1] or [n,HV,1,K]
-    tail = (g_last - gamma).exp() if per_channel else (g_last - gamma).exp()[..., None]
+    tail = (g_last - gamma).to(dt).exp()
+    tail = tail if per_channel else tail[..., None]
     A = bc[..., None] * decayed_gram(kc, kc, gamma, inclusive=False)
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
     rhs = torch.cat([bc[..., None] * kc * gexp, bc[..., None] * vc], dim=-1)
@@ -82,7 +86,7 @@ def _chunk_inputs(k, v, g, beta, layout):
     WU = torch.linalg.solve_triangular(A + eye, eye.expand_as(A), upper=False, unitriangular=True) @ rhs
     K = kc.shape[-1]
     W, U = WU[..., :K], WU[..., K:]
-    decay = g_last.squeeze(2).exp()
+    decay = g_last.squeeze(2).to(dt).exp()
     if not per_channel:
         decay = decay[..., None].expand(-1, -1, K)
     return kc, gamma, gexp, W, U, kc * tail, decay

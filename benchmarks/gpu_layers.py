@@ -1,0 +1,552 @@
+"""GPU benchmark for the triton backend: fwd+bwd tokens/s and peak memory on one NVIDIA GPU.
+
+Sections (bf16, H=16 heads, K=V=128; shapes B1 T16384 and B8 T4096 unless --shapes says otherwise):
+  a  flash-linear-attention's bare ops (chunk_gated_delta_rule, chunk_kda), layer-like flags
+  b  our ops (layers.ops, backend="triton") with the same flags
+  c  our GDN / KDA layers (hp_megatron specs, backend="triton") at hidden 2048
+  d  FLA's GatedDeltaNet / KimiDeltaAttention layers and megatron-core's GatedDeltaNet at hidden 2048
+  e  per-rank cost of each CP method, P = 2, 4, 8 ranks simulated on one GPU: one process plays rank r of a
+     P-rank "fake" process group (torch's fake backend: collectives move no data), so the time is the
+     rank's real compute (local pass, summaries, scan folds, Ulysses re-layouts) without communication;
+     the bytes each rank would send come from the CP engine's CommStats.
+Every measurement is wrapped in try/except: an error is recorded in its row, never aborts the run.
+
+Outputs: ``--out DIR`` gets ``gpu_layers.json`` and ``gpu_layers.md``; ``--docs FILE`` replaces the section
+between ``<!-- gpu:begin -->`` and ``<!-- gpu:end -->`` (appended when absent). Re-render on any machine with
+``python benchmarks/gpu_layers.py --render DIR/gpu_layers.json --docs docs/benchmarks.md``.
+Run on the GPU through ``benchmarks/gpu_check.sh`` (installs the carried wheels, warms one shape set).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # before benchmarks/, whose layers.py would shadow the package
+
+BEGIN, END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
+H, K, V, HIDDEN = 16, 128, 128, 2048
+KDA_LOWER_BOUND = -5.0
+SECTIONS = {
+    "a": "FLA bare ops",
+    "b": "our ops (backend='triton')",
+    "c": "our layers (backend='triton', hidden 2048)",
+    "d": "reference layers (FLA, megatron-core; hidden 2048)",
+    "e": "CP per-rank cost, P ranks simulated on one GPU (compute only)",
+}
+CP_METHODS = (("p2p", {}), ("allgather", {}), ("grouped_allgather_p2p", {"group_size": 2}),
+              ("recursive_doubling", {}), ("ulysses", {}))
+
+
+# ------------------------------------------------------------------------------------------ measuring
+class Budget:
+    def __init__(self, seconds: float):
+        self.deadline = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def _short_error(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".replace("\n", " ").replace("|", "/")
+    return text[:300]
+
+
+def measure(build, tokens: int, iters: int, warmup: int = 1) -> dict:
+    """``build()`` returns ``step()`` doing one fwd+bwd. Times ``iters`` steps with CUDA events after ``warmup``
+    steps (the first includes Triton autotuning). Peak memory is measured above what existed before build."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.monotonic()
+    step = build()
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    warm_s = time.monotonic() - t0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / iters
+    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    del step
+    return {"ms": round(ms, 3), "tokens_per_s": round(tokens / ms * 1e3), "peak_mib": round(peak, 1),
+            "warmup_s": round(warm_s, 1)}
+
+
+def run_row(rows, budget, section, name, shape, build, tokens, iters, **info):
+    row = {"section": section, "name": name, "shape": shape, **info}
+    if budget.left() <= 0:
+        row["error"] = "not run: time budget exhausted"
+    else:
+        try:
+            row.update(measure(build, tokens, iters))
+        except Exception as error:  # noqa: BLE001 - recorded in the table
+            row["error"] = _short_error(error)
+            row["traceback"] = traceback.format_exc()[-2000:]
+        finally:
+            torch.cuda.empty_cache()
+    rows.append(row)
+    status = row.get("error") or f"{row['ms']} ms, {row['tokens_per_s'] / 1e6:.2f} M tok/s, {row['peak_mib']} MiB"
+    print(f"[{section}] {name} {info.get('mode', '')} {shape}: {status}", flush=True)
+    return row
+
+
+# --------------------------------------------------------------------------------------------- inputs
+def op_inputs(kind: str, B: int, T: int, heads: int = H, device="cuda"):
+    """Layer-like op inputs (raw gate and beta; gate, beta sigmoid and q/k l2norm inside the kernel)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    bf16 = torch.bfloat16
+
+    def randn(*shape, dtype=bf16):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype).requires_grad_()
+
+    t = {"q": randn(B, T, heads, K), "k": randn(B, T, heads, K), "v": randn(B, T, heads, V),
+         "beta": randn(B, T, heads)}
+    if kind == "gdn":
+        t["g"] = randn(B, T, heads)
+        t["A_log"] = torch.log(torch.linspace(1, 16, heads, device=device)).requires_grad_()
+        t["dt_bias"] = torch.zeros(heads, device=device).requires_grad_()
+    else:
+        t["g"] = randn(B, T, heads, K)
+        t["A_log"] = torch.zeros(heads, device=device).requires_grad_()
+        t["dt_bias"] = torch.zeros(heads * K, device=device).requires_grad_()
+    flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True)
+    if kind == "kda":
+        flags.update(safe_gate=True, lower_bound=KDA_LOWER_BOUND)
+    return t, flags
+
+
+def _op_step(fn, tensors, flags, mode="fwd+bwd"):
+    leaves = list(tensors.values())
+    do = torch.randn_like(tensors["v"])
+
+    def step():
+        if mode == "fwd":
+            with torch.no_grad():
+                fn(**tensors, **flags)
+            return
+        o, _ = fn(**tensors, **flags)
+        torch.autograd.grad(o, leaves, do)
+    return step
+
+
+# ------------------------------------------------------------------------------------------ sections
+def _op_fn(kind: str, which: str):
+    if which == "a":
+        if kind == "gdn":
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
+        else:
+            from fla.ops.kda import chunk_kda as fn
+        return fn
+    from layers.ops import chunk_gated_delta_rule, chunk_kda
+
+    fn = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
+    return lambda **kw: fn(**kw, backend="triton")
+
+
+def section_ops(rows, budget, shapes, iters, which):
+    """FLA's op (a) and ours (b), interleaved so a time-budget cut still leaves matched pairs; forward-only rows
+    first (GDN backward is refused on Hopper with triton < 3.7.1), then fwd+bwd."""
+    for mode in ("fwd", "fwd+bwd"):
+        for kind in ("gdn", "kda"):
+            op = "chunk_gated_delta_rule" if kind == "gdn" else "chunk_kda"
+            for B, T in shapes:
+                for section in which:
+                    def build(kind=kind, B=B, T=T, mode=mode, section=section):
+                        tensors, flags = op_inputs(kind, B, T)
+                        return _op_step(_op_fn(kind, section), tensors, flags, mode)
+                    name = ("fla." if section == "a" else "layers.ops.") + op
+                    run_row(rows, budget, section, name, f"B{B} T{T}", build, B * T, iters, kind=kind, mode=mode)
+
+
+_MEGATRON_READY = False
+
+
+def _init_megatron():
+    """Single-rank torch.distributed + megatron-core model parallel state (TP = PP = CP = 1)."""
+    global _MEGATRON_READY
+    if _MEGATRON_READY:
+        return
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(0)
+    _MEGATRON_READY = True
+
+
+def _megatron_config(kind: str):
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=H, ffn_hidden_size=4 * HIDDEN,
+        params_dtype=torch.bfloat16, bf16=True, normalization="RMSNorm", layernorm_epsilon=1e-5,
+        activation_func=F.silu, linear_conv_kernel_dim=4, linear_key_head_dim=K, linear_value_head_dim=V,
+        linear_num_key_heads=H, linear_num_value_heads=H, add_bias_linear=False,
+        gradient_accumulation_fusion=False, bias_dropout_fusion=False, hidden_dropout=0.0,
+        attention_dropout=0.0, use_cpu_initialization=False, perform_initialization=True,
+    )
+
+
+def _layer_step(layer, B, T, seq_first: bool, returns_tuple: bool, mode: str = "fwd+bwd"):
+    x = torch.randn(*((T, B) if seq_first else (B, T)), HIDDEN, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
+    params = [p for p in layer.parameters() if p.requires_grad]
+    dy = torch.randn_like(x)
+
+    def forward():
+        out = layer(x, None) if seq_first else layer(x)
+        return out[0] if returns_tuple else out
+
+    def step():
+        if mode == "fwd":
+            with torch.no_grad():
+                forward()
+            return
+        torch.autograd.grad(forward(), [x, *params], dy)
+    return step
+
+
+def build_our_layer(kind: str):
+    """Our GDN / KDA mixer from the hp_megatron spec for backend='triton' (self_attention of the layer spec)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.spec_utils import build_module
+
+    from hp_megatron.specs.layer_specs import get_mixer_spec
+
+    _init_megatron()
+    spec = get_mixer_spec(kind, "triton")
+    if kind == "kda":  # the same gate as FLA's KimiDeltaAttention below (safe_gate, lower_bound -5)
+        spec.params = {**(spec.params or {}), "safe_gate": True, "lower_bound": KDA_LOWER_BOUND}
+    config = _megatron_config(kind)
+    return build_module(spec, config=config, layer_number=1,
+                        pg_collection=ProcessGroupCollection.use_mpu_process_groups()).cuda()
+
+
+def _import_fla_layer(kind: str):
+    """FLA's layer class. ``fla.layers`` imports transformers (for unrelated layers); without it, load only the
+    two layer files through a bare ``fla.layers`` package so the comparison still runs."""
+    import importlib
+    import types
+
+    try:
+        importlib.import_module("fla.layers")
+    except ImportError:
+        import fla
+
+        if "fla.layers" not in sys.modules or not hasattr(sys.modules["fla.layers"], "__path__"):
+            package = types.ModuleType("fla.layers")
+            package.__path__ = [os.path.join(os.path.dirname(fla.__file__), "layers")]
+            sys.modules["fla.layers"] = package
+    module = importlib.import_module("fla.layers.gated_deltanet" if kind == "gdn" else "fla.layers.kda")
+    return module.GatedDeltaNet if kind == "gdn" else module.KimiDeltaAttention
+
+
+def build_fla_layer(kind: str):
+    cls = _import_fla_layer(kind)
+    if kind == "gdn":
+        layer = cls(hidden_size=HIDDEN, expand_v=1, head_dim=K, num_heads=H, mode="chunk", use_gate=True,
+                    use_short_conv=True, conv_size=4)
+    else:
+        layer = cls(hidden_size=HIDDEN, expand_v=1, head_dim=K, num_heads=H, use_short_conv=True, conv_size=4,
+                    safe_gate=True, lower_bound=KDA_LOWER_BOUND)
+    return layer.to(device="cuda", dtype=torch.bfloat16)
+
+
+def build_megatron_gdn():
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    _init_megatron()
+    submodules = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm,
+                                         out_proj=RowParallelLinear)
+    return GatedDeltaNet(_megatron_config("gdn"), submodules, layer_number=1,
+                         pg_collection=ProcessGroupCollection.use_mpu_process_groups()).cuda()
+
+
+def section_layers(rows, budget, shapes, iters, which):
+    if which == "c":
+        candidates = [("gdn", "hp layers.gdn.GatedDeltaNet", lambda: build_our_layer("gdn"), True, True),
+                      ("kda", "hp layers.kda.KimiDeltaAttention", lambda: build_our_layer("kda"), True, True)]
+    else:
+        candidates = [("gdn", "fla.layers.GatedDeltaNet", lambda: build_fla_layer("gdn"), False, True),
+                      ("kda", "fla.layers.KimiDeltaAttention", lambda: build_fla_layer("kda"), False, True),
+                      ("gdn", "megatron.core GatedDeltaNet", build_megatron_gdn, True, True)]
+    for mode in ("fwd", "fwd+bwd"):
+        for kind, name, make, seq_first, returns_tuple in candidates:
+            for B, T in shapes:
+                def build(make=make, B=B, T=T, seq_first=seq_first, returns_tuple=returns_tuple, mode=mode):
+                    return _layer_step(make(), B, T, seq_first, returns_tuple, mode)
+                run_row(rows, budget, which, name, f"B{B} T{T}", build, B * T, iters, kind=kind, mode=mode)
+
+
+def _fake_group(rank: int, world: int):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+
+
+def cp_step_builder(kind, method, opts, P, B, T, backend="triton", device="cuda", heads=H):
+    """``build()`` for rank 0 of a P-rank fake group: one fwd+bwd of the op on the rank's T/P tokens."""
+    from layers.cp import build_cp_context
+    from layers.ops import chunk_gated_delta_rule, chunk_kda
+
+    fn = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
+    info = {}
+
+    def build():
+        _fake_group(0, P)
+        ctx = build_cp_context(None, method=method, layout="zigzag", **opts)
+        tensors, flags = op_inputs(kind, B, T // P, heads=heads, device=device)  # the T/P tokens a rank holds
+        leaves = list(tensors.values())
+        do = torch.randn_like(tensors["v"])
+
+        def step():
+            o, _ = fn(**tensors, **flags, cp_context=ctx, backend=backend)
+            torch.autograd.grad(o, leaves, do)
+        ctx.stats.reset()
+        step()  # one recorded step: the per-rank traffic of a fwd+bwd
+        info["comm"] = _stats_summary(ctx.stats)
+        ctx.stats.enabled = False
+        return step
+    return build, info
+
+
+def section_cp(rows, budget, shape, iters, worlds):
+    """Per-rank fwd+bwd time of rank 0 of P (zigzag BSHD), compute only; ratio = time / (single-rank / P)."""
+    import torch.distributed as dist
+
+    B, T = shape
+    for kind in ("gdn", "kda"):
+        for P in worlds:
+            for method, opts in CP_METHODS:
+                if method == "grouped_allgather_p2p" and P <= 2:
+                    continue
+                build, info = cp_step_builder(kind, method, opts, P, B, T)
+                row = run_row(rows, budget, "e", f"{kind} {method}", f"B{B} T{T} P{P}", build, B * T // P, iters,
+                              kind=kind, P=P, method=method)
+                if info.get("comm"):
+                    row["comm"] = info["comm"]
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _stats_summary(stats) -> str:
+    """Bytes this rank sends and sequential steps, forward and backward, of the recorded step(s)."""
+    parts = []
+    for phase in ("forward", "backward"):
+        t = stats.totals(phase=phase)
+        parts.append(f"{phase[:3]} {t['bytes_sent'] / 2 ** 20:.2f} MiB sent / {t['steps']} steps")
+    return "; ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------- reporting
+def _fmt_row(row, columns):
+    cells = []
+    for col in columns:
+        value = row.get(col, "")
+        if col == "tokens_per_s" and value != "":
+            value = f"{value / 1e6:.2f} M"
+        cells.append(str(value))
+    return "| " + " | ".join(cells) + " |"
+
+
+def render_markdown(report: dict) -> str:
+    meta = report["meta"]
+    lines = [BEGIN, "## GPU: triton backend (benchmarks/gpu_layers.py)", "",
+             f"Measured {meta.get('date', '?')} on {meta.get('gpu', '?')}; torch {meta.get('torch', '?')}, "
+             f"triton {meta.get('triton', '?')}, flash-linear-attention {meta.get('fla', '?')}, "
+             f"megatron-core {meta.get('megatron_core', '?')}. Command: `{meta.get('command', '?')}`.",
+             "bf16, H=16, K=V=128, fwd+bwd, gate/beta/l2norm in kernel (KDA: safe_gate, lower_bound -5). "
+             "Peak memory is above the inputs. Errors are recorded, not hidden.", ""]
+    rows = report["rows"]
+    for key, title in SECTIONS.items():
+        section_rows = [r for r in rows if r["section"] == key]
+        if not section_rows:
+            continue
+        lines += [f"### ({key}) {title}", ""]
+        columns = ["name", "mode", "shape", "ms", "tokens_per_s", "peak_mib", "error"]
+        if key == "e":
+            columns = ["name", "shape", "ms", "ratio_to_ideal", "comm", "error"]
+        lines.append("| " + " | ".join(columns) + " |")
+        lines.append("|" + "---|" * len(columns))
+        lines += [_fmt_row(r, columns) for r in section_rows]
+        lines.append("")
+    goals = report.get("goals")
+    if goals:
+        lines += ["### Goals (issue 7)", ""] + [f"- {g}" for g in goals] + [""]
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def fill_ratios(rows) -> None:
+    """ratio_to_ideal = per-rank ms / (single-rank ms of our op at the same global shape / P), section e rows."""
+    single = {(r["kind"], r["shape"]): r["ms"] for r in rows
+              if r["section"] == "b" and r.get("mode") == "fwd+bwd" and "ms" in r}
+    for r in rows:
+        if r["section"] == "e" and "ms" in r:
+            base = single.get((r.get("kind"), r["shape"].rsplit(" P", 1)[0]))
+            if base:
+                r["ratio_to_ideal"] = round(r["ms"] / (base / r["P"]), 3)
+
+
+def evaluate_goals(rows) -> list[str]:
+    def find(section, name_part, shape, mode="fwd+bwd"):
+        for r in rows:
+            if (r["section"] == section and name_part in r["name"] and r["shape"] == shape and "ms" in r
+                    and r.get("mode", "fwd+bwd") == mode):
+                return r
+        return None
+
+    goals = []
+    for kind, op in (("gdn", "chunk_gated_delta_rule"), ("kda", "chunk_kda")):
+        for shape in sorted({r["shape"] for r in rows if r["section"] == "a"}):
+            for mode in ("fwd+bwd", "fwd"):
+                a, b = find("a", op, shape, mode), find("b", op, shape, mode)
+                if a and b:
+                    goals.append(f"{kind} ops {shape} {mode}: ours {b['ms']} ms vs FLA {a['ms']} ms "
+                                 f"({(b['ms'] / a['ms'] - 1) * 100:+.1f}%, goal <= +3%)")
+                    break
+            else:
+                goals.append(f"{kind} ops {shape}: not measured (see errors above)")
+    for shape in sorted({r["shape"] for r in rows if r["section"] == "c"}):
+        for mode in ("fwd+bwd", "fwd"):
+            ours, mcore = find("c", "GatedDeltaNet", shape, mode), find("d", "megatron", shape, mode)
+            if ours and mcore:
+                goals.append(f"GDN layer {shape} {mode}: ours {ours['ms']} ms vs megatron-core {mcore['ms']} ms "
+                             "(goal: <=)")
+                break
+        else:
+            goals.append(f"GDN layer {shape}: not measured (see errors above)")
+    for r in rows:
+        if r["section"] == "e" and r.get("P") == 8 and "ratio_to_ideal" in r:
+            goals.append(f"CP=8 {r['name']}: {r['ratio_to_ideal']} x ideal (goal <= 1.15)")
+    return goals
+
+
+def write_docs(markdown: str, docs: Path):
+    text = docs.read_text(encoding="utf-8") if docs.exists() else "# Benchmarks\n"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        _, tail = rest.split(END, 1)
+        text = head + markdown + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + markdown + "\n"
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    docs.write_text(text, encoding="utf-8")
+
+
+def _versions() -> dict:
+    meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        meta["gpu"] = torch.cuda.get_device_name(0)
+    for name, module in (("triton", "triton"), ("fla", "fla"), ("megatron_core", "megatron.core")):
+        try:
+            mod = __import__(module, fromlist=["__version__"])
+            meta[name] = getattr(mod, "__version__", "?")
+        except Exception as error:  # noqa: BLE001
+            meta[name] = f"unavailable ({type(error).__name__})"
+    return meta
+
+
+def parse_shapes(text: str):
+    shapes = []
+    for item in text.split(","):
+        b, t = item.strip().upper().lstrip("B").split("T")
+        shapes.append((int(b), int(t)))
+    return shapes
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", default="abcde")
+    parser.add_argument("--shapes", default="B1T16384,B8T4096")
+    parser.add_argument("--cp-shape", default="B1T16384")
+    parser.add_argument("--cp-worlds", default="2,4,8")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting measurements after this")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--docs", type=Path, default=None)
+    parser.add_argument("--render", type=Path, default=None, help="re-render a saved JSON into --docs; no GPU")
+    args = parser.parse_args(argv)
+
+    if args.render is not None:
+        report = json.loads(args.render.read_text(encoding="utf-8"))
+        markdown = render_markdown(report)
+        if args.docs:
+            write_docs(markdown, args.docs)
+        print(markdown)
+        return 0
+    if not torch.cuda.is_available():
+        print("gpu_layers.py needs a CUDA GPU (use --render to re-render saved results)", file=sys.stderr)
+        return 2
+
+    budget = Budget(args.budget_s)
+    shapes = parse_shapes(args.shapes)
+    rows: list[dict] = []
+    command = "python benchmarks/gpu_layers.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    report = {"meta": {**_versions(), "command": command.strip()}, "rows": rows}
+
+    def save():
+        fill_ratios(rows)
+        report["goals"] = evaluate_goals(rows)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "gpu_layers.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+            (args.out / "gpu_layers.md").write_text(render_markdown(report), encoding="utf-8")
+        if args.docs:
+            write_docs(render_markdown(report), args.docs)
+
+    groups = []
+    ops_sections = "".join(c for c in args.sections if c in "ab")
+    for section in args.sections:
+        if section in "ab":
+            if ops_sections and ops_sections not in groups:
+                groups.append(ops_sections)
+        else:
+            groups.append(section)
+    for section in groups:
+        try:
+            if section[0] in "ab":
+                section_ops(rows, budget, shapes, args.iters, section)
+            elif section in "cd":
+                section_layers(rows, budget, shapes, args.iters, section)
+            elif section == "e":
+                section_cp(rows, budget, parse_shapes(args.cp_shape)[0], args.iters,
+                           [int(p) for p in args.cp_worlds.split(",")])
+        except Exception as error:  # noqa: BLE001 - a whole section failed to set up
+            rows.append({"section": section[0], "name": f"section {section}", "shape": "-",
+                         "error": _short_error(error), "traceback": traceback.format_exc()[-2000:]})
+            print(f"[{section}] section failed: {_short_error(error)}", flush=True)
+        save()
+    print(render_markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

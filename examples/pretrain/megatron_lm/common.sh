@@ -1,0 +1,31 @@
+# Shared settings of the Megatron-LM launch scripts (sourced). Override any variable from the environment.
+: "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (git clone https://github.com/NVIDIA/Megatron-LM)}"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/../../.." && pwd)"
+export PYTHONPATH="$MEGATRON_LM:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+GPUS=${GPUS:-8}
+TP=${TP:-2}
+CP=${CP:-4}
+PP=${PP:-1}
+BACKEND=${BACKEND:-triton}            # eager | triton | ascendc (spec NAME suffix follows it)
+CP_METHOD=${CP_METHOD:-allgather}     # allgather | p2p | grouped_allgather_p2p | recursive_doubling | ulysses
+SEQ=${SEQ:-32768}
+DATA=${DATA:?set DATA to an indexed-dataset prefix (tools/preprocess_data.py output, without .bin/.idx)}
+TOKENIZER=${TOKENIZER:?set TOKENIZER to a HuggingFace tokenizer directory or name}
+CKPT=${CKPT:-checkpoints/$(basename "$0" .sh)}
+suffix() { case "$BACKEND" in eager) echo "";; *) echo "_$BACKEND";; esac; }
+COMMON_ARGS=(
+  --tensor-model-parallel-size "$TP" --context-parallel-size "$CP" --pipeline-model-parallel-size "$PP"
+  --sequence-parallel --use-distributed-optimizer
+  --seq-length "$SEQ" --max-position-embeddings "$SEQ"
+  --normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights
+  --attention-dropout 0 --hidden-dropout 0
+  --micro-batch-size 1 --global-batch-size "${GBS:-64}" --train-iters "${ITERS:-10000}"
+  --lr "${LR:-3e-4}" --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 200 --clip-grad 1.0
+  --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --bf16
+  --data-path "$DATA" --split 99,1,0 --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER"
+  --save "$CKPT" --load "$CKPT" --save-interval 500 --ckpt-format torch_dist
+  --log-interval 1 --eval-interval 1000 --eval-iters 10
+  --hp-backend "$BACKEND" --hp-cp-method "$CP_METHOD" --hp-cp-layout zigzag
+)

@@ -1,0 +1,127 @@
+"""Command-line flags for hp_megatron's layers and the config fields they become.
+
+Megatron-LM: ``pretrain(..., extra_args_provider=add_hp_arguments)`` adds the flags; then
+``apply_hp_config(config, args)`` copies them onto the ``TransformerConfig`` the model is built from
+(our layers read ``config.hp_*``; megatron-core ignores unknown attributes). The example
+``examples/pretrain/pretrain_hybrid.py`` uses the same two functions.
+"""
+from __future__ import annotations
+
+import argparse
+
+CP_METHODS = ("allgather", "p2p", "grouped_allgather_p2p", "recursive_doubling", "ulysses")
+CP_LAYOUTS = ("zigzag", "contiguous")
+MLA_CP_METHODS = ("latent", "latent_ulysses", "expanded_ulysses")
+BACKENDS = ("eager", "triton", "ascendc")
+
+
+def _positive(text):
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def add_hp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--hp-*`` flags (one argument group) and return the parser."""
+    g = parser.add_argument_group("hp_megatron (GDN / KDA / MLA layers)")
+    g.add_argument("--hp-layer-pattern", default=None,
+                   help="repeating layer pattern over the global layer numbers: G=GDN, K=KDA, M=MLA, A=attention "
+                        "(e.g. KKKM = Kimi Linear 3:1, GGGA = Qwen3-Next 3:1)")
+    g.add_argument("--hp-backend", choices=BACKENDS, default="eager",
+                   help="kernel backend of the GDN/KDA mixers: eager (PyTorch), triton (flash-linear-attention), "
+                        "ascendc (fla-npu)")
+    g.add_argument("--hp-linear", choices=("local", "te"), default="local",
+                   help="column/row-parallel linear classes: megatron-core's (local) or Transformer Engine's (te)")
+    g.add_argument("--hp-cp-method", choices=CP_METHODS, default="allgather",
+                   help="context-parallel method of the GDN/KDA layers")
+    g.add_argument("--hp-cp-layout", choices=CP_LAYOUTS, default="zigzag",
+                   help="token layout over CP ranks: zigzag (Megatron's load-balanced split) or contiguous")
+    g.add_argument("--hp-cp-group-size", type=_positive, default=None,
+                   help="group size g of the grouped_allgather_p2p method (divides the CP size)")
+    g.add_argument("--hp-ulysses-degree", type=_positive, default=None,
+                   help="hybrid CP: all-to-all over this many ranks, state passing across the rest")
+    g.add_argument("--hp-mla-cp", choices=MLA_CP_METHODS, default="latent",
+                   help="context-parallel strategy of the MLA layers")
+    g.add_argument("--hp-linear-num-key-heads", type=_positive, default=None,
+                   help="GDN/KDA query/key heads H (default: --num-attention-heads)")
+    g.add_argument("--hp-linear-num-value-heads", type=_positive, default=None,
+                   help="GDN/KDA value heads HV, a multiple of H (default: H)")
+    g.add_argument("--hp-linear-key-head-dim", type=_positive, default=None,
+                   help="GDN/KDA key head dim K (default: hidden / heads)")
+    g.add_argument("--hp-linear-value-head-dim", type=_positive, default=None,
+                   help="GDN/KDA value head dim V (default: K)")
+    g.add_argument("--hp-linear-conv-kernel-dim", type=_positive, default=4, help="short convolution width")
+    g.add_argument("--hp-kda-lower-bound", type=float, default=None,
+                   help="KDA gate lower bound (negative; enables the safe gate)")
+    g.add_argument("--hp-kda-gate-low-rank-dim", type=_positive, default=None,
+                   help="KDA forget/output-gate low-rank dim (default: the value head dim, as Kimi Linear)")
+    g.add_argument("--hp-kda-safe-gate", action="store_true", help="KDA safe gate (needs a lower bound in [-5, 0))")
+    g.add_argument("--hp-mla-q-lora-rank", type=_positive, default=None, help="MLA query LoRA rank (None: no q down-proj)")
+    g.add_argument("--hp-mla-kv-lora-rank", type=_positive, default=None, help="MLA KV latent rank (default hidden/2)")
+    g.add_argument("--hp-mla-qk-head-dim", type=_positive, default=None, help="MLA no-rope q/k head dim")
+    g.add_argument("--hp-mla-qk-pos-emb-head-dim", type=_positive, default=None, help="MLA rope q/k head dim")
+    g.add_argument("--hp-mla-v-head-dim", type=_positive, default=None, help="MLA value head dim")
+    g.add_argument("--hp-mla-rope-type", choices=("rope", "yarn", "none"), default="rope",
+                   help="MLA rotary embedding (none = NoPE, as Kimi Linear's MLA layers)")
+    return parser
+
+
+def hp_config_from_args(args) -> dict:
+    """``{config attribute: value}`` that our layers read, from parsed args (defaults from the model size).
+
+    GDN/KDA read megatron-core 0.16's ``linear_*`` names and our ``delta_*`` / ``kda_*`` names; MLA reads
+    ``MLATransformerConfig``'s names and ``mla_cp_strategy``; ``HybridLayer`` reads ``hp_layer_pattern``.
+    """
+    heads, hidden = args.num_attention_heads, args.hidden_size
+    key_heads = args.hp_linear_num_key_heads or heads
+    key_dim = args.hp_linear_key_head_dim or hidden // key_heads
+    value_heads = args.hp_linear_num_value_heads or key_heads
+    if value_heads % key_heads:
+        raise ValueError(f"--hp-linear-num-value-heads {value_heads} must be a multiple of the key heads {key_heads}")
+    if args.hp_kda_lower_bound is not None and args.hp_kda_lower_bound >= 0:
+        raise ValueError(f"--hp-kda-lower-bound must be negative, got {args.hp_kda_lower_bound}")
+    return {
+        "hp_layer_pattern": args.hp_layer_pattern,
+        "linear_num_key_heads": key_heads,
+        "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": key_dim,
+        "linear_value_head_dim": args.hp_linear_value_head_dim or key_dim,
+        "linear_conv_kernel_dim": args.hp_linear_conv_kernel_dim,
+        "delta_backend": args.hp_backend,
+        "delta_cp_method": args.hp_cp_method,
+        "delta_cp_layout": args.hp_cp_layout,
+        "delta_cp_group_size": args.hp_cp_group_size,
+        "delta_cp_ulysses_degree": args.hp_ulysses_degree,
+        "kda_lower_bound": args.hp_kda_lower_bound,
+        "kda_gate_low_rank_dim": args.hp_kda_gate_low_rank_dim,
+        "kda_safe_gate": args.hp_kda_safe_gate,
+        "mla_cp_strategy": args.hp_mla_cp,
+        "q_lora_rank": args.hp_mla_q_lora_rank,
+        "kv_lora_rank": args.hp_mla_kv_lora_rank or max(hidden // 2, 16),
+        "qk_head_dim": args.hp_mla_qk_head_dim or hidden // heads,
+        "qk_pos_emb_head_dim": args.hp_mla_qk_pos_emb_head_dim or max(hidden // heads // 2, 8),
+        "v_head_dim": args.hp_mla_v_head_dim or hidden // heads,
+        "rope_type": args.hp_mla_rope_type,
+    }
+
+
+def apply_hp_config(config, args):
+    """Set :func:`hp_config_from_args`'s attributes on a megatron ``TransformerConfig``; returns it.
+
+    MLA's remaining ``MLATransformerConfig`` fields (rotary scaling, mscale, ...) get that class's defaults
+    when the config lacks them; an ``MLATransformerConfig`` built by Megatron-LM keeps its MLA values.
+    """
+    from dataclasses import MISSING, fields
+
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    is_mla_config = isinstance(config, MLATransformerConfig)
+    for name, value in hp_config_from_args(args).items():
+        if is_mla_config and name in MLATransformerConfig.__dataclass_fields__:
+            continue
+        setattr(config, name, value)
+    for f in fields(MLATransformerConfig):
+        if not hasattr(config, f.name) and f.default is not MISSING:
+            setattr(config, f.name, f.default)
+    return config

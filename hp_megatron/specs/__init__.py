@@ -1,0 +1,44 @@
+"""Layer specs for megatron-core's GPT builder: GDN, KDA, MLA and attention layers, alone or as a hybrid.
+
+Functions (build a spec for any backend):
+  ``get_layer_spec(mixer, backend="eager")``        mixer in ``gdn | kda | mla | attn``
+  ``get_hybrid_layer_spec(pattern, backend="eager")``  e.g. ``"KKKM"`` (Kimi Linear), ``"GGGA"`` (Qwen3-Next)
+  ``EagerSpecProvider``, ``TritonSpecProvider``, ``AscendCSpecProvider``  (megatron ``BackendSpecProvider`` shape)
+
+Ready module-level specs, for Megatron-LM's ``--spec hp_megatron.specs NAME`` (which imports the object
+and does not call it); each exists for the three backends (suffix ``_triton`` / ``_ascendc``):
+
+  ``kimi_linear_spec``  pattern KKKM     ``qwen3_next_spec``  pattern GGGA
+  ``gdn_spec`` ``kda_spec`` ``mla_spec`` ``attn_spec``  one mixer in every layer
+  ``hybrid_spec``  the pattern of ``--hp-layer-pattern`` (``config.hp_layer_pattern``), read at build time
+"""
+from hp_megatron.hybrid_layer import HybridLayer, HybridLayerSubmodules
+from hp_megatron.specs.attention import ContextParallelDotProductAttention
+from hp_megatron.specs.layer_specs import (MIXERS, SYMBOLS, get_hybrid_layer_spec, get_layer_spec,
+                                           get_layer_submodules, get_mixer_spec)
+from hp_megatron.specs.providers import (AscendCSpecProvider, EagerSpecProvider, TritonSpecProvider,
+                                         get_spec_provider)
+
+READY_PATTERNS = {"kimi_linear": "KKKM", "qwen3_next": "GGGA"}
+_SUFFIX = {"eager": "", "triton": "_triton", "ascendc": "_ascendc"}
+
+
+def _ready_specs():
+    specs = {}
+    for backend, suffix in _SUFFIX.items():
+        for name, pattern in READY_PATTERNS.items():
+            specs[f"{name}{suffix}_spec"] = get_hybrid_layer_spec(pattern, backend)
+        specs[f"hybrid{suffix}_spec"] = get_hybrid_layer_spec(None, backend)
+        for mixer in MIXERS:
+            specs[f"{mixer}{suffix}_spec"] = get_layer_spec(mixer, backend)
+    return specs
+
+
+READY_SPECS = sorted(_ready_specs_dict := _ready_specs())
+globals().update(_ready_specs_dict)
+del _ready_specs_dict
+
+__all__ = ["AscendCSpecProvider", "ContextParallelDotProductAttention", "EagerSpecProvider", "HybridLayer",
+           "HybridLayerSubmodules", "MIXERS", "READY_SPECS", "SYMBOLS", "TritonSpecProvider",
+           "get_hybrid_layer_spec", "get_layer_spec", "get_layer_submodules", "get_mixer_spec",
+           "get_spec_provider", *READY_SPECS]

@@ -1,0 +1,65 @@
+"""Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention) as a megatron-core ``self_attention`` submodule.
+
+Math (per value head, as ``Qwen3NextGatedDeltaNet`` in transformers and megatron-core's GatedDeltaNet)::
+
+    q, k, v = SiLU(causal_conv1d(in_proj(x)[q, k, v]))           short conv over the q/k/v channels
+    beta    = sigmoid(in_proj(x)[beta]);  g = -exp(A_log) * softplus(in_proj(x)[alpha] + dt_bias)
+    S_t     = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,  o_t = S_t^T q_t / sqrt(K)
+              (q, k l2-normalized; value head i reads query/key head i // (HV/H))
+    y       = out_proj(rmsnorm(o) * out_norm.weight * SiLU(in_proj(x)[z]))
+
+Parameters (global shapes; TP slices heads): ``in_proj.weight [2*H*K + 2*HV*V + 2*HV, h]`` with logical parts
+query, key, value, z, beta, alpha; ``conv1d.weight [2*H*K + HV*V, 1, W]`` (parts query, key, value);
+``A_log [HV]``; ``dt_bias [HV]``; ``out_norm.weight [V]``; ``out_proj.weight [h, HV*V]``.
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from torch import nn
+
+from layers.delta_mixer import (COMMON_OPTIONS, DeltaMixer, DeltaMixerSubmodules, ParamLayout, Part,
+                                constant_init, log_uniform_init)
+from layers.ops import chunk_gated_delta_rule
+
+GatedDeltaNetSubmodules = DeltaMixerSubmodules
+
+
+class GatedDeltaNet(DeltaMixer):
+    """GDN mixer: ``GatedDeltaNet(config, submodules, layer_number=None, pg_collection=None, ...)``.
+
+    Options (``ModuleSpec.params`` or config attributes, see ``layers.delta_mixer.COMMON_OPTIONS``):
+    heads and head dims (megatron-core 0.16's ``linear_*`` config fields), ``conv_kernel_dim``, ``backend``
+    (``eager | triton | ascendc``), ``cp_method``, ``cp_layout``, ``cp_group_size``, ``cp_ulysses_degree``,
+    ``init_seed``.
+    """
+
+    kind = "gdn"
+    gate_activation = "silu"
+    OPTIONS = COMMON_OPTIONS
+
+    def _in_proj_parts(self):
+        return [("query", self.key_dim), ("key", self.key_dim), ("value", self.value_dim),
+                ("z", self.value_dim), ("beta", self.num_value_heads), ("alpha", self.num_value_heads)]
+
+    def _build_extra(self, submodules, device, dtype):
+        hv = self.value_heads_local
+        self.A_log = nn.Parameter(torch.empty(hv, device=device, dtype=dtype))
+        self.dt_bias = nn.Parameter(torch.empty(hv, device=device, dtype=dtype))
+        for p in (self.A_log, self.dt_bias):
+            set_tensor_model_parallel_attributes(p, True, 0, 1)
+
+    def _extra_layouts(self):
+        HV = self.num_value_heads
+        return [ParamLayout("A_log", 0, (Part(None, (HV,), log_uniform_init(*self.A_init_range)),)),
+                ParamLayout("dt_bias", 0, (Part(None, (HV,), constant_init(1.0)),))]
+
+    def _delta_rule(self, q, k, v, parts, hidden_states, cu_seqlens, cp_context):
+        batch, seq = v.shape[:2]
+        z = parts["z"].reshape(batch, seq, self.value_heads_local, self.value_head_dim)
+        core, _ = chunk_gated_delta_rule(
+            q, k, v, g=parts["alpha"].contiguous(), beta=parts["beta"].contiguous(),
+            use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
+            A_log=self.A_log, dt_bias=self.dt_bias, cu_seqlens=cu_seqlens, cp_context=cp_context,
+            backend=self.backend)
+        return core, z

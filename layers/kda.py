@@ -1,0 +1,118 @@
+"""Kimi Delta Attention (Kimi Linear) as a megatron-core ``self_attention`` submodule.
+
+Math (as ``KimiLinearDeltaAttention`` in transformers and FLA's ``KimiDeltaAttention``)::
+
+    q, k, v = SiLU(causal_conv1d(in_proj(x)[q, k, v]));  beta = sigmoid(in_proj(x)[beta])
+    f       = forget_gate_up_proj(gate_down_proj(x)[forget])                    low-rank, [HV, K] per token
+    g       = -exp(A_log)[h] * softplus(f + dt_bias)     (or lower_bound * sigmoid(exp(A_log) (f + dt_bias)))
+    S_t     = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,  o_t = S_t^T q_t / sqrt(K)
+    y       = out_proj(rmsnorm(o) * out_norm.weight * sigmoid(output_gate_up_proj(gate_down_proj(x)[output])))
+
+Parameters (global shapes, r = gate_low_rank_dim, default V): ``in_proj.weight [2*H*K + HV*V + HV, h]``
+(parts query, key, value, beta); ``conv1d.weight [2*H*K + HV*V, 1, W]``; ``gate_down_proj.weight [2r, h]``
+(parts forget, output; replicated over TP); ``forget_gate_up_proj.weight [HV*K, r]``;
+``output_gate_up_proj.weight [HV*V, r]`` (+ ``bias`` with ``output_gate_bias``); ``A_log [HV]``;
+``dt_bias [HV*K]``; ``out_norm.weight [V]``; ``out_proj.weight [h, HV*V]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from torch import nn
+
+from layers.delta_mixer import (COMMON_OPTIONS, DeltaMixer, DeltaMixerSubmodules, Option, ParamLayout, Part,
+                                ReplicatedLinear, _positive_int, _skip_init, constant_init,
+                                inverse_softplus_dt_init, log_uniform_init, megatron_init)
+from layers.ops import chunk_kda
+
+KDA_OPTIONS = {
+    **COMMON_OPTIONS,
+    "gate_low_rank_dim": Option(("kda_gate_low_rank_dim",), None),  # None -> value_head_dim (Kimi Linear)
+    "lower_bound": Option(("kda_lower_bound",), None),
+    "safe_gate": Option(("kda_safe_gate",), False),
+    "output_gate_bias": Option(("kda_output_gate_bias",), False),  # Kimi Linear: False; FLA's layer: True
+}
+
+
+@dataclass
+class KimiDeltaAttentionSubmodules(DeltaMixerSubmodules):
+    """Adds the column-parallel class of the two gate up-projections (None: the class of ``in_proj``)."""
+
+    gate_up_proj: Optional[Union[ModuleSpec, type]] = None
+
+
+class KimiDeltaAttention(DeltaMixer):
+    """KDA mixer: ``KimiDeltaAttention(config, submodules, layer_number=None, pg_collection=None, ...)``.
+
+    Options: those of :class:`layers.GatedDeltaNet` plus ``gate_low_rank_dim``, ``lower_bound`` (negative;
+    switches the gate to ``lower_bound * sigmoid(...)``), ``safe_gate`` (needs lower_bound in [-5, 0)) and
+    ``output_gate_bias``; config attributes ``kda_*`` of the same names.
+    """
+
+    kind = "kda"
+    gate_activation = "sigmoid"
+    OPTIONS = KDA_OPTIONS
+
+    def _in_proj_parts(self):
+        return [("query", self.key_dim), ("key", self.key_dim), ("value", self.value_dim),
+                ("beta", self.num_value_heads)]
+
+    def _build_extra(self, submodules, device, dtype):
+        name, opts = type(self).__name__, self.options
+        self.gate_low_rank_dim = _positive_int(name, "gate_low_rank_dim",
+                                               opts["gate_low_rank_dim"] or self.value_head_dim)
+        self.lower_bound = opts["lower_bound"]
+        self.safe_gate = bool(opts["safe_gate"])
+        self.output_gate_bias = bool(opts["output_gate_bias"])
+        lb = self.lower_bound
+        if lb is not None and (isinstance(lb, bool) or not isinstance(lb, (int, float)) or lb >= 0):
+            raise ValueError(f"{name}: lower_bound must be a negative number or None, got {lb!r}")
+        if self.safe_gate and (lb is None or not -5 <= lb < 0):
+            raise ValueError(f"{name}: safe_gate=True requires lower_bound in [-5, 0), got {lb!r}")
+        r = self.gate_low_rank_dim
+        self.gate_down_proj = ReplicatedLinear(self.hidden_size, 2 * r, self.config, device, dtype)
+        up = getattr(submodules, "gate_up_proj", None) or submodules.in_proj
+        common = dict(config=self.config, init_method=_skip_init, gather_output=False, skip_bias_add=False,
+                      is_expert=False, tp_comm_buffer_name=None, tp_group=self.tp_group)
+        self.forget_gate_up_proj = build_module(up, r, self.num_value_heads * self.key_head_dim, bias=False,
+                                                **common)
+        self.output_gate_up_proj = build_module(up, r, self.value_dim, bias=self.output_gate_bias, **common)
+        hv = self.value_heads_local
+        self.A_log = nn.Parameter(torch.empty(hv, device=device, dtype=dtype))
+        self.dt_bias = nn.Parameter(torch.empty(hv * self.key_head_dim, device=device, dtype=dtype))
+        for p in (self.A_log, self.dt_bias):
+            set_tensor_model_parallel_attributes(p, True, 0, 1)
+
+    def _extra_layouts(self):
+        HV, K, V, r, h = self.num_value_heads, self.key_head_dim, self.value_head_dim, self.gate_low_rank_dim, \
+            self.hidden_size
+        init = megatron_init(self.config.init_method)
+        a_init = constant_init(0.0) if self.safe_gate else log_uniform_init(*self.A_init_range)
+        layouts = [
+            ParamLayout("gate_down_proj.weight", None, (Part("forget", (r, h), init), Part("output", (r, h), init))),
+            ParamLayout("forget_gate_up_proj.weight", 0, (Part(None, (HV * K, r), init),)),
+            ParamLayout("output_gate_up_proj.weight", 0, (Part(None, (HV * V, r), init),)),
+            ParamLayout("A_log", 0, (Part(None, (HV,), a_init),)),
+            ParamLayout("dt_bias", 0, (Part(None, (HV * K,), inverse_softplus_dt_init()),)),
+        ]
+        if self.output_gate_bias:
+            layouts.append(ParamLayout("output_gate_up_proj.bias", 0, (Part(None, (HV * V,), constant_init(0.0)),)))
+        return layouts
+
+    def _delta_rule(self, q, k, v, parts, hidden_states, cu_seqlens, cp_context):
+        batch, seq = v.shape[:2]
+        forget_low, output_low = self.gate_down_proj(hidden_states).chunk(2, dim=-1)  # [s(/tp), b, r] each
+        forget, _ = self.forget_gate_up_proj(forget_low.contiguous())  # [s, b, HV_local * K]
+        gate, _ = self.output_gate_up_proj(output_low.contiguous())  # [s, b, HV_local * V]
+        forget = forget.transpose(0, 1).reshape(batch, seq, self.value_heads_local, self.key_head_dim)
+        gate = gate.transpose(0, 1).reshape(batch, seq, self.value_heads_local, self.value_head_dim)
+        core, _ = chunk_kda(
+            q, k, v, g=forget, beta=parts["beta"].contiguous(), use_qk_l2norm_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
+            lower_bound=self.lower_bound, safe_gate=self.safe_gate, cu_seqlens=cu_seqlens, cp_context=cp_context,
+            backend=self.backend)
+        return core, gate

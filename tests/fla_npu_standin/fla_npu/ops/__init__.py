@@ -1,0 +1,1 @@
+"""Stand-in ``fla_npu.ops`` package (only ``ascendc`` is provided)."""

@@ -1,0 +1,705 @@
+"""Stand-in for ``fla_npu.ops.ascendc``: the operators ``layers/ops/ascendc`` uses, in PyTorch on CPU.
+
+Signatures, output slot counts, layouts and dtypes follow fla-npu's published Python API (research/
+seed_origin.md section 2.2; fla-npu's ``_stable.py`` / ``_aclnn_ctypes.py`` and operator docs). Where the
+published material leaves a detail open, the choice made here is stated in the operator's docstring; the
+adapter is written against these choices, so an Ascend run of tests/test_backend_ascendc.py (real fla-npu)
+is what confirms them. Values come from the chunked WY math in ``_math.py`` (fp32 internally).
+
+Constraints enforced like the real kernels: bf16/fp16 tensors (fp32 only when ``ALLOW_FP32`` is set, which
+tests do for exact comparisons), head dims K = V = 128 (GDN composite: V in {128, 256}), chunk size 64,
+``cu_seqlens`` as host integer lists with batch 1, one of g / gk, DPLR slots rejected. Every function is
+exported under its bare name and with the ``npu_`` prefix, like fla-npu.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _math as m
+
+ALLOW_FP32 = False          # stand-in only: the real kernels take bfloat16/float16
+LAYOUTS = ("BSND", "BNSD", "TND", "NTD")
+CALLS: list = []            # names of the operators called, in order (tests inspect the composition)
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def _record(name):
+    CALLS.append(name)
+
+
+def _check_dtype(op, name, x, extra=()):
+    allowed = (torch.bfloat16, torch.float16, *extra) + ((torch.float32,) if ALLOW_FP32 else ())
+    if x is not None and x.dtype not in allowed:
+        raise RuntimeError(f"{op}: {name} must be bfloat16/float16, got {x.dtype}")
+
+
+def _host_list(op, cu_seqlens):
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.device.type != "cpu":
+            raise RuntimeError(f"{op}: cu_seqlens must be a host sequence, got a {cu_seqlens.device} tensor")
+        cu_seqlens = cu_seqlens.tolist()
+    values = [int(x) for x in cu_seqlens]
+    if len(values) < 2 or any(b < a for a, b in zip(values, values[1:])):
+        raise RuntimeError(f"{op}: cu_seqlens must be a non-decreasing host list, got {values}")
+    return values
+
+
+def _to_head_major(op, x, layout):
+    """q/k/v in ``layout`` -> [B, N, T, D]. TND/NTD: rank 3 ([T,N,D]/[N,T,D]) or rank 4 with B = 1."""
+    if layout not in LAYOUTS:
+        raise RuntimeError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "BSND":
+        return x.transpose(1, 2)
+    if layout == "BNSD":
+        return x
+    if layout == "TND":
+        return (x.unsqueeze(0) if x.dim() == 3 else x).transpose(1, 2)
+    return x.unsqueeze(0) if x.dim() == 3 else x
+
+
+def _from_head_major(x, layout, rank):
+    """[B, N, T, D] -> ``layout`` (rank 3 for TND/NTD when ``rank == 3``)."""
+    if layout == "BSND":
+        return x.transpose(1, 2)
+    if layout == "BNSD":
+        return x
+    y = x.transpose(1, 2) if layout == "TND" else x
+    return y.squeeze(0) if rank == 3 else y
+
+
+def _units(use_exp2):
+    """Factor turning a stored cumulative gate into natural log units."""
+    return m.LN2 if use_exp2 else 1.0
+
+
+def _check_dims(op, K, V, allowed_v=(128,)):
+    if K != 128 or V not in allowed_v:
+        raise RuntimeError(f"{op}: supports K=128 and V in {allowed_v}, got K={K}, V={V}")
+
+
+def _check_chunk(op, chunk_size, allowed=(64,)):
+    if int(chunk_size) not in allowed:
+        raise RuntimeError(f"{op}: chunk_size must be one of {allowed}, got {chunk_size}")
+
+
+def _segments(op, B, T, cu):
+    if cu is not None:
+        if B != 1:
+            raise RuntimeError(f"{op}: cu_seqlens requires batch 1, got B={B}")
+        if cu[0] != 0 or cu[-1] != T:
+            raise RuntimeError(f"{op}: cu_seqlens must span [0, {T}], got {cu}")
+    return m.segments(B, T, cu)
+
+
+def _beta_derivative(beta_eff, allow_neg_eigval):
+    s = beta_eff / (2.0 if allow_neg_eigval else 1.0)
+    return (2.0 if allow_neg_eigval else 1.0) * s * (1 - s)
+
+
+# ---------------------------------------------------------------------------------- GDN composite
+def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, initial_state=None, output_final_state=False, chunk_size=64,
+                               cu_seqlens=None, chunk_indices=None, scale=None, use_exp2=False,
+                               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, disable_recompute=True,
+                               return_intermediate_states=False, state_v_first=False, a_log=None, dt_bias=None,
+                               layout="BNSD"):
+    """Fused GDN forward. q, k, v rank-4 in ``layout`` (TND means [1,T,N,D]); g, beta token-major [B,T,HV].
+
+    Returns ten slots ``(o, final_state, g_cumsum, A, beta_eff, h, q_hat, k_hat, q_rstd, k_rstd)``: o BSND
+    [B,T,HV,V] in q's dtype; final_state [N,HV,K,V] fp32 (or None); g_cumsum [B,HV,T] fp32 (log2 units with
+    use_exp2) and A [B,HV,T,64] only with disable_recompute; beta_eff [B,HV,T] fp32; h [B,HV,NT,K,V] only with
+    return_intermediate_states; q_hat/k_hat in ``layout`` (q/k themselves without L2 norm); q_rstd/k_rstd
+    [B,H,T] fp32 or None."""
+    op = "npu_chunk_gated_delta_rule_fwd"
+    _record(op)
+    if use_gate_in_kernel:
+        raise RuntimeError(f"{op}: use_gate_in_kernel=True is not supported.")
+    if a_log is not None or dt_bias is not None:
+        raise RuntimeError(f"{op}: a_log and dt_bias must be None while gate-in-kernel is unsupported.")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise RuntimeError(f"{op}: q, k and v must be rank-4 tensors.")
+    if state_v_first:
+        raise RuntimeError(f"{op}: the stand-in implements state_v_first=False only")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_dtype(op, name, x)
+    _check_chunk(op, chunk_size, (64, 128))
+    qh, kh, vh = (_to_head_major(op, x, layout).float() for x in (q, k, v))
+    B, H, T, K = qh.shape
+    HV, V = vh.shape[1], vh.shape[3]
+    _check_dims(op, K, V, (128, 256))
+    if HV % H:
+        raise RuntimeError(f"{op}: HV={HV} must be a multiple of H={H}")
+    if tuple(g.shape) != (B, T, HV) or tuple(beta.shape) != (B, T, HV):
+        raise RuntimeError(f"{op}: g and beta must be [B,T,HV]={[B, T, HV]}, got {list(g.shape)}, {list(beta.shape)}")
+    C = int(chunk_size)
+    cu = _host_list(op, cu_seqlens)
+    segs = _segments(op, B, T, cu)
+    scale = K ** -0.5 if scale is None else float(scale)
+    q_rstd = k_rstd = None
+    if use_qk_l2norm_in_kernel:
+        qh, q_rstd = m.l2norm_with_rstd(qh)
+        kh, k_rstd = m.l2norm_with_rstd(kh)
+    g_hm = g.float().transpose(1, 2)
+    beta_eff = m.beta_activation(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval).transpose(1, 2).contiguous()
+    o = vh.new_zeros(B, HV, T, V)
+    g_cumsum = vh.new_zeros(B, HV, T)
+    A = vh.new_zeros(B, HV, T, C)
+    finals, hs = [], {}
+    for n, (b, s, e) in enumerate(segs):
+        gam = m.chunk_cumsum(g_hm[b, :, s:e], C)
+        P = m.prepare(m.expand_heads(qh[b, :, s:e], HV), m.expand_heads(kh[b, :, s:e], HV), vh[b, :, s:e],
+                      beta_eff[b, :, s:e], gam, scale, C)
+        h0 = None if initial_state is None else initial_state[n]
+        h, v_new, S = m.state_pass(P["w"], P["u"], P["kg"], P["decay"], C, h0)
+        o[b, :, s:e] = m.outputs(P["qg"], P["Aqk"], v_new, h, scale, C)
+        g_cumsum[b, :, s:e] = gam / _units(use_exp2)
+        A[b, :, s:e] = P["Akk"]
+        finals.append(S)
+        hs.setdefault(b, []).append(h)
+    h_all = torch.stack([torch.cat(hs[b], 1) for b in sorted(hs)], 0).to(k.dtype)
+    return (o.transpose(1, 2).to(q.dtype),
+            torch.stack(finals, 0) if output_final_state else None,
+            g_cumsum if disable_recompute else None,
+            A.to(q.dtype) if disable_recompute else None,
+            beta_eff,
+            h_all if return_intermediate_states else None,
+            _from_head_major(qh.to(q.dtype), layout, 4) if use_qk_l2norm_in_kernel else q,
+            _from_head_major(kh.to(k.dtype), layout, 4) if use_qk_l2norm_in_kernel else k,
+            q_rstd, k_rstd)
+
+
+def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, d_o, scale, *, chunk_size=64, cu_seqlens=None,
+                               chunk_indices=None, initial_state=None, dht=None, q_rstd=None, k_rstd=None,
+                               beta_raw=None, use_exp2=False, use_qk_l2norm_in_kernel=False,
+                               use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                               return_intermediate_states=False, state_v_first=False, a_log=None, dt_bias=None,
+                               layout="BNSD"):
+    """Composite GDN backward (fla-npu documents it as Ascend 950 only; the adapter enforces that).
+
+    q, k: the forward's q_hat/k_hat in ``layout``; v in ``layout``; g: the forward's g_cumsum [B,HV,T];
+    beta: beta_eff [B,HV,T]; A [B,HV,T,64]; d_o BSND; dht [N,HV,K,V]; beta_raw [B,T,HV] (needed with
+    use_beta_sigmoid_in_kernel). Returns eight slots ``(dq, dk, dv, d_beta, d_g, dh0, d_a_log, d_dt_bias)``:
+    dq/dk (w.r.t. the raw q/k when L2 norm ran in the kernel) and dv in ``layout``; d_beta (w.r.t. beta_raw with
+    the in-kernel sigmoid) and d_g (w.r.t. the per-token natural-log gate) [B,T,HV] fp32; dh0 [N,HV,K,V] fp32
+    or None; the last two are reserved and None."""
+    op = "npu_chunk_gated_delta_rule_bwd"
+    _record(op)
+    if use_gate_in_kernel:
+        raise RuntimeError(f"{op}: use_gate_in_kernel=True is not supported.")
+    for name, x in (("q", q), ("k", k), ("v", v), ("d_o", d_o)):
+        _check_dtype(op, name, x)
+    _check_chunk(op, chunk_size, (64, 128))
+    C = int(chunk_size)
+    with torch.enable_grad():
+        qh = _to_head_major(op, q, layout).detach().float().requires_grad_()
+        kh = _to_head_major(op, k, layout).detach().float().requires_grad_()
+        vh = _to_head_major(op, v, layout).detach().float().requires_grad_()
+        B, H, T, K = qh.shape
+        HV = vh.shape[1]
+        if tuple(A.shape) != (B, HV, T, C):
+            raise RuntimeError(f"{op}: A must be [B,HV,T,{C}]={[B, HV, T, C]}, got {list(A.shape)}")
+        cu = _host_list(op, cu_seqlens)
+        segs = _segments(op, B, T, cu)
+        g_nat = g.detach().float() * _units(use_exp2)
+        g_tok = torch.zeros_like(g_nat)
+        for b, s, e in segs:
+            g_tok[b, :, s:e] = m.per_token_gate(g_nat[b, :, s:e], C)
+        g_tok.requires_grad_()
+        beta_e = beta.detach().float().requires_grad_()
+        h0 = None if initial_state is None else initial_state.detach().float().requires_grad_()
+        do_hm = d_o.float().transpose(1, 2)
+        loss = 0.0
+        for n, (b, s, e) in enumerate(segs):
+            gam = m.chunk_cumsum(g_tok[b, :, s:e], C)
+            P = m.prepare(m.expand_heads(qh[b, :, s:e], HV), m.expand_heads(kh[b, :, s:e], HV), vh[b, :, s:e],
+                          beta_e[b, :, s:e], gam, float(scale), C)
+            h, v_new, S = m.state_pass(P["w"], P["u"], P["kg"], P["decay"], C, None if h0 is None else h0[n])
+            o = m.outputs(P["qg"], P["Aqk"], v_new, h, float(scale), C)
+            loss = loss + (o * do_hm[b, :, s:e]).sum()
+            if dht is not None:
+                loss = loss + (S * dht[n].float()).sum()
+        leaves = [qh, kh, vh, g_tok, beta_e] + ([h0] if h0 is not None else [])
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    dq, dk, dv, dg, dbeta = (torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves[:5], grads[:5]))
+    dh0 = grads[5] if h0 is not None else None
+    if use_qk_l2norm_in_kernel:
+        dq = m.l2norm_backward(qh.detach(), q_rstd, dq)
+        dk = m.l2norm_backward(kh.detach(), k_rstd, dk)
+    if use_beta_sigmoid_in_kernel:
+        dbeta = dbeta * _beta_derivative(beta.float(), allow_neg_eigval)
+    return (_from_head_major(dq, layout, 4).to(q.dtype), _from_head_major(dk, layout, 4).to(k.dtype),
+            _from_head_major(dv, layout, 4).to(v.dtype), dbeta.transpose(1, 2).contiguous(),
+            dg.transpose(1, 2).contiguous(), dh0, None, None)
+
+
+def chunk_gated_delta_rule_fwd_prepare(q, k, v, g, beta, chunk_size=64, *, use_qk_l2norm_in_kernel=False,
+                                       use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                                       allow_neg_eigval=False, use_exp2=False, a_log=None, dt_bias=None,
+                                       cu_seqlens=None, chunk_indices=None, output_a=True):
+    """GDN prefill preparation. q, k, v BNSD; g, beta head-major [B,HV,T].
+
+    Returns nine slots ``(q_hat, k_hat, q_rstd, k_rstd, beta_out, g_cumsum, w, u, a)``: q_hat/k_hat [B,H,T,K]
+    (q/k themselves without L2 norm), rstd [B,H,T] fp32 or None, beta_out [B,HV,T] fp32, g_cumsum [B,HV,T]
+    fp32 (log2 with use_exp2), w [B,HV,T,K], u [B,HV,T,V], a [B,HV,T,64] (None unless output_a)."""
+    op = "npu_chunk_gated_delta_rule_fwd_prepare"
+    _record(op)
+    if use_gate_in_kernel:
+        raise RuntimeError(f"{op}: use_gate_in_kernel currently only supports False.")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_dtype(op, name, x)
+    _check_chunk(op, chunk_size)
+    C = int(chunk_size)
+    qh, kh, vh = q.float(), k.float(), v.float()
+    B, H, T, K = qh.shape
+    HV, V = vh.shape[1], vh.shape[3]
+    _check_dims(op, K, V, (128, 256))
+    segs = _segments(op, B, T, _host_list(op, cu_seqlens))
+    q_rstd = k_rstd = None
+    if use_qk_l2norm_in_kernel:
+        qh, q_rstd = m.l2norm_with_rstd(qh)
+        kh, k_rstd = m.l2norm_with_rstd(kh)
+    beta_out = m.beta_activation(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval).contiguous()
+    g_cumsum, w = vh.new_zeros(B, HV, T), vh.new_zeros(B, HV, T, K)
+    u, a = vh.new_zeros(B, HV, T, V), vh.new_zeros(B, HV, T, C)
+    for b, s, e in segs:
+        gam = m.chunk_cumsum(g[b, :, s:e].float(), C)
+        P = m.prepare(m.expand_heads(qh[b, :, s:e], HV), m.expand_heads(kh[b, :, s:e], HV), vh[b, :, s:e],
+                      beta_out[b, :, s:e], gam, 1.0, C)
+        g_cumsum[b, :, s:e] = gam / _units(use_exp2)
+        w[b, :, s:e], u[b, :, s:e], a[b, :, s:e] = P["w"], P["u"], P["Akk"]
+    return (qh.to(q.dtype) if use_qk_l2norm_in_kernel else q, kh.to(k.dtype) if use_qk_l2norm_in_kernel else k,
+            q_rstd, k_rstd, beta_out, g_cumsum, w.to(k.dtype), u.to(v.dtype), a.to(q.dtype) if output_a else None)
+
+
+def chunk_bwd_dv_local(q, k, d_o, g, scale, chunk_size, *, g_gamma=None, A=None, cu_seqlens=None,
+                       chunk_indices=None):
+    """Intra-chunk dv of GDN: dv = Aqk^T d_o with Aqk_ij = scale (q_i.k_j) e^{g_i - g_j} (i >= j, natural-log
+    cumulative g [B,HV,T]). q, k [B,H,T,K], d_o [B,HV,T,V] head-major. Returns dv like d_o."""
+    op = "npu_chunk_bwd_dv_local"
+    _record(op)
+    if g_gamma is not None or A is not None:
+        raise RuntimeError(f"{op}: the stand-in implements the g path only (g_gamma and A must be None)")
+    C = int(chunk_size)
+    B, H, T, K = q.shape
+    HV, V = d_o.shape[1], d_o.shape[3]
+    segs = _segments(op, B, T, _host_list(op, cu_seqlens))
+    dv = d_o.new_zeros(B, HV, T, V, dtype=torch.float32)
+    for b, s, e in segs:
+        gam = g[b, :, s:e].float()
+        P = m.prepare(m.expand_heads(q[b, :, s:e].float(), HV), m.expand_heads(k[b, :, s:e].float(), HV),
+                      d_o.new_zeros(HV, e - s, V, dtype=torch.float32), d_o.new_zeros(HV, e - s, dtype=torch.float32),
+                      gam, float(scale), C)
+        ac, doc = m._pad_chunks(P["Aqk"], C), m._pad_chunks(d_o[b, :, s:e].float(), C)
+        dv[b, :, s:e] = m._unpad(ac.transpose(-1, -2) @ doc, e - s)
+    return dv.to(d_o.dtype)
+
+
+# ------------------------------------------------------------------------------------- KDA pipeline
+_KDA_SLOTS = ("gk", "Aqk", "Akk", "w", "u", "qg", "kg", "qg_scaled", "q_hat", "k_hat", "q_rstd", "k_rstd",
+              "beta_eff")
+_KDA_MODES = {
+    "none": ("gk", "Aqk", "w", "u", "kg", "qg_scaled"),
+    "forward": ("gk", "Aqk", "Akk", "w", "u", "kg", "qg_scaled"),
+    "recompute": ("gk", "Aqk", "Akk", "w", "u", "kg", "qg_scaled", "q_hat", "k_hat", "q_rstd", "k_rstd",
+                  "beta_eff"),
+    "save": _KDA_SLOTS,
+}
+
+
+def chunk_kda_fwd_prepare(q, k, v, g, beta, scale, chunk_size=64, *, layout="BSND", cu_seqlens=None,
+                          chunk_indices=None, safe_gate=False, lower_bound=None, use_gate_in_kernel=False,
+                          A_log=None, dt_bias=None, epsilon=1e-6, use_qk_l2norm_in_kernel=False,
+                          use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, use_exp2=True,
+                          backward_mode="save"):
+    """KDA prepare: gates, L2 norm, beta and the WY tensors. ``layout`` describes q, k, v (BSND/BNSD rank 4,
+    TND/NTD rank 3 packed); g [B,T,HV,K] and beta [B,T,HV] are token-major ([T,HV,K]/[T,HV] packed).
+
+    Returns thirteen head-major slots ``(gk, Aqk, Akk, w, u, qg, kg, qg_scaled, q_hat, k_hat, q_rstd, k_rstd,
+    beta_eff)`` ([B,N,T,...] or [N,T,...] packed; gk fp32 log2 cumulative gate with use_exp2, q_rstd/k_rstd
+    and beta_eff fp32, the rest in q's dtype); slots not selected by ``backward_mode`` are None."""
+    op = "npu_chunk_kda_fwd_prepare"
+    _record(op)
+    mode = str(backward_mode).lower()
+    if mode not in _KDA_MODES:
+        raise RuntimeError(f"{op}: backward_mode must be none/forward/recompute/save.")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_dtype(op, name, x)
+    _check_chunk(op, chunk_size)
+    if safe_gate and use_gate_in_kernel and lower_bound is None:
+        lower_bound = -5.0
+    rank = q.dim()
+    if layout in ("TND", "NTD") and rank != 3:
+        raise RuntimeError(f"{op}: layout {layout} takes rank-3 tensors")
+    C = int(chunk_size)
+    qh, kh, vh = (_to_head_major(op, x, layout).float() for x in (q, k, v))
+    B, H, T, K = qh.shape
+    HV, V = vh.shape[1], vh.shape[3]
+    _check_dims(op, K, V)
+    if HV % H:
+        raise RuntimeError(f"{op}: GVA requires HV % HK == 0, got HV={HV}, HK={H}")
+    cu = _host_list(op, cu_seqlens)
+    if rank == 3 and cu is None:
+        raise RuntimeError(f"{op}: packed TND/NTD inputs require cu_seqlens")
+    segs = _segments(op, B, T, cu)
+    g_hm = (g.unsqueeze(0) if rank == 3 else g).float().transpose(1, 2)           # [B,HV,T,K]
+    b_tok = (beta.unsqueeze(0) if rank == 3 else beta)
+    q_rstd = k_rstd = None
+    if use_qk_l2norm_in_kernel:
+        qh, q_rstd = m.l2norm_with_rstd(qh)
+        kh, k_rstd = m.l2norm_with_rstd(kh)
+    if use_gate_in_kernel:
+        g_hm = m.kda_gate(g_hm, A_log, dt_bias, lower_bound)
+    beta_eff = m.beta_activation(b_tok, use_beta_sigmoid_in_kernel, allow_neg_eigval).transpose(1, 2).contiguous()
+    out = {name: vh.new_zeros(B, HV, T, K) for name in ("gk", "w", "qg", "kg", "qg_scaled")}
+    out.update(Aqk=vh.new_zeros(B, HV, T, C), Akk=vh.new_zeros(B, HV, T, C), u=vh.new_zeros(B, HV, T, V))
+    for b, s, e in segs:
+        gam = m.chunk_cumsum(g_hm[b, :, s:e], C)
+        P = m.prepare(m.expand_heads(qh[b, :, s:e], HV), m.expand_heads(kh[b, :, s:e], HV), vh[b, :, s:e],
+                      beta_eff[b, :, s:e], gam, float(scale), C)
+        out["gk"][b, :, s:e] = gam / _units(use_exp2)
+        for name in ("Aqk", "Akk", "w", "u", "qg", "kg"):
+            out[name][b, :, s:e] = P[name]
+        out["qg_scaled"][b, :, s:e] = float(scale) * P["qg"]
+    out.update(q_hat=qh, k_hat=kh, q_rstd=q_rstd, k_rstd=k_rstd, beta_eff=beta_eff)
+    selected = set(_KDA_MODES[mode])
+    result = []
+    for name in _KDA_SLOTS:
+        x = out[name] if name in selected else None
+        if x is not None:
+            if name not in ("gk", "q_rstd", "k_rstd", "beta_eff"):
+                x = x.to(q.dtype)
+            if rank == 3:
+                x = x.squeeze(0)
+        result.append(x)
+    return tuple(result)
+
+
+def _fwd_h_inputs(op, k, w, u, g, gk, use_exp2, cu, C):
+    """Normalize chunk_fwd_h / summary inputs to [B, N, T, D] and per-segment (kg, decay) makers."""
+    if (g is None) == (gk is None):
+        raise RuntimeError(f"{op}: exactly one of g and gk must be provided.")
+    packed = k.dim() == 3
+    k4, w4, u4 = ((x.unsqueeze(0) if packed else x).float() for x in (k, w, u))
+    gate = g if g is not None else gk
+    gate4 = (gate.unsqueeze(0) if packed else gate).float() * _units(use_exp2)
+    if packed and cu is None:
+        raise RuntimeError(f"{op}: packed (rank-3) inputs require cu_seqlens")
+    return packed, k4, w4, u4, gate4
+
+
+def _segment_kg_decay(k_seg, gate_seg, per_channel, HV, C):
+    """(kg, decay) of one segment: scalar g gates k internally; per-channel gk means k is already kg."""
+    if per_channel:
+        gc = m._pad_chunks(gate_seg, C, edge=True)
+        return m.expand_heads(k_seg, HV), torch.exp(gc[:, :, -1, :])
+    gc = m._pad_chunks(gate_seg, C, edge=True)                                  # [HV, NT, C]
+    kc = m._pad_chunks(m.expand_heads(k_seg, HV), C)
+    kg = m._unpad(kc * torch.exp(gc[:, :, -1:] - gc)[..., None], k_seg.shape[1])
+    K = k_seg.shape[-1]
+    return kg, torch.exp(gc[:, :, -1])[..., None].expand(-1, -1, K)
+
+
+def chunk_fwd_h(k, w, u, g=None, *, gk=None, initial_state=None, output_final_state=False, chunk_size=64,
+                save_new_value=True, cu_seqlens=None, chunk_indices=None, use_exp2=False, state_v_first=False):
+    """Chunk state pass (wraps npu_chunk_gated_delta_rule_fwd_h). Head-major k, w [B,N,T,K] (or [N,T,K] packed),
+    u [B,HV,T,V]; scalar cumulative g [B,HV,T] (k is gated inside) or per-channel cumulative gk [B,HV,T,K]
+    (k is the prepared kg); log2 units with use_exp2. Returns ``(h [B,HV,NT,K,V], v_new, final_state)`` with
+    final_state [N,HV,K,V] fp32 (None unless output_final_state)."""
+    op = "npu_chunk_gated_delta_rule_fwd_h"
+    _record(op)
+    if state_v_first:
+        raise RuntimeError(f"{op}: the stand-in implements state_v_first=False only")
+    for name, x in (("k", k), ("w", w), ("u", u)):
+        _check_dtype(op, name, x)
+    _check_chunk(op, chunk_size)
+    C = int(chunk_size)
+    cu = _host_list(op, cu_seqlens)
+    packed, k4, w4, u4, gate4 = _fwd_h_inputs(op, k, w, u, g, gk, use_exp2, cu, C)
+    B, HV, T, K = w4.shape
+    V = u4.shape[-1]
+    segs = _segments(op, B, T, cu)
+    v_new = u4.new_zeros(B, HV, T, V)
+    hs, finals = {}, []
+    for n, (b, s, e) in enumerate(segs):
+        kg, decay = _segment_kg_decay(k4[b, :, s:e], gate4[b, :, s:e], gk is not None, HV, C)
+        h0 = None if initial_state is None else initial_state[n]
+        h, vn, S = m.state_pass(w4[b, :, s:e], u4[b, :, s:e], kg, decay, C, h0)
+        v_new[b, :, s:e] = vn
+        hs.setdefault(b, []).append(h)
+        finals.append(S)
+    h_all = torch.stack([torch.cat(hs[b], 1) for b in sorted(hs)], 0).to(k.dtype)
+    v_new = v_new.squeeze(0) if packed else v_new
+    return (h_all, v_new.to(u.dtype) if save_new_value else None,
+            torch.stack(finals, 0) if output_final_state else None)
+
+
+def _split_h(h, segs, T, C):
+    """Per-segment chunk ranges of a [B, HV, NT, ...] chunk-state tensor."""
+    ranges, offset, last_b = [], 0, None
+    for b, s, e in segs:
+        if b != last_b:
+            offset, last_b = 0, b
+        nt = m.num_chunks(e - s, C)
+        ranges.append((b, offset, offset + nt))
+        offset += nt
+    return ranges
+
+
+def chunk_kda_fwd_finalize(qg_scaled, aqk, v_new, h, *, output_layout="BSND", state_v_first=False,
+                           cu_seqlens=None, chunk_indices=None):
+    """KDA output: o = qg_scaled h_c + Aqk v_new per chunk. Inputs head-major ([B,HV,T,...] or packed
+    [HV,T,...]); the output is written in ``output_layout`` in qg_scaled's dtype."""
+    op = "npu_chunk_kda_fwd_finalize"
+    _record(op)
+    if output_layout not in LAYOUTS:
+        raise RuntimeError(f"{op}: output_layout must be one of {LAYOUTS}, got {output_layout!r}")
+    packed = qg_scaled.dim() == 3
+    q4, a4, v4 = ((x.unsqueeze(0) if packed else x).float() for x in (qg_scaled, aqk, v_new))
+    B, HV, T, _ = q4.shape
+    C = a4.shape[-1]
+    cu = _host_list(op, cu_seqlens)
+    segs = _segments(op, B, T, cu)
+    o = v4.new_zeros(v4.shape)
+    for (b, s, e), (_, c0, c1) in zip(segs, _split_h(h, segs, T, C)):
+        o[b, :, s:e] = m.outputs(q4[b, :, s:e], a4[b, :, s:e], v4[b, :, s:e], h[b, :, c0:c1].float(), 1.0, C)
+    return _from_head_major(o, output_layout, 3 if packed else 4).to(qg_scaled.dtype)
+
+
+def chunk_kda_bwd_prepare(aqk, v_new, d_o, h, *, scale=None, chunk_size=64, state_v_first=False, layout="BNSD",
+                          cu_seqlens=None, chunk_indices=None):
+    """First KDA backward stage. Head-major inputs (``layout`` BNSD, or NTD packed). Returns three slots
+    ``(d_aqk, dv, dq_raw)``: d_aqk = tril(d_o v_new^T) [.., T, 64] fp32 (gradient of Aqk), dv = Aqk^T d_o
+    (intra-chunk part) and dq_raw = d_o h_c^T (gradient of qg_scaled), both in d_o's dtype."""
+    op = "npu_chunk_kda_bwd_prepare"
+    _record(op)
+    if layout not in ("BNSD", "NTD"):
+        raise RuntimeError(f"{op}: layout must be BNSD or NTD (head-major), got {layout!r}")
+    _check_chunk(op, chunk_size)
+    packed = aqk.dim() == 3
+    a4, v4, d4 = ((x.unsqueeze(0) if packed else x).float() for x in (aqk, v_new, d_o))
+    B, HV, T, C = a4.shape
+    segs = _segments(op, B, T, _host_list(op, cu_seqlens))
+    d_aqk, dv = torch.zeros_like(a4), torch.zeros_like(v4)
+    dq_raw = v4.new_zeros(B, HV, T, h.shape[-2])
+    causal = torch.tril(torch.ones(C, C, dtype=torch.bool))
+    for (b, s, e), (_, c0, c1) in zip(segs, _split_h(h, segs, T, C)):
+        L = e - s
+        ac, vc, dc = (m._pad_chunks(x[b, :, s:e], C) for x in (a4, v4, d4))
+        d_aqk[b, :, s:e] = m._unpad((dc @ vc.transpose(-1, -2)).masked_fill(~causal, 0.0), L)
+        dv[b, :, s:e] = m._unpad(ac.transpose(-1, -2) @ dc, L)
+        dq_raw[b, :, s:e] = m._unpad(dc @ h[b, :, c0:c1].float().transpose(-1, -2), L)
+    squeeze = (lambda x: x.squeeze(0)) if packed else (lambda x: x)
+    return squeeze(d_aqk), squeeze(dv).to(d_o.dtype), squeeze(dq_raw).to(d_o.dtype)
+
+
+def chunk_gated_delta_rule_bwd_dhu(q, k, w, d_o, dv, scale, chunk_size, *, g=None, gK=None, h0=None, dht=None,
+                                   cu_seqlens=None, chunk_indices=None, use_exp2=False,
+                                   transpose_state_layout=False):
+    """Reverse state pass. BNSD q, k, w [B,N,T,K], d_o, dv [B,HV,T,V]; scalar cumulative g [B,HV,T] (q, k
+    ungated, gated inside) or per-channel gK [B,HV,T,K] (q = qg, k = kg prepared; requires use_exp2).
+    Returns ``(dh, dh0, dv2)``: dh [B,HV,NT,K,V] with dh[c] = dL/d(state leaving chunk c), dh0 [N,HV,K,V] fp32
+    (None without h0), dv2 = dv + kg dh[c]."""
+    op = "npu_chunk_gated_delta_rule_bwd_dhu"
+    _record(op)
+    if (g is None) == (gK is None):
+        raise ValueError("Exactly one of g and gK must be provided.")
+    if gK is not None and not use_exp2:
+        raise ValueError("use_exp2 must be true when gK is provided.")
+    if transpose_state_layout:
+        raise RuntimeError(f"{op}: the stand-in implements transpose_state_layout=False only")
+    C = int(chunk_size)
+    cu = _host_list(op, cu_seqlens)
+    _, k4, w4, dv4, gate4 = _fwd_h_inputs(op, k, w, dv, g, gK, use_exp2, cu, C)
+    q4, do4 = q.float(), d_o.float()
+    B, HV, T, K = w4.shape
+    segs = _segments(op, B, T, cu)
+    dhs, dh0s = {}, []
+    dv2 = torch.zeros_like(dv4)
+    for n, (b, s, e) in enumerate(segs):
+        kg, decay = _segment_kg_decay(k4[b, :, s:e], gate4[b, :, s:e], gK is not None, HV, C)
+        qg = m.expand_heads(q4[b, :, s:e], HV)
+        if gK is None:
+            qg = qg * torch.exp(gate4[b, :, s:e])[..., None]
+        dh, dS0, dv2_seg = m.state_backward(qg, kg, w4[b, :, s:e], do4[b, :, s:e], dv4[b, :, s:e], decay,
+                                            float(scale), C, None if dht is None else dht[n])
+        dhs.setdefault(b, []).append(dh)
+        dh0s.append(dS0)
+        dv2[b, :, s:e] = dv2_seg
+    dh_all = torch.stack([torch.cat(dhs[b], 1) for b in sorted(dhs)], 0).to(q.dtype)
+    return dh_all, (torch.stack(dh0s, 0) if h0 is not None else None), dv2.to(dv.dtype)
+
+
+def chunk_kda_bwd_finalize(q, k, v, gk, raw_g, beta, a_log, dt_bias, akk, v_new, h, dh, dv_scan, d_aqk, dq_raw, *,
+                           q_rstd=None, k_rstd=None, scale=None, chunk_size=64, use_exp2=True,
+                           use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                           allow_neg_eigval=False, safe_gate=False, lower_bound=None, output_layout="BNSD",
+                           cu_seqlens=None, chunk_indices=None):
+    """Last KDA backward stage: input gradients from the stage outputs (the fla-npu kernel's 19 inputs, 7 outputs).
+
+    Head-major inputs: q, k = prepare's q_hat/k_hat [B,H,T,K]; v [B,HV,T,V]; gk the prepared cumulative gate;
+    raw_g the caller's g [B,HV,T,K] (gate input with use_gate_in_kernel, else the log gate itself); beta =
+    beta_eff [B,HV,T]; h, dh [B,HV,NT,K,V]; dv_scan (dhu's dv2), d_aqk, dq_raw from bwd_prepare. Returns seven
+    slots ``(dq, dk, dv, dbeta, dg, da_log, ddt_bias)``: dq, dk (w.r.t. raw q/k with in-kernel L2 norm), dv in
+    ``output_layout``; dbeta [B,HV,T] and dg [B,HV,T,K] head-major fp32 (w.r.t. raw beta with the in-kernel
+    sigmoid, raw g); da_log [HV] and ddt_bias [HV*K] fp32 with the in-kernel gate, else None."""
+    op = "npu_chunk_kda_bwd_finalize"
+    _record(op)
+    if output_layout not in LAYOUTS:
+        raise RuntimeError(f"{op}: output_layout must be one of {LAYOUTS}, got {output_layout!r}")
+    C = int(chunk_size)
+    packed = q.dim() == 3
+    up = (lambda x: x.unsqueeze(0)) if packed else (lambda x: x)
+    if safe_gate and use_gate_in_kernel and lower_bound is None:
+        lower_bound = -5.0
+    with torch.enable_grad():
+        qh = up(q).detach().float().requires_grad_()
+        kh = up(k).detach().float().requires_grad_()
+        vh = up(v).detach().float().requires_grad_()
+        g_in = up(raw_g).detach().float().requires_grad_()
+        beta_e = up(beta).detach().float().requires_grad_()
+        params = []
+        A_log = dtb = None
+        if use_gate_in_kernel:
+            A_log = None if a_log is None else a_log.detach().float().requires_grad_()
+            dtb = None if dt_bias is None else dt_bias.detach().float().requires_grad_()
+            params = [p for p in (A_log, dtb) if p is not None]
+        B, H, T, K = qh.shape
+        HV = vh.shape[1]
+        segs = _segments(op, B, T, _host_list(op, cu_seqlens))
+        gate = m.kda_gate(g_in, A_log, dtb, lower_bound) if use_gate_in_kernel else g_in
+        h4, dh4 = h.float(), dh.float()
+        vn4, dvs4, daqk4, dqr4 = (up(x).float() for x in (v_new, dv_scan, d_aqk, dq_raw))
+        loss = 0.0
+        for (b, s, e), (_, c0, c1) in zip(segs, _split_h(h, segs, T, C)):
+            L = e - s
+            gam = m.chunk_cumsum(gate[b, :, s:e], C)
+            P = m.prepare(m.expand_heads(qh[b, :, s:e], HV), m.expand_heads(kh[b, :, s:e], HV), vh[b, :, s:e],
+                          beta_e[b, :, s:e], gam, float(scale), C)
+            hc, dhc = h4[b, :, c0:c1], dh4[b, :, c0:c1]
+            dvs = m._pad_chunks(dvs4[b, :, s:e], C)
+            d_w = m._unpad(-(dvs @ hc.transpose(-1, -2)), L)
+            d_kg = m._unpad(m._pad_chunks(vn4[b, :, s:e], C) @ dhc.transpose(-1, -2), L)
+            d_decay = (hc * dhc).sum(-1)
+            loss = loss + (P["qg"] * float(scale) * dqr4[b, :, s:e]).sum() + (P["Aqk"] * daqk4[b, :, s:e]).sum() \
+                + (P["u"] * dvs4[b, :, s:e]).sum() + (P["w"] * d_w).sum() + (P["kg"] * d_kg).sum() \
+                + (P["decay"] * d_decay).sum()
+        leaves = [qh, kh, vh, g_in, beta_e] + params
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    dq, dk, dv, dg, dbeta = (torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves[:5], grads[:5]))
+    if use_qk_l2norm_in_kernel:
+        dq = m.l2norm_backward(qh.detach(), up(q_rstd), dq)
+        dk = m.l2norm_backward(kh.detach(), up(k_rstd), dk)
+    if use_beta_sigmoid_in_kernel:
+        dbeta = dbeta * _beta_derivative(beta_e.detach(), allow_neg_eigval)
+    da_log = ddt = None
+    if use_gate_in_kernel:
+        rest = list(grads[5:])
+        da_log = (rest.pop(0) if A_log is not None else None)
+        ddt = (rest.pop(0) if dtb is not None else None)
+        da_log = torch.zeros_like(A_log) if (A_log is not None and da_log is None) else da_log
+        ddt = torch.zeros_like(dtb) if (dtb is not None and ddt is None) else ddt
+    rank = 3 if packed else 4
+    sq = (lambda x: x.squeeze(0)) if packed else (lambda x: x)
+    return (_from_head_major(dq, output_layout, rank).to(q.dtype), _from_head_major(dk, output_layout, rank).to(k.dtype),
+            _from_head_major(dv, output_layout, rank).to(v.dtype), sq(dbeta), sq(dg), da_log, ddt)
+
+
+# ------------------------------------------------------------------------------------------- CP ops
+def pre_process_fwd_kernel_merged(k, w, u, g=None, *, gk=None, bg=None, v=None, cu_seqlens=None, chunk_size=64):
+    """Forward affine summaries of token windows: hm [Nseq, HV, K, V+K] fp32 = [E | M] per window, with
+    S_out = M S_in + E. BNSD inputs with B = 1 and K = V = 128; g (scalar, k ungated) or gk (per channel,
+    k = kg) as base-2 chunk-local cumulative gates; cu_seqlens (required host list) may be a sub-interval.
+    Windows must start at the chunk grid the inputs were prepared on. DPLR slots (bg, v) are rejected."""
+    op = "npu_pre_process_fwd_kernel_merged"
+    _record(op)
+    if bg is not None or v is not None:
+        raise RuntimeError(f"{op}: bg and v are DPLR-only and must be None")
+    cu = _host_list(op, cu_seqlens)
+    if cu is None:
+        raise RuntimeError(f"{op}: cu_seqlens (host list) is required")
+    _check_chunk(op, chunk_size)
+    C = int(chunk_size)
+    _, k4, w4, u4, gate4 = _fwd_h_inputs(op, k, w, u, g, gk, True, None, C)
+    B, HV, T, K = w4.shape
+    V = u4.shape[-1]
+    if B != 1:
+        raise RuntimeError(f"{op}: batch must be 1, got {B}")
+    _check_dims(op, K, V)
+    if cu[0] < 0 or cu[-1] > T:
+        raise RuntimeError(f"{op}: cu_seqlens must lie in [0, {T}], got {cu}")
+    hm = w4.new_zeros(len(cu) - 1, HV, K, V + K)
+    for n, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+        kg, decay = _segment_kg_decay(k4[0, :, s:e], gate4[0, :, s:e], gk is not None, HV, C)
+        _, _, E = m.state_pass(w4[0, :, s:e], u4[0, :, s:e], kg, decay, C)
+        hm[n, :, :, :V] = E
+        hm[n, :, :, V:] = m.transition(w4[0, :, s:e], kg, decay, C)
+    return hm
+
+
+def pre_process_bwd_kernel_merged(q, k, w, d_o, dv, g=None, gk=None, cu_seqlens=None, scale=1.0, chunk_size=64):
+    """Backward summary of one token window: dhm [HV, K, V+K] fp32 = [dS_loc | M^T], dS_loc the gradient of
+    the window's outputs w.r.t. its initial state (zero terminal gradient) and M its transition. BNSD,
+    B = 1; GDN passes raw q, k with scalar g, KDA passes qg, kg with gk (base-2 cumulative gates); dv is
+    the intra-chunk dv (chunk_bwd_dv_local / chunk_kda_bwd_prepare); cu_seqlens = [start, end]."""
+    op = "npu_pre_process_bwd_kernel_merged"
+    _record(op)
+    cu = _host_list(op, cu_seqlens)
+    if cu is None or len(cu) != 2:
+        raise RuntimeError(f"{op}: cu_seqlens must be one window [start, end], got {cu}")
+    _check_chunk(op, chunk_size)
+    C = int(chunk_size)
+    _, k4, w4, dv4, gate4 = _fwd_h_inputs(op, k, w, dv, g, gk, True, None, C)
+    B, HV, T, K = w4.shape
+    V = dv4.shape[-1]
+    if B != 1:
+        raise RuntimeError(f"{op}: batch must be 1, got {B}")
+    _check_dims(op, K, V)
+    s, e = cu
+    kg, decay = _segment_kg_decay(k4[0, :, s:e], gate4[0, :, s:e], gk is not None, HV, C)
+    qg = m.expand_heads(q.float()[0, :, s:e], HV)
+    if gk is None:
+        qg = qg * torch.exp(gate4[0, :, s:e])[..., None]
+    _, dS, _ = m.state_backward(qg, kg, w4[0, :, s:e], d_o.float()[0, :, s:e], dv4[0, :, s:e], decay,
+                                float(scale), C)
+    M = m.transition(w4[0, :, s:e], kg, decay, C)
+    return torch.cat([dS, M.transpose(-1, -2)], dim=-1)
+
+
+def merge_fwd_bwd_kernel(h, ag_hm, pre_or_post_num_ranks, rank, *, forward=True, state_v_first=False):
+    """Fold gathered summaries into ``h`` [HV, 128, 128] in place: forward, for j = rank - n .. rank - 1,
+    h <- ag_hm[j, ..., V:] h + ag_hm[j, ..., :V]; backward, for j = rank + n down to rank + 1, the same with
+    the backward summaries [dS_loc | M^T]. ag_hm [S, HV, 128, 256] fp32/bf16, S <= 1024, HV <= 256."""
+    op = "npu_merge_fwd_bwd_kernel"
+    _record(op)
+    if state_v_first:
+        raise RuntimeError(f"{op}: the stand-in implements state_v_first=False only")
+    S, HV, K, W = ag_hm.shape
+    V = W - K
+    if K != 128 or V != 128 or tuple(h.shape) != (HV, K, V):
+        raise RuntimeError(f"{op}: h must be [HV,128,128] and ag_hm [S,HV,128,256], got {list(h.shape)}, "
+                           f"{list(ag_hm.shape)}")
+    if S > 1024 or HV > 256:
+        raise RuntimeError(f"{op}: supports S <= 1024 and HV <= 256, got S={S}, HV={HV}")
+    if ag_hm.dtype not in (torch.float32, torch.bfloat16) or h.dtype != torch.float32:
+        raise RuntimeError(f"{op}: ag_hm must be fp32/bf16 and h fp32")
+    n, rank = int(pre_or_post_num_ranks), int(rank)
+    order = range(rank - n, rank) if forward else range(rank + n, rank, -1)
+    if n and (min(order) < 0 or max(order) >= S):
+        raise RuntimeError(f"{op}: ranks {list(order)} outside [0, {S})")
+    state = h.float()
+    for j in order:
+        hm = ag_hm[j].float()
+        state = hm[..., V:] @ state + hm[..., :V]
+    h.copy_(state)
+    return None
+
+
+_PUBLIC = ("chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_bwd", "chunk_gated_delta_rule_fwd_prepare",
+           "chunk_bwd_dv_local", "chunk_kda_fwd_prepare", "chunk_fwd_h", "chunk_kda_fwd_finalize",
+           "chunk_kda_bwd_prepare", "chunk_gated_delta_rule_bwd_dhu", "chunk_kda_bwd_finalize",
+           "pre_process_fwd_kernel_merged", "pre_process_bwd_kernel_merged", "merge_fwd_bwd_kernel")
+for _name in _PUBLIC:
+    globals()["npu_" + _name] = globals()[_name]
+__all__ = list(_PUBLIC) + ["npu_" + n for n in _PUBLIC]
