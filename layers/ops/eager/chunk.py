@@ -20,20 +20,23 @@ from layers.ops.eager.scan import StateScan
 CHUNK_SIZE = 64
 
 
-def _pair_exponent(gi: torch.Tensor, gj: torch.Tensor, inclusive: bool) -> torch.Tensor:
-    """gamma_i - gamma_j where j precedes i (j <= i if inclusive), -inf elsewhere. gi [..., C], gj [..., C]."""
-    C = gi.shape[-1]
-    keep = torch.ones(C, C, dtype=torch.bool, device=gi.device).tril(0 if inclusive else -1)
-    return (gi[..., :, None] - gj[..., None, :]).masked_fill(~keep, float("-inf"))
+def pair_decay(gamma: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """exp(gamma_i - gamma_j) for j <= i, else 0: [..., C] -> [..., C, C] in ``dtype`` (difference in gamma's dtype)."""
+    C = gamma.shape[-1]
+    keep = torch.ones(C, C, dtype=torch.bool, device=gamma.device).tril()
+    return (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~keep, float("-inf")).to(dtype).exp()
 
 
-def decayed_gram(a: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor, inclusive: bool) -> torch.Tensor:
+def decayed_gram(a: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor, inclusive: bool,
+                 pair: torch.Tensor | None = None) -> torch.Tensor:
     """out_ij = sum_c a_ic b_jc exp(gamma_ic - gamma_jc) for j < i (j <= i if inclusive), else 0.
 
-    a, b [..., C, K]; gamma [..., C] (scalar decay) or [..., C, K] (per channel). Returns [..., C, C].
+    a, b [..., C, K]; gamma [..., C] (scalar decay; ``pair`` may pass its precomputed ``pair_decay``) or
+    [..., C, K] (per channel). Returns [..., C, C].
     """
     if gamma.dim() == a.dim() - 1:
-        return (a @ b.transpose(-1, -2)) * _pair_exponent(gamma, gamma, inclusive).to(a.dtype).exp()
+        pair = pair_decay(gamma, a.dtype) if pair is None else pair
+        return (a @ b.transpose(-1, -2)) * (pair if inclusive else pair.tril(-1))
     return _channel_gram(a, b, gamma, inclusive)
 
 
@@ -68,7 +71,7 @@ def _channel_gram(a, b, gamma, inclusive):
 
 
 def _chunk_inputs(k, v, g, beta, layout):
-    """Gather to chunks and build the WY quantities: (gamma, W, U, Kt, decay)."""
+    """Gather to chunks and build the WY quantities: (kc, gamma, pair, gexp, W, U, Kt, decay)."""
     kc, vc, bc = to_chunks(k, layout), to_chunks(v, layout), to_chunks(beta, layout)   # bc [n,HV,C]
     # gamma stays fp64: with strong decay it reaches -1e3 in a chunk, and differences of nearby tokens must
     # keep their digits; each difference is cast to the compute dtype before exp.
@@ -79,7 +82,8 @@ def _chunk_inputs(k, v, g, beta, layout):
     g_last = gamma[:, :, -1:]                                    # [n,HV,1] or [n,HV,1,K]
     tail = (g_last - gamma).to(dt).exp()
     tail = tail if per_channel else tail[..., None]
-    A = bc[..., None] * decayed_gram(kc, kc, gamma, inclusive=False)
+    pair = None if per_channel else pair_decay(gamma, dt)        # shared by A and the output's gram
+    A = bc[..., None] * decayed_gram(kc, kc, gamma, inclusive=False, pair=pair)
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
     rhs = torch.cat([bc[..., None] * kc * gexp, bc[..., None] * vc], dim=-1)
     # explicit inverse then one matmul: faster on CPU than a triangular solve with a wide right-hand side
@@ -89,7 +93,7 @@ def _chunk_inputs(k, v, g, beta, layout):
     decay = g_last.squeeze(2).to(dt).exp()
     if not per_channel:
         decay = decay[..., None].expand(-1, -1, K)
-    return kc, gamma, gexp, W, U, kc * tail, decay
+    return kc, gamma, pair, gexp, W, U, kc * tail, decay
 
 
 def chunked_delta_rule(kind, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
@@ -109,7 +113,7 @@ def chunked_delta_rule(kind, q, k, v, g, beta, *, scale, initial_state, output_f
     if HV != H:
         q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
     layout = chunk_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
-    kc, gamma, gexp, W, U, Kt, decay = _chunk_inputs(k, v, g, beta, layout)
+    kc, gamma, pair, gexp, W, U, Kt, decay = _chunk_inputs(k, v, g, beta, layout)
     order = layout.seq_order
     S0 = None if initial_state is None else initial_state.to(q.dtype).index_select(0, order)
     Hs, Vn, S_sorted = StateScan.apply(W, U, Kt, decay, S0, (layout.step_offsets, layout.step_counts))
@@ -117,6 +121,6 @@ def chunked_delta_rule(kind, q, k, v, g, beta, *, scale, initial_state, output_f
     if not with_output:
         return None, final
     qc = to_chunks(q, layout)
-    o = (qc * gexp) @ Hs + decayed_gram(qc, kc, gamma, inclusive=True) @ Vn
+    o = (qc * gexp) @ Hs + decayed_gram(qc, kc, gamma, inclusive=True, pair=pair) @ Vn
     o = from_chunks(o * scale, layout, B, T)
     return o.to(out_dtype), final
