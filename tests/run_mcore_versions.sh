@@ -21,6 +21,8 @@ for version in $VERSIONS; do
         "import megatron.core, sys; assert megatron.core.__version__ == '$version', megatron.core.__version__"
     PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}" python -m pytest -q "${TESTS[@]}" || status=1
 done
-echo "=== megatron-core (installed) $(python -c 'import megatron.core as m; print(m.__version__)')"
-python -m pytest -q "${TESTS[@]}" || status=1
+if [ -z "${HP_MCORE_SKIP_INSTALLED:-}" ]; then   # CI already ran the whole suite on the installed version
+    echo "=== megatron-core (installed) $(python -c 'import megatron.core as m; print(m.__version__)')"
+    python -m pytest -q "${TESTS[@]}" || status=1
+fi
 exit $status

@@ -45,16 +45,6 @@ CASES = [
 PARAMS = [pytest.param(kind, kw, id=f"{kind}-{name}") for name, kinds, kw in CASES for kind in kinds]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes gain nothing from threads, and on a shared 2-core machine intra-op threads that wait for
-    each other are many times slower; restore the setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _cotangents(o_shape, s_shape, seed):
     gen = torch.Generator().manual_seed(1000 + seed)
     return torch.randn(o_shape, generator=gen, dtype=torch.float64), torch.randn(s_shape, generator=gen,

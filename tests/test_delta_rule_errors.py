@@ -12,16 +12,6 @@ from layers.ops import chunk_gated_delta_rule, chunk_kda
 B, T, H, HV, K, V = 1, 6, 2, 4, 4, 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes gain nothing from threads, and on a shared 2-core machine intra-op threads that wait for
-    each other are many times slower; restore the setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _inputs(kind, **over):
     x = dict(q=torch.randn(B, T, H, K), k=torch.randn(B, T, H, K), v=torch.randn(B, T, HV, V),
              g=-torch.rand((B, T, HV) if kind == "gdn" else (B, T, HV, K)), beta=torch.rand(B, T, HV))

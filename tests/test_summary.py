@@ -35,16 +35,6 @@ CASES = [
 PARAMS = [pytest.param(kind, kw, id=f"{kind}-{name}") for name, kinds, kw in CASES for kind in kinds]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes gain nothing from threads, and on a shared 2-core machine intra-op threads that wait for
-    each other are many times slower; restore the setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _summary(kind, t, flags):
     kw = {n: flags[n] for n in SUMMARY_FLAGS if n in flags}
     return segment_summary(kind, t["k"], t["v"], t["g"], t["beta"], A_log=t.get("A_log"),
