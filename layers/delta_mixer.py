@@ -39,6 +39,7 @@ from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParal
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from layers.masks import check_causal_mask
 from layers.norm import GATE_ACTIVATIONS, GatedRMSNorm
 from layers.ops import causal_conv1d
 from layers.ops.backends import get_backend
@@ -293,57 +294,6 @@ def _cu_seqlens_cpu(cu: torch.Tensor) -> torch.Tensor:
     cpu = cu.detach().to("cpu", torch.int64)
     _CPU_CU_CACHE["last"] = (key, cu, cpu)
     return cpu
-
-
-_MASK_CACHE: dict = {}
-
-
-def _local_positions(layout: str, world: int, rank: int, seq_len: int, cu_seqlens=None) -> torch.Tensor:
-    """Global positions of this CP rank's tokens: one BSHD row, or the packed THD stream (global cu_seqlens)."""
-    if world == 1:
-        return torch.arange(seq_len)
-    if layout == "contiguous":
-        part = seq_len // world
-        return torch.arange(rank * part, (rank + 1) * part)
-    bounds = [0, seq_len] if cu_seqlens is None else cu_seqlens.tolist()
-    pieces = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        part = (end - start) // (2 * world)
-        for chunk in (rank, 2 * world - 1 - rank):
-            pieces.append(torch.arange(start + chunk * part, start + (chunk + 1) * part))
-    return torch.cat(pieces)
-
-
-def check_causal_mask(mask, layout: str, cp_size: int, cp_rank: int, cu_seqlens=None) -> None:
-    """Accept None or megatron's causal mask (bool, True = masked, ``[b|1, 1, s_local, s_global]``).
-
-    Under CP the rows are this rank's tokens in the CP layout (per document for packed THD input).
-    """
-    if mask is None:
-        return
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"attention_mask must be None or a bool tensor, got {type(mask).__name__}")
-    cu_key = None if cu_seqlens is None else tuple(cu_seqlens.tolist())
-    key = (id(mask), mask.data_ptr(), mask._version, tuple(mask.shape), layout, cp_size, cp_rank, cu_key)
-    if _MASK_CACHE.get("last") == key:
-        return
-    if mask.dtype != torch.bool or mask.ndim != 4 or mask.shape[1] != 1:
-        raise ValueError("attention_mask must be None or megatron's causal bool mask [b, 1, s_q, s_kv] "
-                         f"(True = masked); got dtype {mask.dtype}, shape {tuple(mask.shape)}")
-    sq, skv = mask.shape[-2:]
-    if sq * cp_size != skv:
-        raise ValueError(f"attention_mask [.., s_q={sq}, s_kv={skv}] does not match a causal mask for "
-                         f"context-parallel size {cp_size} (expected s_kv = s_q * cp)")
-    rows = _local_positions(layout, cp_size, cp_rank, skv, cu_seqlens).to(mask.device)
-    if rows.numel() != sq:
-        raise ValueError(f"attention_mask has {sq} query rows but this rank holds {rows.numel()} tokens in the "
-                         f"{layout} layout of {skv} tokens over {cp_size} CP ranks")
-    expected = torch.arange(skv, device=mask.device)[None, :] > rows[:, None]
-    if not bool((mask[:, 0] == expected).all()):
-        raise ValueError("GDN/KDA mixers are causal sequence models and cannot apply a non-causal attention_mask "
-                         "(padding or document masks); pass attention_mask=None or the plain causal mask, and "
-                         "pack documents with PackedSeqParams(qkv_format='thd', cu_seqlens_q=...)")
-    _MASK_CACHE["last"] = key
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -609,7 +559,8 @@ class DeltaMixer(MegatronModule):
         cp_group = self._cp_group_for(packed_seq_params)
         cp_size = _group_size(cp_group)
         cu_global = self._packed_cu_seqlens(packed_seq_params)
-        check_causal_mask(attention_mask, self.cp_layout, cp_size, _group_rank(cp_group), cu_global)
+        check_causal_mask(attention_mask, self.cp_layout, cp_size, _group_rank(cp_group), cu_global,
+                          owner=type(self).__name__)
 
         projected, _ = self.in_proj(hidden_states)  # [s, b, D_local]
         seq, batch = projected.shape[:2]

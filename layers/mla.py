@@ -35,6 +35,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from layers.attention.masking import document_starts
 from layers.cp.mla import STRATEGIES, MLADims, check_strategy, expand_keys_values, mla_context_parallel, token_order
 from layers.cp.plan import check_layout
+from layers.masks import check_causal_mask
 from layers.rotary import MLARotary, apply_mla_rope, mla_softmax_scale
 
 # megatron/TE cp_comm_type names that select one of our strategies; others keep the configured strategy.
@@ -203,8 +204,8 @@ class MultiLatentAttention(MegatronModule):
                 inference_params=None, **kwargs):
         """hidden_states ``[s, b, hidden]`` -> ``(output [s, b, hidden], bias or None)``.
 
-        ``attention_mask`` is ignored (the layer is causal, as Transformer Engine's causal attention
-        ignores it); positions come from the CP layout and ``packed_seq_params`` (THD: global
+        ``attention_mask`` must be None or megatron's plain causal mask (the layer is causal; other masks raise
+        ValueError); positions come from the CP layout and ``packed_seq_params`` (THD: global
         ``cu_seqlens_q_padded`` or ``cu_seqlens_q``).
         """
         self._check_forward_args(hidden_states, key_value_states, inference_context, inference_params,
@@ -213,6 +214,8 @@ class MultiLatentAttention(MegatronModule):
         cu_seqlens = self._global_cu_seqlens(packed_seq_params)
         cp_group = self._cp_group(packed_seq_params)
         cp_size = _group_size(cp_group)
+        cp_rank = torch.distributed.get_rank(cp_group) if cp_size > 1 else 0
+        check_causal_mask(attention_mask, self.cp_layout, cp_size, cp_rank, cu_seqlens, owner="MultiLatentAttention")
         dims = self.dims
 
         latent, rope_key = self._kv_latent(hidden_states)                # [s, b, r], [s, b, p]

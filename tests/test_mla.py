@@ -314,6 +314,13 @@ def test_input_errors(world):
         layer(x, inference_context=object())
     with pytest.raises(ValueError, match="rotary"):
         layer(x, rotary_pos_emb=torch.zeros(4, 1, 1, 4))
+    causal = torch.ones(4, 4, dtype=torch.bool).triu(1)[None, None]
+    out_masked, _ = layer(x, attention_mask=causal)           # megatron's plain causal mask is accepted
+    assert torch.equal(out_masked, layer(x)[0])
+    padding = causal.clone()
+    padding[..., 0] = True                                     # a padding mask the causal layer cannot honour
+    with pytest.raises(ValueError, match="non-causal attention_mask"):
+        layer(x, attention_mask=padding)
     from megatron.core.packed_seq_params import PackedSeqParams
 
     bad = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32))

@@ -1,0 +1,42 @@
+"""The one attention mask our causal mixers accept: None or megatron's plain causal mask."""
+from __future__ import annotations
+
+import torch
+
+from layers.cp.plan import local_seq_index
+
+_LAST_CHECKED: dict = {}
+
+
+def check_causal_mask(mask, layout: str, cp_size: int, cp_rank: int, cu_seqlens=None, owner: str = "layer") -> None:
+    """Accept None or megatron's causal mask (bool, True = masked, ``[b|1, 1, s_local, s_global]``).
+
+    Under CP the rows are this rank's tokens in the CP layout (per document for packed THD input). Anything
+    else (padding or document masks) raises ValueError: ``owner`` is causal and packs documents through
+    PackedSeqParams instead. The last accepted mask is remembered, so a micro-batch is checked once.
+    """
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be None or a bool tensor, got {type(mask).__name__}")
+    cu_key = None if cu_seqlens is None else tuple(cu_seqlens.tolist())
+    key = (id(mask), mask.data_ptr(), mask._version, tuple(mask.shape), layout, cp_size, cp_rank, cu_key)
+    if _LAST_CHECKED.get("key") == key:
+        return
+    if mask.dtype != torch.bool or mask.ndim != 4 or mask.shape[1] != 1:
+        raise ValueError("attention_mask must be None or megatron's causal bool mask [b, 1, s_q, s_kv] "
+                         f"(True = masked); got dtype {mask.dtype}, shape {tuple(mask.shape)}")
+    sq, skv = mask.shape[-2:]
+    if sq * cp_size != skv:
+        raise ValueError(f"attention_mask [.., s_q={sq}, s_kv={skv}] does not match a causal mask for "
+                         f"context-parallel size {cp_size} (expected s_kv = s_q * cp)")
+    rows = local_seq_index(cp_size, cp_rank, layout, skv, cu_seqlens).to(mask.device)
+    if rows.numel() != sq:
+        raise ValueError(f"attention_mask has {sq} query rows but this rank holds {rows.numel()} tokens in the "
+                         f"{layout} layout of {skv} tokens over {cp_size} CP ranks")
+    expected = torch.arange(skv, device=mask.device)[None, :] > rows[:, None]
+    if not bool((mask[:, 0] == expected).all()):
+        raise ValueError(f"{owner} is causal and cannot apply a non-causal attention_mask (padding or document "
+                         "masks); pass attention_mask=None or the plain causal mask, and pack documents with "
+                         "PackedSeqParams(qkv_format='thd', cu_seqlens_q=...)")
+    _LAST_CHECKED["key"] = key
