@@ -1,65 +1,127 @@
 #!/usr/bin/env bash
 # One GPU check of the triton backend (issue 7): GPU tests + benchmarks/gpu_layers.py under one time budget.
 #
-# Run on the GPU machine from the repository root, carrying the git-ignored wheel folder:
-#     run(command="bash benchmarks/gpu_check.sh", carry=[".wheels"], timeout_s=600)
-# The machine has no network: wheels in .wheels/ (fla-core, flash-linear-attention 0.6.0, megatron-core
-# 0.16.1 cp312, and einops/packaging/numpy/pytest for whatever is missing) are installed with --no-deps into a
-# scratch --target that goes first on PYTHONPATH. Everything lands in $OUT (default ./out-gpu):
-#   env.txt, summary.txt, tests_single.log, tests_cp.log, tests_cp_cases.jsonl (per CP case, written as they
-#   finish), bench_ops.log, bench_layers.log, gpu_layers.json/.md (merged), benchmarks.md (docs with the section). Then, on the dev machine: copy $OUT/benchmarks.md's gpu section into docs/benchmarks.md with
+# Four-call protocol (docs/backends.md "GPU check"; prepare first, HERE: `bash benchmarks/gpu_prepare.sh`).
+# The GPU machine has no network and torch's triton 3.6.0, which FLA refuses for GDN backward on Hopper; the
+# triton 3.7.1 wheel (~198 MB) is carried in four parts, one per call (a call carries at most 64 MiB):
+#   GPU_CHECK_PART=1|2|3  copy .wheels/gpu/callN/* to $CARRY (/tmp/hp_gpu_carry, outside the tree; /tmp survives
+#                         while the machine stays warm, i.e. when the next call follows within ~30 s) and exit;
+#   GPU_CHECK_PART=4      copy call4, join the parts, check the sha256 from MANIFEST, `pip install --no-deps
+#                         --target $SITE` the triton wheel and the other carried wheels ($SITE first on
+#                         PYTHONPATH), check `triton.__version__ == 3.7.1`, then run the phases below.
+#   unset                 one-call mode: install what is missing from .wheels/ and use the machine's triton.
+# GPU_CHECK_DRY=1 (CPU dry run of the script logic): no pip installs, no version requirement.
+#
+# Everything lands in $OUT (default ./out-gpu): env.txt, summary.txt, <phase>.log, tests_cp<P>_cases.jsonl (per
+# CP case, written as each finishes), gpu_layers.json/.md (merged benchmark), benchmarks.md, and
+# triton_autotune.tar.gz (Triton's autotune results; put it at .wheels/gpu/triton_autotune.tar.gz before the next
+# gpu_prepare.sh and a check on the same triton/FLA/GPU skips autotuning). On the dev machine afterwards:
 #     python benchmarks/gpu_layers.py --render <files_at>/gpu_layers.json --docs docs/benchmarks.md
 #
-# Phases (GPU_CHECK_PHASES, default "bench_ops tests_single tests_cp bench_layers") run in that order, so a second
-# run can pick up what the first did not reach (each run compiles its kernels afresh on a new machine).
-# Budget (GPU_CHECK_BUDGET_S, default 540 s): phases start only while enough time is left; each runs under
-# `timeout`. The first call of a Triton kernel with new compile-time constants autotunes for minutes (measured
-# on an H200: GDN fwd+bwd 145 s, KDA fwd+bwd 206 s), so the benchmark and the single-rank tests share one shape
-# set (H=16, K=V=128, layer flags) and the benchmark runs first. With triton < 3.7.1 on Hopper, FLA (and our
-# backend, up front) refuse GDN backward; those rows/tests record the error or skip with the reason.
+# Phases (GPU_CHECK_PHASES, default all, in this order; most valuable evidence first):
+#   warm           3 concurrent processes fill the shared TRITON_CACHE_DIR: gpu_layers.py --warm gdn | kda
+#                  (benchmark shapes + single-rank test shape) | cp (the CP tests' layouts, p2p/allgather, P=2);
+#                  the first call with new compile-time constants autotunes for minutes (H200, triton 3.6: GDN
+#                  fwd+bwd 145 s, KDA 206 s); every later process loads the results from disk
+#   tests_single   single-rank layer-flag cases, conv, GDN guard (the warmed shapes)
+#   bench_ops      gpu_layers.py sections a, b (FLA's ops vs ours)
+#   tests_cp2      CP tests with P=2 gloo processes on the GPU (p2p/allgather on every layout first, Ulysses last)
+#   bench_layers   gpu_layers.py sections c, d (our layers, FLA's and megatron-core's)
+#   tests_variants single-rank GVA/packed/initial-state cases (H=4, HV=8, K=V=64: new autotuning)
+#   tests_cp4      CP tests with P=4
+#   bench_cp       gpu_layers.py section e (CP per-rank cost, P = 2, 4, 8)
+# Budget (GPU_CHECK_BUDGET_S, default 520 s from the start of the script): a phase starts only while its
+# minimum is left and runs under `timeout` with its cap. Give the call timeout_s=590.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-OUT="${OUT:-$ROOT/out-gpu}"
-mkdir -p "$OUT"
-BUDGET="${GPU_CHECK_BUDGET_S:-540}"
+PART="${GPU_CHECK_PART:-}"
+DRY="${GPU_CHECK_DRY:-0}"
+CARRY="${GPU_CHECK_CARRY:-/tmp/hp_gpu_carry}"
+SITE="${GPU_CHECK_SITE:-/tmp/hp_gpu_site}"
+TRITON_WANT=3.7.1
 T0=$SECONDS
+
+# ---- 0. calls 1-3: stash this call's part outside the tree and leave
+case "$PART" in
+  1|2|3)
+    src="$ROOT/.wheels/gpu/call$PART"
+    if [ ! -d "$src" ]; then echo "GPU_CHECK_PART=$PART: $src was not carried (carry=[\".wheels/gpu/call$PART\"])" >&2; exit 1; fi
+    mkdir -p "$CARRY" && cp -f "$src"/* "$CARRY"/ || exit 1
+    echo "call $PART: $CARRY now holds:"; ls -l "$CARRY"; df -h /tmp | tail -n1
+    exit 0 ;;
+  ""|4) ;;
+  *) echo "GPU_CHECK_PART must be 1, 2, 3, 4 or unset, got '$PART'" >&2; exit 2 ;;
+esac
+
+OUT="${OUT:-$ROOT/out-gpu}"
+mkdir -p "$OUT" "$SITE"
+BUDGET="${GPU_CHECK_BUDGET_S:-520}"
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
 log() { echo "[gpu_check $(( SECONDS - T0 ))s] $*" | tee -a "$OUT/summary.txt"; }
-
-# ---- 1. wheels -> scratch site (only what is missing, never shadow what the machine has)
-SITE=/tmp/hp_gpu_site
-mkdir -p "$SITE"
-WHEELS="$ROOT/.wheels"
-install_wheel() {  # install_wheel <import-name> <wheel-glob>
-  if python -c "import $1" 2>/dev/null; then log "have $1: $(python -c "import $1 as m; print(getattr(m, '__version__', '?'))" 2>/dev/null)"; return; fi
-  local whl
-  whl=$(ls "$WHEELS"/$2 2>/dev/null | head -n1)
-  if [ -z "$whl" ]; then log "MISSING $1 and no wheel $2 in $WHEELS"; return; fi
-  python -m pip install --quiet --no-deps --no-index --target "$SITE" "$whl" >>"$OUT/summary.txt" 2>&1 \
-    && log "installed $(basename "$whl")" || log "FAILED to install $(basename "$whl")"
+pip_target() {  # pip_target <label> <wheel>...: one pip call into the scratch site
+  if [ "$DRY" = 1 ]; then log "DRY: would install $*"; return 0; fi
+  local label=$1; shift
+  python -m pip install --quiet --no-deps --no-index --upgrade --target "$SITE" "$@" >>"$OUT/summary.txt" 2>&1 \
+    && log "installed $label" || { log "FAILED to install $label"; return 1; }
 }
 export PYTHONPATH="$SITE:$ROOT:$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}"
+
+# ---- 1. wheels -> scratch site
+if [ "$PART" = 4 ]; then
+  WHEELS="$CARRY"
+  mkdir -p "$CARRY"
+  if [ -d "$ROOT/.wheels/gpu/call4" ]; then cp -f "$ROOT/.wheels/gpu/call4"/* "$CARRY"/; else log "call4 folder was not carried"; fi
+  if [ -f "$CARRY/MANIFEST" ]; then
+    name=$(awk '$1 == "wheel" {print $2}' "$CARRY/MANIFEST")
+    want=$(awk '$1 == "sha256" {print $2}' "$CARRY/MANIFEST")
+    missing=""
+    for i in 1 2 3 4; do [ -f "$CARRY/$name.part$i" ] || missing="$missing part$i"; done
+    if [ -n "$missing" ]; then
+      log "TRITON PARTS MISSING:$missing (the machine went cold between calls?); continuing with the machine's triton"
+    else
+      cat "$CARRY/$name".part1 "$CARRY/$name".part2 "$CARRY/$name".part3 "$CARRY/$name".part4 >"$CARRY/$name"
+      got=$(sha256sum "$CARRY/$name" | cut -d' ' -f1)
+      if [ "$got" = "$want" ]; then
+        log "joined $name (sha256 ok)"
+        pip_target "$name" "$CARRY/$name"
+      else
+        log "TRITON WHEEL CORRUPT: sha256 $got, MANIFEST says $want; continuing with the machine's triton"
+      fi
+    fi
+  else
+    log "no $CARRY/MANIFEST; continuing with the machine's triton"
+  fi
+else
+  WHEELS="$ROOT/.wheels"
+fi
+# Test/benchmark dependencies only when missing (never shadow what the machine has); numpy is not carried.
 for pair in "numpy numpy-*.whl" "packaging packaging-*.whl" "einops einops-*.whl" "pluggy pluggy-*.whl" \
             "iniconfig iniconfig-*.whl" "pytest pytest-*.whl"; do
-  install_wheel $pair
+  set -- $pair
+  if python -c "import $1" 2>/dev/null; then continue; fi
+  whl=$(ls "$WHEELS"/$2 2>/dev/null | head -n1)
+  if [ -z "$whl" ]; then log "MISSING $1 and no wheel $2 in $WHEELS"; else pip_target "$(basename "$whl")" "$whl"; fi
 done
-# FLA and megatron-core: always the carried versions (FLA 0.6.0 is the API this backend was written against).
-# One pip call: fla-core and flash-linear-attention share the top-level package `fla`, and pip --target does not
-# merge into an existing directory.
-install_together() {  # install_together <wheel-glob>...  (one pip call; --upgrade replaces a previous copy)
-  local wheels=() w
-  for w in "$@"; do
-    if [ -f "$w" ]; then wheels+=("$w"); else log "MISSING wheel $w"; fi
-  done
-  [ ${#wheels[@]} -gt 0 ] || return
-  python -m pip install --quiet --no-deps --no-index --upgrade --target "$SITE" "${wheels[@]}" >>"$OUT/summary.txt" 2>&1 \
-    && log "installed ${wheels[*]##*/}" || log "FAILED to install ${wheels[*]##*/}"
-}
-install_together "$WHEELS"/fla_core-*.whl "$WHEELS"/flash_linear_attention-*.whl
-install_together "$WHEELS"/megatron_core-*cp312*.whl
+# FLA and megatron-core: always the carried versions. One pip call for fla-core + flash-linear-attention (they
+# share the top-level package `fla`; pip --target does not merge into an existing directory).
+fla=( "$WHEELS"/fla_core-*.whl "$WHEELS"/flash_linear_attention-*.whl )
+if [ -f "${fla[0]}" ] && [ -f "${fla[1]}" ]; then pip_target "fla-core + flash-linear-attention" "${fla[@]}"
+else log "MISSING fla wheels in $WHEELS"; fi
+mcore=$(ls "$WHEELS"/megatron_core-*cp312*.whl 2>/dev/null | head -n1)
+if [ -n "$mcore" ]; then pip_target "$(basename "$mcore")" "$mcore"; else log "MISSING megatron-core wheel in $WHEELS"; fi
 
-export PYTHONUNBUFFERED=1 FLA_CACHE_RESULTS=1 TRITON_CACHE_DIR=/tmp/hp_triton_cache
+if [ "$PART" = 4 ] && [ "$DRY" != 1 ]; then
+  have=$(python -c "import triton; print(triton.__version__)" 2>&1 | tail -n1)
+  if [ "$have" = "$TRITON_WANT" ]; then log "triton $have active (from $SITE)"
+  else log "TRITON $TRITON_WANT NOT ACTIVE: import triton gives '$have'; GDN backward stays refused on Hopper"; fi
+fi
+
+export PYTHONUNBUFFERED=1 FLA_CACHE_RESULTS=1 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/hp_triton_cache}"
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -f "$CARRY/triton_autotune.tar.gz" ] && [ "$PART" = 4 ]; then
+  tar xzf "$CARRY/triton_autotune.tar.gz" -C "$TRITON_CACHE_DIR" && log "restored carried autotune results"
+fi
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
   python - <<'EOF'
@@ -69,7 +131,8 @@ print("python", platform.python_version(), "torch", torch.__version__, "cuda", t
       "capability", torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None)
 for name in ("triton", "fla", "megatron.core", "einops", "numpy", "pytest", "transformers", "tilelang"):
     try:
-        print(name, getattr(importlib.import_module(name), "__version__", "?"))
+        module = importlib.import_module(name)
+        print(name, getattr(module, "__version__", "?"), getattr(module, "__file__", ""))
     except Exception as error:
         print(name, "unavailable:", type(error).__name__, error)
 try:
@@ -82,49 +145,79 @@ except Exception as error:
     print("backend triton: UNAVAILABLE:", error)
 EOF
 } >"$OUT/env.txt" 2>&1
-cat "$OUT/env.txt" | tee -a "$OUT/summary.txt"
+tee -a "$OUT/summary.txt" <"$OUT/env.txt"
 
-PHASES="${GPU_CHECK_PHASES:-bench_ops tests_single tests_cp bench_layers}"
+save_autotune() {  # Triton's autotune results (small JSON files) -> $OUT, after every phase (survives a kill)
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar czf "$OUT/triton_autotune.tar.gz" --null -T -) \
+    2>/dev/null || true
+}
+PHASES="${GPU_CHECK_PHASES:-warm tests_single bench_ops tests_cp2 bench_layers tests_variants tests_cp4 bench_cp}"
+LIMIT=0
+start_phase() {  # start_phase <name> <min-seconds-needed> <cap-seconds>: sets LIMIT; false when skipped
+  local name=$1 need=$2 cap=$3
+  case " $PHASES " in *" $name "*) ;; *) log "SKIP $name: not in GPU_CHECK_PHASES"; return 1 ;; esac
+  local remaining; remaining=$(left)
+  if [ "$remaining" -lt "$need" ]; then log "SKIP $name: ${remaining}s left, needs ${need}s"; return 1; fi
+  LIMIT=$(( remaining < cap ? remaining : cap ))
+  log "START $name (limit ${LIMIT}s)"
+}
+end_phase() {  # end_phase <name> <rc>
+  log "END $1 rc=$2$( [ "$2" -eq 124 ] && echo ' (timed out)')"
+  tail -n 25 "$OUT/$1.log" >>"$OUT/summary.txt" 2>/dev/null
+  save_autotune
+}
 run_phase() {  # run_phase <name> <min-seconds-needed> <cap-seconds> <command...>
   local name=$1 need=$2 cap=$3; shift 3
-  case " $PHASES " in *" $name "*) ;; *) log "SKIP $name: not in GPU_CHECK_PHASES"; return ;; esac
-  local remaining; remaining=$(left)
-  if [ "$remaining" -lt "$need" ]; then log "SKIP $name: ${remaining}s left, needs ${need}s"; return; fi
-  local limit=$(( remaining < cap ? remaining : cap ))
-  log "START $name (limit ${limit}s)"
-  timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  log "END $name rc=$rc$( [ $rc -eq 124 ] && echo ' (timed out)')"
-  tail -n 25 "$OUT/$name.log" >>"$OUT/summary.txt"
+  start_phase "$name" "$need" "$cap" || return 0
+  timeout --signal=TERM --kill-after=10 "$LIMIT" "$@" >"$OUT/$name.log" 2>&1
+  end_phase "$name" $?
 }
+PYTEST=(python -m pytest tests/test_backend_triton.py -v -rs -p no:cacheprovider)
 
-# ---- 2. benchmark (a) FLA ops and (b) our ops: compiles the shared shape set
-run_phase bench_ops 120 260 python benchmarks/gpu_layers.py --sections ab --budget-s 200 --iters 5 \
-  --out "$OUT/ops"
-# ---- 3. single-rank GPU tests (same H/K/V flags as the benchmark, plus one variant set)
-run_phase tests_single 90 170 python -m pytest tests/test_backend_triton.py -v -rs -p no:cacheprovider \
-  -k "not test_cp_matches"
-# ---- 4. CP tests: P=4 gloo processes on the one GPU
-export HP_GPU_CP_TIMEOUT=140 HP_GPU_CP_LOG="$OUT/tests_cp_cases.jsonl"
-run_phase tests_cp 90 160 python -m pytest tests/test_backend_triton.py -v -rs \
-  -p no:cacheprovider -k "test_cp_matches"
-# ---- 5. benchmark (c) our layers, (d) FLA / megatron-core layers, (e) CP per-rank simulation
-run_phase bench_layers 60 400 python benchmarks/gpu_layers.py --sections cde --budget-s $(( $(left) - 30 )) \
-  --iters 3 --out "$OUT/layers"
+# ---- 2. warm: three processes share the GPU and TRITON_CACHE_DIR (partial results persist per kernel)
+if start_phase warm 60 240; then
+  pids=()
+  for what in gdn kda cp; do
+    timeout --signal=TERM --kill-after=10 "$LIMIT" python benchmarks/gpu_layers.py --warm "$what" --cp-worlds 2 \
+      >"$OUT/warm_$what.log" 2>&1 &
+    pids+=($!)
+  done
+  rc=0
+  for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+  cat "$OUT"/warm_gdn.log "$OUT"/warm_kda.log "$OUT"/warm_cp.log >"$OUT/warm.log" 2>/dev/null
+  end_phase warm "$rc"
+fi
+# ---- 3. single-rank tests on the warmed shapes (layer flags, conv, GDN guard)
+run_phase tests_single 45 150 "${PYTEST[@]}" -k "not test_cp_matches and not variants"
+# ---- 4. FLA's ops vs ours
+run_phase bench_ops 45 120 python benchmarks/gpu_layers.py --sections ab --budget-s 90 --iters 10 --out "$OUT/ops"
+# ---- 5. CP tests, P=2 (Triton cache from step 2; per-case lines in the jsonl survive a timeout)
+HP_GPU_CP_WORLD=2 HP_GPU_CP_TIMEOUT=140 HP_GPU_CP_LOG="$OUT/tests_cp2_cases.jsonl" \
+  run_phase tests_cp2 60 160 "${PYTEST[@]}" -k "test_cp_matches"
+# ---- 6. layers: ours, FLA's, megatron-core's
+run_phase bench_layers 45 120 python benchmarks/gpu_layers.py --sections cd --budget-s 90 --iters 5 \
+  --out "$OUT/layers"
+# ---- 7. what is left, if time is: single-rank variants (new autotuning), P=4 CP tests, CP per-rank benchmark
+run_phase tests_variants 60 150 "${PYTEST[@]}" -k "variants"
+HP_GPU_CP_WORLD=4 HP_GPU_CP_TIMEOUT=170 HP_GPU_CP_LOG="$OUT/tests_cp4_cases.jsonl" \
+  run_phase tests_cp4 90 190 "${PYTEST[@]}" -k "test_cp_matches"
+run_phase bench_cp 45 200 python benchmarks/gpu_layers.py --sections e --budget-s $(( $(left) - 40 > 10 ? $(left) - 40 : 10 )) \
+  --iters 3 --out "$OUT/cp"
 
-# ---- 6. merge both benchmark JSONs and render the docs section
+# ---- 8. merge the benchmark JSONs and render the docs section
 python - "$OUT" <<'EOF' 2>&1 | tee -a "$OUT/summary.txt"
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 sys.path.insert(0, "benchmarks")
 import gpu_layers
-reports = [json.loads(p.read_text()) for p in (out / "ops" / "gpu_layers.json", out / "layers" / "gpu_layers.json")
+reports = [json.loads(p.read_text()) for p in (out / d / "gpu_layers.json" for d in ("ops", "layers", "cp"))
            if p.exists()]
 if not reports:
     print("no benchmark results"); sys.exit(0)
 merged = {"meta": reports[0]["meta"], "rows": [r for rep in reports for r in rep["rows"]]}
-merged["meta"]["command"] = "bash benchmarks/gpu_check.sh (gpu_layers.py --sections ab, then --sections cde)"
+merged["meta"]["command"] = ("GPU_CHECK_PART=4 bash benchmarks/gpu_check.sh (gpu_layers.py --sections ab, "
+                             "then cd, then e)")
 gpu_layers.fill_ratios(merged["rows"])
 merged["goals"] = gpu_layers.evaluate_goals(merged["rows"])
 (out / "gpu_layers.json").write_text(json.dumps(merged, indent=1))
@@ -133,4 +226,5 @@ gpu_layers.write_docs(gpu_layers.render_markdown(merged), Path("docs/benchmarks.
 (out / "benchmarks.md").write_text(Path("docs/benchmarks.md").read_text())
 print("\n".join(merged["goals"]))
 EOF
+save_autotune
 log "done in $(( SECONDS - T0 ))s"

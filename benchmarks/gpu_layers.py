@@ -61,9 +61,12 @@ def _short_error(error: BaseException) -> str:
     return text[:300]
 
 
-def measure(build, tokens: int, iters: int, warmup: int = 1) -> dict:
-    """``build()`` returns ``step()`` doing one fwd+bwd. Times ``iters`` steps with CUDA events after ``warmup``
-    steps (the first includes Triton autotuning). Peak memory is measured above what existed before build."""
+def measure(build, tokens: int, iters: int, warmup: int = 1, repeats: int = 3, min_window_s: float = 0.05) -> dict:
+    """``build()`` returns ``step()`` doing one fwd+bwd. After ``warmup`` steps (the first includes Triton
+    autotuning) times ``repeats`` windows of at least ``iters`` steps (more for short steps, so a window lasts
+    ``min_window_s``) with CUDA events; ``ms`` is the median window's mean. ``host_ms`` is the CPU time per step
+    spent enqueueing work (before the final synchronize): when it is close to ``ms`` the step is bound by
+    Python/launch overhead, not by the GPU. Peak memory is measured above what existed before build."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
@@ -74,16 +77,27 @@ def measure(build, tokens: int, iters: int, warmup: int = 1) -> dict:
         step()
     torch.cuda.synchronize()
     warm_s = time.monotonic() - t0
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        step()
-    end.record()
+    t1 = time.perf_counter()
+    step()
     torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / iters
+    n = max(iters, min(200, int(min_window_s / max(time.perf_counter() - t1, 1e-6)) + 1))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    windows, host = [], []
+    for _ in range(repeats):
+        start.record()
+        h0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        host.append((time.perf_counter() - h0) * 1e3 / n)
+        end.record()
+        torch.cuda.synchronize()
+        windows.append(start.elapsed_time(end) / n)
+    windows.sort()
+    ms = windows[len(windows) // 2]
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
     del step
     return {"ms": round(ms, 3), "tokens_per_s": round(tokens / ms * 1e3), "peak_mib": round(peak, 1),
+            "ms_min": round(windows[0], 3), "host_ms": round(sorted(host)[len(host) // 2], 3), "iters": n,
             "warmup_s": round(warm_s, 1)}
 
 
@@ -311,8 +325,10 @@ def _fake_group(rank: int, world: int):
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
 
 
-def cp_step_builder(kind, method, opts, P, B, T, backend="triton", device="cuda", heads=H):
-    """``build()`` for rank 0 of a P-rank fake group: one fwd+bwd of the op on the rank's T/P tokens."""
+def cp_step_builder(kind, method, opts, P, B, T, backend="triton", device="cuda", heads=H, layout="zigzag",
+                    cu_seqlens=None):
+    """``build()`` for rank 0 of a P-rank fake group: one fwd+bwd of the op on the rank's T/P tokens.
+    ``cu_seqlens``: GLOBAL packed boundaries (B == 1), as given to ``build_cp_context``."""
     from layers.cp import build_cp_context
     from layers.ops import chunk_gated_delta_rule, chunk_kda
 
@@ -321,7 +337,8 @@ def cp_step_builder(kind, method, opts, P, B, T, backend="triton", device="cuda"
 
     def build():
         _fake_group(0, P)
-        ctx = build_cp_context(None, method=method, layout="zigzag", **opts)
+        cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.int64)
+        ctx = build_cp_context(None, method=method, layout=layout, cu_seqlens=cu, **opts)
         tensors, flags = op_inputs(kind, B, T // P, heads=heads, device=device)  # the T/P tokens a rank holds
         leaves = list(tensors.values())
         do = torch.randn_like(tensors["v"])
@@ -363,6 +380,63 @@ def _stats_summary(stats) -> str:
         t = stats.totals(phase=phase)
         parts.append(f"{phase[:3]} {t['bytes_sent'] / 2 ** 20:.2f} MiB sent / {t['steps']} steps")
     return "; ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------- warming
+# The shapes of tests/test_backend_triton.py (single rank: SINGLE_CASES "layer_flags"; CP: CP_LAYOUTS with
+# CP_PROBLEM); tests/test_backend_triton.py::test_warm_shapes_match_tests keeps the two files in sync.
+WARM_SINGLE_SHAPE = (2, 200)
+WARM_CP_LAYOUTS = (("zigzag", 2, 512, None), ("zigzag", 1, 512, [0, 128, 384, 512]),
+                   ("contiguous", 1, 512, [0, 100, 420, 512]))
+WARM_CP_METHODS = (("p2p", {}), ("allgather", {}))
+
+
+def _timed(label, fn):
+    t0 = time.monotonic()
+    try:
+        fn()
+        status = "ok"
+    except Exception as error:  # noqa: BLE001 - warming records and goes on
+        status = _short_error(error)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    print(f"[warm] {label}: {time.monotonic() - t0:.1f}s {status}", flush=True)
+
+
+def warm_ops(kind, shapes):
+    """Compile and autotune ``kind``'s kernels (our op, layer flags) at the benchmark and single-rank test shapes:
+    Triton caches the autotune results on disk (TRITON_CACHE_DIR), so later processes only load them."""
+    from layers.ops.triton.runtime import gdn_backward_blocker
+
+    grads = not (kind == "gdn" and gdn_backward_blocker(torch.device("cuda", torch.cuda.current_device())))
+    for B, T in [*shapes, WARM_SINGLE_SHAPE]:
+        tensors, flags = op_inputs(kind, B, T)
+        step = _op_step(_op_fn(kind, "b"), tensors, flags, "fwd+bwd" if grads else "fwd")
+        _timed(f"{kind} B{B} T{T} {'fwd+bwd' if grads else 'fwd (GDN backward blocked)'}", step)
+        del tensors, step
+        torch.cuda.empty_cache()
+
+
+def warm_cp(worlds):
+    """One fwd+bwd of rank 0 of a P-rank fake group for each CP test layout and the methods the CP tests run
+    first: compiles the CP-only kernel variants (varlen pieces, the V+K wide summary pass) once."""
+    from layers.ops.triton.runtime import gdn_backward_blocker
+
+    blocked = gdn_backward_blocker(torch.device("cuda", torch.cuda.current_device()))
+    for P in worlds:
+        for kind in ("gdn", "kda"):
+            if kind == "gdn" and blocked:
+                print(f"[warm] cp gdn skipped: {blocked}", flush=True)
+                continue
+            for layout, B, T, cu in WARM_CP_LAYOUTS:
+                for method, opts in WARM_CP_METHODS:
+                    build, _ = cp_step_builder(kind, method, opts, P, B, T, layout=layout, cu_seqlens=cu)
+                    _timed(f"cp {kind} {layout} B{B} T{T} {'THD' if cu else 'BSHD'} {method} P{P}",
+                           lambda build=build: build())
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------- reporting
@@ -493,6 +567,8 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--docs", type=Path, default=None)
     parser.add_argument("--render", type=Path, default=None, help="re-render a saved JSON into --docs; no GPU")
+    parser.add_argument("--warm", default=None, help="comma list of gdn,kda,cp: only compile/autotune the "
+                        "benchmark and test shapes (no timing); --cp-worlds gives P for cp")
     args = parser.parse_args(argv)
 
     if args.render is not None:
@@ -506,8 +582,17 @@ def main(argv=None):
         print("gpu_layers.py needs a CUDA GPU (use --render to re-render saved results)", file=sys.stderr)
         return 2
 
-    budget = Budget(args.budget_s)
     shapes = parse_shapes(args.shapes)
+    if args.warm:
+        for item in args.warm.split(","):
+            if item == "cp":
+                warm_cp([int(p) for p in args.cp_worlds.split(",")])
+            elif item in ("gdn", "kda"):
+                warm_ops(item, shapes)
+            else:
+                parser.error(f"--warm takes gdn, kda, cp; got {item!r}")
+        return 0
+    budget = Budget(args.budget_s)
     rows: list[dict] = []
     command = "python benchmarks/gpu_layers.py " + " ".join(argv if argv is not None else sys.argv[1:])
     report = {"meta": {**_versions(), "command": command.strip()}, "rows": rows}

@@ -25,7 +25,10 @@ from reference import make_problem
 
 OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}
 TOL = 2e-2
-CP_WORLD = 4
+# P of the CP tests (benchmarks/gpu_check.sh runs P=2 first, then P=4 when time is left) and an optional comma
+# list of substrings selecting CP cases by key (e.g. "p2p,allgather"); unselected cases skip with the reason.
+CP_WORLD = int(os.environ.get("HP_GPU_CP_WORLD", "4"))
+CP_SELECT = [s for s in os.environ.get("HP_GPU_CP_CASES", "").split(",") if s]
 
 
 def _unavailable_reason():
@@ -130,6 +133,46 @@ def test_history_to_fla_cache_layout():
         assert torch.equal(cache[:, :, W - j], history[:, W - 1 - j])
 
 
+def test_device_cu_seqlens_uploads_once_per_buffer_version():
+    """The public ops pass a fresh detach() of the caller's boundaries each call: one upload per buffer until
+    the caller changes it in place (the version counter is shared), never a stale copy."""
+    from layers.ops.triton import runtime
+    from layers.ops.validation import normalize_cu_seqlens
+
+    runtime._CU_CACHE.clear()
+    cu = torch.tensor([0, 10, 40, 64])
+    cpu = torch.device("cpu")
+    first = [runtime.device_cu_seqlens(normalize_cu_seqlens(cu, 1, 64), cpu) for _ in range(3)]
+    assert len(runtime._CU_CACHE) == 1 and all(d is first[0][0] for d, _ in first)
+    cu[1] = 11
+    on_device, host = runtime.device_cu_seqlens(normalize_cu_seqlens(cu, 1, 64), cpu)
+    assert len(runtime._CU_CACHE) == 2 and on_device.tolist() == [0, 11, 40, 64] == host.tolist()
+    other = torch.tensor([0, 10, 40, 64])  # equal values, other buffer: its own entry
+    assert runtime.device_cu_seqlens(other, cpu)[0].tolist() == [0, 10, 40, 64]
+    assert runtime.device_cu_seqlens(None, cpu) == (None, None)
+    runtime._CU_CACHE.clear()
+
+
+def test_warm_shapes_match_tests():
+    """benchmarks/gpu_layers.py --warm compiles exactly the shapes these tests use (no autotuning in the tests)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_layers.py"
+    spec = importlib.util.spec_from_file_location("gpu_layers_for_test", path)
+    gpu_layers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_layers)
+    for kind in ("gdn", "kda"):
+        case = SINGLE_CASES[kind]["layer_flags"]
+        assert (case["B"], case["T"]) == gpu_layers.WARM_SINGLE_SHAPE
+        assert (case["H"], case["HV"], case["K"], case["V"]) == (gpu_layers.H, gpu_layers.H, gpu_layers.K,
+                                                                 gpu_layers.V)
+        assert case.get("lower_bound") == (gpu_layers.KDA_LOWER_BOUND if kind == "kda" else None)
+    assert [tuple(c[1:]) for c in CP_LAYOUTS] == [tuple(c) for c in gpu_layers.WARM_CP_LAYOUTS]
+    assert (CP_PROBLEM["H"], CP_PROBLEM["K"], CP_PROBLEM["V"]) == (gpu_layers.H, gpu_layers.K, gpu_layers.V)
+    assert [m for m, _ in gpu_layers.WARM_CP_METHODS] == ["p2p", "allgather"]
+
+
 # ------------------------------------------------------------------------------------------ single rank
 @needs_gpu
 def test_gdn_backward_guard_on_old_triton_hopper():
@@ -206,14 +249,27 @@ CP_PROBLEM = dict(H=16, HV=16, K=128, V=128, l2norm_in_kernel=True, beta_sigmoid
 
 
 def _cp_cases():
+    """Cheapest first, so a time-limited run still covers the most: p2p and allgather on every layout (the
+    kernels benchmarks/gpu_layers.py --warm cp compiled), then the other methods, Ulysses (new head counts,
+    hence new Triton autotuning) last."""
     cases = []
     for kind in ("gdn", "kda"):
-        for method, opts in CP_METHODS:
-            cases.append((kind, "zigzag_bshd", method, opts))
-        for layout_name, *_ in CP_LAYOUTS[1:]:
-            cases.append((kind, layout_name, "allgather", {}))
-            cases.append((kind, layout_name, "p2p", {}))
+        for method in ("p2p", "allgather"):
+            for layout_name, *_ in CP_LAYOUTS:
+                cases.append((kind, layout_name, method, {}))
+    for method, opts in CP_METHODS:
+        if method not in ("p2p", "allgather"):
+            for kind in ("gdn", "kda"):
+                cases.append((kind, "zigzag_bshd", method, opts))
     return cases
+
+
+def _cp_case_skip(key, method, world):
+    if CP_SELECT and not any(part in key for part in CP_SELECT):
+        return f"not selected by HP_GPU_CP_CASES={','.join(CP_SELECT)}"
+    if world < 4 and method in ("grouped_allgather_p2p", "hybrid_ulysses2_p2p"):
+        return f"{method} needs P >= 4 (two groups of 2), this run has P={world}"
+    return None
 
 
 def _global_problem(kind, layout_name, seed):
@@ -363,8 +419,9 @@ def cp_worker(rank, world, backend="triton", device="cuda", dtype=torch.bfloat16
 
     for kind, layout_name, method, opts in _cp_cases():
         key = f"{kind}-{layout_name}-{method}"
-        if kind == "gdn" and gdn_blocker:
-            record(key, {"skipped": gdn_blocker})
+        skip = _cp_case_skip(key, method, world) or (gdn_blocker if kind == "gdn" else None)
+        if skip:
+            record(key, {"skipped": skip})
             continue
         try:
             record(key, cp_case(rank, world, kind, layout_name, method, opts, backend, device, dtype))
@@ -374,6 +431,10 @@ def cp_worker(rank, world, backend="triton", device="cuda", dtype=torch.bfloat16
     for layout_name, *_ in CP_LAYOUTS:
         for method, opts in (("p2p", {}), ("allgather", {}), ("ulysses", {})):
             key = f"conv-{layout_name}-{method}"
+            skip = _cp_case_skip(key, method, world)
+            if skip:
+                record(key, {"skipped": skip})
+                continue
             try:
                 record(key, cp_conv_case(rank, world, layout_name, method, opts, backend, device, dtype))
             except Exception:  # noqa: BLE001

@@ -154,7 +154,7 @@ def test_halo_pattern_single_process(P):
             _simulate("zigzag", P, B, 6 * P, None, W)
             _simulate("contiguous", P, B, P, None, W)
             _simulate("contiguous", P, B, 4 * P, None, W)
-        _simulate("zigzag", P, 1, 10 * P, [0, 2 * P, 2 * P, 6 * P, 10 * P], W)  # with an empty document
+        _simulate("zigzag", P, 1, 10 * P, [0, 2 * P, 4 * P, 10 * P], W)
         lengths = [1, 2, 5, 3, 1, 6]
         lengths[-1] += (-sum(lengths)) % P
         _simulate("contiguous", P, 1, sum(lengths), [0] + list(itertools.accumulate(lengths)), W)

@@ -8,6 +8,7 @@ issued outside an open call gets a record of its own with one step.
 """
 from __future__ import annotations
 
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
@@ -32,12 +33,13 @@ class CallRecord:
 class CommStats:
     """Per-rank log of communication calls (a list of ``CallRecord``) with totals per phase and name.
 
-    ``enabled=False`` turns recording off (the collectives then skip all bookkeeping).
+    ``enabled=False`` turns recording off (the collectives then skip all bookkeeping). Only the newest
+    ``max_records`` records are kept, so a long-lived context does not grow without bound.
     """
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, max_records: int = 4096):
         self.enabled = enabled
-        self.records: list[CallRecord] = []
+        self.records: deque[CallRecord] = deque(maxlen=max_records)
         self._open: list[CallRecord] = []
 
     # recording -----------------------------------------------------------------------------------------

@@ -51,8 +51,9 @@ def _check_inputs(method, A, B, plan, order, comm):
     if (D, n) != (plan.num_chains, plan.n_own):
         raise ValueError(f"scan inputs need [D={plan.num_chains}, n_own={plan.n_own}] leading dims "
                          f"(from the plan), got [{D}, {n}]")
-    if A.dtype != torch.float32 or B.dtype != torch.float32:
-        raise TypeError(f"chain maps must be float32, got A {A.dtype}, B {B.dtype}")
+    if A.dtype not in (torch.float32, torch.float64) or B.dtype != A.dtype:
+        raise TypeError(f"chain maps must be float32 (float64 for fp64 inputs) and share a dtype, got A {A.dtype}, "
+                        f"B {B.dtype}")
     P = group_size(comm.group)
     if P != plan.world_size or group_rank(comm.group) != plan.rank:
         raise ValueError(f"plan is for rank {plan.rank} of {plan.world_size}, but the group has this rank as "
@@ -247,7 +248,7 @@ class ChainScan(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         M_own, S_in = ctx.saved_tensors
-        lam = exclusive_scan(ctx.method, M_own.transpose(-1, -2), g.float(), ctx.plan,
+        lam = exclusive_scan(ctx.method, M_own.transpose(-1, -2), g.to(M_own.dtype), ctx.plan,
                              reversed(range(ctx.plan.chain_length)), ctx.stats, comm=ctx.comm, phase="backward")
         dM = torch.matmul(lam, S_in.transpose(-1, -2))
         return dM, lam, None, None, None, None

@@ -13,6 +13,8 @@ one piece per sequence when Q == 1).
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from dataclasses import dataclass, field
 
 import torch
@@ -210,17 +212,15 @@ def shard(x: torch.Tensor, ctx: CPContext, seq_dim: int) -> torch.Tensor:
     return x.index_select(seq_dim, idx.to(x.device))
 
 
-_INVERSE: dict = {}
-
-
 def _gather_inverse(P, layout, T, cu):
-    key = (P, layout, T, None if cu is None else tuple(cu.tolist()))
-    inv = _INVERSE.get(key)
-    if inv is None:
-        ids = torch.cat([local_seq_index(P, r, layout, T, cu) for r in range(P)])
-        inv = torch.empty_like(ids)
-        inv[ids] = torch.arange(ids.numel())
-        _INVERSE[key] = inv
+    return _gather_inverse_cached(P, layout, T, None if cu is None else tuple(cu.tolist()))
+
+
+@lru_cache(maxsize=64)   # bounded: packed batches bring new boundaries every step
+def _gather_inverse_cached(P, layout, T, cu_key):
+    ids = torch.cat([local_seq_index(P, r, layout, T, cu_key and list(cu_key)) for r in range(P)])
+    inv = torch.empty_like(ids)
+    inv[ids] = torch.arange(ids.numel())
     return inv
 
 

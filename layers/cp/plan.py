@@ -27,6 +27,8 @@ from functools import lru_cache
 
 import torch
 
+from layers.ops.validation import as_cu_seqlens
+
 LAYOUTS = ("zigzag", "contiguous")
 
 
@@ -106,15 +108,8 @@ def chain_owners(world_size: int, layout: str) -> tuple:
 
 
 def normalize_global_cu_seqlens(cu_seqlens) -> torch.Tensor | None:
-    """Global packed boundaries as a CPU int64 tensor [N+1] (0, nondecreasing); ValueError otherwise."""
-    if cu_seqlens is None:
-        return None
-    cu = torch.as_tensor(cu_seqlens).detach().to("cpu", torch.int64).reshape(-1)
-    if cu.numel() < 2 or int(cu[0]) != 0:
-        raise ValueError(f"cu_seqlens must be a 1-D sequence [0, ..., T] with at least 2 entries, got {cu.tolist()}")
-    if bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"cu_seqlens must be nondecreasing, got {cu.tolist()}")
-    return cu
+    """Global packed boundaries as a CPU int64 tensor [N+1] (integers, 0 first, strictly increasing)."""
+    return None if cu_seqlens is None else as_cu_seqlens(cu_seqlens)
 
 
 def check_divisibility(world_size: int, layout: str, seq_len: int, cu_seqlens: torch.Tensor | None) -> None:

@@ -17,6 +17,7 @@ from layers.cp.collectives import all_to_all_raw
 from layers.cp.plan import build_chain_plan
 
 _PERMS: dict = {}
+_PERMS_MAX = 64   # bounded: packed batches bring new boundaries every step
 
 
 def _permutation(ctx, B: int, T_loc: int):
@@ -38,6 +39,8 @@ def _permutation(ctx, B: int, T_loc: int):
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.numel())
         hit = (perm, inverse)
+        if len(_PERMS) >= _PERMS_MAX:
+            _PERMS.pop(next(iter(_PERMS)))
         _PERMS[key] = hit
     return hit
 

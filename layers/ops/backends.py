@@ -7,6 +7,9 @@ A backend is a module exposing, with already-validated inputs (see ``layers/ops/
                            A_log, dt_bias, cu_seqlens) -> (o, final_state_or_None)
     chunk_kda(..., same keywords ..., lower_bound, safe_gate) -> (o, final_state_or_None)
     causal_conv1d(x, weight, *, bias, activation, cu_seqlens, history) -> y
+    delta_rule_final_state(kind, k, v, g, beta, *, initial_state, cu_seqlens, **flags) -> final [N,HV,K,V]
+        (final states only, for the CP engine's affine summaries; see layers/ops/summary.py)
+    state_passing_cp(...)   optional: a backend-native CP decomposition (see layers/cp/state_parallel.py)
 
 ``cu_seqlens`` is None or a CPU int64 tensor. Optional backends are imported lazily and raise
 ``RuntimeError`` naming the missing package; nothing falls back to another backend.

@@ -7,11 +7,19 @@ i reads q/k head ``i // (HV // H)``); beta ``[B,T,HV]``; g natural-log decay ``[
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from layers.ops.backends import get_backend
 from layers.ops.validation import (check_same_device, check_shape, check_state, check_tensor,
                                    normalize_cu_seqlens)
+
+
+def _check_flags(**flags):
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
 def _validate(kind, q, k, v, g, beta, scale, initial_state, output_final_state, use_gate_in_kernel,
@@ -20,6 +28,9 @@ def _validate(kind, q, k, v, g, beta, scale, initial_state, output_final_state, 
         check_tensor(name, x, ndim=4)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    if min(B, T, H, K, HV, V) < 1:
+        raise ValueError(f"q [B,T,H,K] and v [B,T,HV,V] need every size >= 1, got q {tuple(q.shape)}, "
+                         f"v {tuple(v.shape)}")
     check_shape("k", k, (B, T, H, K))
     if v.shape[:2] != (B, T):
         raise ValueError(f"v must have shape [B={B}, T={T}, HV, V], got {tuple(v.shape)}")
@@ -31,10 +42,10 @@ def _validate(kind, q, k, v, g, beta, scale, initial_state, output_final_state, 
     check_shape("g", g, (B, T, HV) if kind == "gdn" else (B, T, HV, K))
     check_tensor("beta", beta)
     check_shape("beta", beta, (B, T, HV))
-    if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0):
-        raise ValueError(f"scale must be a positive number or None, got {scale!r}")
-    if not isinstance(output_final_state, bool):
-        raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
+    if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)
+                              or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
+    _check_flags(output_final_state=output_final_state, use_gate_in_kernel=use_gate_in_kernel, safe_gate=safe_gate)
     if use_gate_in_kernel:
         if kind == "gdn" and A_log is None:
             raise ValueError("use_gate_in_kernel=True for GDN requires A_log of shape [HV]")
@@ -50,8 +61,9 @@ def _validate(kind, q, k, v, g, beta, scale, initial_state, output_final_state, 
         raise ValueError("A_log/dt_bias are only used with use_gate_in_kernel=True; got them with False")
     if kind == "kda":
         if lower_bound is not None:
-            if not isinstance(lower_bound, (int, float)) or isinstance(lower_bound, bool) or lower_bound >= 0:
-                raise ValueError(f"lower_bound must be a negative number or None, got {lower_bound!r}")
+            if (not isinstance(lower_bound, (int, float)) or isinstance(lower_bound, bool)
+                    or not math.isfinite(lower_bound) or lower_bound >= 0):
+                raise ValueError(f"lower_bound must be a negative finite number or None, got {lower_bound!r}")
             if not use_gate_in_kernel:
                 raise ValueError("lower_bound requires use_gate_in_kernel=True")
         if safe_gate and (lower_bound is None or not -5 <= lower_bound < 0):
@@ -91,6 +103,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     are divided by ``sqrt(sum x^2 + 1e-6)``. ``cp_context`` (from ``layers.cp.build_cp_context``) runs the op
     on this rank's shard of a context-parallel sequence.
     """
+    _check_flags(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
     cu = _validate("gdn", q, k, v, g, beta, scale, initial_state, output_final_state, use_gate_in_kernel,
                    A_log, dt_bias, cu_seqlens, cp_context)
     return _dispatch("gdn", backend, cp_context, q, k, v, g, beta, cu,
@@ -111,6 +124,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     (``lower_bound * sigmoid(g + dt_bias)`` when A_log is None). Other arguments as in
     :func:`chunk_gated_delta_rule`.
     """
+    _check_flags(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
     cu = _validate("kda", q, k, v, g, beta, scale, initial_state, output_final_state, use_gate_in_kernel,
                    A_log, dt_bias, cu_seqlens, cp_context, lower_bound=lower_bound, safe_gate=safe_gate)
     return _dispatch("kda", backend, cp_context, q, k, v, g, beta, cu,

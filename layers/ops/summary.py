@@ -13,23 +13,20 @@ from layers.ops.backends import get_backend
 
 
 def augmented_final_states(kind, impl, k, v, g, beta, cu_seqlens, flags):
-    """Final states [N, HV, K, V+K] = [E | M] of every sequence through backend module ``impl``.
+    """Final states [N, HV, K, V+K] = [E | M] (fp32; fp64 for fp64 input) of every sequence, through the
+    backend module ``impl`` (its ``delta_rule_final_state``).
 
-    Inputs are validated ``[B,T,...]`` tensors; ``flags`` are the op's gate/beta/l2norm keywords.
+    Inputs are validated ``[B,T,...]`` tensors; ``flags`` are the op's gate/beta/l2norm keywords. The padded
+    values ``[v | 0]`` stay in v's dtype (exact); the initial state [0 | I] is fp32.
     """
     B, T, HV, V = v.shape
     K = k.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     dt = torch.float64 if v.dtype == torch.float64 else torch.float32
-    v_aug = torch.cat([v.to(dt), v.new_zeros(B, T, HV, K, dtype=dt)], dim=-1)
+    v_aug = torch.cat([v, v.new_zeros(B, T, HV, K)], dim=-1)
     S0 = torch.zeros(N, HV, K, V + K, device=v.device, dtype=dt)
     S0[..., V:] = torch.eye(K, device=v.device, dtype=dt)
-    if hasattr(impl, "delta_rule_final_state"):
-        return impl.delta_rule_final_state(kind, k, v_aug, g, beta, initial_state=S0, cu_seqlens=cu_seqlens, **flags)
-    fn = impl.chunk_gated_delta_rule if kind == "gdn" else impl.chunk_kda
-    _, final = fn(k, k, v_aug.to(v.dtype), g, beta, scale=1.0, initial_state=S0, output_final_state=True,
-                  cu_seqlens=cu_seqlens, **flags)
-    return final
+    return impl.delta_rule_final_state(kind, k, v_aug, g, beta, initial_state=S0, cu_seqlens=cu_seqlens, **flags)
 
 
 def segment_summary(kind, k, v, g, beta, *, cu_seqlens=None, backend="eager", **flags):

@@ -26,14 +26,9 @@ def check_same_device(**tensors) -> None:
         raise ValueError(f"all tensors must be on one device, got {devices}")
 
 
-def normalize_cu_seqlens(cu_seqlens, batch: int, total: int) -> torch.Tensor | None:
-    """Validate packed boundaries and return them as a CPU int64 tensor (one host copy).
-
-    Constraints: 1-D integer, starts at 0, ends at ``total`` (the T of the [1, T, ...] input),
-    non-decreasing with every document non-empty, and batch size 1.
-    """
-    if cu_seqlens is None:
-        return None
+def as_cu_seqlens(cu_seqlens) -> torch.Tensor:
+    """Packed document boundaries as a CPU int64 tensor (one host copy); TypeError/ValueError unless they are
+    1-D integers starting at 0 and strictly increasing (every document non-empty)."""
     if isinstance(cu_seqlens, (list, tuple)):
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in cu_seqlens):
             raise TypeError(f"cu_seqlens must hold integers, got {cu_seqlens!r}")
@@ -44,16 +39,23 @@ def normalize_cu_seqlens(cu_seqlens, batch: int, total: int) -> torch.Tensor | N
         raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
     if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
-    if batch != 1:
-        raise ValueError(f"packed input (cu_seqlens given) requires batch size 1, got B={batch}")
     cu = cu_seqlens.detach().to("cpu", torch.int64)
     if int(cu[0]) != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
+    if bool((cu[1:] <= cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must be strictly increasing (no empty documents), got {cu.tolist()}")
+    return cu
+
+
+def normalize_cu_seqlens(cu_seqlens, batch: int, total: int) -> torch.Tensor | None:
+    """``as_cu_seqlens`` for a [batch, total, ...] op input: also batch == 1 and the last entry == total."""
+    if cu_seqlens is None:
+        return None
+    cu = as_cu_seqlens(cu_seqlens)
+    if batch != 1:
+        raise ValueError(f"packed input (cu_seqlens given) requires batch size 1, got B={batch}")
     if int(cu[-1]) != total:
         raise ValueError(f"cu_seqlens must end at the sequence length T={total}, got {int(cu[-1])}")
-    lengths = cu[1:] - cu[:-1]
-    if bool((lengths <= 0).any()):
-        raise ValueError(f"cu_seqlens must be strictly increasing (no empty documents), got {cu.tolist()}")
     return cu
 
 

@@ -78,7 +78,8 @@ def _chunk_inputs(k, v, g, beta, layout):
     dt = kc.dtype
     gamma = to_chunks(g, layout).double().cumsum(2)              # [n,HV,C] or [n,HV,C,K]
     per_channel = gamma.dim() == 4
-    gexp = gamma.to(dt).exp() if per_channel else gamma.to(dt).exp()[..., None]
+    gexp = gamma.to(dt).exp()
+    gexp = gexp if per_channel else gexp[..., None]
     g_last = gamma[:, :, -1:]                                    # [n,HV,1] or [n,HV,1,K]
     tail = (g_last - gamma).to(dt).exp()
     tail = tail if per_channel else tail[..., None]

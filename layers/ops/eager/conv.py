@@ -7,6 +7,8 @@ stream never mixes sequences. Computes in fp32 (fp64 for fp64 inputs); returns x
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
@@ -29,12 +31,18 @@ def _valid_depthwise(xp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _packed_layout(cu_seqlens: torch.Tensor, W: int, with_history: bool):
+    return _packed_layout_cached(tuple(cu_seqlens.tolist()), W, with_history)
+
+
+@lru_cache(maxsize=64)
+def _packed_layout_cached(cu_key: tuple, W: int, with_history: bool):
     """Index maps for packed documents (CPU int64).
 
     Returns ``(source_index [T + N(W-1)], output_index [T])``: the padded stream row r reads row
     ``source_index[r]`` of ``cat([x_tokens (T), history_rows (N(W-1)) or one zero row])``, and token t's
     output is row ``output_index[t]`` of the valid convolution over that stream.
     """
+    cu_seqlens = torch.tensor(cu_key, dtype=torch.int64)
     N = cu_seqlens.numel() - 1
     T = int(cu_seqlens[-1])
     H = W - 1

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from layers.ops.triton.runtime import (check_device_available, check_tensor_device, device_cu_seqlens,
+from layers.ops.triton.runtime import (check_available, check_tensor_device, device_cu_seqlens,
                                        gdn_backward_blocker, load_fla)
 
-
-def check_available() -> None:
-    """RuntimeError naming flash-linear-attention / triton / the GPU when the backend cannot run here."""
-    load_fla()
-    check_device_available()
+__all__ = ["check_available", "chunk_gated_delta_rule", "chunk_kda", "causal_conv1d", "delta_rule_final_state",
+           "history_to_fla_cache"]
 
 
 def _needs_grad(*tensors) -> bool:
@@ -69,8 +66,8 @@ def chunk_kda(q, k, v, g, beta, *, scale, initial_state, output_final_state, use
 def delta_rule_final_state(kind, k, v, g, beta, *, initial_state, cu_seqlens, safe_gate=False, **kw):
     """Final states only, for the CP engine's segment summaries (FLA always computes o too; it is dropped).
 
-    ``v`` may arrive in fp32 (the engine's ``[v | 0]``); FLA wants one dtype for k and v, and the cast is exact
-    for values that came from ``k.dtype`` inputs padded with zeros."""
+    ``v`` is the engine's ``[v | 0]`` in v's dtype; FLA wants one dtype for k and v (a no-op cast when they
+    already agree)."""
     op = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
     extra = {"safe_gate": safe_gate} if kind == "kda" else {}
     _, final = op(k, k, v.to(k.dtype), g, beta, scale=1.0, initial_state=initial_state, output_final_state=True,

@@ -120,6 +120,22 @@ def check_device_available() -> None:
                            "GPU (torch.cuda.is_available() is False or this is not a CUDA build of torch)")
 
 
+_READY = False
+
+
+def check_available() -> None:
+    """RuntimeError naming flash-linear-attention / triton / the GPU when the backend cannot run here.
+
+    Only success is remembered (packages and visible GPUs do not change within a process), so the per-call
+    cost after the first success is one global read; a failure is re-checked and re-raised on every call."""
+    global _READY
+    if _READY:
+        return
+    load_fla()
+    check_device_available()
+    _READY = True
+
+
 def check_tensor_device(name: str, x: torch.Tensor) -> None:
     if x.device.type != "cuda":
         raise ValueError(f"backend='triton' needs CUDA tensors; {name} is on {x.device}")
@@ -127,42 +143,57 @@ def check_tensor_device(name: str, x: torch.Tensor) -> None:
         raise TypeError(f"backend='triton' supports float32/float16/bfloat16 inputs; {name} has {x.dtype}")
 
 
+@lru_cache(maxsize=1)
 def _tilelang_installed() -> bool:
     return importlib.util.find_spec("tilelang") is not None
+
+
+_GDN_BWD_BLOCKERS: dict = {}
 
 
 def gdn_backward_blocker(device: torch.device) -> str | None:
     """Why FLA cannot differentiate GDN on ``device`` with this triton, or None when it can.
 
     FLA 0.6 raises in ``chunk_bwd_dqkwg`` on Hopper with 3.4.0 <= triton < 3.7.1 (wrong gradients, FLA #640)
-    unless its tilelang backend is installed.
-    """
+    unless its tilelang backend is installed. The answer is cached per device index (it depends only on the
+    installed packages and the device's compute capability)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _GDN_BWD_BLOCKERS:
+        return _GDN_BWD_BLOCKERS[index]
+    reason = None
     version = load_fla().triton_version
-    if version >= SAFE_TRITON_HOPPER_GDN_BWD or version < (3, 4, 0) or _tilelang_installed():
-        return None
-    if torch.cuda.get_device_capability(device)[0] != 9:
-        return None
-    return (f"backend='triton': GDN backward on Hopper ({torch.cuda.get_device_name(device)}) needs "
-            f"triton>=3.7.1, found triton {_fmt(version)} (flash-linear-attention issue #640: wrong gradients "
-            f"with triton 3.4-3.7.0). Install triton>=3.7.1 (or tilelang), or run GDN forward without grad")
+    if (SAFE_TRITON_HOPPER_GDN_BWD > version >= (3, 4, 0) and not _tilelang_installed()
+            and torch.cuda.get_device_capability(index)[0] == 9):
+        reason = (f"backend='triton': GDN backward on Hopper ({torch.cuda.get_device_name(index)}) needs "
+                  f"triton>=3.7.1, found triton {_fmt(version)} (flash-linear-attention issue #640: wrong "
+                  f"gradients with triton 3.4-3.7.0). Install triton>=3.7.1 (or tilelang), or run GDN forward "
+                  f"without grad")
+    _GDN_BWD_BLOCKERS[index] = reason
+    return reason
 
 
 _CU_CACHE: dict = {}
+_CU_CACHE_SIZE = 32
 
 
 def device_cu_seqlens(cu_seqlens: torch.Tensor | None, device: torch.device):
     """``(cu on device, cu on CPU)`` for FLA. The CPU copy lets FLA build chunk indices without a sync.
 
-    Device copies are cached per CPU tensor (identity and version), so a plan's boundaries are uploaded once.
+    Device copies are cached per CPU buffer: (data pointer, offset, shape, stride, version counter, device). The
+    public ops hand over a fresh ``detach()`` of the caller's tensor on every call; it shares the buffer and
+    the version counter, so a plan's boundaries are uploaded once, and an in-place change of the caller's
+    tensor bumps the version and uploads again. The cache holds the CPU tensor, so its buffer cannot be
+    freed and reused by another tensor while the entry lives.
     """
     if cu_seqlens is None:
         return None, None
-    key = (id(cu_seqlens), cu_seqlens._version, str(device))
+    key = (cu_seqlens.data_ptr(), cu_seqlens.storage_offset(), cu_seqlens.shape, cu_seqlens.stride(),
+           cu_seqlens._version, device)
     hit = _CU_CACHE.get(key)
-    if hit is not None and hit[0] is cu_seqlens:
+    if hit is not None:
         return hit[1], cu_seqlens
     on_device = cu_seqlens.to(device=device, dtype=torch.int64, non_blocking=True)
-    if len(_CU_CACHE) >= 32:
+    if len(_CU_CACHE) >= _CU_CACHE_SIZE:
         _CU_CACHE.clear()
     _CU_CACHE[key] = (cu_seqlens, on_device)
     return on_device, cu_seqlens
