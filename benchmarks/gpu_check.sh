@@ -62,7 +62,7 @@ log() { echo "[gpu_check $(( SECONDS - T0 ))s] $*" | tee -a "$OUT/summary.txt"; 
 pip_target() {  # pip_target <label> <wheel>...: one pip call into the scratch site
   if [ "$DRY" = 1 ]; then log "DRY: would install $*"; return 0; fi
   local label=$1; shift
-  python -m pip install --quiet --no-deps --no-index --upgrade --target "$SITE" "$@" >>"$OUT/summary.txt" 2>&1 \
+  python -m pip install --quiet --no-deps --no-index --no-compile --upgrade --target "$SITE" "$@" >>"$OUT/summary.txt" 2>&1 \
     && log "installed $label" || { log "FAILED to install $label"; return 1; }
 }
 export PYTHONPATH="$SITE:$ROOT:$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}"

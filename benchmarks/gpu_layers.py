@@ -9,7 +9,11 @@ Sections (bf16, H=16 heads, K=V=128; shapes B1 T16384 and B8 T4096 unless --shap
      P-rank "fake" process group (torch's fake backend: collectives move no data), so the time is the
      rank's real compute (local pass, summaries, scan folds, Ulysses re-layouts) without communication;
      the bytes each rank would send come from the CP engine's CommStats.
-Every measurement is wrapped in try/except: an error is recorded in its row, never aborts the run.
+Every measurement is wrapped in try/except: an error is recorded in its row, never aborts the run. Each row is
+the median of three timed windows (``ms``; ``ms_min`` the fastest) plus ``host_ms``, the CPU time per call spent
+enqueueing work: ``host_ms`` close to ``ms`` means the call is bound by Python/launch overhead, not the GPU.
+``--warm gdn|kda|cp`` only compiles and autotunes the benchmark and test shapes (no timing), so later
+processes sharing TRITON_CACHE_DIR load Triton's autotune results from disk.
 
 Outputs: ``--out DIR`` gets ``gpu_layers.json`` and ``gpu_layers.md``; ``--docs FILE`` replaces the section
 between ``<!-- gpu:begin -->`` and ``<!-- gpu:end -->`` (appended when absent). Re-render on any machine with
@@ -464,7 +468,7 @@ def render_markdown(report: dict) -> str:
         if not section_rows:
             continue
         lines += [f"### ({key}) {title}", ""]
-        columns = ["name", "mode", "shape", "ms", "tokens_per_s", "peak_mib", "error"]
+        columns = ["name", "mode", "shape", "ms", "host_ms", "tokens_per_s", "peak_mib", "error"]
         if key == "e":
             columns = ["name", "shape", "ms", "ratio_to_ideal", "comm", "error"]
         lines.append("| " + " | ".join(columns) + " |")

@@ -5,10 +5,11 @@
 # The GPU machine has no network and its torch ships triton 3.6.0, which FLA refuses for GDN backward on Hopper
 # (FLA issue #640). The triton 3.7.1 cp312 wheel is ~198 MB, but one device call carries at most 64 MiB, so the
 # wheel is split into four parts of at most 50 MB, one per call, next to the other wheels the check installs:
-#   .wheels/gpu/call1/  triton part 1, megatron-core
-#   .wheels/gpu/call2/  triton part 2, fla-core + flash-linear-attention
-#   .wheels/gpu/call3/  triton part 3, einops, packaging, pluggy, iniconfig, pytest
-#   .wheels/gpu/call4/  triton part 4, MANIFEST (wheel name, sha256 of the wheel and of every part),
+#   .wheels/gpu/call1/ .. call3/  triton parts 1..3
+#   .wheels/gpu/call4/  triton part 4, the other wheels (megatron-core, fla-core + flash-linear-attention,
+#                       einops, packaging, pluggy, iniconfig, pytest: so call 4 alone still runs the check on
+#                       the machine's triton if the parts were lost), MANIFEST (wheel name, sha256 of the wheel
+#                       and of every part),
 #                       triton_autotune.tar.gz when .wheels/gpu/triton_autotune.tar.gz exists (autotune
 #                       results an earlier check wrote to $OUT; same triton/FLA/GPU => no autotuning)
 # .wheels/.gitignore ignores everything under .wheels/, so none of this is committed.
@@ -66,10 +67,10 @@ place() {  # place <call> <wheel-glob>: hard-link (or copy) one wheel into a cal
   [ -n "$w" ] || { echo "missing $WHEELS/$2 (needed on the GPU machine)" >&2; exit 1; }
   ln -f "$w" "$GPU/call$1/" 2>/dev/null || cp "$w" "$GPU/call$1/"
 }
-place 1 'megatron_core-*cp312*.whl'
-place 2 'fla_core-*.whl'
-place 2 'flash_linear_attention-*.whl'
-for w in 'einops-*.whl' 'packaging-*.whl' 'pluggy-*.whl' 'iniconfig-*.whl' 'pytest-*.whl'; do place 3 "$w"; done
+for w in 'megatron_core-*cp312*.whl' 'fla_core-*.whl' 'flash_linear_attention-*.whl' 'einops-*.whl' \
+         'packaging-*.whl' 'pluggy-*.whl' 'iniconfig-*.whl' 'pytest-*.whl'; do
+  place 4 "$w"
+done
 if [ -f "$GPU/triton_autotune.tar.gz" ]; then cp "$GPU/triton_autotune.tar.gz" "$GPU/call4/"; fi
 
 {

@@ -53,12 +53,12 @@ def add_hp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="GDN/KDA value head dim V (default: K)")
     g.add_argument("--hp-linear-conv-kernel-dim", type=_positive, default=4, help="short convolution width")
     g.add_argument("--hp-kda-lower-bound", type=float, default=None,
-                   help="KDA gate lower bound (negative; enables the safe gate)")
+                   help="KDA gate lower bound (negative): g = lower_bound * sigmoid(exp(A_log) (g + dt_bias))")
     g.add_argument("--hp-kda-gate-low-rank-dim", type=_positive, default=None,
                    help="KDA forget/output-gate low-rank dim (default: the value head dim, as Kimi Linear)")
     g.add_argument("--hp-kda-safe-gate", action="store_true", help="KDA safe gate (needs a lower bound in [-5, 0))")
     g.add_argument("--hp-mla-q-lora-rank", type=_positive, default=None, help="MLA query LoRA rank (None: no q down-proj)")
-    g.add_argument("--hp-mla-kv-lora-rank", type=_positive, default=None, help="MLA KV latent rank (default hidden/2)")
+    g.add_argument("--hp-mla-kv-lora-rank", type=_positive, default=None, help="MLA KV latent rank (default max(hidden/2, 16))")
     g.add_argument("--hp-mla-qk-head-dim", type=_positive, default=None, help="MLA no-rope q/k head dim")
     g.add_argument("--hp-mla-qk-pos-emb-head-dim", type=_positive, default=None, help="MLA rope q/k head dim")
     g.add_argument("--hp-mla-v-head-dim", type=_positive, default=None, help="MLA value head dim")
@@ -114,11 +114,13 @@ def apply_hp_config(config, args):
     """
     from dataclasses import MISSING, fields
 
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+    # with Megatron-LM's own --multi-latent-attention the MLA-only fields already come from its flags
+    mla_only = set(MLATransformerConfig.__dataclass_fields__) - set(TransformerConfig.__dataclass_fields__)
     is_mla_config = isinstance(config, MLATransformerConfig)
     for name, value in hp_config_from_args(args).items():
-        if is_mla_config and name in MLATransformerConfig.__dataclass_fields__:
+        if is_mla_config and name in mla_only:
             continue
         setattr(config, name, value)
     for f in fields(MLATransformerConfig):

@@ -52,11 +52,6 @@ def symbol_for_layer(pattern: str, global_layer_number: int) -> str:
     return pattern[(global_layer_number - 1) % len(pattern)]
 
 
-def layer_types_for(pattern: str, num_layers: int) -> str:
-    """The symbols of layers 1..num_layers, as one string (e.g. ``"KKKMKKKM"``)."""
-    return "".join(symbol_for_layer(pattern, i) for i in range(1, num_layers + 1))
-
-
 def stage_layer_offset(config, vp_stage=None, pg_collection=None, model_comm_pgs=None,
                        pp_layer_offset=None) -> int:
     """Global index of this pipeline (and virtual-pipeline) stage's first layer.

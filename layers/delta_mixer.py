@@ -172,10 +172,6 @@ def _seed_for(base: int, layer_number, path: str, part: Optional[str]) -> int:
     return zlib.crc32(f"{base}/{layer_number}/{path}/{part}".encode())
 
 
-def normal_init(std: float):
-    return lambda t: t.normal_(0.0, std)
-
-
 def uniform_init(low: float, high: float):
     return lambda t: t.uniform_(low, high)
 

@@ -114,7 +114,7 @@ class MultiLatentAttention(MegatronModule):
 
     def __init__(self, config, submodules: MLASelfAttentionSubmodules, layer_number: Optional[int] = None,
                  attn_mask_type=None, cp_comm_type: Optional[str] = None, pg_collection=None,
-                 model_comm_pgs=None, *, cp_strategy: Optional[str] = None, cp_layout: str = "zigzag",
+                 model_comm_pgs=None, *, cp_strategy: Optional[str] = None, cp_layout: Optional[str] = None,
                  rope_type: Optional[str] = None, checkpoint_norm_names: str = "te", comm_stats=None, **kwargs):
         super().__init__(config=config)
         if _mask_type_name(attn_mask_type) not in (None, "causal"):
@@ -125,7 +125,7 @@ class MultiLatentAttention(MegatronModule):
         self.layer_number = layer_number
         self.tp_group, self.cp_group = _process_groups(pg_collection, model_comm_pgs)
         self.tp_size = _group_size(self.tp_group)
-        self.cp_layout = check_layout(cp_layout)
+        self.cp_layout = check_layout(cp_layout or getattr(config, "delta_cp_layout", None) or "zigzag")
         self.cp_strategy = self._select_strategy(cp_strategy, cp_comm_type)
         self.checkpoint_norm_names = checkpoint_norm_names
         self.comm_stats = comm_stats
@@ -156,6 +156,11 @@ class MultiLatentAttention(MegatronModule):
                                                  tp_comm_buffer_name="q_up_proj", tp_group=self.tp_group, **linear)
             self.q_layernorm = build_module(submodules.q_layernorm, hidden_size=c.q_lora_rank, config=c,
                                             eps=c.layernorm_epsilon)
+            if self.tp_size > 1 and not c.sequence_parallel:
+                # its gradient is already complete on every TP rank; with config.qk_layernorm megatron's
+                # finalize_model_grads would sum it over TP by name, unless asked to average
+                for param in self.q_layernorm.parameters():
+                    param.average_gradients_across_tp_domain = True
         self.linear_kv_down_proj = build_module(submodules.linear_kv_down_proj, c.hidden_size,
                                                 c.kv_lora_rank + c.qk_pos_emb_head_dim,
                                                 tp_comm_buffer_name="kv_down_proj",

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_megatron.data import cp_token_index
+from layers.masks import check_causal_mask
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -71,7 +72,7 @@ class ContextParallelDotProductAttention(nn.Module):
         self.config = config
         self.layer_number = layer_number
         self.backend = backend
-        self.layout = layout or getattr(config, "hp_cp_layout", None) or "zigzag"
+        self.layout = layout or getattr(config, "delta_cp_layout", None) or "zigzag"
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim ** -0.5
         groups = pg_collection if pg_collection is not None else model_comm_pgs
@@ -99,6 +100,8 @@ class ContextParallelDotProductAttention(nn.Module):
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
         group = self.cp_group
         cp_size = group.size() if group is not None else 1
+        check_causal_mask(attention_mask, self.layout, cp_size, group.rank() if cp_size > 1 else 0,
+                          None if cu is None else cu.cpu(), owner=type(self).__name__)
         q_ids = None
         if cp_size > 1:
             total = s_local * cp_size

@@ -12,7 +12,6 @@ constructor accepts megatron-core's core-attention arguments.
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from .eager import eager_causal_attention

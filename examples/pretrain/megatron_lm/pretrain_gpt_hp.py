@@ -28,9 +28,27 @@ except ImportError as err:
 from hp_megatron.arguments import add_hp_arguments, apply_hp_config
 
 
+def _check_args(args):
+    """Refuse combinations Megatron-LM's own data path would silently get wrong."""
+    if args.hp_cp_layout != "zigzag":
+        raise ValueError(f"--hp-cp-layout {args.hp_cp_layout}: Megatron-LM's get_batch hands every CP rank a zigzag "
+                         "shard; use --hp-cp-layout zigzag here (contiguous works with examples/pretrain/"
+                         "pretrain_hybrid.py, whose data path follows the flag)")
+    spec = getattr(args, "spec", None)
+    if spec and spec[0] == "hp_megatron.specs":
+        name = spec[-1]
+        spec_backend = "triton" if "_triton" in name else "ascendc" if "_ascendc" in name else "eager"
+        if spec_backend != args.hp_backend:
+            base = name.replace("_triton", "").replace("_ascendc", "").replace("_spec", "")
+            wanted = f"{base}{'' if args.hp_backend == 'eager' else '_' + args.hp_backend}_spec"
+            raise ValueError(f"--spec hp_megatron.specs {name} fixes the {spec_backend} kernels, but --hp-backend "
+                             f"is {args.hp_backend}; use --spec hp_megatron.specs {wanted}")
+
+
 def _with_hp_config(build_config):
     @functools.wraps(build_config)
     def wrapper(args, *a, **kw):
+        _check_args(args)
         return apply_hp_config(build_config(args, *a, **kw), args)
     return wrapper
 
