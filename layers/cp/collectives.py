@@ -147,47 +147,24 @@ def exchange(sends, recvs, group=None, stats=None, async_op: bool = False, name:
 
 
 # -- differentiable collectives -----------------------------------------------------------------------------
-class _AllGather(torch.autograd.Function):
+class _Collective(torch.autograd.Function):
+    """A raw collective in forward and its adjoint collective in backward, both accounted in ``stats``.
+
+    Adjoints: all_gather <-> reduce_scatter; all_to_all is its own adjoint (entry i of the output came from
+    rank i, so its gradient goes back to rank i). With ``pending`` the forward is launched asynchronously.
+    """
+
     @staticmethod
-    def forward(ctx, x, group, stats, pending):
-        ctx.group, ctx.stats = group, stats
+    def forward(ctx, x, collective, adjoint, group, stats, pending):
+        ctx.adjoint, ctx.group, ctx.stats = adjoint, group, stats
         if pending is None:
-            return all_gather_raw(x, group, stats)
-        out, pending.work = all_gather_raw(x, group, stats, async_op=True)
+            return collective(x, group, stats)
+        out, pending.work = collective(x, group, stats, async_op=True)
         return out
 
     @staticmethod
     def backward(ctx, g):
-        return reduce_scatter_raw(g, ctx.group, ctx.stats), None, None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, stats, pending):
-        ctx.group, ctx.stats = group, stats
-        if pending is None:
-            return reduce_scatter_raw(x, group, stats)
-        out, pending.work = reduce_scatter_raw(x, group, stats, async_op=True)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather_raw(g, ctx.group, ctx.stats), None, None, None
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, stats, pending):
-        ctx.group, ctx.stats = group, stats
-        if pending is None:
-            return all_to_all_raw(x, group, stats)
-        out, pending.work = all_to_all_raw(x, group, stats, async_op=True)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        # entry i of the output came from rank i, so its gradient goes back to rank i: the same all-to-all.
-        return all_to_all_raw(g, ctx.group, ctx.stats), None, None, None
+        return ctx.adjoint(g, ctx.group, ctx.stats), None, None, None, None, None
 
 
 @dataclass
@@ -206,35 +183,35 @@ class Pending:
 
 def all_gather(x: torch.Tensor, group=None, stats=None) -> torch.Tensor:
     """Differentiable all-gather: ``[P, *x.shape]``; backward reduce-scatters (sums) the gradient to owners."""
-    return _AllGather.apply(x, group, stats, None)
+    return _Collective.apply(x, all_gather_raw, reduce_scatter_raw, group, stats, None)
 
 
 def all_gather_start(x: torch.Tensor, group=None, stats=None) -> Pending:
     """Launch ``all_gather`` asynchronously; ``.wait()`` returns the differentiable ``[P, *x.shape]`` result."""
     p = Pending()
-    p.result = _AllGather.apply(x, group, stats, p)
+    p.result = _Collective.apply(x, all_gather_raw, reduce_scatter_raw, group, stats, p)
     return p
 
 
 def reduce_scatter(x: torch.Tensor, group=None, stats=None) -> torch.Tensor:
     """Differentiable reduce-scatter of ``x`` [P, ...] (sum of entry ``rank`` over ranks); backward all-gathers."""
-    return _ReduceScatter.apply(x, group, stats, None)
+    return _Collective.apply(x, reduce_scatter_raw, all_gather_raw, group, stats, None)
 
 
 def reduce_scatter_start(x: torch.Tensor, group=None, stats=None) -> Pending:
     p = Pending()
-    p.result = _ReduceScatter.apply(x, group, stats, p)
+    p.result = _Collective.apply(x, reduce_scatter_raw, all_gather_raw, group, stats, p)
     return p
 
 
 def all_to_all(x: torch.Tensor, group=None, stats=None) -> torch.Tensor:
     """Differentiable all-to-all of ``x`` [P, ...] (entry i to rank i); backward is the same all-to-all."""
-    return _AllToAll.apply(x, group, stats, None)
+    return _Collective.apply(x, all_to_all_raw, all_to_all_raw, group, stats, None)
 
 
 def all_to_all_start(x: torch.Tensor, group=None, stats=None) -> Pending:
     p = Pending()
-    p.result = _AllToAll.apply(x, group, stats, p)
+    p.result = _Collective.apply(x, all_to_all_raw, all_to_all_raw, group, stats, p)
     return p
 
 

@@ -94,26 +94,22 @@ def _call(ctx, name, fn, x, hd):
         return fn(x, ctx, hd, stats)
 
 
-class _SeqToHeads(torch.autograd.Function):
+_DIRECTIONS = {"seq_to_heads": ("heads_to_seq", _seq_to_heads_raw),   # direction -> (its inverse, raw exchange)
+               "heads_to_seq": ("seq_to_heads", _heads_to_seq_raw)}
+
+
+class _UlyssesExchange(torch.autograd.Function):
+    """One Ulysses direction in forward, the other in backward (the exchange is a permutation)."""
+
     @staticmethod
-    def forward(ctx_, x, ctx, hd):
-        ctx_.cp, ctx_.hd = ctx, hd
-        return _call(ctx, "ulysses.seq_to_heads", _seq_to_heads_raw, x, hd)
+    def forward(ctx_, x, ctx, hd, direction):
+        ctx_.cp, ctx_.hd, ctx_.direction = ctx, hd, direction
+        return _call(ctx, f"ulysses.{direction}", _DIRECTIONS[direction][1], x, hd)
 
     @staticmethod
     def backward(ctx_, g):
-        return _call(ctx_.cp, "ulysses.heads_to_seq", _heads_to_seq_raw, g.contiguous(), ctx_.hd), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx_, x, ctx, hd):
-        ctx_.cp, ctx_.hd = ctx, hd
-        return _call(ctx, "ulysses.heads_to_seq", _heads_to_seq_raw, x, hd)
-
-    @staticmethod
-    def backward(ctx_, g):
-        return _call(ctx_.cp, "ulysses.seq_to_heads", _seq_to_heads_raw, g.contiguous(), ctx_.hd), None, None
+        back = _DIRECTIONS[ctx_.direction][0]
+        return _call(ctx_.cp, f"ulysses.{back}", _DIRECTIONS[back][1], g.contiguous(), ctx_.hd), None, None, None
 
 
 def seq_to_heads(x: torch.Tensor, ctx, head_dim: int = 2) -> torch.Tensor:
@@ -125,7 +121,7 @@ def seq_to_heads(x: torch.Tensor, ctx, head_dim: int = 2) -> torch.Tensor:
     if x.shape[hd] % ctx.ulysses_degree != 0:
         raise ValueError(f"Ulysses needs the head dim (dim {hd}, size {x.shape[hd]}) divisible by the Ulysses "
                          f"degree U={ctx.ulysses_degree}")
-    return _SeqToHeads.apply(x, ctx, hd)
+    return _UlyssesExchange.apply(x, ctx, hd, "seq_to_heads")
 
 
 def heads_to_seq(x: torch.Tensor, ctx, head_dim: int = 2) -> torch.Tensor:
@@ -133,4 +129,4 @@ def heads_to_seq(x: torch.Tensor, ctx, head_dim: int = 2) -> torch.Tensor:
     if ctx.ulysses_degree == 1:
         return x
     hd = _check(x, ctx, head_dim, "heads_to_seq")
-    return _HeadsToSeq.apply(x, ctx, hd)
+    return _UlyssesExchange.apply(x, ctx, hd, "heads_to_seq")
