@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from layers.cp.collectives import all_gather_raw, all_to_all_raw, all_to_all_start, reduce_scatter_raw
+from layers.cp.collectives import all_gather_raw, all_to_all, all_to_all_start, reduce_scatter_raw
 from layers.cp.plan import check_layout, local_seq_index
 
 STRATEGIES = ("expanded_ulysses", "latent_ulysses", "latent")
@@ -191,25 +191,8 @@ def _heads_to_seq(x: torch.Tensor, order: TokenOrder, P: int, group, stats) -> t
     B, T, h, D = x.shape
     S = T // P
     gathered = x.index_select(1, _index(order.gathered_ids, x.device)).view(B, P, S, h, D)
-    recv = _all_to_all(gathered.permute(1, 0, 2, 3, 4), group, stats)   # entry i: my tokens, head group i
+    recv = all_to_all(gathered.permute(1, 0, 2, 3, 4), group, stats)   # entry i: my tokens, head group i
     return recv.permute(1, 2, 0, 3, 4).reshape(B, S, P * h, D)
-
-
-class _AllToAllNamed(torch.autograd.Function):
-    """Synchronous differentiable all-to-all of ``[P, ...]`` (backward: the same all-to-all)."""
-
-    @staticmethod
-    def forward(ctx, x, group, stats):
-        ctx.group, ctx.stats = group, stats
-        return all_to_all_raw(x, group, stats)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_to_all_raw(g, ctx.group, ctx.stats), None, None
-
-
-def _all_to_all(x, group, stats):
-    return _AllToAllNamed.apply(x, group, stats)
 
 
 # -- strategies ---------------------------------------------------------------------------------------------
