@@ -20,8 +20,8 @@ def check_causal_mask(mask, layout: str, cp_size: int, cp_rank: int, cu_seqlens=
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"attention_mask must be None or a bool tensor, got {type(mask).__name__}")
     cu_key = None if cu_seqlens is None else tuple(cu_seqlens.tolist())
-    key = (id(mask), mask.data_ptr(), mask._version, tuple(mask.shape), layout, cp_size, cp_rank, cu_key)
-    if _LAST_CHECKED.get("key") == key:
+    key = (mask._version, layout, cp_size, cp_rank, cu_key)
+    if _LAST_CHECKED.get("mask") is mask and _LAST_CHECKED.get("key") == key:   # the same object, unchanged
         return
     if mask.dtype != torch.bool or mask.ndim != 4 or mask.shape[1] != 1:
         raise ValueError("attention_mask must be None or megatron's causal bool mask [b, 1, s_q, s_kv] "
@@ -39,4 +39,4 @@ def check_causal_mask(mask, layout: str, cp_size: int, cp_rank: int, cu_seqlens=
         raise ValueError(f"{owner} is causal and cannot apply a non-causal attention_mask (padding or document "
                          "masks); pass attention_mask=None or the plain causal mask, and pack documents with "
                          "PackedSeqParams(qkv_format='thd', cu_seqlens_q=...)")
-    _LAST_CHECKED["key"] = key
+    _LAST_CHECKED.update(mask=mask, key=key)   # holding the mask keeps its identity from being reused
