@@ -30,6 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from benchmarks._common import marked_section, write_docs_section  # noqa: E402
 from layers.cp.accounting import state_scan_comm  # noqa: E402
 
 HV, H, K, V = 32, 16, 128, 128
@@ -45,7 +46,6 @@ BETA = 40e9                          # B/s per rank and direction (400 Gb/s NIC 
 GAMMA = 50e12                        # FLOP/s of the fp32 K x K state folds (tf32x3-class tensor-core rate)
 
 STATE_ROWS = ("p2p", "allgather", "grouped_allgather_p2p", "recursive_doubling")
-BEGIN, END = "<!-- cp_comm:begin -->", "<!-- cp_comm:end -->"
 
 
 def _group(P):
@@ -251,18 +251,6 @@ def markdown(table) -> str:
     return "\n".join(lines)
 
 
-def write_docs(md: str, path: str) -> None:
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    block = f"{BEGIN}\n{md}\n{END}"
-    if BEGIN in text and END in text:
-        a, b = text.index(BEGIN), text.index(END) + len(END)
-        text = text[:a] + block + text[b:]
-    else:
-        text = text.rstrip("\n") + "\n\n## GDN/KDA context-parallel communication\n\n" + block + "\n"
-    with open(path, "w") as f:
-        f.write(text)
-
-
 def plot(table, path: str) -> None:
     import matplotlib
 
@@ -326,7 +314,8 @@ def main(argv=None):
         with open(args.json, "w") as f:
             f.write(text)
     if not args.no_docs:
-        write_docs(md, os.path.join(ROOT, "docs", "benchmarks.md"))
+        write_docs_section(marked_section("cp_comm", md), os.path.join(ROOT, "docs", "benchmarks.md"),
+                           heading="## GDN/KDA context-parallel communication")
         plot(table, os.path.join(ROOT, "docs", "cp_comm.png"))
 
 

@@ -28,12 +28,10 @@ Usage: ``python benchmarks/eager_ops.py [--shapes B,T,H,K,V ...] [--repeats N] [
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import os
-import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,10 +40,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import add_output_args, cpu_peak_bytes, publish, rel_err, run_meta  # noqa: E402
 from layers.ops import chunk_gated_delta_rule, chunk_kda  # noqa: E402
 
-DOCS = ROOT / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- eager_ops:begin -->", "<!-- eager_ops:end -->"
 GOALS = {"gdn": ("hf", 2.0), "kda": ("hf", 10.0)}   # issue 2, at GOAL_SHAPE
 GOAL_SHAPE = dict(B=1, T=4096, H=4, K=64, V=64)
 
@@ -54,37 +51,38 @@ def fla_l2norm(x):
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
+def optional_function(module: str, name: str, label: str):
+    """``module.name``, or None (said on stderr as skipping ``label``) where it does not import here."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        print(f"skipping {label}: {error}", file=sys.stderr)
+        return None
+
+
+def with_final_state_and_l2norm(fn):
+    """fn(q, k, v, g, beta) -> (o, S) with the final state and FLA's in-kernel q/k l2norm."""
+    return lambda q, k, v, g, b: fn(q, k, v, g, b, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+
 def references():
     """name -> (kind, fn(q, k, v, g, beta) -> (o, S)) for every reference that imports here."""
-    impls = {
-        "ours_gdn": ("gdn", lambda q, k, v, g, b: chunk_gated_delta_rule(
-            q, k, v, g, b, output_final_state=True, use_qk_l2norm_in_kernel=True)),
-        "ours_kda": ("kda", lambda q, k, v, g, b: chunk_kda(
-            q, k, v, g, b, output_final_state=True, use_qk_l2norm_in_kernel=True)),
-    }
-    try:
-        from transformers.models.qwen3_next import modeling_qwen3_next as qwen
-
-        hf_gdn = getattr(qwen.torch_chunk_gated_delta_rule, "__wrapped__", qwen.torch_chunk_gated_delta_rule)
-        impls["hf_gdn"] = ("gdn", lambda q, k, v, g, b: hf_gdn(
-            q, k, v, g, b, output_final_state=True, use_qk_l2norm_in_kernel=True))
-    except ImportError as error:
-        print(f"skipping transformers GDN: {error}", file=sys.stderr)
-    try:
-        from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule as mcore_gdn
-
+    impls = {"ours_gdn": ("gdn", with_final_state_and_l2norm(chunk_gated_delta_rule)),
+             "ours_kda": ("kda", with_final_state_and_l2norm(chunk_kda))}
+    # transformers' functions through __wrapped__: the pure-PyTorch path even where hub kernels exist
+    hf_gdn = optional_function("transformers.models.qwen3_next.modeling_qwen3_next", "torch_chunk_gated_delta_rule",
+                               "transformers GDN")
+    if hf_gdn is not None:
+        impls["hf_gdn"] = ("gdn", with_final_state_and_l2norm(getattr(hf_gdn, "__wrapped__", hf_gdn)))
+    mcore_gdn = optional_function("megatron.core.ssm.gated_delta_net", "torch_chunk_gated_delta_rule",
+                                  "megatron-core GDN")
+    if mcore_gdn is not None:
         impls["mcore_gdn"] = ("gdn", lambda q, k, v, g, b: mcore_gdn(
             fla_l2norm(q), fla_l2norm(k), v, g, b, output_final_state=True))
-    except ImportError as error:
-        print(f"skipping megatron-core GDN: {error}", file=sys.stderr)
-    try:
-        from transformers.models.kimi_linear import modeling_kimi_linear as kimi
-
-        hf_kda = getattr(kimi.chunk_kimi_delta_attention, "__wrapped__", kimi.chunk_kimi_delta_attention)
-        impls["hf_kda"] = ("kda", lambda q, k, v, g, b: hf_kda(
-            q, k, v, g, b, output_final_state=True, use_qk_l2norm_in_kernel=True))
-    except ImportError as error:
-        print(f"skipping transformers KDA: {error}", file=sys.stderr)
+    hf_kda = optional_function("transformers.models.kimi_linear.modeling_kimi_linear", "chunk_kimi_delta_attention",
+                               "transformers KDA")
+    if hf_kda is not None:
+        impls["hf_kda"] = ("kda", with_final_state_and_l2norm(getattr(hf_kda, "__wrapped__", hf_kda)))
     return impls
 
 
@@ -127,28 +125,7 @@ def time_interleaved(fns, inputs, cot, warmup, repeats, slow, slow_repeats):
 
 def peak_bytes(fn, inputs, cot):
     """Peak of PyTorch's allocated CPU bytes during one fwd+bwd, above what existed before it."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fwd_bwd(fn, inputs, cot)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as fh:
-            events = json.load(fh)["traceEvents"]
-    mem = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
-    total = peak = 0
-    for e in mem:
-        if e["args"].get("Device Type", 0) != 0:   # CPU only
-            continue
-        total += e["args"]["Bytes"]
-        peak = max(peak, total)
-    return peak
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+    return cpu_peak_bytes(lambda: fwd_bwd(fn, inputs, cot))
 
 
 def run_shape(shape, impls, warmup, repeats, slow_repeats):
@@ -211,19 +188,6 @@ def markdown(rows, meta):
     return "\n".join(lines + [""] + goals)
 
 
-def write_docs(section):
-    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n\nTables measured by the scripts in `benchmarks/`.\n"
-    block = f"{BEGIN}\n## Eager GDN / KDA ops vs pure-PyTorch references (`benchmarks/eager_ops.py`)\n\n{section}\n{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    DOCS.parent.mkdir(parents=True, exist_ok=True)
-    DOCS.write_text(text)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["1,4096,4,64,64", "2,1024,4,128,128"],
@@ -232,18 +196,11 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--slow-repeats", type=int, default=1, help="repeats for transformers' KDA (seconds each)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--write-docs", action="store_true", help=f"write the table into {DOCS.relative_to(ROOT)}")
-    parser.add_argument("--json", type=Path, default=None, help="also write the JSON results to this file")
+    add_output_args(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    import megatron.core
-    import transformers
-
-    meta = dict(command="python benchmarks/eager_ops.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                torch=torch.__version__, threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
-                transformers=transformers.__version__, megatron_core=megatron.core.__version__,
-                python=platform.python_version(), warmup=args.warmup, repeats=args.repeats,
+    meta = dict(run_meta("eager_ops.py", argv), cpu_count=os.cpu_count(), warmup=args.warmup, repeats=args.repeats,
                 slow_repeats=args.slow_repeats, loadavg_before=os.getloadavg())
     impls = references()
     rows = []
@@ -254,15 +211,8 @@ def main(argv=None):
         print(f"shape B,T,H,K,V = {shape}", flush=True)
         rows += run_shape(shape, impls, args.warmup, args.repeats, args.slow_repeats)
     meta["loadavg_after"] = os.getloadavg()
-    result = dict(meta=meta, rows=rows)
-    print(json.dumps(result, indent=1))
-    section = markdown(rows, meta)
-    print(section)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    if args.write_docs:
-        write_docs(section)
-        print(f"wrote {DOCS}")
+    publish(dict(meta=meta, rows=rows), markdown(rows, meta), args, "eager_ops",
+            "## Eager GDN / KDA ops vs pure-PyTorch references (`benchmarks/eager_ops.py`)")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # before benchmarks/, whose layers.py would shadow the package
 
-BEGIN, END = "<!-- gpu:begin -->", "<!-- gpu:end -->"
+from benchmarks._common import marked_section  # noqa: E402
+from benchmarks._common import write_docs_section as write_docs  # noqa: E402,F401 (gpu_check.sh calls it)
 H, K, V, HIDDEN = 16, 128, 128, 2048
 KDA_LOWER_BOUND = -5.0
 SECTIONS = {
@@ -456,7 +457,7 @@ def _fmt_row(row, columns):
 
 def render_markdown(report: dict) -> str:
     meta = report["meta"]
-    lines = [BEGIN, "## GPU: triton backend (benchmarks/gpu_layers.py)", "",
+    lines = ["## GPU: triton backend (benchmarks/gpu_layers.py)", "",
              f"Measured {meta.get('date', '?')} on {meta.get('gpu', '?')}; torch {meta.get('torch', '?')}, "
              f"triton {meta.get('triton', '?')}, flash-linear-attention {meta.get('fla', '?')}, "
              f"megatron-core {meta.get('megatron_core', '?')}. Command: `{meta.get('command', '?')}`.",
@@ -478,8 +479,7 @@ def render_markdown(report: dict) -> str:
     goals = report.get("goals")
     if goals:
         lines += ["### Goals (issue 7)", ""] + [f"- {g}" for g in goals] + [""]
-    lines.append(END)
-    return "\n".join(lines)
+    return marked_section("gpu", "\n".join(lines))
 
 
 def fill_ratios(rows) -> None:
@@ -525,18 +525,6 @@ def evaluate_goals(rows) -> list[str]:
         if r["section"] == "e" and r.get("P") == 8 and "ratio_to_ideal" in r:
             goals.append(f"CP=8 {r['name']}: {r['ratio_to_ideal']} x ideal (goal <= 1.15)")
     return goals
-
-
-def write_docs(markdown: str, docs: Path):
-    text = docs.read_text(encoding="utf-8") if docs.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        text = head + markdown + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + markdown + "\n"
-    docs.parent.mkdir(parents=True, exist_ok=True)
-    docs.write_text(text, encoding="utf-8")
 
 
 def _versions() -> dict:

@@ -19,9 +19,7 @@ Usage: ``python benchmarks/layers.py [--shapes B,T ...] [--hidden 1024] [--repea
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -34,8 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # before benchmarks/, whose layers.py would shadow the package
 
-DOCS = ROOT / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- layers:begin -->", "<!-- layers:end -->"
+from benchmarks._common import add_output_args, cpu_peak_bytes, publish, rel_err, run_meta  # noqa: E402
 
 
 def setup_megatron(device):
@@ -172,26 +169,7 @@ def peak_bytes(layer, x, dy, device):
         fwd_bwd(layer, x, dy)
         sync(device)
         return torch.cuda.max_memory_allocated(device) - base
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fwd_bwd(layer, x, dy)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        events = json.loads(Path(path).read_text())["traceEvents"]
-    memory = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0),
-                    key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
-    total = peak = 0
-    for event in memory:
-        total += event["args"]["Bytes"]
-        peak = max(peak, total)
-    return peak
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+    return cpu_peak_bytes(lambda: fwd_bwd(layer, x, dy))
 
 
 def run_shape(B, T, args, device, dtype):
@@ -269,18 +247,6 @@ def markdown(rows, meta):
     return "\n".join(lines)
 
 
-def write_docs(section):
-    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n\nTables measured by the scripts in `benchmarks/`.\n"
-    block = f"{BEGIN}\n## GDN / KDA layers, fwd+bwd (`benchmarks/layers.py`)\n\n{section}\n{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    DOCS.parent.mkdir(parents=True, exist_ok=True)
-    DOCS.write_text(text)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["1,2048", "4,512"], help="B,T pairs")
@@ -298,8 +264,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers rows")
     parser.add_argument("--verbose", action="store_true", help="print tracebacks of rows that cannot run")
-    parser.add_argument("--write-docs", action="store_true", help=f"write the table into {DOCS.relative_to(ROOT)}")
-    parser.add_argument("--json", type=Path, default=None, help="also write the JSON results here")
+    add_output_args(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -307,15 +272,10 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     args.backend = args.backend or ("triton" if device.type == "cuda" else "eager")
     setup_megatron(device)
-    import megatron.core
-    import transformers
-
-    meta = dict(command="python benchmarks/layers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    meta = dict(run_meta("layers.py", argv),
                 device_name=(torch.cuda.get_device_name(device) if device.type == "cuda"
                              else f"CPU ({os.cpu_count()} cores)"),
-                torch=torch.__version__, threads=torch.get_num_threads(), megatron_core=megatron.core.__version__,
-                transformers=transformers.__version__, python=platform.python_version(), dtype=str(dtype),
-                backend=args.backend, hidden=args.hidden, heads=args.heads, value_heads=args.value_heads,
+                dtype=str(dtype), backend=args.backend, hidden=args.hidden, heads=args.heads, value_heads=args.value_heads,
                 head_dim=args.head_dim, warmup=args.warmup, repeats=args.repeats,
                 load_average=[round(v, 1) for v in os.getloadavg()])
     rows = []
@@ -323,15 +283,8 @@ def main(argv=None):
         B, T = (int(v) for v in text.split(","))
         print(f"B={B} T={T}", flush=True)
         rows += run_shape(B, T, args, device, dtype)
-    result = dict(meta=meta, rows=rows)
-    print(json.dumps(result, indent=1))
-    section = markdown(rows, meta)
-    print(section)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    if args.write_docs:
-        write_docs(section)
-        print(f"wrote {DOCS}")
+    publish(dict(meta=meta, rows=rows), markdown(rows, meta), args, "layers",
+            "## GDN / KDA layers, fwd+bwd (`benchmarks/layers.py`)")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchmarks._common import DOCS, marked_section, write_docs_section  # noqa: E402
 from layers.cp.mla import mla_comm_bytes  # noqa: E402
 
 MODELS = {
@@ -25,7 +26,6 @@ MODELS = {
 }
 STRATEGIES = ("latent", "latent_ulysses", "expanded_ulysses", "ring")
 WORLD_SIZES = (2, 4, 8, 16, 32, 64)
-BEGIN, END = "<!-- mla_comm:begin -->", "<!-- mla_comm:end -->"
 
 
 def rows(seq_len: int, element_size: int) -> list[dict]:
@@ -64,35 +64,24 @@ def markdown(table: list[dict], seq_len: int, element_size: int) -> str:
     return "\n".join(lines)
 
 
-def write_docs(section: str, path: str) -> None:
-    block = f"{BEGIN}\n{section}\n{END}"
-    text = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n## MLA context-parallel communication\n\n" + block + "\n"
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-
-
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=131072, help="global sequence length (tokens per layer)")
     parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per element (2 = bf16)")
     parser.add_argument("--json", default=None, help="also write the JSON rows to this file")
-    parser.add_argument("--docs", default=os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks.md"))
+    parser.add_argument("--docs", default=str(DOCS))
     parser.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args(argv)
     table = rows(args.seq, args.dtype_bytes)
-    print(json.dumps(table, indent=1))
     section = markdown(table, args.seq, args.dtype_bytes)
+    print(json.dumps(table, indent=1))
     print(section)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(table, f, indent=1)
     if not args.no_docs:
-        write_docs(section, os.path.normpath(args.docs))
+        write_docs_section(marked_section("mla_comm", section), os.path.normpath(args.docs),
+                           heading="## MLA context-parallel communication")
     worst = min(r["ring_over_latent_fwd"] for r in table if r["model"] == "DeepSeek-V3")
     print(f"DeepSeek-V3: the ring moves at least {worst:.1f}x the bytes of the latent strategy (goal >= 10x)")
     return table

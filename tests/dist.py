@@ -78,6 +78,18 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 900.0):
     return [results[r] for r in range(world_size)]
 
 
+_SPAWNS: dict = {}
+
+
+def run_distributed_once(fn, world_size: int, *args):
+    """:func:`run_distributed`, spawned once per ``(fn, world_size, args)`` in this process: every test that
+    asks again gets the cached per-rank results (``args`` must be hashable)."""
+    key = (fn, world_size, args)
+    if key not in _SPAWNS:
+        _SPAWNS[key] = run_distributed(fn, world_size, *args)
+    return _SPAWNS[key]
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Relative L2 error ||a - e|| / max(||e||, tiny), computed in float64."""
     a, e = actual.detach().double(), expected.detach().double()

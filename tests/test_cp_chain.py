@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from dist import rel_err, run_distributed
+from dist import rel_err, run_distributed_once
 
 WORLD_SIZES = (2, 3, 4)
 HV, K, W = 2, 3, 4
@@ -114,13 +114,8 @@ def _worker(rank, P):
     return results
 
 
-_CACHE: dict = {}
-
-
 def _results(P):
-    if P not in _CACHE:
-        _CACHE[P] = run_distributed(_worker, P)
-    return _CACHE[P]
+    return run_distributed_once(_worker, P)
 
 
 # ---- closed forms (docs/cp.md, "Cost of the state methods") ------------------------------------------------

@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from dist import rel_err, run_distributed
+from dist import rel_err, run_distributed_once
 
 D = 5
 
@@ -84,13 +84,8 @@ def _worker(rank, world_size):
     return results
 
 
-_SPAWNS = {}
-
-
 def _results(P):
-    if P not in _SPAWNS:
-        _SPAWNS[P] = run_distributed(_worker, P)
-    return _SPAWNS[P]
+    return run_distributed_once(_worker, P)
 
 
 @pytest.mark.parametrize("P", [2, 3, 4])

@@ -12,27 +12,17 @@ import random
 import pytest
 import torch
 
-from dist import run_distributed
+from dist import run_distributed_once
+from helpers import FakeGroup
 from layers.cp import build_chain_plan, local_seq_index
 from layers.cp.plan import chain_owners
-
-
-class _FakeGroup:
-    def __init__(self, size, rank):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
 
 
 def _megatron_zigzag(x, P, r, monkeypatch):
     import megatron.core.utils as mu
 
     monkeypatch.setattr(mu.torch.distributed, "is_initialized", lambda: True)
-    return mu.get_batch_on_this_cp_rank({"tokens": x.clone()}, cp_group=_FakeGroup(P, r))["tokens"]
+    return mu.get_batch_on_this_cp_rank({"tokens": x.clone()}, cp_group=FakeGroup(P, r))["tokens"]
 
 
 def _te_thd_reference(cu, P, r):
@@ -253,13 +243,8 @@ def _worker(rank, P):
     return out
 
 
-_CACHE: dict = {}
-
-
 def _results(P):
-    if P not in _CACHE:
-        _CACHE[P] = run_distributed(_worker, P)
-    return _CACHE[P]
+    return run_distributed_once(_worker, P)
 
 
 @pytest.mark.parametrize("P", [2, 3, 4])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist import run_distributed
+from dist import run_distributed_once
 
 H = 12          # divisible by U = 2, 3, 4
 
@@ -86,13 +86,8 @@ def _worker(rank, P):
     return results, err
 
 
-_CACHE: dict = {}
-
-
 def _results(P):
-    if P not in _CACHE:
-        _CACHE[P] = run_distributed(_worker, P)
-    return _CACHE[P]
+    return run_distributed_once(_worker, P)
 
 
 @pytest.mark.parametrize("P", [2, 3, 4])

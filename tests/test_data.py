@@ -2,18 +2,8 @@
 import pytest
 import torch
 
+from helpers import FakeGroup
 from hp_megatron.data import cp_token_index, get_batch_on_this_cp_rank
-
-
-class FakeGroup:
-    def __init__(self, size, rank):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
 
 
 def _megatron_split(batch, cp, rank, monkeypatch):

@@ -97,6 +97,17 @@ def _run_ours(layer, x_bsh, packed=None):
     return out.transpose(0, 1), x
 
 
+def _assert_output_and_input_grad_match(layer, x, ref):
+    """Our layer on ``x`` [B, T, h] (a leaf) matches the reference output ``ref`` and, under one random
+    cotangent backpropagated through both (weight grads are left for the caller), x's gradient: rel. L2 <= 1e-5."""
+    out, x_ours = _run_ours(layer, x)
+    assert rel_err(out, ref) <= 1e-5
+    grad = torch.randn_like(ref)
+    (ref * grad).sum().backward()
+    (out * grad).sum().backward()
+    assert rel_err(x_ours.grad.transpose(0, 1), x.grad) <= 1e-5
+
+
 HF_GRADS = {"kv_b_proj.weight": "linear_kv_up_proj.weight", "kv_a_proj_with_mqa.weight": "linear_kv_down_proj.weight",
             "o_proj.weight": "linear_proj.weight", "kv_a_layernorm.weight": "kv_layernorm.weight"}
 
@@ -115,12 +126,7 @@ def test_matches_transformers_deepseek_v3(world, q_lora_rank, rope_interleave, r
     x = torch.randn(B, T, 32, requires_grad=True)
     cos, sin = rotary(x, torch.arange(T)[None].expand(B, T))
     ref, _ = hf(x, (cos, sin), _causal_mask(T))
-    out, x_ours = _run_ours(layer, x)
-    assert rel_err(out, ref) <= 1e-5
-    grad = torch.randn_like(ref)
-    (ref * grad).sum().backward()
-    (out * grad).sum().backward()
-    assert rel_err(x_ours.grad.transpose(0, 1), x.grad) <= 1e-5
+    _assert_output_and_input_grad_match(layer, x, ref)
     params = dict(layer.named_parameters())
     for hf_name, ours in HF_GRADS.items():
         hf_grad = dict(hf.named_parameters())[hf_name].grad
@@ -147,12 +153,7 @@ def test_matches_transformers_kimi_linear(world):
     B, T = 2, 10
     x = torch.randn(B, T, 32, requires_grad=True)
     ref, _ = hf(x, _causal_mask(T))
-    out, x_ours = _run_ours(layer, x)
-    assert rel_err(out, ref) <= 1e-5
-    grad = torch.randn_like(ref)
-    (ref * grad).sum().backward()
-    (out * grad).sum().backward()
-    assert rel_err(x_ours.grad.transpose(0, 1), x.grad) <= 1e-5
+    _assert_output_and_input_grad_match(layer, x, ref)
     assert rel_err(layer.linear_kv_up_proj.weight.grad, hf.kv_b_proj.weight.grad) <= 1e-5
 
 
