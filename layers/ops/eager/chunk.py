@@ -84,11 +84,13 @@ def _chunk_inputs(k, v, g, beta, layout):
     tail = (g_last - gamma).to(dt).exp()
     tail = tail if per_channel else tail[..., None]
     pair = None if per_channel else pair_decay(gamma, dt)        # shared by A and the output's gram
-    A = bc[..., None] * decayed_gram(kc, kc, gamma, inclusive=False, pair=pair)
+    # I + StrictLower(A): solve_triangular(unitriangular=True) reads only the strictly lower part (and
+    # returns no gradient for the rest), so the inclusive gram serves as is
+    A = bc[..., None] * decayed_gram(kc, kc, gamma, inclusive=True, pair=pair)
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
     rhs = torch.cat([bc[..., None] * kc * gexp, bc[..., None] * vc], dim=-1)
     # explicit inverse then one matmul: faster on CPU than a triangular solve with a wide right-hand side
-    WU = torch.linalg.solve_triangular(A + eye, eye.expand_as(A), upper=False, unitriangular=True) @ rhs
+    WU = torch.linalg.solve_triangular(A, eye.expand_as(A), upper=False, unitriangular=True) @ rhs
     K = kc.shape[-1]
     W, U = WU[..., :K], WU[..., K:]
     decay = g_last.squeeze(2).to(dt).exp()
