@@ -9,7 +9,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["hp_megatron", "hp_megatron.*", "layers", "layers.*"]),
-    install_requires=["torch>=2.6", "megatron-core>=0.14.0", "numpy", "packaging"],
+    install_requires=["torch>=2.6", "megatron-core>=0.14.0,<0.17", "numpy", "packaging"],
     extras_require={
         "triton": ["flash-linear-attention>=0.6.0", "fla-core>=0.6.0", "triton>=3.7.1"],
         "npu": ["torch_npu"],
