@@ -336,8 +336,7 @@ def cp_case(kind, layout_name, method, opts, via_hook):
 def cp_worker(rank, world):
     standin = install_standin()
     results = {}
-    wired = _engine_calls_hook()
-    cases = [(c, True) for c in HOOK_CASES] + [(c, False) for c in PUBLIC_CASES if wired or c[2] == "ulysses"]
+    cases = [(c, True) for c in HOOK_CASES] + [(c, False) for c in PUBLIC_CASES]
     for (kind, lay, method, opts), via_hook in cases:
         key = f"{'hook' if via_hook else 'public'}-{kind}-{lay}-{method}-{'-'.join(f'{k}{v}' for k, v in opts.items())}"
         standin.CALLS.clear()
@@ -371,12 +370,6 @@ def cp_results():
     return run_distributed(cp_worker, CP_WORLD)
 
 
-def _engine_calls_hook() -> bool:
-    from layers.cp import state_parallel
-
-    return "state_passing_cp" in inspect.getsource(state_parallel)
-
-
 @pytest.mark.parametrize("case", [pytest.param(c, id=_key(True, *c)) for c in HOOK_CASES])
 def test_cp_hook_matches_eager(cp_results, case):
     per_rank = [r[_key(True, *case)] for r in cp_results]
@@ -390,8 +383,6 @@ def test_cp_hook_matches_eager(cp_results, case):
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=_key(False, *c)) for c in PUBLIC_CASES])
 def test_cp_public_api_matches_eager(cp_results, case):
-    if case[2] != "ulysses" and not _engine_calls_hook():
-        pytest.skip("layers/cp/state_parallel.py does not call the backend's state_passing_cp hook yet")
     per_rank = [r[_key(False, *case)] for r in cp_results]
     errors = [r["error"] for r in per_rank if "error" in r]
     assert not errors, errors[0]
