@@ -89,9 +89,28 @@ class ChainPlan:
     def n_own(self) -> int:
         return len(self.own_positions)
 
-    def positions_of(self, rank: int) -> tuple:
-        """Positions owned by ``rank`` (ascending, the order of that rank's own segments)."""
-        return tuple(t for t, o in enumerate(self.owners) if o == rank)
+    def link_keep(self, device, dtype) -> torch.Tensor:
+        """[D, n_own, 1, 1, 1]: 1 where the state leaving an own segment flows on to the next position, else 0."""
+        keep = self.link_mask[:, list(self.own_positions)].to(device, dtype)
+        return keep[..., None, None, None]
+
+    def own_summaries(self, final: torch.Tensor):
+        """Per-piece final states ``[E | M]`` ``[n_pieces, HV, K, V+K]`` -> ``(M, E)`` of each own position,
+        ``[D, n_own, HV, K, K]`` and ``[D, n_own, HV, K, V]``: M is zeroed where a document starts inside the
+        segment, and both where the link to the next position is cut (the chain scan then needs no masks)."""
+        D, n_own = self.exit_piece.shape
+        HV, K, W = final.shape[1:]
+        summary = final.index_select(0, self.exit_piece.reshape(-1).to(final.device)).view(D, n_own, HV, K, W)
+        keep_link = self.link_keep(final.device, final.dtype)
+        keep_m = keep_link * self.exit_has_transition.to(final.device, final.dtype)[..., None, None, None]
+        return summary[..., W - K:] * keep_m, summary[..., :W - K] * keep_link
+
+    def entry_states(self, S_in: torch.Tensor) -> torch.Tensor:
+        """``[D, n_own, HV, K, V]`` incoming states -> initial states of the local pieces ``[n_pieces, HV, K, V]``
+        (S_in at each entry piece, zero elsewhere); differentiable."""
+        HV, K, V = S_in.shape[2:]
+        return S_in.new_zeros(self.num_pieces, HV, K, V).index_copy(
+            0, self.entry_piece.reshape(-1).to(S_in.device), S_in.reshape(-1, HV, K, V))
 
 
 def check_layout(layout) -> str:

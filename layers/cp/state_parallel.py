@@ -12,8 +12,6 @@ Ulysses (alone or as the outer level of the hybrid) exchanges sequence for heads
 """
 from __future__ import annotations
 
-import torch
-
 from layers.cp.chain import chain_scan
 from layers.cp.ulysses import heads_to_seq, seq_to_heads
 from layers.ops.summary import augmented_final_states
@@ -25,20 +23,13 @@ def _state_passing(kind, impl, ctx, plan, q, k, v, g, beta, scale, flags):
     if hook is not None:   # a backend with native summary/merge kernels (Ascend C) runs its own decomposition
         return hook(kind, ctx, plan, q, k, v, g, beta, scale=scale, flags=flags)
     B, T = q.shape[:2]
-    HV, V, K = v.shape[2], v.shape[3], k.shape[3]
+    HV, V = v.shape[2], v.shape[3]
     flat = lambda x: x.reshape(1, B * T, *x.shape[2:])   # noqa: E731  pieces index flattened tokens
     q1, k1, v1, g1, b1 = map(flat, (q, k, v, g, beta))
     cu = plan.local_cu_seqlens
     final = augmented_final_states(kind, impl, k1, v1, g1, b1, cu, flags)                 # [n_pieces, HV, K, V+K]
-    exit_piece = plan.exit_piece.to(q.device)
-    summary = final.index_select(0, exit_piece.reshape(-1)).view(*exit_piece.shape, HV, K, V + K)
-    keep_link = plan.link_mask[:, list(plan.own_positions)].to(q.device, torch.float32)      # [D, n_own]
-    keep_m = keep_link * plan.exit_has_transition.to(q.device, torch.float32)
-    E = summary[..., :V] * keep_link[..., None, None, None]
-    M = summary[..., V:] * keep_m[..., None, None, None]
-    S_in = chain_scan(M, E, ctx, plan)                                        # [D, n_own, HV, K, V]
-    init = S_in.new_zeros(plan.num_pieces, HV, K, V).index_copy(
-        0, plan.entry_piece.to(q.device).reshape(-1), S_in.reshape(-1, HV, K, V))
+    M, E = plan.own_summaries(final)
+    init = plan.entry_states(chain_scan(M, E, ctx, plan))
     fn = impl.chunk_gated_delta_rule if kind == "gdn" else impl.chunk_kda
     o, _ = fn(q1, k1, v1, g1, b1, scale=scale, initial_state=init, output_final_state=False, cu_seqlens=cu,
               **flags)

@@ -7,8 +7,6 @@ start, or the W-1 tokens of ``history`` before it. x ``[B,T,D]``; weight ``[D,W]
 """
 from __future__ import annotations
 
-import torch
-
 from layers.ops.backends import get_backend
 from layers.ops.validation import check_same_device, check_shape, check_tensor, normalize_cu_seqlens
 

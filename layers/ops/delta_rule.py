@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from layers.ops.backends import get_backend
 from layers.ops.validation import (check_same_device, check_shape, check_state, check_tensor,
                                    normalize_cu_seqlens)

@@ -77,44 +77,24 @@ def exchange(ops, ctx, plan, A, B, forward: bool):
                           phase="forward" if forward else "backward")
 
 
-def _masks(plan, device):
-    keep_link = plan.link_mask[:, list(plan.own_positions)].to(device, torch.float32)             # [D, n_own]
-    keep_m = keep_link * plan.exit_has_transition.to(device, torch.float32)
-    return keep_link[..., None, None, None], keep_m[..., None, None, None]
-
-
-def _pieces(plan):
-    cu = [int(x) for x in plan.local_cu_seqlens.tolist()]
-    return cu, plan.entry_piece.reshape(-1).tolist(), plan.exit_piece.reshape(-1).tolist()
-
-
-def _summaries_to_initial(ops, ctx, plan, hm, HV, K, V, device):
-    """hm [n_pieces, HV, K, V+K] -> (S_in [D,n_own,HV,K,V], masked M [D,n_own,HV,K,K], init [n_pieces,...])."""
-    cu, entry, exit_ = _pieces(plan)
-    D, n_own = plan.exit_piece.shape
-    summary = hm[torch.tensor(exit_, device=device)].view(D, n_own, HV, K, V + K)
-    keep_link, keep_m = _masks(plan, device)
-    E, M = summary[..., :V] * keep_link, summary[..., V:] * keep_m
-    S_in = exchange(ops, ctx, plan, M, E, forward=True)
-    init = S_in.new_zeros(len(cu) - 1, HV, K, V)
-    init[torch.tensor(entry, device=device)] = S_in.reshape(-1, HV, K, V)
-    return M, init
+def _summaries_to_initial(ops, ctx, plan, hm):
+    """hm [n_pieces, HV, K, V+K] -> (masked M [D,n_own,HV,K,K], initial states [n_pieces, HV, K, V])."""
+    M, E = plan.own_summaries(hm)
+    return M, plan.entry_states(exchange(ops, ctx, plan, M, E, forward=True))
 
 
 def _terminal_gradients(ops, ctx, plan, M, dS_loc, n_pieces, device):
     """dht [n_pieces, HV, K, V]: gradient of the state leaving each exit piece (zero elsewhere)."""
     lam = exchange(ops, ctx, plan, M.transpose(-1, -2).contiguous(), dS_loc, forward=False)
-    keep_link, _ = _masks(plan, device)
-    _, _, exit_ = _pieces(plan)
     HV, K, V = dS_loc.shape[2:]
-    dht = lam.new_zeros(n_pieces, HV, K, V)
-    dht[torch.tensor(exit_, device=device)] = (lam * keep_link).reshape(-1, HV, K, V)
-    return dht
+    lam = lam * plan.link_keep(lam.device, lam.dtype)
+    return lam.new_zeros(n_pieces, HV, K, V).index_copy(0, plan.exit_piece.reshape(-1).to(device),
+                                                        lam.reshape(-1, HV, K, V))
 
 
 def _entry_windows(plan):
-    cu, entry, _ = _pieces(plan)
-    return [[cu[p], cu[p + 1]] for p in entry]
+    cu = plan.local_cu_seqlens.tolist()
+    return [[cu[p], cu[p + 1]] for p in plan.entry_piece.reshape(-1).tolist()]
 
 
 # ---------------------------------------------------------------------------------------------- GDN
@@ -123,7 +103,6 @@ class _GDNStateCP(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, meta):
         ops, plan, cp = meta["ops"], meta["plan"], meta["ctx"]
         cu = meta["cu"]
-        HV, K, V = v.shape[2], q.shape[3], v.shape[3]
         hm_in = [x.transpose(1, 2).contiguous() for x in (q, k, v)]                         # BNSD, B = 1
         prep = ops.chunk_gated_delta_rule_fwd_prepare(
             *hm_in, g.transpose(1, 2).contiguous(), beta.transpose(1, 2).contiguous(), runtime.CHUNK,
@@ -132,7 +111,7 @@ class _GDNStateCP(torch.autograd.Function):
         q_hat, k_hat, _, _, _, g_log2, w, u, _ = runtime.slots("chunk_gated_delta_rule_fwd_prepare", prep, 9,
                                                               (0, 1, 4, 5, 6, 7))
         hm = ops.pre_process_fwd_kernel_merged(k_hat, w, u, g=g_log2, cu_seqlens=cu, chunk_size=runtime.CHUNK)
-        M, init = _summaries_to_initial(ops, cp, plan, hm, HV, K, V, q.device)
+        M, init = _summaries_to_initial(ops, cp, plan, hm)
         result = ops.chunk_gated_delta_rule_fwd(
             q, k, v, g, beta, initial_state=init, output_final_state=False, chunk_size=runtime.CHUNK,
             cu_seqlens=cu, scale=meta["scale"], use_exp2=False, use_qk_l2norm_in_kernel=meta["l2norm"],
@@ -177,12 +156,11 @@ class _KDAStateCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, meta):
         ops, plan, cp, kmeta = meta["ops"], meta["plan"], meta["ctx"], meta["kda"]
-        HV, K, V = v.shape[2], q.shape[3], v.shape[3]
         p = kda_prepare(ops, q, k, v, g, beta, A_log, dt_bias, kmeta)
         hm = ops.pre_process_fwd_kernel_merged(batch4(p["kg"], True), batch4(p["w"], True), batch4(p["u"], True),
                                                gk=batch4(p["gk"], True), cu_seqlens=kmeta["cu"],
                                                chunk_size=runtime.CHUNK)
-        M, init = _summaries_to_initial(ops, cp, plan, hm, HV, K, V, q.device)
+        M, init = _summaries_to_initial(ops, cp, plan, hm)
         h, v_new, _ = runtime.slots("chunk_fwd_h", ops.chunk_fwd_h(
             p["kg"], p["w"], p["u"], gk=p["gk"], initial_state=init, output_final_state=False,
             chunk_size=runtime.CHUNK, cu_seqlens=kmeta["cu"], use_exp2=True), 3, (0, 1))
