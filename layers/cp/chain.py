@@ -21,6 +21,7 @@ import torch
 
 from layers.cp.accounting import current_phase
 from layers.cp.collectives import all_gather_raw, exchange, group_rank, group_size
+from layers.ops.summary import apply_summary
 
 STATE_METHODS = ("p2p", "allgather", "grouped_allgather_p2p", "recursive_doubling")
 
@@ -92,10 +93,6 @@ def _step(rec):
         rec.steps += 1
 
 
-def _apply(A_j, B_j, X):
-    return torch.matmul(A_j, X) + B_j
-
-
 def _scan_p2p(A, B, plan, order, comm, stats, rec):
     me, owners, slot = plan.rank, plan.owners, plan.owner_slot
     out = torch.zeros_like(B)
@@ -115,7 +112,7 @@ def _scan_p2p(A, B, plan, order, comm, stats, rec):
             s = slot[t]
             out[:, s] = X
             if i + 1 < len(order):
-                X = _apply(A[:, s], B[:, s], X)
+                X = apply_summary(A[:, s], B[:, s], X)
     for w in pending:
         w.wait()
     return out
@@ -135,7 +132,7 @@ def _scan_allgather(A, B, plan, order, comm, stats, rec):
         if o == me:
             out[:, s] = X
         if i < last_mine:
-            X = _apply(gathered[o, :, s, ..., :K], gathered[o, :, s, ..., K:], X)
+            X = apply_summary(gathered[o, :, s, ..., :K], gathered[o, :, s, ..., K:], X)
     return out
 
 
@@ -190,7 +187,7 @@ def _scan_grouped(A, B, plan, order, comm, stats, rec):
                 out[:, s] = X
             if k >= n_fold:
                 break
-            X = _apply(gathered[o - q * g, :, s, ..., :K], gathered[o - q * g, :, s, ..., K:], X)
+            X = apply_summary(gathered[o - q * g, :, s, ..., :K], gathered[o - q * g, :, s, ..., K:], X)
     for w in pending:
         w.wait()
     return out

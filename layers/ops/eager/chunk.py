@@ -120,7 +120,7 @@ def chunked_delta_rule(kind, q, k, v, g, beta, *, scale, initial_state, output_f
     order = layout.seq_order
     S0 = None if initial_state is None else initial_state.to(q.dtype).index_select(0, order)
     Hs, Vn, S_sorted = StateScan.apply(W, U, Kt, decay, S0, (layout.step_offsets, layout.step_counts))
-    final = S_sorted.index_select(0, torch.argsort(order)) if output_final_state else None
+    final = S_sorted.index_select(0, layout.seq_inverse) if output_final_state else None
     if not with_output:
         return None, final
     qc = to_chunks(q, layout)

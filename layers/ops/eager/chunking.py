@@ -22,6 +22,7 @@ class ChunkLayout:
     gather_index: torch.Tensor      # int64 [num_chunks*C]: flat token per chunk slot, num_tokens = padding
     scatter_index: torch.Tensor     # int64 [num_tokens]: chunk slot of each flat token
     seq_order: torch.Tensor         # int64 [N]: sorted position -> sequence index
+    seq_inverse: torch.Tensor       # int64 [N]: sequence index -> sorted position
     step_offsets: tuple             # first chunk of each step
     step_counts: tuple              # active sequences (a prefix of the sorted order) at each step
     dense: bool                     # equal-length rows without cu_seqlens: chunking is pad + reshape
@@ -31,6 +32,7 @@ class ChunkLayout:
             return self
         return ChunkLayout(self.chunk_size, self.num_tokens, self.num_seqs, self.num_chunks,
                            self.gather_index.to(device), self.scatter_index.to(device), self.seq_order.to(device),
+                           self.seq_inverse.to(device),
                            self.step_offsets, self.step_counts, self.dense)
 
 
@@ -62,6 +64,7 @@ def _build(batch: int, seq_len: int, cu_key: tuple | None, chunk_size: int) -> C
     counts = active.sum(1)
     offsets = torch.cumsum(counts, 0) - counts
     return ChunkLayout(chunk_size, num_tokens, len(lengths), int(step_idx.numel()), gather, scatter, order,
+                       torch.argsort(order),
                        tuple(offsets.tolist()), tuple(counts.tolist()), cu_key is None)
 
 
@@ -69,7 +72,13 @@ def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, chun
                  device) -> ChunkLayout:
     """Layout for [B, T] input (or [1, T] with CPU ``cu_seqlens``), cached per shape and boundaries."""
     key = None if cu_seqlens is None else tuple(cu_seqlens.tolist())
-    return _build(batch, seq_len, key, chunk_size).to(device)
+    return _on_device(batch, seq_len, key, chunk_size, str(torch.device(device)))
+
+
+@lru_cache(maxsize=64)
+def _on_device(batch, seq_len, cu_key, chunk_size, device: str) -> ChunkLayout:
+    """The cached layout with its index tensors on ``device`` (copied once, not per call)."""
+    return _build(batch, seq_len, cu_key, chunk_size).to(device)
 
 
 def to_chunks(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
