@@ -19,6 +19,9 @@ Outputs: ``--out DIR`` gets ``gpu_layers.json`` and ``gpu_layers.md``; ``--docs 
 between ``<!-- gpu:begin -->`` and ``<!-- gpu:end -->`` (appended when absent). Re-render on any machine with
 ``python benchmarks/gpu_layers.py --render DIR/gpu_layers.json --docs docs/benchmarks.md``.
 Run on the GPU through ``benchmarks/gpu_check.sh`` (installs the carried wheels, warms one shape set).
+``--device cpu --dims 4,16,16,64`` runs every section on CPU in fp32 with tiny dimensions, for a process whose
+FLA kernels run in Triton's interpreter (tests/test_gpu_layers_smoke.py): it checks that every row builds and
+runs; its times mean nothing.
 """
 from __future__ import annotations
 
@@ -39,7 +42,8 @@ sys.path.insert(0, str(ROOT))  # before benchmarks/, whose layers.py would shado
 
 from benchmarks._common import marked_section  # noqa: E402
 from benchmarks._common import write_docs_section as write_docs  # noqa: E402,F401 (gpu_check.sh calls it)
-H, K, V, HIDDEN = 16, 128, 128, 2048
+H, K, V, HIDDEN = 16, 128, 128, 2048  # --dims overrides (smoke runs)
+DEVICE, DTYPE = "cuda", torch.bfloat16  # --device cpu: fp32 (Triton's interpreter)
 KDA_LOWER_BOUND = -5.0
 SECTIONS = {
     "a": "FLA bare ops",
@@ -71,39 +75,50 @@ def measure(build, tokens: int, iters: int, warmup: int = 1, repeats: int = 3, m
     autotuning) times ``repeats`` windows of at least ``iters`` steps (more for short steps, so a window lasts
     ``min_window_s``) with CUDA events; ``ms`` is the median window's mean. ``host_ms`` is the CPU time per step
     spent enqueueing work (before the final synchronize): when it is close to ``ms`` the step is bound by
-    Python/launch overhead, not by the GPU. Peak memory is measured above what existed before build."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    Python/launch overhead, not by the GPU. Peak memory is measured above what existed before build.
+    Off CUDA (smoke runs) windows are host-timed and peak memory is not measured."""
+    cuda = DEVICE == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.monotonic()
     step = build()
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
+    sync()
     warm_s = time.monotonic() - t0
     t1 = time.perf_counter()
     step()
-    torch.cuda.synchronize()
+    sync()
     n = max(iters, min(200, int(min_window_s / max(time.perf_counter() - t1, 1e-6)) + 1))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     windows, host = [], []
     for _ in range(repeats):
-        start.record()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         h0 = time.perf_counter()
         for _ in range(n):
             step()
         host.append((time.perf_counter() - h0) * 1e3 / n)
-        end.record()
-        torch.cuda.synchronize()
-        windows.append(start.elapsed_time(end) / n)
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+            windows.append(start.elapsed_time(end) / n)
+        else:
+            windows.append(host[-1])
     windows.sort()
     ms = windows[len(windows) // 2]
-    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    peak = round((torch.cuda.max_memory_allocated() - base) / 2 ** 20, 1) if cuda else None
     del step
-    return {"ms": round(ms, 3), "tokens_per_s": round(tokens / ms * 1e3), "peak_mib": round(peak, 1),
+    return {"ms": round(ms, 3), "tokens_per_s": round(tokens / ms * 1e3), "peak_mib": peak,
             "ms_min": round(windows[0], 3), "host_ms": round(sorted(host)[len(host) // 2], 3), "iters": n,
             "warmup_s": round(warm_s, 1)}
+
+
+TIMING = {"warmup": 1, "repeats": 3}  # --warmup / --repeats (smoke runs: 0 / 1)
 
 
 def run_row(rows, budget, section, name, shape, build, tokens, iters, **info):
@@ -112,12 +127,13 @@ def run_row(rows, budget, section, name, shape, build, tokens, iters, **info):
         row["error"] = "not run: time budget exhausted"
     else:
         try:
-            row.update(measure(build, tokens, iters))
+            row.update(measure(build, tokens, iters, **TIMING))
         except Exception as error:  # noqa: BLE001 - recorded in the table
             row["error"] = _short_error(error)
             row["traceback"] = traceback.format_exc()[-2000:]
         finally:
-            torch.cuda.empty_cache()
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
     rows.append(row)
     status = row.get("error") or f"{row['ms']} ms, {row['tokens_per_s'] / 1e6:.2f} M tok/s, {row['peak_mib']} MiB"
     print(f"[{section}] {name} {info.get('mode', '')} {shape}: {status}", flush=True)
@@ -125,12 +141,12 @@ def run_row(rows, budget, section, name, shape, build, tokens, iters, **info):
 
 
 # --------------------------------------------------------------------------------------------- inputs
-def op_inputs(kind: str, B: int, T: int, heads: int = H, device="cuda"):
+def op_inputs(kind: str, B: int, T: int, heads: int | None = None, device: str | None = None):
     """Layer-like op inputs (raw gate and beta; gate, beta sigmoid and q/k l2norm inside the kernel)."""
+    heads, device = heads or H, device or DEVICE
     gen = torch.Generator(device=device).manual_seed(0)
-    bf16 = torch.bfloat16
 
-    def randn(*shape, dtype=bf16):
+    def randn(*shape, dtype=DTYPE):
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype).requires_grad_()
 
     t = {"q": randn(B, T, heads, K), "k": randn(B, T, heads, K), "v": randn(B, T, heads, V),
@@ -207,9 +223,14 @@ def _init_megatron():
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29517")
-        dist.init_process_group("nccl", rank=0, world_size=1)
+        dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(0)
+    if DEVICE == "cuda":
+        model_parallel_cuda_manual_seed(0)
+    else:
+        from hp_megatron.platform import apply_cpu_shims
+
+        apply_cpu_shims(0)
     _MEGATRON_READY = True
 
 
@@ -219,17 +240,16 @@ def _megatron_config(kind: str):
 
     return TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=H, ffn_hidden_size=4 * HIDDEN,
-        params_dtype=torch.bfloat16, bf16=True, normalization="RMSNorm", layernorm_epsilon=1e-5,
+        params_dtype=DTYPE, bf16=DTYPE == torch.bfloat16, normalization="RMSNorm", layernorm_epsilon=1e-5,
         activation_func=F.silu, linear_conv_kernel_dim=4, linear_key_head_dim=K, linear_value_head_dim=V,
         linear_num_key_heads=H, linear_num_value_heads=H, add_bias_linear=False,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, hidden_dropout=0.0,
-        attention_dropout=0.0, use_cpu_initialization=False, perform_initialization=True,
+        attention_dropout=0.0, use_cpu_initialization=DEVICE != "cuda", perform_initialization=True,
     )
 
 
 def _layer_step(layer, B, T, seq_first: bool, returns_tuple: bool, mode: str = "fwd+bwd"):
-    x = torch.randn(*((T, B) if seq_first else (B, T)), HIDDEN, device="cuda", dtype=torch.bfloat16,
-                    requires_grad=True)
+    x = torch.randn(*((T, B) if seq_first else (B, T)), HIDDEN, device=DEVICE, dtype=DTYPE, requires_grad=True)
     params = [p for p in layer.parameters() if p.requires_grad]
     dy = torch.randn_like(x)
 
@@ -259,7 +279,7 @@ def build_our_layer(kind: str):
         spec.params = {**(spec.params or {}), "safe_gate": True, "lower_bound": KDA_LOWER_BOUND}
     config = _megatron_config(kind)
     return build_module(spec, config=config, layer_number=1,
-                        pg_collection=ProcessGroupCollection.use_mpu_process_groups()).cuda()
+                        pg_collection=ProcessGroupCollection.use_mpu_process_groups()).to(DEVICE)
 
 
 def _import_fla_layer(kind: str):
@@ -289,7 +309,7 @@ def build_fla_layer(kind: str):
     else:
         layer = cls(hidden_size=HIDDEN, expand_v=1, head_dim=K, num_heads=H, use_short_conv=True, conv_size=4,
                     safe_gate=True, lower_bound=KDA_LOWER_BOUND)
-    return layer.to(device="cuda", dtype=torch.bfloat16)
+    return layer.to(device=DEVICE, dtype=DTYPE)
 
 
 def build_megatron_gdn():
@@ -302,7 +322,7 @@ def build_megatron_gdn():
     submodules = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm,
                                          out_proj=RowParallelLinear)
     return GatedDeltaNet(_megatron_config("gdn"), submodules, layer_number=1,
-                         pg_collection=ProcessGroupCollection.use_mpu_process_groups()).cuda()
+                         pg_collection=ProcessGroupCollection.use_mpu_process_groups()).to(DEVICE)
 
 
 def section_layers(rows, budget, shapes, iters, which):
@@ -330,7 +350,7 @@ def _fake_group(rank: int, world: int):
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
 
 
-def cp_step_builder(kind, method, opts, P, B, T, backend="triton", device="cuda", heads=H, layout="zigzag",
+def cp_step_builder(kind, method, opts, P, B, T, backend="triton", device=None, heads=None, layout="zigzag",
                     cu_seqlens=None):
     """``build()`` for rank 0 of a P-rank fake group: one fwd+bwd of the op on the rank's T/P tokens.
     ``cu_seqlens``: GLOBAL packed boundaries (B == 1), as given to ``build_cp_context``."""
@@ -461,7 +481,8 @@ def render_markdown(report: dict) -> str:
              f"Measured {meta.get('date', '?')} on {meta.get('gpu', '?')}; torch {meta.get('torch', '?')}, "
              f"triton {meta.get('triton', '?')}, flash-linear-attention {meta.get('fla', '?')}, "
              f"megatron-core {meta.get('megatron_core', '?')}. Command: `{meta.get('command', '?')}`.",
-             "bf16, H=16, K=V=128, fwd+bwd, gate/beta/l2norm in kernel (KDA: safe_gate, lower_bound -5). "
+             f"{meta.get('dtype', 'bf16')}, {meta.get('dims', 'H=16, K=V=128')}, fwd+bwd, gate/beta/l2norm in kernel "
+             "(KDA: safe_gate, lower_bound -5). "
              "Peak memory is above the inputs. Errors are recorded, not hidden.", ""]
     rows = report["rows"]
     for key, title in SECTIONS.items():
@@ -528,8 +549,9 @@ def evaluate_goals(rows) -> list[str]:
 
 
 def _versions() -> dict:
-    meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "python": platform.python_version()}
-    if torch.cuda.is_available():
+    meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "python": platform.python_version(),
+            "device": DEVICE, "dtype": str(DTYPE).replace("torch.", ""), "dims": f"H={H}, K={K}, V={V}"}
+    if DEVICE == "cuda" and torch.cuda.is_available():
         meta["gpu"] = torch.cuda.get_device_name(0)
     for name, module in (("triton", "triton"), ("fla", "fla"), ("megatron_core", "megatron.core")):
         try:
@@ -561,6 +583,11 @@ def main(argv=None):
     parser.add_argument("--render", type=Path, default=None, help="re-render a saved JSON into --docs; no GPU")
     parser.add_argument("--warm", default=None, help="comma list of gdn,kda,cp: only compile/autotune the "
                         "benchmark and test shapes (no timing); --cp-worlds gives P for cp")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: fp32 smoke run; FLA's kernels must run in Triton's interpreter in this process")
+    parser.add_argument("--dims", default=None, help="H,K,V,HIDDEN instead of 16,128,128,2048 (smoke runs)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per row (the first autotunes)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed windows per row (the median is reported)")
     args = parser.parse_args(argv)
 
     if args.render is not None:
@@ -570,9 +597,21 @@ def main(argv=None):
             write_docs(markdown, args.docs)
         print(markdown)
         return 0
-    if not torch.cuda.is_available():
+    global H, K, V, HIDDEN, DEVICE, DTYPE
+    if args.dims:
+        try:
+            H, K, V, HIDDEN = (int(x) for x in args.dims.split(","))
+        except ValueError:
+            parser.error(f"--dims takes four integers H,K,V,HIDDEN; got {args.dims!r}")
+    DEVICE, DTYPE = args.device, (torch.bfloat16 if args.device == "cuda" else torch.float32)
+    if args.warmup < 0 or args.repeats < 1:
+        parser.error(f"--warmup must be >= 0 and --repeats >= 1; got {args.warmup}, {args.repeats}")
+    TIMING.update(warmup=args.warmup, repeats=args.repeats)
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print("gpu_layers.py needs a CUDA GPU (use --render to re-render saved results)", file=sys.stderr)
         return 2
+    if DEVICE == "cpu" and args.warm:
+        parser.error("--warm compiles GPU kernels; it has no CPU mode")
 
     shapes = parse_shapes(args.shapes)
     if args.warm:

@@ -108,12 +108,24 @@ class HFLayer(torch.nn.Module):
         return self.module(x.transpose(0, 1)).transpose(0, 1), None
 
 
+def torch_path(modeling):
+    """The modeling module with its GDN/KDA functions reset to the pure-PyTorch originals (transformers binds
+    FLA's kernels in their place where FLA imports; the benchmark compares pure-PyTorch paths)."""
+    for name in ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention"):
+        fn = getattr(modeling, name, None)
+        if fn is not None and hasattr(fn, "__wrapped__"):
+            setattr(modeling, name, fn.__wrapped__)
+    return modeling
+
+
 def build_hf(kind, args, dtype, device, ours_parts, ours_dims):
     from layers.convert import gdn_to_qwen3_next, kda_to_kimi_linear
 
     if kind == "gdn":
+        from transformers.models.qwen3_next import modeling_qwen3_next as modeling
         from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
-        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+        Qwen3NextGatedDeltaNet = torch_path(modeling).Qwen3NextGatedDeltaNet
 
         cfg = Qwen3NextConfig(hidden_size=args.hidden, num_hidden_layers=1, layer_types=["linear_attention"],
                               linear_num_key_heads=args.heads, linear_num_value_heads=args.value_heads,
@@ -122,8 +134,10 @@ def build_hf(kind, args, dtype, device, ours_parts, ours_dims):
         module = Qwen3NextGatedDeltaNet(cfg, layer_idx=0)
         module.load_state_dict(gdn_to_qwen3_next(ours_parts, **ours_dims))
     else:
+        from transformers.models.kimi_linear import modeling_kimi_linear as modeling
         from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
-        from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
+
+        KimiLinearDeltaAttention = torch_path(modeling).KimiLinearDeltaAttention
 
         cfg = KimiLinearConfig(hidden_size=args.hidden, num_hidden_layers=1, layer_types=["linear_attention"],
                                linear_attn_config={"head_dim": args.head_dim, "num_heads": args.heads,

@@ -14,3 +14,19 @@ class FakeGroup:
 
     def rank(self) -> int:
         return self._rank
+
+
+# transformers binds flash-linear-attention's kernels in place of these pure-PyTorch functions when FLA imports.
+_FLA_BOUND_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+                        "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
+
+
+def use_transformers_torch_path(module):
+    """Reset a transformers modeling ``module`` (Qwen3-Next, Kimi-Linear) to its own pure-PyTorch GDN/KDA functions
+    and return it: where FLA is installed transformers calls FLA's Triton kernels instead, which cannot run on
+    CPU and would not be an independent reference. Idempotent."""
+    for name in _FLA_BOUND_FUNCTIONS:
+        fn = getattr(module, name, None)
+        if fn is not None and hasattr(fn, "__wrapped__"):
+            setattr(module, name, fn.__wrapped__)
+    return module

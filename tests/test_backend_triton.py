@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from dist import rel_err, run_distributed
-from layers.ops import causal_conv1d, chunk_gated_delta_rule, chunk_kda
+from layers.ops import causal_conv1d, chunk_gated_delta_rule
 from layers.ops.backends import get_backend
 from reference import make_problem
+from triton_cases import compare_single_rank, cp_case, cp_conv_case, to_leaves
 
-OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}
 TOL = 2e-2
 # P of the CP tests (benchmarks/gpu_check.sh runs P=2 first, then P=4 when time is left) and an optional comma
 # list of substrings selecting CP cases by key (e.g. "p2p,allgather"); unselected cases skip with the reason.
@@ -49,46 +49,6 @@ def _gdn_grad_blocker():
     from layers.ops.triton.runtime import gdn_backward_blocker
 
     return gdn_backward_blocker(torch.device("cuda", torch.cuda.current_device()))
-
-
-# ----------------------------------------------------------------------------------------------- helpers
-def _to(tensors, device, dtype):
-    """Leaf copies on ``device``: q/k/v/g/beta in ``dtype``, states and gate parameters in fp32."""
-    out = {}
-    for name, x in tensors.items():
-        target = torch.float32 if name in ("initial_state", "A_log", "dt_bias") else dtype
-        out[name] = x.detach().to(device=device, dtype=target).requires_grad_()
-    return out
-
-
-def _run(kind, backend, tensors, flags, do, dS, **extra):
-    """Run an op, backprop ``<o, do> + <S, dS>``; returns (o, S, grads) in fp32 on CPU."""
-    o, S = OPS[kind](**tensors, **flags, output_final_state=True, backend=backend, **extra)
-    loss = (o.float() * do).sum() + (S.float() * dS).sum()
-    names = list(tensors)
-    grads = torch.autograd.grad(loss, [tensors[n] for n in names], allow_unused=True)
-    return (o.detach().float().cpu(), S.detach().float().cpu(),
-            {n: None if g is None else g.float().cpu() for n, g in zip(names, grads)})
-
-
-def compare_single_rank(kind, problem, device, backend="triton", dtype=torch.bfloat16, safe_gate=False):
-    """Relative errors of ``backend`` (``dtype`` inputs) against eager (fp32 copies of the same values)."""
-    tensors, flags = make_problem(kind, **problem)
-    extra = {"safe_gate": safe_gate} if kind == "kda" else {}
-    low = _to(tensors, device, dtype)
-    ref = {n: x.detach().float().requires_grad_() for n, x in low.items()}
-    gen = torch.Generator().manual_seed(7)
-    B, T, HV, V = tensors["v"].shape
-    N = B if flags.get("cu_seqlens") is None else flags["cu_seqlens"].numel() - 1
-    K = tensors["q"].shape[-1]
-    do = torch.randn(B, T, HV, V, generator=gen).to(device)
-    dS = torch.randn(N, HV, K, V, generator=gen).to(device)
-    o, S, grads = _run(kind, backend, low, flags, do, dS, **extra)
-    o_ref, S_ref, grads_ref = _run(kind, "eager", ref, flags, do, dS, **extra)
-    errs = {"o": rel_err(o, o_ref), "final_state": rel_err(S, S_ref)}
-    for name in grads:
-        errs[f"d{name}"] = rel_err(grads[name], grads_ref[name])
-    return errs
 
 
 # Layer-like flags (FLA's GatedDeltaNet / KimiDeltaAttention) at the benchmark's H, K, V: shares compiled kernels
@@ -181,7 +141,7 @@ def test_gdn_backward_guard_on_old_triton_hopper():
     if reason is None:
         pytest.skip("this GPU/triton combination supports GDN backward")
     tensors, flags = make_problem("gdn", **SINGLE_CASES["gdn"]["layer_flags"])
-    low = _to(tensors, "cuda", torch.bfloat16)
+    low = to_leaves(tensors, "cuda", torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"triton>=3\.7\.1"):
         chunk_gated_delta_rule(**low, **flags, backend="triton")
     with torch.no_grad():  # forward alone is fine and matches eager
@@ -272,70 +232,6 @@ def _cp_case_skip(key, method, world):
     return None
 
 
-def _global_problem(kind, layout_name, seed):
-    _, layout, B, T, cu = next(c for c in CP_LAYOUTS if c[0] == layout_name)
-    problem = dict(CP_PROBLEM, B=B, T=T, cu_seqlens=cu, seed=seed)
-    if kind == "kda":
-        problem["lower_bound"] = -5.0
-    tensors, flags = make_problem(kind, **problem)
-    flags.pop("cu_seqlens", None)
-    return layout, tensors, flags, (None if cu is None else torch.tensor(cu, dtype=torch.int64))
-
-
-def _allreduce_cpu(x):
-    x = x.detach().float().cpu().contiguous()
-    dist.all_reduce(x)
-    return x
-
-
-def cp_case(rank, world, kind, layout_name, method, opts, backend, device, dtype, seed=11):
-    """One CP case on every rank: CP(backend) vs single-rank eager; returns rel errors (same on all ranks)."""
-    from layers.cp import build_cp_context, shard, unshard
-
-    layout, tensors, flags, cu = _global_problem(kind, layout_name, seed)
-    extra = {"safe_gate": True} if kind == "kda" else {}
-    method_name = "p2p" if method.startswith("hybrid") else method
-    ctx = build_cp_context(None, method=method_name, layout=layout, cu_seqlens=cu, **opts)
-    # Reference: the whole problem on this rank, eager fp32 (values rounded to dtype first).
-    low = _to(tensors, device, dtype)
-    ref = {n: x.detach().float().requires_grad_() for n, x in low.items()}
-    gen = torch.Generator().manual_seed(seed + 1)
-    do = torch.randn(tensors["v"].shape, generator=gen).to(device)
-    o_ref, _ = OPS[kind](**ref, **flags, cu_seqlens=cu, backend="eager", **extra)
-    ref_grads = torch.autograd.grad((o_ref * do).sum(), list(ref.values()))
-    # CP: shard the global leaves (gradients land at this rank's tokens), run, unshard.
-    local = {n: (shard(x, ctx, 1) if n in ("q", "k", "v", "g", "beta") else x) for n, x in low.items()}
-    o_local, _ = OPS[kind](**local, **flags, cp_context=ctx, backend=backend, **extra)
-    loss = (o_local.float() * shard(do, ctx, 1)).sum()
-    grads = torch.autograd.grad(loss, list(low.values()))
-    o_full = unshard(o_local.detach(), ctx, 1)
-    errs = {"o": rel_err(o_full.float().cpu(), o_ref.detach().cpu())}
-    for name, g, g_ref in zip(low, grads, ref_grads):
-        errs[f"d{name}"] = rel_err(_allreduce_cpu(g), g_ref.cpu())  # each rank holds its tokens' part
-    return errs
-
-
-def cp_conv_case(rank, world, layout_name, method, opts, backend, device, dtype, seed=5):
-    from layers.cp import build_cp_context, shard, unshard
-
-    _, layout, B, T, cu = next(c for c in CP_LAYOUTS if c[0] == layout_name)
-    cu = None if cu is None else torch.tensor(cu, dtype=torch.int64)
-    ctx = build_cp_context(None, method=method, layout=layout, cu_seqlens=cu, conv_kernel_size=4, **opts)
-    gen = torch.Generator().manual_seed(seed)
-    D, W = 64, 4
-    x = torch.randn(B, T, D, generator=gen).to(device, dtype).requires_grad_()
-    w = (torch.randn(D, W, generator=gen) / W).to(device).requires_grad_()
-    dy = torch.randn(B, T, D, generator=gen).to(device)
-    x_ref, w_ref = x.detach().float().requires_grad_(), w.detach().clone().requires_grad_()
-    y_ref = causal_conv1d(x_ref, w_ref, activation="silu", cu_seqlens=cu, backend="eager")
-    gx_ref, gw_ref = torch.autograd.grad((y_ref * dy).sum(), [x_ref, w_ref])
-    y_local = causal_conv1d(shard(x, ctx, 1), w, activation="silu", cp_context=ctx, backend=backend)
-    gx, gw = torch.autograd.grad((y_local.float() * shard(dy, ctx, 1)).sum(), [x, w])
-    y_full = unshard(y_local.detach(), ctx, 1)
-    return {"y": rel_err(y_full.float().cpu(), y_ref.detach().cpu()),
-            "dx": rel_err(_allreduce_cpu(gx), gx_ref.cpu()), "dweight": rel_err(_allreduce_cpu(gw), gw_ref.cpu())}
-
-
 class _Done:
     """Work handle of a collective that already completed (the staged copies below are synchronous)."""
 
@@ -424,7 +320,7 @@ def cp_worker(rank, world, backend="triton", device="cuda", dtype=torch.bfloat16
             record(key, {"skipped": skip})
             continue
         try:
-            record(key, cp_case(rank, world, kind, layout_name, method, opts, backend, device, dtype))
+            record(key, cp_case(kind, CP_LAYOUTS, layout_name, CP_PROBLEM, method, opts, backend, device, dtype))
         except Exception:  # noqa: BLE001 - reported per case; ranks stay in lockstep (same cases, same order)
             record(key, {"error": traceback.format_exc()})
             dist.barrier()
@@ -436,7 +332,7 @@ def cp_worker(rank, world, backend="triton", device="cuda", dtype=torch.bfloat16
                 record(key, {"skipped": skip})
                 continue
             try:
-                record(key, cp_conv_case(rank, world, layout_name, method, opts, backend, device, dtype))
+                record(key, cp_conv_case(CP_LAYOUTS, layout_name, method, opts, backend, device, dtype))
             except Exception:  # noqa: BLE001
                 record(key, {"error": traceback.format_exc()})
                 dist.barrier()

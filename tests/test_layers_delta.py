@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dist import rel_err
+from helpers import use_transformers_torch_path
 
 HIDDEN = 32
 GDN_DIMS = dict(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=16)
@@ -56,8 +57,10 @@ def _config(**overrides):
 
 
 def _qwen3_next_layer(seed):
+    from transformers.models.qwen3_next import modeling_qwen3_next
     from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
-    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    Qwen3NextGatedDeltaNet = use_transformers_torch_path(modeling_qwen3_next).Qwen3NextGatedDeltaNet
 
     torch.manual_seed(seed)
     cfg = Qwen3NextConfig(hidden_size=HIDDEN, num_hidden_layers=1, layer_types=["linear_attention"],
@@ -74,8 +77,10 @@ def _qwen3_next_layer(seed):
 
 
 def _kimi_linear_layer(seed):
+    from transformers.models.kimi_linear import modeling_kimi_linear
     from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
-    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
+
+    KimiLinearDeltaAttention = use_transformers_torch_path(modeling_kimi_linear).KimiLinearDeltaAttention
 
     torch.manual_seed(seed)
     cfg = KimiLinearConfig(hidden_size=HIDDEN, num_hidden_layers=1, layer_types=["linear_attention"],
@@ -276,10 +281,8 @@ def test_options_against_fp64_layer_reference(megatron_single_rank, kind):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 def test_cuda_layer_matches_transformers(megatron_single_rank, kind):
-    """GPU path: parameters created on the device (use_cpu_initialization=False), eager backend, fp32.
-
-    The tolerance allows for TF32 inside transformers' hub/FLA kernels when they are installed.
-    """
+    """GPU path: parameters created on the device (use_cpu_initialization=False), eager backend, fp32, against
+    transformers' pure-PyTorch path on the same GPU (the tolerance allows for TF32 where a build enables it)."""
     pytest.importorskip("transformers")
     from layers import GatedDeltaNet, KimiDeltaAttention
 

@@ -9,12 +9,17 @@ missing. FLA's own constraints that matter to callers (checked in the FLA 0.6.0 
 - ``cu_seqlens`` must live on the GPU (the kernels index it); a CPU copy avoids host syncs;
 - GDN backward on Hopper (sm90) with triton 3.4 <= version < 3.7.1 gives wrong gradients (FLA issue #640) and
   FLA raises inside backward unless the tilelang backend is installed; we raise before the forward instead.
+
+With Triton's interpreter on (``TRITON_INTERPRET=1`` before FLA is imported) the same FLA kernels run on CPU
+tensors through numpy, slowly; the backend then accepts CPU tensors. This is how CPU CI runs FLA's kernels
+(tests/triton_interpreter.py, which also patches three gaps of triton 3.7's interpreter).
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import inspect
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
@@ -63,6 +68,7 @@ class FLA:
     causal_conv1d: Callable
     fla_version: tuple[int, ...]
     triton_version: tuple[int, ...]
+    interpreted: bool  # Triton's interpreter was on when FLA's kernels were loaded (they then take CPU tensors)
 
 
 def _check_signature(name: str, fn: Callable) -> None:
@@ -110,14 +116,28 @@ def load_fla() -> FLA:
                            f"chunk_gated_delta_rule / chunk_kda / causal_conv1d ({error}); need {PACKAGES}") from error
     for name, fn in (("chunk_gated_delta_rule", gdn), ("chunk_kda", kda), ("causal_conv1d", conv)):
         _check_signature(name, fn)
-    return FLA(gdn, kda, conv, fla_version, triton_version)
+    return FLA(gdn, kda, conv, fla_version, triton_version, interpreted=_interpreter_env())
+
+
+def _interpreter_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
+
+
+def interpreter_enabled() -> bool:
+    """True when FLA's kernels were loaded under Triton's interpreter (``TRITON_INTERPRET=1`` at first use)."""
+    return load_fla().interpreted
 
 
 def check_device_available() -> None:
-    """RuntimeError unless an NVIDIA GPU is visible (FLA's Triton kernels have no CPU path)."""
+    """RuntimeError unless an NVIDIA GPU is visible or Triton's interpreter is on (FLA has no other CPU path)."""
+    if interpreter_enabled():
+        return
     if not torch.cuda.is_available() or torch.version.cuda is None:
         raise RuntimeError("backend='triton' runs flash-linear-attention's Triton kernels and needs an NVIDIA "
-                           "GPU (torch.cuda.is_available() is False or this is not a CUDA build of torch)")
+                           "GPU (torch.cuda.is_available() is False or this is not a CUDA build of torch); "
+                           "with TRITON_INTERPRET=1 set before FLA is imported they run on CPU in Triton's "
+                           "interpreter (slow; FLA 0.6 on triton 3.7 needs the interpreter patches of "
+                           "tests/triton_interpreter.py, see docs/backends.md)")
 
 
 _READY = False
@@ -137,8 +157,10 @@ def check_available() -> None:
 
 
 def check_tensor_device(name: str, x: torch.Tensor) -> None:
-    if x.device.type != "cuda":
-        raise ValueError(f"backend='triton' needs CUDA tensors; {name} is on {x.device}")
+    """CUDA tensors (CPU ones too under Triton's interpreter) in a float dtype FLA supports."""
+    if x.device.type != "cuda" and not (x.device.type == "cpu" and interpreter_enabled()):
+        raise ValueError(f"backend='triton' needs CUDA tensors (CPU tensors only with TRITON_INTERPRET=1); "
+                         f"{name} is on {x.device}")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"backend='triton' supports float32/float16/bfloat16 inputs; {name} has {x.dtype}")
 
@@ -156,7 +178,9 @@ def gdn_backward_blocker(device: torch.device) -> str | None:
 
     FLA 0.6 raises in ``chunk_bwd_dqkwg`` on Hopper with 3.4.0 <= triton < 3.7.1 (wrong gradients, FLA #640)
     unless its tilelang backend is installed. The answer is cached per device index (it depends only on the
-    installed packages and the device's compute capability)."""
+    installed packages and the device's compute capability). Interpreted kernels (CPU) are not affected."""
+    if device.type != "cuda":
+        return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _GDN_BWD_BLOCKERS:
         return _GDN_BWD_BLOCKERS[index]

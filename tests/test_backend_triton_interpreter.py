@@ -1,0 +1,165 @@
+"""backend="triton" on CPU: flash-linear-attention's real kernels run by Triton's interpreter, against eager.
+
+Each rank of one gloo spawn turns the interpreter on (tests/triton_interpreter.py) before FLA is imported, then
+runs single-rank cases (split over the ranks) and every CP method on P=4 ranks, in fp32: outputs, final states
+and every input gradient must match the eager op on the same values to fp32 round-off. This checks our mapping
+onto FLA's API (GVA, packed documents, in-kernel gates, states, the conv cache layout) and the CP engine's use of
+FLA's kernels (local pass, V+K wide summaries, Ulysses head slices) on every CI run; the GPU tests in
+tests/test_backend_triton.py check the same on compiled kernels in bf16. Skips when triton or FLA is missing.
+"""
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+
+import triton_interpreter
+from dist import rel_err, run_distributed_once
+from triton_cases import compare_single_rank, cp_case, cp_conv_case
+
+WORLD = 4
+TOL = 1e-4  # fp32 kernels vs fp32 eager (observed ~1e-6)
+REASON = triton_interpreter.available()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"triton interpreter tests: {REASON or ''}")
+
+SINGLE_CASES = {
+    "gdn-layer_flags": ("gdn", dict(B=2, T=100, H=2, HV=2, K=32, V=32, l2norm_in_kernel=True, beta_sigmoid=True,
+                                    gate_in_kernel=True)),
+    "gdn-variants": ("gdn", dict(B=1, T=150, H=2, HV=4, K=16, V=24, cu_seqlens=[0, 1, 70, 130, 150],
+                                 initial_state=True)),
+    "kda-layer_flags": ("kda", dict(B=2, T=100, H=2, HV=2, K=32, V=32, l2norm_in_kernel=True, beta_sigmoid=True,
+                                    gate_in_kernel=True, lower_bound=-5.0)),
+    "kda-variants": ("kda", dict(B=1, T=80, H=2, HV=4, K=16, V=24, cu_seqlens=[0, 1, 40, 70, 80],
+                                 initial_state=True)),
+}
+CONV_CASES = ("conv-silu_batch", "conv-packed_history_bias")
+
+# (name, layout, B, T, global cu_seqlens); zigzag THD documents are multiples of 2P = 8 tokens.
+CP_LAYOUTS = [
+    ("zigzag_bshd", "zigzag", 2, 64, None),
+    ("zigzag_thd", "zigzag", 1, 64, [0, 16, 48, 64]),
+    ("contiguous_thd", "contiguous", 1, 64, [0, 13, 50, 64]),
+]
+CP_PROBLEM = dict(H=4, HV=4, K=16, V=16, l2norm_in_kernel=True, beta_sigmoid=True, gate_in_kernel=True)
+CP_CASES = ([(kind, layout, method, {}) for kind in ("gdn", "kda") for method in ("p2p", "allgather")
+             for layout, *_ in CP_LAYOUTS]
+            + [(kind, "zigzag_bshd", method, opts) for kind in ("gdn", "kda")
+               for method, opts in (("grouped_allgather_p2p", {"group_size": 2}), ("recursive_doubling", {}),
+                                    ("ulysses", {}), ("hybrid_ulysses2_p2p", {"ulysses_degree": 2}))])
+CONV_CP_CASES = [(layout, method) for layout, *_ in CP_LAYOUTS for method in ("p2p", "allgather", "ulysses")]
+# GDN / KDA layers with backend="triton" on megatron TP x CP groups against the single-rank eager layer with the
+# same initialisation (tests/test_layers_delta_parallel.py builds and compares; only the backend differs).
+LAYER_CASES = [
+    ("layer-gdn-tp2-cp2-sp-thd-allgather", dict(kind="gdn", tp=2, cp=2, sp=True, thd=True, packed_cp_group=False,
+                                                options={"backend": "triton", "cp_method": "allgather"})),
+    ("layer-kda-tp1-cp4-bshd-ulysses2_p2p", dict(kind="kda", tp=1, cp=4, sp=False, thd=False, packed_cp_group=False,
+                                                 options={"backend": "triton", "cp_method": "p2p",
+                                                          "cp_ulysses_degree": 2})),
+]
+
+
+def conv_single_case(case):
+    """FLA's causal_conv1d vs eager: y and the gradients of x, weight and (packed case) bias and history."""
+    from layers.ops import causal_conv1d
+
+    gen = torch.Generator().manual_seed(3)
+    if case == "conv-silu_batch":
+        B, T, D, W, cu, with_hist, with_bias = 2, 40, 32, 4, None, False, False
+    else:
+        B, T, D, W, cu, with_hist, with_bias = 1, 60, 32, 4, torch.tensor([0, 2, 30, 60]), True, True
+    N = B if cu is None else cu.numel() - 1
+    raw = {"x": torch.randn(B, T, D, generator=gen), "weight": torch.randn(D, W, generator=gen) / W}
+    if with_bias:
+        raw["bias"] = torch.randn(D, generator=gen)
+    if with_hist:
+        raw["history"] = torch.randn(N, W - 1, D, generator=gen)
+    dy = torch.randn(B, T, D, generator=gen)
+    results = {}
+    for backend in ("triton", "eager"):
+        leaves = {n: x.clone().requires_grad_() for n, x in raw.items()}
+        y = causal_conv1d(leaves["x"], leaves["weight"], bias=leaves.get("bias"), activation="silu",
+                          cu_seqlens=cu, history=leaves.get("history"), backend=backend)
+        grads = torch.autograd.grad((y * dy).sum(), list(leaves.values()))
+        results[backend] = (y, dict(zip(leaves, grads)))
+    (y, g), (y_ref, g_ref) = results["triton"], results["eager"]
+    return {"y": rel_err(y, y_ref), **{f"d{n}": rel_err(g[n], g_ref[n]) for n in g}}
+
+
+def worker(rank, world):
+    """Every case of this file on one rank; per case a dict of errors or {"error": traceback}."""
+    import torch.distributed as dist
+
+    triton_interpreter.enable()
+    results = {}
+
+    def attempt(key, fn, *args, collective=False):
+        try:
+            results[key] = fn(*args)
+        except Exception:  # noqa: BLE001 - reported per case; ranks stay in lockstep
+            results[key] = {"error": traceback.format_exc()}
+            if collective:
+                dist.barrier()
+
+    single = list(SINGLE_CASES) + list(CONV_CASES)
+    for index, key in enumerate(single):
+        if index % world != rank:
+            continue
+        if key in SINGLE_CASES:
+            kind, problem = SINGLE_CASES[key]
+            attempt(key, compare_single_rank, kind, problem, "cpu", "triton", torch.float32,
+                    problem.get("lower_bound") is not None)
+        else:
+            attempt(key, conv_single_case, key)
+    for kind, layout, method, opts in CP_CASES:
+        attempt(f"{kind}-{layout}-{method}", cp_case, kind, CP_LAYOUTS, layout, CP_PROBLEM, method, opts,
+                "triton", "cpu", torch.float32, collective=True)
+    for layout, method in CONV_CP_CASES:
+        attempt(f"conv-{layout}-{method}", cp_conv_case, CP_LAYOUTS, layout, method, {}, "triton", "cpu",
+                torch.float32, 16, collective=True)
+    _layer_cases(attempt)
+    return results
+
+
+def _layer_cases(attempt):
+    from megatron.core import parallel_state
+
+    import test_layers_delta_parallel as layer_tests
+    from hp_megatron.platform import apply_cpu_shims
+
+    parallel_state.initialize_model_parallel(1, 1)
+    for layout in sorted({(1, 1)} | {(case["tp"], case["cp"]) for _, case in LAYER_CASES}):
+        layer_tests._groups(*layout)  # collective, same order on every rank
+    for key, case in LAYER_CASES:
+        apply_cpu_shims(2024)  # same default init seed for both layers
+        attempt(key, layer_tests._run_case, case, collective=True)
+    parallel_state.destroy_model_parallel()
+
+
+def _check(errs):
+    assert "error" not in errs, errs["error"]
+    assert errs and all(e <= TOL for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("key", [key for key, _ in LAYER_CASES])
+def test_layer_matches_single_rank_eager_layer(key):
+    for errs in run_distributed_once(worker, WORLD):
+        errs = errs[key]
+        assert "error" not in errs, errs["error"]
+        flat = {"out": errs["out"], "x_grad": errs["x_grad"], **errs["param_grads"]}
+        assert all(e <= TOL for e in flat.values()), flat
+
+
+@pytest.mark.parametrize("key", list(SINGLE_CASES) + list(CONV_CASES))
+def test_single_rank_matches_eager(key):
+    per_rank = run_distributed_once(worker, WORLD)
+    (errs,) = [r[key] for r in per_rank if key in r]
+    _check(errs)
+
+
+@pytest.mark.parametrize("key", [f"{k}-{lay}-{m}" for k, lay, m, _ in CP_CASES]
+                         + [f"conv-{lay}-{m}" for lay, m in CONV_CP_CASES])
+def test_cp_matches_single_rank_eager(key):
+    per_rank = run_distributed_once(worker, WORLD)
+    for errs in per_rank:
+        _check(errs[key])

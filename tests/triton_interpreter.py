@@ -1,0 +1,101 @@
+"""Run flash-linear-attention's real Triton kernels on CPU through Triton's interpreter (tests only).
+
+``enable()`` sets ``TRITON_INTERPRET=1`` and patches three gaps of the interpreter in triton 3.7 that FLA's
+kernels hit; none changes what a kernel computes:
+
+1. Autotuning benchmarks every config with a GPU timer; the interpreter has none. Every config gets the same
+   time, so the first config of each autotune list runs (configs differ only in tiling/warps, not results).
+2. A loop index ``for i in range(n)`` is a tensor in compiled Triton but a Python int in the interpreter, so
+   FLA's ``i.to(tl.int64)`` fails; the loop body now starts with the interpreter's own ``to_tensor(i)``.
+3. Builtins aliased in a kernel's module (FLA's ``gather = tl.gather``) escape the interpreter's patching of
+   ``triton.language``; they are patched in the kernel's globals as well, and restored after each launch.
+   Plus ``bf16x3`` dot precision is allowed (the interpreter multiplies in fp32, more precise than any mode).
+
+Must run before ``fla`` is imported in the process (``triton.jit`` picks the interpreter at decoration time).
+"""
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import os
+import sys
+
+_ENABLED = False
+
+
+SHIMMED_TRITON = "3.7."  # the interpreter internals patched below are those of triton 3.7
+
+
+def available() -> str | None:
+    """None when triton 3.7 and flash-linear-attention are installed, else why not."""
+    missing = [name for name in ("triton", "fla") if importlib.util.find_spec(name) is None]
+    if missing:
+        return f"not installed: {', '.join(missing)} (pip install 'hp-megatron[triton]')"
+    version = importlib.metadata.version("triton")
+    if not version.startswith(SHIMMED_TRITON):
+        return f"the interpreter shims are written for triton {SHIMMED_TRITON}x, found triton {version}"
+    return None
+
+
+class _GlobalsView:
+    """Attribute access to a module's globals dict, for the interpreter's patch scope (setattr/restore)."""
+
+    def __init__(self, namespace: dict):
+        object.__setattr__(self, "_namespace", namespace)
+
+    def __getattr__(self, name):
+        try:
+            return self._namespace[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name, value):
+        self._namespace[name] = value
+
+    def __delattr__(self, name):
+        del self._namespace[name]
+
+
+def enable() -> None:
+    """Turn the interpreter on for this process and patch its gaps (idempotent)."""
+    global _ENABLED
+    if _ENABLED:
+        return
+    if "fla" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton_interpreter.enable() must run before flash-linear-attention is imported")
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton.language as tl
+    import triton.runtime.autotuner as autotuner
+    import triton.runtime.interpreter as interp
+
+    autotuner.Autotuner._bench = lambda self, *args, config, **kwargs: [0.0, 0.0, 0.0]
+
+    def visit_For(self, node):
+        self.generic_visit(node)
+        if isinstance(node.target, ast.Name):
+            to_tensor = ast.Attribute(value=ast.Name(id="interpreter_semantic", ctx=ast.Load()), attr="to_tensor",
+                                      ctx=ast.Load())
+            node.body.insert(0, ast.Assign(
+                targets=[ast.Name(id=node.target.id, ctx=ast.Store())],
+                value=ast.Call(func=to_tensor, args=[ast.Name(id=node.target.id, ctx=ast.Load()),
+                                                     ast.Constant(value=False)], keywords=[])))
+        return node
+
+    interp.ASTTransformer.visit_For = visit_For
+
+    original_patch_lang = interp._patch_lang
+
+    def patch_lang(fn):
+        scope = original_patch_lang(fn)
+        view = _GlobalsView(fn.__globals__)
+        for name, value in list(fn.__globals__.items()):
+            if tl.core.is_builtin(value):
+                interp._patch_attr(view, name, value, interp.interpreter_builder, scope)
+        return scope
+
+    interp._patch_lang = patch_lang
+    precisions = tuple(interp.interpreter_builder.options.allowed_dot_input_precisions)
+    interp.interpreter_builder.options = interp.InterpreterOptions(
+        allowed_dot_input_precisions=precisions + ("bf16x3",))
+    _ENABLED = True
