@@ -22,7 +22,8 @@ from dist import rel_err, run_distributed
 from layers.ops import causal_conv1d, chunk_gated_delta_rule
 from layers.ops.backends import get_backend
 from reference import make_problem
-from triton_cases import compare_single_rank, cp_case, cp_conv_case, to_leaves
+from triton_cases import (accept_stacked_all_gather_on_gloo, compare_single_rank, cp_case, cp_conv_case,
+                          to_leaves)
 
 TOL = 2e-2
 # P of the CP tests (benchmarks/gpu_check.sh runs P=2 first, then P=4 when time is left) and an optional comma
@@ -295,6 +296,7 @@ def cp_worker(rank, world, backend="triton", device="cuda", dtype=torch.bfloat16
     """All CP cases in one spawn; per case a dict of errors, {"skipped": why} or {"error": traceback}."""
     if device == "cuda":
         torch.cuda.set_device(0)  # P processes share the one GPU
+        accept_stacked_all_gather_on_gloo()  # FLA's KCP all-gather (allgather cases), staged below
         install_gloo_cuda_staging()
     gdn_blocker = None
     if backend == "triton":

@@ -16,7 +16,7 @@ import torch
 
 import triton_interpreter
 from dist import rel_err, run_distributed_once
-from triton_cases import compare_single_rank, cp_case, cp_conv_case
+from triton_cases import accept_stacked_all_gather_on_gloo, compare_single_rank, cp_case, cp_conv_case
 
 WORLD = 4
 TOL = 1e-4  # fp32 kernels vs fp32 eager (observed ~1e-6)
@@ -38,9 +38,12 @@ CONV_CASES = ("conv-silu_batch", "conv-packed_history_bias")
 # (name, layout, B, T, global cu_seqlens); zigzag THD documents are multiples of 2P = 8 tokens.
 CP_LAYOUTS = [
     ("zigzag_bshd", "zigzag", 2, 64, None),
+    ("zigzag_bshd1", "zigzag", 1, 64, None),
     ("zigzag_thd", "zigzag", 1, 64, [0, 16, 48, 64]),
     ("contiguous_thd", "contiguous", 1, 64, [0, 13, 50, 64]),
 ]
+# allgather on one row with FLA's partition (contiguous, or zigzag of one sequence) runs FLA's own KCP path
+FLA_CP_LAYOUTS = ("zigzag_bshd1", "contiguous_thd")
 CP_PROBLEM = dict(H=4, HV=4, K=16, V=16, l2norm_in_kernel=True, beta_sigmoid=True, gate_in_kernel=True)
 CP_CASES = ([(kind, layout, method, {}) for kind in ("gdn", "kda") for method in ("p2p", "allgather")
              for layout, *_ in CP_LAYOUTS]
@@ -51,8 +54,9 @@ CONV_CP_CASES = [(layout, method) for layout, *_ in CP_LAYOUTS for method in ("p
 # GDN / KDA layers with backend="triton" on megatron TP x CP groups against the single-rank eager layer with the
 # same initialisation (tests/test_layers_delta_parallel.py builds and compares; only the backend differs).
 LAYER_CASES = [
-    ("layer-gdn-tp2-cp2-sp-thd-allgather", dict(kind="gdn", tp=2, cp=2, sp=True, thd=True, packed_cp_group=False,
-                                                options={"backend": "triton", "cp_method": "allgather"})),
+    ("layer-gdn-tp2-cp2-sp-thd-contiguous-allgather", dict(  # FLA's own KCP path
+        kind="gdn", tp=2, cp=2, sp=True, thd=True, packed_cp_group=False,
+        options={"backend": "triton", "cp_method": "allgather", "cp_layout": "contiguous"})),
     ("layer-kda-tp1-cp4-bshd-ulysses2_p2p", dict(kind="kda", tp=1, cp=4, sp=False, thd=False, packed_cp_group=False,
                                                  options={"backend": "triton", "cp_method": "p2p",
                                                           "cp_ulysses_degree": 2})),
@@ -91,6 +95,7 @@ def worker(rank, world):
     import torch.distributed as dist
 
     triton_interpreter.enable()
+    accept_stacked_all_gather_on_gloo()
     results = {}
 
     def attempt(key, fn, *args, collective=False):
@@ -113,7 +118,7 @@ def worker(rank, world):
             attempt(key, conv_single_case, key)
     for kind, layout, method, opts in CP_CASES:
         attempt(f"{kind}-{layout}-{method}", cp_case, kind, CP_LAYOUTS, layout, CP_PROBLEM, method, opts,
-                "triton", "cpu", torch.float32, collective=True)
+                "triton", "cpu", torch.float32, 11, _fla_cp_taken, collective=True)
     for layout, method in CONV_CP_CASES:
         attempt(f"conv-{layout}-{method}", cp_conv_case, CP_LAYOUTS, layout, method, {}, "triton", "cpu",
                 torch.float32, 16, collective=True)
@@ -134,6 +139,10 @@ def _layer_cases(attempt):
         apply_cpu_shims(2024)  # same default init seed for both layers
         attempt(key, layer_tests._run_case, case, collective=True)
     parallel_state.destroy_model_parallel()
+
+
+def _fla_cp_taken(ctx):
+    return {"fla_cp": any(r.name == "fla_cp_all_gather" for r in ctx.stats.records)}
 
 
 def _check(errs):
@@ -160,6 +169,11 @@ def test_single_rank_matches_eager(key):
 @pytest.mark.parametrize("key", [f"{k}-{lay}-{m}" for k, lay, m, _ in CP_CASES]
                          + [f"conv-{lay}-{m}" for lay, m in CONV_CP_CASES])
 def test_cp_matches_single_rank_eager(key):
-    per_rank = run_distributed_once(worker, WORLD)
-    for errs in per_rank:
-        _check(errs[key])
+    """Every method; allgather on FLA's partitions must take FLA's KCP path (layers/ops/triton/cp.py)."""
+    fla_path = key.endswith("-allgather") and any(f"-{layout}-" in key for layout in FLA_CP_LAYOUTS)
+    for errs in run_distributed_once(worker, WORLD):
+        errs = dict(errs[key])
+        assert "error" not in errs, errs["error"]
+        if not key.startswith("conv-"):
+            assert errs.pop("fla_cp", None) is fla_path, (key, fla_path)
+        _check(errs)

@@ -16,6 +16,22 @@ from reference import make_problem
 OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}
 
 
+def accept_stacked_all_gather_on_gloo():
+    """FLA's KCP all-gathers into an output stacked ``[P, *input.shape]``, which NCCL accepts and gloo refuses (it
+    wants ``[P * input.shape[0], ...]``); on gloo ranks the output is passed as that flat view (same memory)."""
+    original = dist.all_gather_into_tensor
+    if getattr(original, "accepts_stacked", False):
+        return
+
+    def all_gather_into_tensor(output, input, *args, **kwargs):
+        if output.dim() == input.dim() + 1 and input.dim() > 0 and output.is_contiguous():
+            output = output.view(-1, *input.shape[1:])
+        return original(output, input, *args, **kwargs)
+
+    all_gather_into_tensor.accepts_stacked = True
+    dist.all_gather_into_tensor = all_gather_into_tensor
+
+
 def to_leaves(tensors, device, dtype):
     """Leaf copies on ``device``: q/k/v/g/beta in ``dtype``, states and gate parameters in fp32."""
     out = {}
@@ -76,10 +92,11 @@ def _allreduce_cpu(x):
     return x
 
 
-def cp_case(kind, layouts, layout_name, problem, method, opts, backend, device, dtype, seed=11):
+def cp_case(kind, layouts, layout_name, problem, method, opts, backend, device, dtype, seed=11, inspect=None):
     """One CP case on every rank: CP(``backend``) vs single-rank eager of the same global problem; returns
     relative errors of the output and of every input gradient (the same on all ranks). ``method`` "hybrid..."
-    is p2p with ``opts["ulysses_degree"]``."""
+    is p2p with ``opts["ulysses_degree"]``. ``inspect(ctx)``, if given, returns entries added to the result
+    after the backward (e.g. what the CP context's CommStats recorded)."""
     from layers.cp import build_cp_context, shard, unshard
 
     layout, tensors, flags, cu = _global_problem(kind, layouts, layout_name, problem, seed)
@@ -102,6 +119,8 @@ def cp_case(kind, layouts, layout_name, problem, method, opts, backend, device, 
     errs = {"o": rel_err(o_full.float().cpu(), o_ref.detach().cpu())}
     for name, g, g_ref in zip(low, grads, ref_grads):
         errs[f"d{name}"] = rel_err(_allreduce_cpu(g), g_ref.cpu())  # each rank holds its tokens' part
+    if inspect is not None:
+        errs.update(inspect(ctx))
     return errs
 
 

@@ -11,6 +11,9 @@ kernels hit; none changes what a kernel computes:
    ``triton.language``; they are patched in the kernel's globals as well, and restored after each launch.
    Plus ``bf16x3`` dot precision is allowed (the interpreter multiplies in fp32, more precise than any mode).
 
+FLA's KCP functions also refuse non-CUDA tensors up front (``fla.ops.cp.context._check_cp_device``, a device gate,
+not a kernel limit); ``enable()`` lets CPU tensors through it, other devices still go to FLA's check.
+
 Must run before ``fla`` is imported in the process (``triton.jit`` picks the interpreter at decoration time).
 """
 from __future__ import annotations
@@ -98,4 +101,21 @@ def enable() -> None:
     precisions = tuple(interp.interpreter_builder.options.allowed_dot_input_precisions)
     interp.interpreter_builder.options = interp.InterpreterOptions(
         allowed_dot_input_precisions=precisions + ("bf16x3",))
+    _allow_fla_cp_on_cpu()
     _ENABLED = True
+
+
+def _allow_fla_cp_on_cpu() -> None:
+    import importlib
+
+    context = importlib.import_module("fla.ops.cp.context")
+    original = context._check_cp_device
+
+    def check(device):
+        if device.type != "cpu":
+            original(device)
+
+    for name in ("context", "chunk_delta_h", "chunk_merge", "chunk_bwd", "chunk_fwd"):
+        module = importlib.import_module(f"fla.ops.cp.{name}")
+        if getattr(module, "_check_cp_device", None) is original:
+            module._check_cp_device = check

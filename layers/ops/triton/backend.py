@@ -3,7 +3,8 @@
 Inputs arrive validated by ``layers/ops/delta_rule.py`` / ``layers/ops/conv.py``; this module only maps the
 contract onto FLA's public ops (keywords only), moves packed boundaries to the GPU, and converts the conv
 history ``[N, W-1, D]`` into FLA's cache layout ``[N, D, W]``. Autograd is FLA's (gradients for q, k, v, g,
-beta, A_log, dt_bias, the initial state, conv weight/bias/history). CP runs through the generic engine
+beta, A_log, dt_bias, the initial state, conv weight/bias/history). CP: ``state_passing_cp`` (``cp.py``) runs FLA's
+own KCP path where its partition is ours (allgather, B == 1), otherwise the engine's generic path
 (``layers/cp/state_parallel.py``), which calls these ops for summaries (values ``[v | 0]``, fp32 initial state
 ``[0 | I]``) and for the local pass; FLA tiles V, so the V+K wide summary pass is supported (K <= 256).
 """
@@ -11,22 +12,24 @@ from __future__ import annotations
 
 import torch
 
-from layers.ops.triton.runtime import (check_available, check_tensor_device, device_cu_seqlens,
+from layers.ops.triton.cp import state_passing_cp  # the CP engine's hook
+from layers.ops.triton.runtime import (check_available, check_inputs, check_tensor_device, device_cu_seqlens,
                                        gdn_backward_blocker, load_fla)
 
 __all__ = ["check_available", "chunk_gated_delta_rule", "chunk_kda", "causal_conv1d", "delta_rule_final_state",
-           "history_to_fla_cache"]
+           "history_to_fla_cache", "state_passing_cp"]
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def check_gdn_backward(*inputs) -> None:
+    """RuntimeError before a GDN forward whose backward FLA cannot compute right here (see runtime)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        reason = gdn_backward_blocker(inputs[0].device)
+        if reason is not None:
+            raise RuntimeError(reason)
 
 
 def _common(q, k, v, g, beta, initial_state, cu_seqlens):
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        check_tensor_device(name, x)
-    if q.shape[-1] > 256:
-        raise ValueError(f"backend='triton': flash-linear-attention supports head dim K <= 256, got K={q.shape[-1]}")
+    check_inputs(q, k, v, g, beta)
     state = None if initial_state is None else initial_state.float()  # FLA KDA asserts fp32; GDN keeps fp32 too
     cu, cu_cpu = device_cu_seqlens(cu_seqlens, q.device)
     return state, cu, cu_cpu
@@ -38,10 +41,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_fin
     """GDN through ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` -> ``(o [B,T,HV,V], final [N,HV,K,V] fp32)``."""
     fla = load_fla()
     state, cu, cu_cpu = _common(q, k, v, g, beta, initial_state, cu_seqlens)
-    if _needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
-        reason = gdn_backward_blocker(q.device)
-        if reason is not None:
-            raise RuntimeError(reason)
+    check_gdn_backward(q, k, v, g, beta, A_log, dt_bias, initial_state)
     gate = {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias} if use_gate_in_kernel else {}
     return fla.chunk_gated_delta_rule(
         q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=state, output_final_state=output_final_state,

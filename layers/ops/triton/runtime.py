@@ -165,6 +165,14 @@ def check_tensor_device(name: str, x: torch.Tensor) -> None:
         raise TypeError(f"backend='triton' supports float32/float16/bfloat16 inputs; {name} has {x.dtype}")
 
 
+def check_inputs(q, k, v, g, beta) -> None:
+    """Device and dtype of the op inputs, and FLA's head-dim limit K <= 256."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        check_tensor_device(name, x)
+    if q.shape[-1] > 256:
+        raise ValueError(f"backend='triton': flash-linear-attention supports head dim K <= 256, got K={q.shape[-1]}")
+
+
 @lru_cache(maxsize=1)
 def _tilelang_installed() -> bool:
     return importlib.util.find_spec("tilelang") is not None
