@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from dist import rel_err, run_distributed
-from layers.ops import causal_conv1d, chunk_gated_delta_rule
+from layers.ops import chunk_gated_delta_rule
 from layers.ops.backends import get_backend
 from reference import make_problem
-from triton_cases import (accept_stacked_all_gather_on_gloo, compare_single_rank, cp_case, cp_conv_case,
-                          to_leaves)
+from triton_cases import (accept_stacked_all_gather_on_gloo, compare_conv_single_rank, compare_single_rank, cp_case,
+                          cp_conv_case, to_leaves)
 
 TOL = 2e-2
 # P of the CP tests (benchmarks/gpu_check.sh runs P=2 first, then P=4 when time is left) and an optional comma
@@ -165,31 +165,11 @@ def test_single_rank_matches_eager(kind, case):
 @needs_gpu
 @pytest.mark.parametrize("case", ["silu_batch", "packed_history_bias"])
 def test_conv_matches_eager(case):
-    gen = torch.Generator().manual_seed(3)
     if case == "silu_batch":
-        B, T, D, W, cu, with_hist, with_bias = 2, 200, 256, 4, None, False, False
+        errs = compare_conv_single_rank(2, 200, 256, None, False, False, "cuda", torch.bfloat16)
     else:
-        B, T, D, W, cu, with_hist, with_bias = 1, 300, 256, 4, torch.tensor([0, 2, 130, 300]), True, True
-    N = B if cu is None else cu.numel() - 1
-    raw = {"x": torch.randn(B, T, D, generator=gen), "weight": torch.randn(D, W, generator=gen) / W}
-    if with_bias:
-        raw["bias"] = torch.randn(D, generator=gen)
-    if with_hist:
-        raw["history"] = torch.randn(N, W - 1, D, generator=gen)
-    dy = torch.randn(B, T, D, generator=gen).cuda()
-    results = {}
-    for backend, dtype in (("triton", torch.bfloat16), ("eager", torch.float32)):
-        leaves = {n: x.to("cuda", dtype if n in ("x", "history") else torch.float32).requires_grad_()
-                  for n, x in raw.items()}
-        if backend == "eager":  # the same bf16-rounded values in fp32
-            leaves = {n: x.detach().to(torch.bfloat16 if n in ("x", "history") else x.dtype).float()
-                      .requires_grad_() for n, x in leaves.items()}
-        y = causal_conv1d(leaves["x"], leaves["weight"], bias=leaves.get("bias"), activation="silu",
-                          cu_seqlens=cu, history=leaves.get("history"), backend=backend)
-        grads = torch.autograd.grad((y.float() * dy).sum(), list(leaves.values()))
-        results[backend] = (y.float(), dict(zip(leaves, grads)))
-    (y, g), (y_ref, g_ref) = results["triton"], results["eager"]
-    errs = {"y": rel_err(y, y_ref), **{f"d{n}": rel_err(g[n], g_ref[n]) for n in g}}
+        errs = compare_conv_single_rank(1, 300, 256, torch.tensor([0, 2, 130, 300]), True, True, "cuda",
+                                        torch.bfloat16)
     assert all(e <= TOL for e in errs.values()), errs
 
 

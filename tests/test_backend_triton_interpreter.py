@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import triton_interpreter
-from dist import rel_err, run_distributed_once
-from triton_cases import accept_stacked_all_gather_on_gloo, compare_single_rank, cp_case, cp_conv_case
+from dist import run_distributed_once
+from triton_cases import (accept_stacked_all_gather_on_gloo, compare_conv_single_rank, compare_single_rank,
+                          cp_case, cp_conv_case)
 
 WORLD = 4
 TOL = 1e-4  # fp32 kernels vs fp32 eager (observed ~1e-6)
@@ -49,7 +50,8 @@ CP_CASES = ([(kind, layout, method, {}) for kind in ("gdn", "kda") for method in
              for layout, *_ in CP_LAYOUTS]
             + [(kind, "zigzag_bshd", method, opts) for kind in ("gdn", "kda")
                for method, opts in (("grouped_allgather_p2p", {"group_size": 2}), ("recursive_doubling", {}),
-                                    ("ulysses", {}), ("hybrid_ulysses2_p2p", {"ulysses_degree": 2}))])
+                                    ("ulysses", {}), ("hybrid_ulysses2_p2p", {"ulysses_degree": 2}))]
+            + [(kind, "zigzag_bshd1", "hybrid_ulysses2_allgather", {"ulysses_degree": 2}) for kind in ("gdn", "kda")])
 CONV_CP_CASES = [(layout, method) for layout, *_ in CP_LAYOUTS for method in ("p2p", "allgather", "ulysses")]
 # GDN / KDA layers with backend="triton" on megatron TP x CP groups against the single-rank eager layer with the
 # same initialisation (tests/test_layers_delta_parallel.py builds and compares; only the backend differs).
@@ -64,30 +66,10 @@ LAYER_CASES = [
 
 
 def conv_single_case(case):
-    """FLA's causal_conv1d vs eager: y and the gradients of x, weight and (packed case) bias and history."""
-    from layers.ops import causal_conv1d
-
-    gen = torch.Generator().manual_seed(3)
+    """FLA's causal_conv1d vs eager (fp32): y and the gradients of x, weight and (packed case) bias and history."""
     if case == "conv-silu_batch":
-        B, T, D, W, cu, with_hist, with_bias = 2, 40, 32, 4, None, False, False
-    else:
-        B, T, D, W, cu, with_hist, with_bias = 1, 60, 32, 4, torch.tensor([0, 2, 30, 60]), True, True
-    N = B if cu is None else cu.numel() - 1
-    raw = {"x": torch.randn(B, T, D, generator=gen), "weight": torch.randn(D, W, generator=gen) / W}
-    if with_bias:
-        raw["bias"] = torch.randn(D, generator=gen)
-    if with_hist:
-        raw["history"] = torch.randn(N, W - 1, D, generator=gen)
-    dy = torch.randn(B, T, D, generator=gen)
-    results = {}
-    for backend in ("triton", "eager"):
-        leaves = {n: x.clone().requires_grad_() for n, x in raw.items()}
-        y = causal_conv1d(leaves["x"], leaves["weight"], bias=leaves.get("bias"), activation="silu",
-                          cu_seqlens=cu, history=leaves.get("history"), backend=backend)
-        grads = torch.autograd.grad((y * dy).sum(), list(leaves.values()))
-        results[backend] = (y, dict(zip(leaves, grads)))
-    (y, g), (y_ref, g_ref) = results["triton"], results["eager"]
-    return {"y": rel_err(y, y_ref), **{f"d{n}": rel_err(g[n], g_ref[n]) for n in g}}
+        return compare_conv_single_rank(2, 40, 32, None, False, False, "cpu", torch.float32)
+    return compare_conv_single_rank(1, 60, 32, torch.tensor([0, 2, 30, 60]), True, True, "cpu", torch.float32)
 
 
 def worker(rank, world):
@@ -170,7 +152,7 @@ def test_single_rank_matches_eager(key):
                          + [f"conv-{lay}-{m}" for lay, m in CONV_CP_CASES])
 def test_cp_matches_single_rank_eager(key):
     """Every method; allgather on FLA's partitions must take FLA's KCP path (layers/ops/triton/cp.py)."""
-    fla_path = key.endswith("-allgather") and any(f"-{layout}-" in key for layout in FLA_CP_LAYOUTS)
+    fla_path = key.endswith("allgather") and any(f"-{layout}-" in key for layout in FLA_CP_LAYOUTS)
     for errs in run_distributed_once(worker, WORLD):
         errs = dict(errs[key])
         assert "error" not in errs, errs["error"]

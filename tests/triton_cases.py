@@ -72,6 +72,30 @@ def compare_single_rank(kind, problem, device, backend="triton", dtype=torch.bfl
     return errs
 
 
+def compare_conv_single_rank(B, T, D, cu_seqlens, with_history, with_bias, device, dtype, width=4, seed=3):
+    """``causal_conv1d`` (triton, x and history in ``dtype``) against eager on fp32 copies of the same rounded
+    values: relative errors of y and of the gradients of x, weight, and bias / history when present."""
+    gen = torch.Generator().manual_seed(seed)
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    raw = {"x": torch.randn(B, T, D, generator=gen), "weight": torch.randn(D, width, generator=gen) / width}
+    if with_bias:
+        raw["bias"] = torch.randn(D, generator=gen)
+    if with_history:
+        raw["history"] = torch.randn(N, width - 1, D, generator=gen)
+    dy = torch.randn(B, T, D, generator=gen).to(device)
+    low = {n: x.to(device, dtype if n in ("x", "history") else torch.float32) for n, x in raw.items()}
+    results = {}
+    for backend in ("triton", "eager"):
+        leaves = {n: (x if backend == "triton" else x.float()).detach().clone().requires_grad_()
+                  for n, x in low.items()}
+        y = causal_conv1d(leaves["x"], leaves["weight"], bias=leaves.get("bias"), activation="silu",
+                          cu_seqlens=cu_seqlens, history=leaves.get("history"), backend=backend)
+        grads = torch.autograd.grad((y.float() * dy).sum(), list(leaves.values()))
+        results[backend] = (y.float(), dict(zip(leaves, grads)))
+    (y, g), (y_ref, g_ref) = results["triton"], results["eager"]
+    return {"y": rel_err(y, y_ref), **{f"d{n}": rel_err(g[n].float(), g_ref[n]) for n in g}}
+
+
 def _layout(layouts, layout_name):
     return next(c for c in layouts if c[0] == layout_name)
 
@@ -94,14 +118,15 @@ def _allreduce_cpu(x):
 
 def cp_case(kind, layouts, layout_name, problem, method, opts, backend, device, dtype, seed=11, inspect=None):
     """One CP case on every rank: CP(``backend``) vs single-rank eager of the same global problem; returns
-    relative errors of the output and of every input gradient (the same on all ranks). ``method`` "hybrid..."
-    is p2p with ``opts["ulysses_degree"]``. ``inspect(ctx)``, if given, returns entries added to the result
-    after the backward (e.g. what the CP context's CommStats recorded)."""
+    relative errors of the output and of every input gradient (the same on all ranks). ``method``
+    "hybrid_ulysses<U>_<state method>" is the state method with ``opts["ulysses_degree"]``. ``inspect(ctx)``, if
+    given, returns entries added to the result after the backward (e.g. what the CP context's CommStats
+    recorded)."""
     from layers.cp import build_cp_context, shard, unshard
 
     layout, tensors, flags, cu = _global_problem(kind, layouts, layout_name, problem, seed)
     extra = {"safe_gate": True} if kind == "kda" else {}
-    method_name = "p2p" if method.startswith("hybrid") else method
+    method_name = method.rsplit("_", 1)[1] if method.startswith("hybrid") else method  # hybrid_ulysses2_<state>
     ctx = build_cp_context(None, method=method_name, layout=layout, cu_seqlens=cu, **opts)
     # Reference: the whole problem on this rank, eager fp32 (values rounded to dtype first).
     low = to_leaves(tensors, device, dtype)

@@ -8,7 +8,7 @@ ranks' summaries into the initial state of its first sequence (``chunk_cp_merge`
 and differentiates through it, so FLA's path costs each rank much less compute for the same exchange.
 
 FLA's partition equals ours (checked: FLA's local boundaries must equal the plan's) when
-- the method is ``allgather`` and there is no Ulysses level (the state group is the CP group),
+- the state method is ``allgather`` (alone, or under a Ulysses level: then over the state group),
 - there is one row (B == 1: BSHD with micro-batch 1, or packed THD), and
 - the layout is ``contiguous`` (documents packed in any way), or ``zigzag`` with a single sequence (FLA's zigzag
   halves the whole token stream, Megatron's THD zigzag halves every document).
@@ -28,7 +28,7 @@ _FLA_CONTEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ChainP
 
 def uses_fla_cp(ctx, plan) -> bool:
     """Whether FLA's KCP path computes this rank's CP for ``plan`` (see the module doc)."""
-    if ctx.state_method != "allgather" or ctx.ulysses_degree != 1 or plan.batch != 1:
+    if ctx.state_method != "allgather" or plan.batch != 1:
         return False
     if plan.layout == "contiguous":
         return True
