@@ -3,8 +3,9 @@
 Each rank of one gloo spawn turns the interpreter on (tests/triton_interpreter.py) before FLA is imported, then
 runs single-rank cases (split over the ranks) and every CP method on P=4 ranks, in fp32: outputs, final states
 and every input gradient must match the eager op on the same values to fp32 round-off. This checks our mapping
-onto FLA's API (GVA, packed documents, in-kernel gates, states, the conv cache layout) and the CP engine's use of
-FLA's kernels (local pass, V+K wide summaries, Ulysses head slices) on every CI run; the GPU tests in
+onto FLA's API (GVA, packed documents, in-kernel gates, states, the conv cache layout) and both CP paths of the
+triton backend (FLA's own KCP for allgather on its partitions; FLA's summary kernels with our exchange otherwise)
+on every CI run; the GPU tests in
 tests/test_backend_triton.py check the same on compiled kernels in bf16. Skips when triton or FLA is missing.
 """
 from __future__ import annotations
@@ -52,6 +53,11 @@ CP_CASES = ([(kind, layout, method, {}) for kind in ("gdn", "kda") for method in
                for method, opts in (("grouped_allgather_p2p", {"group_size": 2}), ("recursive_doubling", {}),
                                     ("ulysses", {}), ("hybrid_ulysses2_p2p", {"ulysses_degree": 2}))]
             + [(kind, "zigzag_bshd1", "hybrid_ulysses2_allgather", {"ulysses_degree": 2}) for kind in ("gdn", "kda")])
+# GVA (HV = 2H) on packed zigzag, and GDN with the gate, beta and q/k normalisation applied outside the kernel
+CP_VARIANTS = {
+    "gdn-zigzag_thd-p2p-gva_outside_gate": ("gdn", dict(H=2, HV=4, K=16, V=16)),
+    "kda-zigzag_thd-p2p-gva": ("kda", dict(CP_PROBLEM, H=2, HV=4)),
+}
 CONV_CP_CASES = [(layout, method) for layout, *_ in CP_LAYOUTS for method in ("p2p", "allgather", "ulysses")]
 # GDN / KDA layers with backend="triton" on megatron TP x CP groups against the single-rank eager layer with the
 # same initialisation (tests/test_layers_delta_parallel.py builds and compares; only the backend differs).
@@ -101,6 +107,9 @@ def worker(rank, world):
     for kind, layout, method, opts in CP_CASES:
         attempt(f"{kind}-{layout}-{method}", cp_case, kind, CP_LAYOUTS, layout, CP_PROBLEM, method, opts,
                 "triton", "cpu", torch.float32, 11, _fla_cp_taken, collective=True)
+    for key, (kind, problem) in CP_VARIANTS.items():
+        attempt(key, cp_case, kind, CP_LAYOUTS, "zigzag_thd", problem, "p2p", {}, "triton", "cpu", torch.float32,
+                11, _fla_cp_taken, collective=True)
     for layout, method in CONV_CP_CASES:
         attempt(f"conv-{layout}-{method}", cp_conv_case, CP_LAYOUTS, layout, method, {}, "triton", "cpu",
                 torch.float32, 16, collective=True)
@@ -148,10 +157,11 @@ def test_single_rank_matches_eager(key):
     _check(errs)
 
 
-@pytest.mark.parametrize("key", [f"{k}-{lay}-{m}" for k, lay, m, _ in CP_CASES]
+@pytest.mark.parametrize("key", [f"{k}-{lay}-{m}" for k, lay, m, _ in CP_CASES] + list(CP_VARIANTS)
                          + [f"conv-{lay}-{m}" for lay, m in CONV_CP_CASES])
 def test_cp_matches_single_rank_eager(key):
-    """Every method; allgather on FLA's partitions must take FLA's KCP path (layers/ops/triton/cp.py)."""
+    """Every method; allgather on FLA's partitions must take FLA's own KCP path (layers/ops/triton/cp.py), the rest
+    FLA's kernels with our exchange (layers/ops/triton/kcp.py)."""
     fla_path = key.endswith("allgather") and any(f"-{layout}-" in key for layout in FLA_CP_LAYOUTS)
     for errs in run_distributed_once(worker, WORLD):
         errs = dict(errs[key])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from layers.cp.native import entry_windows, initial_states, scan_exchange, terminal_gradients
 from layers.ops.ascendc import runtime
 from layers.ops.ascendc.gdn import check_gdn
 from layers.ops.ascendc.kda import (batch4, check_kda, head_major, kda_local_backward, kda_meta, kda_prepare,
@@ -66,35 +67,13 @@ def _allgather_native(ops, ctx, plan, A, B, forward):
 
 def exchange(ops, ctx, plan, A, B, forward: bool):
     """Exclusive fold of (A, B) over own positions in chain order (forward) or reversed (backward)."""
-    method = ctx.state_method
-    if method == "allgather":
+    if ctx.state_method == "allgather":
         return _allgather_native(ops, ctx, plan, A, B, forward)
-    from layers.cp.chain import exclusive_scan
-
-    L = plan.chain_length
-    order = range(L) if forward else reversed(range(L))
-    return exclusive_scan(method, A, B, plan, order, ctx.stats, comm=ctx.chain_comm,
-                          phase="forward" if forward else "backward")
+    return scan_exchange(ctx, plan, A, B, forward)
 
 
-def _summaries_to_initial(ops, ctx, plan, hm):
-    """hm [n_pieces, HV, K, V+K] -> (masked M [D,n_own,HV,K,K], initial states [n_pieces, HV, K, V])."""
-    M, E = plan.own_summaries(hm)
-    return M, plan.entry_states(exchange(ops, ctx, plan, M, E, forward=True))
-
-
-def _terminal_gradients(ops, ctx, plan, M, dS_loc, n_pieces, device):
-    """dht [n_pieces, HV, K, V]: gradient of the state leaving each exit piece (zero elsewhere)."""
-    lam = exchange(ops, ctx, plan, M.transpose(-1, -2).contiguous(), dS_loc, forward=False)
-    HV, K, V = dS_loc.shape[2:]
-    lam = lam * plan.link_keep(lam.device, lam.dtype)
-    return lam.new_zeros(n_pieces, HV, K, V).index_copy(0, plan.exit_piece.reshape(-1).to(device),
-                                                        lam.reshape(-1, HV, K, V))
-
-
-def _entry_windows(plan):
-    cu = plan.local_cu_seqlens.tolist()
-    return [[cu[p], cu[p + 1]] for p in plan.entry_piece.reshape(-1).tolist()]
+def _native_exchange(ops):
+    return lambda ctx, plan, A, B, forward: exchange(ops, ctx, plan, A, B, forward)
 
 
 # ---------------------------------------------------------------------------------------------- GDN
@@ -111,7 +90,7 @@ class _GDNStateCP(torch.autograd.Function):
         q_hat, k_hat, _, _, _, g_log2, w, u, _ = runtime.slots("chunk_gated_delta_rule_fwd_prepare", prep, 9,
                                                               (0, 1, 4, 5, 6, 7))
         hm = ops.pre_process_fwd_kernel_merged(k_hat, w, u, g=g_log2, cu_seqlens=cu, chunk_size=runtime.CHUNK)
-        M, init = _summaries_to_initial(ops, cp, plan, hm)
+        M, init = initial_states(cp, plan, hm, _native_exchange(ops))
         result = ops.chunk_gated_delta_rule_fwd(
             q, k, v, g, beta, initial_state=init, output_final_state=False, chunk_size=runtime.CHUNK,
             cu_seqlens=cu, scale=meta["scale"], use_exp2=False, use_qk_l2norm_in_kernel=meta["l2norm"],
@@ -137,10 +116,10 @@ class _GDNStateCP(torch.autograd.Function):
         V = v.shape[-1]
         dS_loc = torch.stack([ops.pre_process_bwd_kernel_merged(
             q_hat, k_hat, w, do_hm, dv_local, g=g_log2, cu_seqlens=window, scale=scale,
-            chunk_size=runtime.CHUNK)[..., :V] for window in _entry_windows(plan)], 0)
+            chunk_size=runtime.CHUNK)[..., :V] for window in entry_windows(plan)], 0)
         D, n_own = plan.entry_piece.shape
         dS_loc = dS_loc.view(D, n_own, *dS_loc.shape[1:])
-        dht = _terminal_gradients(ops, cp, plan, M, dS_loc, init.shape[0], do.device)
+        dht = terminal_gradients(cp, plan, M, dS_loc, init.shape[0], do.device, _native_exchange(ops))
         grads = ops.chunk_gated_delta_rule_bwd(
             qh, kh, v, g_cumsum, beta_eff, A, do, scale, chunk_size=runtime.CHUNK, cu_seqlens=cu,
             initial_state=init, dht=dht, q_rstd=q_rstd, k_rstd=k_rstd, beta_raw=beta_raw, use_exp2=False,
@@ -160,7 +139,7 @@ class _KDAStateCP(torch.autograd.Function):
         hm = ops.pre_process_fwd_kernel_merged(batch4(p["kg"], True), batch4(p["w"], True), batch4(p["u"], True),
                                                gk=batch4(p["gk"], True), cu_seqlens=kmeta["cu"],
                                                chunk_size=runtime.CHUNK)
-        M, init = _summaries_to_initial(ops, cp, plan, hm)
+        M, init = initial_states(cp, plan, hm, _native_exchange(ops))
         h, v_new, _ = runtime.slots("chunk_fwd_h", ops.chunk_fwd_h(
             p["kg"], p["w"], p["u"], gk=p["gk"], initial_state=init, output_final_state=False,
             chunk_size=runtime.CHUNK, cu_seqlens=kmeta["cu"], use_exp2=True), 3, (0, 1))
@@ -189,10 +168,11 @@ class _KDAStateCP(torch.autograd.Function):
         dS_loc = torch.stack([ops.pre_process_bwd_kernel_merged(
             batch4(saved["qg"], True), batch4(saved["kg"], True), batch4(saved["w"], True), batch4(do_hm, True),
             batch4(dv_local, True), gk=batch4(saved["gk"], True), cu_seqlens=window, scale=kmeta["scale"],
-            chunk_size=runtime.CHUNK)[..., :V] for window in _entry_windows(plan)], 0)
+            chunk_size=runtime.CHUNK)[..., :V] for window in entry_windows(plan)], 0)
         D, n_own = plan.entry_piece.shape
         dS_loc = dS_loc.view(D, n_own, *dS_loc.shape[1:])
-        dht = _terminal_gradients(ops, cp, plan, saved["M"], dS_loc, saved["h0"].shape[0], do.device)
+        dht = terminal_gradients(cp, plan, saved["M"], dS_loc, saved["h0"].shape[0], do.device,
+                                 _native_exchange(ops))
         dq, dk, dv, dbeta, dg, da_log, ddt, _ = kda_local_backward(ops, saved, do_hm, dht, saved["h0"], kmeta)
         dbeta, dg = token_major_scalars(dbeta, dg, True)
         qd, kd, vd, gd, bd = ctx.dtypes

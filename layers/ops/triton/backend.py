@@ -4,9 +4,8 @@ Inputs arrive validated by ``layers/ops/delta_rule.py`` / ``layers/ops/conv.py``
 contract onto FLA's public ops (keywords only), moves packed boundaries to the GPU, and converts the conv
 history ``[N, W-1, D]`` into FLA's cache layout ``[N, D, W]``. Autograd is FLA's (gradients for q, k, v, g,
 beta, A_log, dt_bias, the initial state, conv weight/bias/history). CP: ``state_passing_cp`` (``cp.py``) runs FLA's
-own KCP path where its partition is ours (allgather, B == 1), otherwise the engine's generic path
-(``layers/cp/state_parallel.py``), which calls these ops for summaries (values ``[v | 0]``, fp32 initial state
-``[0 | I]``) and for the local pass; FLA tiles V, so the V+K wide summary pass is supported (K <= 256).
+own KCP path where its partition is ours (allgather, B == 1), otherwise FLA's summary kernels with the engine's
+exchange (``kcp.py``); ``delta_rule_final_state`` serves ``layers.ops.summary`` (V+K wide values, K <= 256).
 """
 from __future__ import annotations
 

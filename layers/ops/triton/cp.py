@@ -12,7 +12,7 @@ FLA's partition equals ours (checked: FLA's local boundaries must equal the plan
 - there is one row (B == 1: BSHD with micro-batch 1, or packed THD), and
 - the layout is ``contiguous`` (documents packed in any way), or ``zigzag`` with a single sequence (FLA's zigzag
   halves the whole token stream, Megatron's THD zigzag halves every document).
-Every other case runs the engine's generic path on FLA's ops (``layers/cp/state_parallel.py``).
+Every other case (any method, layout, batch) runs FLA's summary kernels with our exchange (``kcp.py``).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from layers.ops.triton.kcp import native_state_passing
 from layers.ops.triton.runtime import check_inputs, load_fla
 
 _FLA_CONTEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ChainPlan -> {(device, group): ctx}
@@ -87,15 +88,15 @@ class _RecordBackwardGather(torch.autograd.Function):
 def state_passing_cp(kind, ctx, plan, q, k, v, g, beta, *, scale, flags):
     """CP engine hook: GDN/KDA on this rank's ``[B, T_local, ...]`` shard in ``plan``'s local order -> o.
 
-    FLA's KCP path where it is our decomposition (module doc), else the engine's generic path on FLA's ops."""
+    FLA's own KCP path where it is our decomposition (module doc), else FLA's kernels with our exchange."""
     from layers.ops.triton import backend as impl
 
-    if not uses_fla_cp(ctx, plan):
-        from layers.cp.state_parallel import generic_state_passing
-
-        return generic_state_passing(kind, impl, ctx, plan, q, k, v, g, beta, scale, flags)
     fla = load_fla()
     check_inputs(q, k, v, g, beta)
+    if kind == "gdn":
+        impl.check_gdn_backward(q, k, v, g, beta, flags.get("A_log"), flags.get("dt_bias"))
+    if not uses_fla_cp(ctx, plan):
+        return native_state_passing(kind, ctx, plan, q, k, v, g, beta, scale=scale, flags=flags)
     K, (HV, V) = q.shape[-1], v.shape[2:]
     fla_ctx = fla_cp_context(ctx, plan, q.device)
     gate = flags.get("use_gate_in_kernel", False)
@@ -104,7 +105,6 @@ def state_passing_cp(kind, ctx, plan, q, k, v, g, beta, *, scale, flags):
                   use_beta_sigmoid_in_kernel=flags.get("use_beta_sigmoid_in_kernel", False))
     gate_args = {"A_log": flags.get("A_log"), "dt_bias": flags.get("dt_bias")} if gate else {}
     if kind == "gdn":
-        impl.check_gdn_backward(q, k, v, g, beta, flags.get("A_log"), flags.get("dt_bias"))
         if gate:
             gate_args["use_gate_in_kernel"] = True
         o, _ = fla.chunk_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, **common, **gate_args)

@@ -1,0 +1,241 @@
+"""State-passing CP on flash-linear-attention's kernels for every method and layout (``layers/cp/native.py``).
+
+FLA 0.6's summary kernels (``fla.ops.cp``: ``chunk_cp_fwd_h``, ``chunk_cp_bwd_dh``) with our exchange. Forward:
+FLA's gate cumsum and WY step, ``[E | M]`` of every local piece from those factors (one launch, no outputs), the
+engine's exclusive fold into the entry pieces' initial states, then FLA's state pass and output kernels from those
+states. Backward: the reverse summaries ``dS_loc`` of the entry pieces, the reverse fold into the exit pieces'
+terminal gradients, then FLA's own backward with that ``dht`` (KDA: ``chunk_kda_bwd`` on the factors computed
+here; GDN: its stages, as FLA's ``chunk_gated_delta_rule_bwd`` runs them). q/k L2 norm and beta sigmoid run in
+FLA's kernels around it. These are FLA's internal functions; :func:`load_internals` checks they exist and raises
+``RuntimeError`` naming FLA's version otherwise.
+"""
+from __future__ import annotations
+
+import importlib
+import types
+from functools import lru_cache
+
+import torch
+
+from layers.cp.native import entry_windows, initial_states, terminal_gradients
+from layers.ops.triton.runtime import PACKAGES, device_cu_seqlens, load_fla
+
+CHUNK = 64
+_INTERNALS = {
+    "fla.modules.norm.l2norm": ("l2norm_fwd", "l2norm_bwd"),
+    "fla.ops.common.gate": ("fused_beta_sigmoid", "fused_beta_sigmoid_bwd"),
+    "fla.ops.common.chunk_delta_h": ("chunk_gated_delta_rule_fwd_h", "chunk_gated_delta_rule_bwd_dhu"),
+    "fla.ops.common.chunk_o": ("chunk_fwd_o", "chunk_bwd_dv_local", "chunk_bwd_dqkwg"),
+    "fla.ops.cp.chunk_fwd": ("chunk_cp_fwd_h",),
+    "fla.ops.cp.chunk_bwd": ("chunk_cp_bwd_dh",),
+    "fla.ops.gated_delta_rule.chunk_fwd": ("chunk_gated_delta_rule_fwd_intra",),
+    "fla.ops.gated_delta_rule.gate": ("gdn_gate_chunk_cumsum", "gdn_gate_bwd"),
+    "fla.ops.gated_delta_rule.wy_fast": ("prepare_wy_repr_bwd", "recompute_w_u_fwd"),
+    "fla.ops.gla.chunk": ("chunk_gla_fwd_o_gk",),
+    "fla.ops.kda.chunk_intra": ("chunk_kda_fwd_intra",),
+    "fla.ops.kda.chunk_bwd": ("chunk_kda_bwd", "chunk_kda_bwd_dAv"),
+    "fla.ops.kda.gate": ("kda_gate_chunk_cumsum",),
+    "fla.ops.kda.wy_fast": ("recompute_w_u_fwd",),
+    "fla.ops.utils": ("chunk_local_cumsum", "prepare_chunk_indices"),
+    "fla.ops.utils.constant": ("RCP_LN2",),
+}
+
+
+@lru_cache(maxsize=1)
+def load_internals() -> types.SimpleNamespace:
+    """FLA's internal stages this module calls (``kda_recompute_w_u`` for KDA's variant); RuntimeError if any is
+    missing (they are not FLA's public API and may move between versions)."""
+    load_fla()
+    found = {}
+    for module_name, names in _INTERNALS.items():
+        try:
+            module = importlib.import_module(module_name)
+            for name in names:
+                key = "kda_recompute_w_u" if module_name == "fla.ops.kda.wy_fast" else name
+                found[key] = getattr(module, name)
+        except (ImportError, AttributeError) as error:
+            raise RuntimeError(f"backend='triton' CP: flash-linear-attention lacks {module_name} ({error}); this "
+                               f"backend's CP is written against FLA 0.6's kernels; need {PACKAGES}") from error
+    return types.SimpleNamespace(**found)
+
+
+def _prologue(fi, q, k, beta, meta):
+    """In-kernel q/k L2 norm and beta sigmoid: (q, q_rstd, k, k_rstd, beta)."""
+    q_rstd = k_rstd = None
+    if meta["l2norm"]:
+        q, q_rstd = fi.l2norm_fwd(q)
+        k, k_rstd = fi.l2norm_fwd(k)
+    if meta["beta_sigmoid"]:
+        beta = fi.fused_beta_sigmoid(beta, scale=1.0)
+    return q, q_rstd, k, k_rstd, beta
+
+
+def _epilogue(fi, saved, dq, dk, db, meta):
+    if meta["l2norm"]:
+        dq = fi.l2norm_bwd(saved["q"], saved["q_rstd"], dq)
+        dk = fi.l2norm_bwd(saved["k"], saved["k_rstd"], dk)
+    if meta["beta_sigmoid"]:
+        db = fi.fused_beta_sigmoid_bwd(saved["beta_raw"], db, scale=1.0)
+    return dq, dk, db
+
+
+def _summaries(fi, k, w, u, cu, n_pieces, **gate):
+    """``[E | M]`` of every piece ``[n_pieces, HV, K, V+K]`` fp32 in one launch."""
+    HV, V = u.shape[2:]
+    K = k.shape[-1]
+    hm = k.new_zeros(n_pieces, HV, K, V + K, dtype=torch.float32)
+    fi.chunk_cp_fwd_h(k=k, w=w, u=u, hm=hm, cu_seqlens=cu, chunk_size=CHUNK, multi_seqs=True, **gate)
+    return hm
+
+
+def _reverse_summaries(fi, plan, cu, q, k, w, do, dv, scale, **gate):
+    """dS_loc ``[D, n_own, HV, K, V]`` of the entry pieces (first V columns of FLA's ``[dS_loc | M^T]``)."""
+    HV, V = do.shape[2:]
+    K = q.shape[-1]
+    out = []
+    for p, (start, end) in zip(plan.entry_piece.reshape(-1).tolist(), entry_windows(plan)):
+        dhm = q.new_zeros(HV, K, V + K, dtype=torch.float32)
+        if end > start:
+            fi.chunk_cp_bwd_dh(q=q, k=k, w=w, do=do, dv=dv, dhm=dhm, scale=scale, cu_seqlens=cu[p:p + 2],
+                               chunk_size=CHUNK, **gate)
+        out.append(dhm[..., :V])
+    D, n_own = plan.entry_piece.shape
+    return torch.stack(out, 0).view(D, n_own, HV, K, V)
+
+
+def _save(ctx, **tensors):
+    ctx.names = tuple(tensors)
+    ctx.save_for_backward(*tensors.values())
+
+
+def _saved(ctx) -> dict:
+    return dict(zip(ctx.names, ctx.saved_tensors))
+
+
+class _GDNNativeCP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, meta):
+        fi, plan, cp, cu, idx = meta["fi"], meta["plan"], meta["ctx"], meta["cu"], meta["chunk_indices"]
+        qn, q_rstd, kn, k_rstd, b = _prologue(fi, q, k, beta, meta)
+        if meta["gate"]:
+            g_cum = fi.gdn_gate_chunk_cumsum(g=g, A_log=A_log, chunk_size=CHUNK, scale=fi.RCP_LN2, dt_bias=dt_bias,
+                                             cu_seqlens=cu, chunk_indices=idx)
+        else:
+            g_cum = fi.chunk_local_cumsum(g, chunk_size=CHUNK, scale=fi.RCP_LN2, cu_seqlens=cu, chunk_indices=idx)
+        w, u, A = fi.chunk_gated_delta_rule_fwd_intra(k=kn, v=v, g=g_cum, beta=b, cu_seqlens=cu, chunk_indices=idx,
+                                                      chunk_size=CHUNK)
+        hm = _summaries(fi, kn, w, u, cu, plan.num_pieces, g=g_cum)
+        M, init = initial_states(cp, plan, hm)
+        h, v_new, _ = fi.chunk_gated_delta_rule_fwd_h(k=kn, w=w, u=u, g=g_cum, initial_state=init,
+                                                      output_final_state=False, cu_seqlens=cu, chunk_indices=idx,
+                                                      chunk_size=CHUNK)
+        o = fi.chunk_fwd_o(q=qn, k=kn, v=v_new, h=h, g=g_cum, scale=meta["scale"], cu_seqlens=cu,
+                           chunk_indices=idx, chunk_size=CHUNK)
+        _save(ctx, q=qn, q_rstd=q_rstd, k=kn, k_rstd=k_rstd, v=v, g_cum=g_cum, g_raw=g, beta_raw=beta, beta=b, A=A,
+              init=init, M=M, A_log=A_log, dt_bias=dt_bias)
+        ctx.meta = meta
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        meta, s = ctx.meta, _saved(ctx)
+        fi, plan, cp, cu, idx, scale = (meta["fi"], meta["plan"], meta["ctx"], meta["cu"], meta["chunk_indices"],
+                                        meta["scale"])
+        do = do.contiguous()
+        q, k, v, g_cum, b, A = s["q"], s["k"], s["v"], s["g_cum"], s["beta"], s["A"]
+        w, u = fi.recompute_w_u_fwd(k=k, v=v, beta=b, A=A, g=g_cum, cu_seqlens=cu, chunk_indices=idx)
+        h, v_new, _ = fi.chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g_cum, initial_state=s["init"],
+                                                      output_final_state=False, cu_seqlens=cu, chunk_indices=idx,
+                                                      chunk_size=CHUNK)
+        dv = fi.chunk_bwd_dv_local(q=q, k=k, g=g_cum, do=do, scale=scale, cu_seqlens=cu, chunk_indices=idx,
+                                   chunk_size=CHUNK)
+        dS_loc = _reverse_summaries(fi, plan, cu, q, k, w, do, dv, scale, g=g_cum)
+        dht = terminal_gradients(cp, plan, s["M"], dS_loc, s["init"].shape[0], do.device)
+        dh, _, dv = fi.chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, g=g_cum, h0=s["init"], dht=dht, do=do, dv=dv,
+                                                      scale=scale, cu_seqlens=cu, chunk_indices=idx,
+                                                      chunk_size=CHUNK)
+        dq, dk, dw, dg = fi.chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=g_cum, h=h, dv=dv, do=do, dh=dh, scale=scale,
+                                            cu_seqlens=cu, chunk_indices=idx, chunk_size=CHUNK)
+        dk2, dv, db, dg2 = fi.prepare_wy_repr_bwd(k=k, v=v, beta=b, g=g_cum, A=A, dw=dw, du=dv, cu_seqlens=cu,
+                                                  chunk_indices=idx)
+        dk.add_(dk2)
+        dg.add_(dg2)
+        dg = fi.chunk_local_cumsum(dg, chunk_size=CHUNK, reverse=True, cu_seqlens=cu, chunk_indices=idx)
+        dA_log = ddt_bias = None
+        if meta["gate"]:
+            dg, dA_log, ddt_bias = fi.gdn_gate_bwd(g=s["g_raw"], A_log=s["A_log"], dt_bias=s["dt_bias"], dyg=dg)
+        dq, dk, db = _epilogue(fi, s, dq, dk, db, meta)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(s["g_raw"].dtype),
+                db.to(s["beta_raw"].dtype), dA_log, ddt_bias, None)
+
+
+class _KDANativeCP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, meta):
+        fi, plan, cp, cu, idx = meta["fi"], meta["plan"], meta["ctx"], meta["cu"], meta["chunk_indices"]
+        qn, q_rstd, kn, k_rstd, b = _prologue(fi, q, k, beta, meta)
+        if meta["gate"]:
+            g_cum = fi.kda_gate_chunk_cumsum(g=g, A_log=A_log, dt_bias=dt_bias, scale=fi.RCP_LN2, chunk_size=CHUNK,
+                                             cu_seqlens=cu, chunk_indices=idx, lower_bound=meta["lower_bound"])
+        else:
+            g_cum = fi.chunk_local_cumsum(g=g, scale=fi.RCP_LN2, chunk_size=CHUNK, cu_seqlens=cu, chunk_indices=idx)
+        w, u, _, kg, Aqk, Akk = fi.chunk_kda_fwd_intra(q=qn, k=kn, v=v, gk=g_cum, beta=b, scale=meta["scale"],
+                                                       cu_seqlens=cu, chunk_size=CHUNK, chunk_indices=idx,
+                                                       safe_gate=meta["safe_gate"], disable_recompute=False)
+        hm = _summaries(fi, kg, w, u, cu, plan.num_pieces, gk=g_cum)
+        M, init = initial_states(cp, plan, hm)
+        h, v_new, _ = fi.chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=g_cum, initial_state=init,
+                                                      output_final_state=False, cu_seqlens=cu, chunk_indices=idx,
+                                                      chunk_size=CHUNK)
+        o = fi.chunk_gla_fwd_o_gk(q=qn, v=v_new, g=g_cum, A=Aqk, h=h, scale=meta["scale"], cu_seqlens=cu,
+                                  chunk_size=CHUNK, chunk_indices=idx)
+        _save(ctx, q=qn, q_rstd=q_rstd, k=kn, k_rstd=k_rstd, v=v, g_cum=g_cum, g_raw=g, beta_raw=beta, beta=b,
+              Aqk=Aqk, Akk=Akk, init=init, M=M, A_log=A_log, dt_bias=dt_bias)
+        ctx.meta = meta
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        meta, s = ctx.meta, _saved(ctx)
+        fi, plan, cp, cu, idx, scale = (meta["fi"], meta["plan"], meta["ctx"], meta["cu"], meta["chunk_indices"],
+                                        meta["scale"])
+        do = do.contiguous()
+        q, k, v, g_cum, b = s["q"], s["k"], s["v"], s["g_cum"], s["beta"]
+        w, u, qg, kg = fi.kda_recompute_w_u(q=q, k=k, v=v, beta=b, A=s["Akk"], gk=g_cum, cu_seqlens=cu,
+                                            chunk_indices=idx)
+        h, v_new, _ = fi.chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=g_cum, initial_state=s["init"],
+                                                      output_final_state=False, cu_seqlens=cu, chunk_indices=idx,
+                                                      chunk_size=CHUNK)
+        _, dv = fi.chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=s["Aqk"], scale=scale, cu_seqlens=cu,
+                                     chunk_size=CHUNK, chunk_indices=idx)
+        dS_loc = _reverse_summaries(fi, plan, cu, qg, kg, w, do, dv, scale, gk=g_cum)
+        dht = terminal_gradients(cp, plan, s["M"], dS_loc, s["init"].shape[0], do.device)
+        dq, dk, dv, db, dg, _, dA_log, ddt_bias = fi.chunk_kda_bwd(
+            q=q, k=k, v=v, beta=b, Aqk=s["Aqk"], Akk=s["Akk"], scale=scale, initial_state=s["init"], do=do,
+            dht=dht, g=g_cum, g_org=s["g_raw"] if meta["gate"] else None, cu_seqlens=cu, chunk_indices=idx,
+            chunk_size=CHUNK, safe_gate=meta["safe_gate"], lower_bound=meta["lower_bound"],
+            use_gate_in_kernel=meta["gate"], A_log=s["A_log"], dt_bias=s["dt_bias"], disable_recompute=True,
+            w=w, u=u, qg=qg, kg=kg, v_new=v_new, h=h)
+        dq, dk, db = _epilogue(fi, s, dq, dk, db, meta)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(s["g_raw"].dtype),
+                db.to(s["beta_raw"].dtype), dA_log, ddt_bias, None)
+
+
+def native_state_passing(kind, ctx, plan, q, k, v, g, beta, *, scale, flags):
+    """GDN/KDA on this rank's ``[B, T_local, ...]`` shard in ``plan``'s local order -> o ``[B, T_local, HV, V]``."""
+    fi = load_internals()
+    B, T_loc = q.shape[:2]
+    HV, V = v.shape[2], v.shape[3]
+    flat = lambda x: x.reshape(1, B * T_loc, *x.shape[2:]).contiguous()  # noqa: E731  pieces index flat tokens
+    q1, k1, v1, g1, b1 = map(flat, (q, k, v, g, beta))
+    cu, cu_cpu = device_cu_seqlens(plan.local_cu_seqlens, q.device)
+    gate = flags.get("use_gate_in_kernel", False)
+    meta = {"fi": fi, "plan": plan, "ctx": ctx, "cu": cu, "scale": float(scale), "gate": gate,
+            "chunk_indices": fi.prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=cu_cpu),
+            "l2norm": flags.get("use_qk_l2norm_in_kernel", False),
+            "beta_sigmoid": flags.get("use_beta_sigmoid_in_kernel", False),
+            "safe_gate": flags.get("safe_gate", False), "lower_bound": flags.get("lower_bound")}
+    A_log = flags.get("A_log") if gate else None
+    dt_bias = flags.get("dt_bias") if gate else None
+    fn = _GDNNativeCP if kind == "gdn" else _KDANativeCP
+    return fn.apply(q1, k1, v1, g1, b1, A_log, dt_bias, meta).view(B, T_loc, HV, V)
