@@ -59,24 +59,37 @@ def load_internals() -> types.SimpleNamespace:
     return types.SimpleNamespace(**found)
 
 
-def _prologue(fi, q, k, beta, meta):
-    """In-kernel q/k L2 norm and beta sigmoid: (q, q_rstd, k, k_rstd, beta)."""
+def _prologue(kind, q, k, g, beta, A_log, dt_bias, meta):
+    """In-kernel q/k L2 norm, beta sigmoid, and the gate's chunk-local cumsum (log2; with the gate activation when
+    it runs in kernel) -> (q, q_rstd, k, k_rstd, beta, g_cum)."""
+    fi, cu, idx = meta["fi"], meta["cu"], meta["chunk_indices"]
     q_rstd = k_rstd = None
     if meta["l2norm"]:
         q, q_rstd = fi.l2norm_fwd(q)
         k, k_rstd = fi.l2norm_fwd(k)
     if meta["beta_sigmoid"]:
         beta = fi.fused_beta_sigmoid(beta, scale=1.0)
-    return q, q_rstd, k, k_rstd, beta
+    if not meta["gate"]:
+        g_cum = fi.chunk_local_cumsum(g, chunk_size=CHUNK, scale=fi.RCP_LN2, cu_seqlens=cu, chunk_indices=idx)
+    elif kind == "gdn":
+        g_cum = fi.gdn_gate_chunk_cumsum(g=g, A_log=A_log, chunk_size=CHUNK, scale=fi.RCP_LN2, dt_bias=dt_bias,
+                                         cu_seqlens=cu, chunk_indices=idx)
+    else:
+        g_cum = fi.kda_gate_chunk_cumsum(g=g, A_log=A_log, dt_bias=dt_bias, scale=fi.RCP_LN2, chunk_size=CHUNK,
+                                         cu_seqlens=cu, chunk_indices=idx, lower_bound=meta["lower_bound"])
+    return q, q_rstd, k, k_rstd, beta, g_cum
 
 
-def _epilogue(fi, saved, dq, dk, db, meta):
+def _epilogue(saved, meta, dq, dk, dv, dg, db, dA_log, ddt_bias):
+    """Backward of the prologue's norm and sigmoid; the op's gradients in the input dtypes."""
+    fi = meta["fi"]
     if meta["l2norm"]:
         dq = fi.l2norm_bwd(saved["q"], saved["q_rstd"], dq)
         dk = fi.l2norm_bwd(saved["k"], saved["k_rstd"], dk)
     if meta["beta_sigmoid"]:
         db = fi.fused_beta_sigmoid_bwd(saved["beta_raw"], db, scale=1.0)
-    return dq, dk, db
+    return (dq.to(saved["q"].dtype), dk.to(saved["k"].dtype), dv.to(saved["v"].dtype), dg.to(saved["g_raw"].dtype),
+            db.to(saved["beta_raw"].dtype), dA_log, ddt_bias, None)
 
 
 def _summaries(fi, k, w, u, cu, n_pieces, **gate):
@@ -103,6 +116,20 @@ def _reverse_summaries(fi, plan, cu, q, k, w, do, dv, scale, **gate):
     return torch.stack(out, 0).view(D, n_own, HV, K, V)
 
 
+def _state_pass(fi, k, w, u, init, cu, idx, **gate):
+    """FLA's chunked state pass from the given initial states -> (h per chunk, v_new)."""
+    h, v_new, _ = fi.chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, initial_state=init, output_final_state=False,
+                                                  cu_seqlens=cu, chunk_indices=idx, chunk_size=CHUNK, **gate)
+    return h, v_new
+
+
+def _unpack(ctx):
+    """Backward's view of the forward: (meta, saved tensors, internals, plan, CP context, cu, chunk indices, scale)."""
+    meta = ctx.meta
+    return (meta, _saved(ctx), meta["fi"], meta["plan"], meta["ctx"], meta["cu"], meta["chunk_indices"],
+            meta["scale"])
+
+
 def _save(ctx, **tensors):
     ctx.names = tuple(tensors)
     ctx.save_for_backward(*tensors.values())
@@ -116,19 +143,12 @@ class _GDNNativeCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, meta):
         fi, plan, cp, cu, idx = meta["fi"], meta["plan"], meta["ctx"], meta["cu"], meta["chunk_indices"]
-        qn, q_rstd, kn, k_rstd, b = _prologue(fi, q, k, beta, meta)
-        if meta["gate"]:
-            g_cum = fi.gdn_gate_chunk_cumsum(g=g, A_log=A_log, chunk_size=CHUNK, scale=fi.RCP_LN2, dt_bias=dt_bias,
-                                             cu_seqlens=cu, chunk_indices=idx)
-        else:
-            g_cum = fi.chunk_local_cumsum(g, chunk_size=CHUNK, scale=fi.RCP_LN2, cu_seqlens=cu, chunk_indices=idx)
+        qn, q_rstd, kn, k_rstd, b, g_cum = _prologue("gdn", q, k, g, beta, A_log, dt_bias, meta)
         w, u, A = fi.chunk_gated_delta_rule_fwd_intra(k=kn, v=v, g=g_cum, beta=b, cu_seqlens=cu, chunk_indices=idx,
                                                       chunk_size=CHUNK)
         hm = _summaries(fi, kn, w, u, cu, plan.num_pieces, g=g_cum)
         M, init = initial_states(cp, plan, hm)
-        h, v_new, _ = fi.chunk_gated_delta_rule_fwd_h(k=kn, w=w, u=u, g=g_cum, initial_state=init,
-                                                      output_final_state=False, cu_seqlens=cu, chunk_indices=idx,
-                                                      chunk_size=CHUNK)
+        h, v_new = _state_pass(fi, kn, w, u, init, cu, idx, g=g_cum)
         o = fi.chunk_fwd_o(q=qn, k=kn, v=v_new, h=h, g=g_cum, scale=meta["scale"], cu_seqlens=cu,
                            chunk_indices=idx, chunk_size=CHUNK)
         _save(ctx, q=qn, q_rstd=q_rstd, k=kn, k_rstd=k_rstd, v=v, g_cum=g_cum, g_raw=g, beta_raw=beta, beta=b, A=A,
@@ -138,15 +158,11 @@ class _GDNNativeCP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        meta, s = ctx.meta, _saved(ctx)
-        fi, plan, cp, cu, idx, scale = (meta["fi"], meta["plan"], meta["ctx"], meta["cu"], meta["chunk_indices"],
-                                        meta["scale"])
+        meta, s, fi, plan, cp, cu, idx, scale = _unpack(ctx)
         do = do.contiguous()
         q, k, v, g_cum, b, A = s["q"], s["k"], s["v"], s["g_cum"], s["beta"], s["A"]
         w, u = fi.recompute_w_u_fwd(k=k, v=v, beta=b, A=A, g=g_cum, cu_seqlens=cu, chunk_indices=idx)
-        h, v_new, _ = fi.chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g_cum, initial_state=s["init"],
-                                                      output_final_state=False, cu_seqlens=cu, chunk_indices=idx,
-                                                      chunk_size=CHUNK)
+        h, v_new = _state_pass(fi, k, w, u, s["init"], cu, idx, g=g_cum)
         dv = fi.chunk_bwd_dv_local(q=q, k=k, g=g_cum, do=do, scale=scale, cu_seqlens=cu, chunk_indices=idx,
                                    chunk_size=CHUNK)
         dS_loc = _reverse_summaries(fi, plan, cu, q, k, w, do, dv, scale, g=g_cum)
@@ -164,29 +180,20 @@ class _GDNNativeCP(torch.autograd.Function):
         dA_log = ddt_bias = None
         if meta["gate"]:
             dg, dA_log, ddt_bias = fi.gdn_gate_bwd(g=s["g_raw"], A_log=s["A_log"], dt_bias=s["dt_bias"], dyg=dg)
-        dq, dk, db = _epilogue(fi, s, dq, dk, db, meta)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(s["g_raw"].dtype),
-                db.to(s["beta_raw"].dtype), dA_log, ddt_bias, None)
+        return _epilogue(s, meta, dq, dk, dv, dg, db, dA_log, ddt_bias)
 
 
 class _KDANativeCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, meta):
         fi, plan, cp, cu, idx = meta["fi"], meta["plan"], meta["ctx"], meta["cu"], meta["chunk_indices"]
-        qn, q_rstd, kn, k_rstd, b = _prologue(fi, q, k, beta, meta)
-        if meta["gate"]:
-            g_cum = fi.kda_gate_chunk_cumsum(g=g, A_log=A_log, dt_bias=dt_bias, scale=fi.RCP_LN2, chunk_size=CHUNK,
-                                             cu_seqlens=cu, chunk_indices=idx, lower_bound=meta["lower_bound"])
-        else:
-            g_cum = fi.chunk_local_cumsum(g=g, scale=fi.RCP_LN2, chunk_size=CHUNK, cu_seqlens=cu, chunk_indices=idx)
+        qn, q_rstd, kn, k_rstd, b, g_cum = _prologue("kda", q, k, g, beta, A_log, dt_bias, meta)
         w, u, _, kg, Aqk, Akk = fi.chunk_kda_fwd_intra(q=qn, k=kn, v=v, gk=g_cum, beta=b, scale=meta["scale"],
                                                        cu_seqlens=cu, chunk_size=CHUNK, chunk_indices=idx,
                                                        safe_gate=meta["safe_gate"], disable_recompute=False)
         hm = _summaries(fi, kg, w, u, cu, plan.num_pieces, gk=g_cum)
         M, init = initial_states(cp, plan, hm)
-        h, v_new, _ = fi.chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=g_cum, initial_state=init,
-                                                      output_final_state=False, cu_seqlens=cu, chunk_indices=idx,
-                                                      chunk_size=CHUNK)
+        h, v_new = _state_pass(fi, kg, w, u, init, cu, idx, gk=g_cum)
         o = fi.chunk_gla_fwd_o_gk(q=qn, v=v_new, g=g_cum, A=Aqk, h=h, scale=meta["scale"], cu_seqlens=cu,
                                   chunk_size=CHUNK, chunk_indices=idx)
         _save(ctx, q=qn, q_rstd=q_rstd, k=kn, k_rstd=k_rstd, v=v, g_cum=g_cum, g_raw=g, beta_raw=beta, beta=b,
@@ -196,16 +203,12 @@ class _KDANativeCP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        meta, s = ctx.meta, _saved(ctx)
-        fi, plan, cp, cu, idx, scale = (meta["fi"], meta["plan"], meta["ctx"], meta["cu"], meta["chunk_indices"],
-                                        meta["scale"])
+        meta, s, fi, plan, cp, cu, idx, scale = _unpack(ctx)
         do = do.contiguous()
         q, k, v, g_cum, b = s["q"], s["k"], s["v"], s["g_cum"], s["beta"]
         w, u, qg, kg = fi.kda_recompute_w_u(q=q, k=k, v=v, beta=b, A=s["Akk"], gk=g_cum, cu_seqlens=cu,
                                             chunk_indices=idx)
-        h, v_new, _ = fi.chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=g_cum, initial_state=s["init"],
-                                                      output_final_state=False, cu_seqlens=cu, chunk_indices=idx,
-                                                      chunk_size=CHUNK)
+        h, v_new = _state_pass(fi, kg, w, u, s["init"], cu, idx, gk=g_cum)
         _, dv = fi.chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=s["Aqk"], scale=scale, cu_seqlens=cu,
                                      chunk_size=CHUNK, chunk_indices=idx)
         dS_loc = _reverse_summaries(fi, plan, cu, qg, kg, w, do, dv, scale, gk=g_cum)
@@ -216,9 +219,7 @@ class _KDANativeCP(torch.autograd.Function):
             chunk_size=CHUNK, safe_gate=meta["safe_gate"], lower_bound=meta["lower_bound"],
             use_gate_in_kernel=meta["gate"], A_log=s["A_log"], dt_bias=s["dt_bias"], disable_recompute=True,
             w=w, u=u, qg=qg, kg=kg, v_new=v_new, h=h)
-        dq, dk, db = _epilogue(fi, s, dq, dk, db, meta)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(s["g_raw"].dtype),
-                db.to(s["beta_raw"].dtype), dA_log, ddt_bias, None)
+        return _epilogue(s, meta, dq, dk, dv, dg, db, dA_log, ddt_bias)
 
 
 def native_state_passing(kind, ctx, plan, q, k, v, g, beta, *, scale, flags):
