@@ -22,11 +22,6 @@ def _state_passing(kind, impl, ctx, plan, q, k, v, g, beta, scale, flags):
     hook = getattr(impl, "state_passing_cp", None)
     if hook is not None:   # a backend with native summary/merge kernels (Ascend C, FLA) runs its own decomposition
         return hook(kind, ctx, plan, q, k, v, g, beta, scale=scale, flags=flags)
-    return generic_state_passing(kind, impl, ctx, plan, q, k, v, g, beta, scale, flags)
-
-
-def generic_state_passing(kind, impl, ctx, plan, q, k, v, g, beta, scale, flags):
-    """Steps 1-3 of the module doc through ``impl``'s op (any backend) -> o ``[B, T, HV, V]``."""
     B, T = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
     flat = lambda x: x.reshape(1, B * T, *x.shape[2:])   # noqa: E731  pieces index flattened tokens
