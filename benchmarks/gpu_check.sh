@@ -12,24 +12,26 @@
 #   unset                 one-call mode: install what is missing from .wheels/ and use the machine's triton.
 # GPU_CHECK_DRY=1 (CPU dry run of the script logic): no pip installs, no version requirement.
 #
-# Everything lands in $OUT (default ./out-gpu): env.txt, summary.txt, <phase>.log, tests_cp<P>_cases.jsonl (per
-# CP case, written as each finishes), gpu_layers.json/.md (merged benchmark), benchmarks.md, and
-# triton_autotune.tar.gz (Triton's autotune results; put it at .wheels/gpu/triton_autotune.tar.gz before the next
-# gpu_prepare.sh and a check on the same triton/FLA/GPU skips autotuning). On the dev machine afterwards:
-#     python benchmarks/gpu_layers.py --render <files_at>/gpu_layers.json --docs docs/benchmarks.md
+# Results: the device tool returns at most 8 files, so everything is written to $GPU_CHECK_WORK (/tmp/hp_gpu_work)
+# and after every phase $OUT (default ./out-gpu) gets summary.txt, results.tar.gz (the whole work folder: env.txt,
+# <phase>.log, example_<pattern>.log, tests_cp<P>_cases.jsonl, ops|layers|cp/gpu_layers.json, profile/profile.json,
+# gpu_layers.json, benchmarks.md) and triton_autotune.tar.gz (Triton's autotune results; put it at
+# .wheels/gpu/triton_autotune.tar.gz before the next gpu_prepare.sh and a check on the same triton/FLA/GPU skips
+# autotuning). On the dev machine afterwards, from the unpacked results.tar.gz:
+#     python benchmarks/gpu_layers.py --render gpu_layers.json --docs docs/benchmarks.md
+#     python benchmarks/gpu_profile.py --render profile/profile.json --docs docs/benchmarks.md
 #
 # Phases (GPU_CHECK_PHASES, default all, in this order; most valuable evidence first):
-#   warm           3 concurrent processes fill the shared TRITON_CACHE_DIR: gpu_layers.py --warm gdn | kda
-#                  (benchmark shapes + single-rank test shape) | cp (the CP tests' layouts, p2p/allgather, P=2);
-#                  the first call with new compile-time constants autotunes for minutes (H200, triton 3.6: GDN
-#                  fwd+bwd 145 s, KDA 206 s); every later process loads the results from disk
-#   tests_single   single-rank layer-flag cases, conv, GDN guard (the warmed shapes)
+#   warm           side by side: gpu_layers.py --warm gdn | kda | cp fill the shared TRITON_CACHE_DIR (the first
+#                  call with new compile-time constants autotunes for minutes: H200, triton 3.6: GDN fwd+bwd 145 s,
+#                  KDA 206 s; later processes load the results from disk), the example for 20 iterations with
+#                  patterns KKKM and GGGA (bf16, --hp-backend triton, the benchmark's linear-attention heads) and
+#                  the single-rank GPU tests (layer flags, conv, GDN guard)
 #   bench_ops      gpu_layers.py sections a, b (FLA's ops vs ours)
-#   tests_cp2      CP tests with P=2 gloo processes on the GPU (p2p/allgather on every layout first, Ulysses last)
+#   profile        gpu_profile.py: FLA's ops vs ours in interleaved windows, and their kernels under torch.profiler
 #   bench_layers   gpu_layers.py sections c, d (our layers, FLA's and megatron-core's)
-#   tests_variants single-rank GVA/packed/initial-state cases (H=4, HV=8, K=V=64: new autotuning)
-#   tests_cp4      CP tests with P=4
-#   bench_cp       gpu_layers.py section e (CP per-rank cost, P = 2, 4, 8)
+#   bench_cp       gpu_layers.py section e (CP per-rank cost, P = 8, 4, 2)
+#   tests_cp2      CP tests with P=2 gloo processes on the GPU; tests_cp4 the same with P=4, as time allows
 # Budget (GPU_CHECK_BUDGET_S, default 520 s from the start of the script): a phase starts only while its
 # minimum is left and runs under `timeout` with its cap. Give the call timeout_s=590.
 set -uo pipefail
@@ -54,8 +56,12 @@ case "$PART" in
   *) echo "GPU_CHECK_PART must be 1, 2, 3, 4 or unset, got '$PART'" >&2; exit 2 ;;
 esac
 
-OUT="${OUT:-$ROOT/out-gpu}"
-mkdir -p "$OUT" "$SITE"
+# The device tool returns at most 8 files from $OUT: every result goes to $WORK, and after each phase $OUT gets
+# summary.txt, results.tar.gz (all of $WORK) and triton_autotune.tar.gz, so a kill still leaves the latest snapshot.
+RESULTS="${OUT:-$ROOT/out-gpu}"
+OUT="${GPU_CHECK_WORK:-/tmp/hp_gpu_work}"
+rm -rf "$OUT"
+mkdir -p "$OUT" "$SITE" "$RESULTS"
 BUDGET="${GPU_CHECK_BUDGET_S:-520}"
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
 log() { echo "[gpu_check $(( SECONDS - T0 ))s] $*" | tee -a "$OUT/summary.txt"; }
@@ -147,11 +153,13 @@ EOF
 } >"$OUT/env.txt" 2>&1
 tee -a "$OUT/summary.txt" <"$OUT/env.txt"
 
-save_autotune() {  # Triton's autotune results (small JSON files) -> $OUT, after every phase (survives a kill)
-  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar czf "$OUT/triton_autotune.tar.gz" --null -T -) \
+save_autotune() {  # Triton's autotune results and a snapshot of $WORK -> $RESULTS, after every phase
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar czf "$RESULTS/triton_autotune.tar.gz" --null -T -) \
     2>/dev/null || true
+  cp -f "$OUT/summary.txt" "$RESULTS/summary.txt" 2>/dev/null
+  tar czf "$RESULTS/results.tar.gz.tmp" -C "$OUT" . 2>/dev/null && mv -f "$RESULTS/results.tar.gz.tmp" "$RESULTS/results.tar.gz"
 }
-PHASES="${GPU_CHECK_PHASES:-warm tests_single bench_ops tests_cp2 bench_layers tests_variants tests_cp4 bench_cp}"
+PHASES="${GPU_CHECK_PHASES:-warm bench_ops profile bench_layers bench_cp tests_cp2 tests_cp4}"
 LIMIT=0
 start_phase() {  # start_phase <name> <min-seconds-needed> <cap-seconds>: sets LIMIT; false when skipped
   local name=$1 need=$2 cap=$3
@@ -173,36 +181,65 @@ run_phase() {  # run_phase <name> <min-seconds-needed> <cap-seconds> <command...
   end_phase "$name" $?
 }
 PYTEST=(python -m pytest tests/test_backend_triton.py -v -rs -p no:cacheprovider)
+# The example on one GPU (issue 16): 20 iterations, bf16, triton backend, linear-attention heads of the benchmark
+# shapes (H=16, K=V=128, KDA gate as the benchmark's) so its kernels share the autotune cache of the warm phase.
+EXAMPLE_ARGS=(--hp-backend triton --bf16 --num-layers 4 --hidden-size 1024 --num-attention-heads 8
+  --hp-linear-num-key-heads 16 --hp-linear-key-head-dim 128 --hp-linear-value-head-dim 128
+  --hp-kda-lower-bound -5 --hp-kda-safe-gate --seq-length 4096 --micro-batch-size 1 --global-batch-size 4
+  --train-iters 20 --lr 1e-3 --no-progress)
+example_data() {  # example_data <dir>: the example's default pydoc dataset, built once, copied per run
+  if [ ! -f /tmp/hp_example_data/pydoc_text_document.idx ]; then
+    python examples/pretrain/prepare_data.py --output-dir /tmp/hp_example_data >"$OUT/example_data.log" 2>&1 || return 1
+  fi
+  rm -rf "$1" && cp -r /tmp/hp_example_data "$1"
+}
 
-# ---- 2. warm: three processes share the GPU and TRITON_CACHE_DIR (partial results persist per kernel)
-if start_phase warm 60 240; then
+# ---- 2. warm: three processes fill the shared TRITON_CACHE_DIR (partial results persist per kernel); the two
+#         example runs (KKKM, GGGA; 20 iterations each) and the single-rank tests run beside them
+if start_phase warm 60 225; then
   pids=()
   for what in gdn kda cp; do
     timeout --signal=TERM --kill-after=10 "$LIMIT" python benchmarks/gpu_layers.py --warm "$what" --cp-worlds 2 \
       >"$OUT/warm_$what.log" 2>&1 &
     pids+=($!)
   done
+  port=29621
+  for pattern in KKKM GGGA; do
+    if example_data "/tmp/hp_example_$pattern"; then
+      timeout --signal=TERM --kill-after=10 "$LIMIT" torchrun --nproc-per-node 1 --master-port $port \
+        examples/pretrain/pretrain_hybrid.py "${EXAMPLE_ARGS[@]}" --hp-layer-pattern $pattern \
+        --data-path "/tmp/hp_example_$pattern/pydoc_text_document" \
+        --tokenizer "/tmp/hp_example_$pattern/tokenizer.json" >"$OUT/example_$pattern.log" 2>&1 &
+      pids+=($!)
+    else
+      log "example data build failed (example_data.log)"
+    fi
+    port=$(( port + 1 ))
+  done
+  timeout --signal=TERM --kill-after=10 "$LIMIT" "${PYTEST[@]}" -k "not test_cp_matches and not variants" \
+    >"$OUT/tests_single.log" 2>&1 &
+  pids+=($!)
   rc=0
   for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
   cat "$OUT"/warm_gdn.log "$OUT"/warm_kda.log "$OUT"/warm_cp.log >"$OUT/warm.log" 2>/dev/null
+  for f in example_KKKM example_GGGA tests_single; do
+    echo "== $f"; tail -n 6 "$OUT/$f.log" 2>/dev/null
+  done >>"$OUT/summary.txt"
   end_phase warm "$rc"
 fi
-# ---- 3. single-rank tests on the warmed shapes (layer flags, conv, GDN guard)
-run_phase tests_single 45 150 "${PYTEST[@]}" -k "not test_cp_matches and not variants"
-# ---- 4. FLA's ops vs ours
-run_phase bench_ops 45 120 python benchmarks/gpu_layers.py --sections ab --budget-s 90 --iters 10 --out "$OUT/ops"
-# ---- 5. CP tests, P=2 (Triton cache from step 2; per-case lines in the jsonl survive a timeout)
+# ---- 3. FLA's ops vs ours, then the interleaved profile of both (the +23% of GDN fwd at B8 T4096)
+run_phase bench_ops 45 85 python benchmarks/gpu_layers.py --sections ab --budget-s 65 --iters 10 --out "$OUT/ops"
+run_phase profile 30 55 python benchmarks/gpu_profile.py --budget-s 40 --rounds 4 --window-ms 40 --out "$OUT/profile"
+# ---- 4. layers: ours, FLA's, megatron-core's; CP per-rank cost (P = 8 first: its goal)
+run_phase bench_layers 45 80 python benchmarks/gpu_layers.py --sections cd --budget-s 60 --iters 5 \
+  --out "$OUT/layers"
+run_phase bench_cp 40 90 python benchmarks/gpu_layers.py --sections e --cp-worlds 8,4,2 \
+  --budget-s $(( $(left) - 30 > 10 ? $(left) - 30 : 10 )) --iters 3 --out "$OUT/cp"
+# ---- 5. what is left: CP tests with P=2, then P=4 (per-case lines in the jsonl survive a timeout)
 HP_GPU_CP_WORLD=2 HP_GPU_CP_TIMEOUT=140 HP_GPU_CP_LOG="$OUT/tests_cp2_cases.jsonl" \
   run_phase tests_cp2 60 160 "${PYTEST[@]}" -k "test_cp_matches"
-# ---- 6. layers: ours, FLA's, megatron-core's
-run_phase bench_layers 45 120 python benchmarks/gpu_layers.py --sections cd --budget-s 90 --iters 5 \
-  --out "$OUT/layers"
-# ---- 7. what is left, if time is: single-rank variants (new autotuning), P=4 CP tests, CP per-rank benchmark
-run_phase tests_variants 60 150 "${PYTEST[@]}" -k "variants"
 HP_GPU_CP_WORLD=4 HP_GPU_CP_TIMEOUT=170 HP_GPU_CP_LOG="$OUT/tests_cp4_cases.jsonl" \
   run_phase tests_cp4 90 190 "${PYTEST[@]}" -k "test_cp_matches"
-run_phase bench_cp 45 200 python benchmarks/gpu_layers.py --sections e --budget-s $(( $(left) - 40 > 10 ? $(left) - 40 : 10 )) \
-  --iters 3 --out "$OUT/cp"
 
 # ---- 8. merge the benchmark JSONs and render the docs section
 python - "$OUT" <<'EOF' 2>&1 | tee -a "$OUT/summary.txt"
