@@ -2,8 +2,9 @@
 
 For GDN and KDA at each shape and mode, FLA's public op (``gpu_layers.py`` section a) and ours
 (``layers.ops`` with ``backend="triton"``, section b) run on the same inputs and flags. Timing alternates windows
-of the two (``--rounds`` rounds, each window lasting at least ``--window-ms``), so clock and thermal drift hit
-both alike; each side's median window is reported, with the host (enqueue) time per step. ``torch.profiler``
+of the two (``gpu_layers.measure_pair``: ``--rounds`` rounds, each window lasting at least ``--window-ms``), so
+clock and thermal drift hit both alike; each side's median window is reported, with the host (enqueue) time per
+step. ``torch.profiler``
 then records ``--profile-steps`` steps of each: the CUDA kernels (name, calls, device time) and the CPU time of
 the call; kernels or copies that ours launches beyond FLA's are listed, so an extra cast, copy or host sync
 shows by name.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,44 +33,6 @@ from benchmarks._common import marked_section, write_docs_section  # noqa: E402
 def _sync():
     if gpu_layers.DEVICE == "cuda":
         torch.cuda.synchronize()
-
-
-def _window(step, n: int) -> tuple[float, float]:
-    """(device ms per step, host ms per step) over one window of ``n`` steps."""
-    cuda = gpu_layers.DEVICE == "cuda"
-    _sync()
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    h0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    host = (time.perf_counter() - h0) * 1e3 / n
-    if cuda:
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / n, host
-    return host, host
-
-
-def interleaved(steps: dict, rounds: int, window_ms: float) -> dict:
-    """Alternate windows of every step in ``steps`` (name -> step); median device/host ms per name."""
-    for step in steps.values():  # warm-up (autotuning happens here on a cold cache)
-        step()
-    _sync()
-    probe = max(_window(step, 1)[0] for step in steps.values())
-    n = max(3, min(500, int(window_ms / max(probe, 1e-3)) + 1))
-    device = {name: [] for name in steps}
-    host = {name: [] for name in steps}
-    for r in range(rounds):
-        order = list(steps) if r % 2 == 0 else list(reversed(steps))  # ABBA: neither side always goes first
-        for name in order:
-            d, h = _window(steps[name], n)
-            device[name].append(d)
-            host[name].append(h)
-    return {name: {"ms": round(statistics.median(device[name]), 4), "ms_min": round(min(device[name]), 4),
-                   "host_ms": round(statistics.median(host[name]), 4), "windows": len(device[name]), "steps": n}
-            for name in steps}
 
 
 def _device_us(event) -> float:
@@ -129,7 +91,8 @@ def run_case(kind: str, B: int, T: int, mode: str, rounds: int, window_ms: float
     tensors, flags = gpu_layers.op_inputs(kind, B, T)
     steps = {"fla": gpu_layers._op_step(gpu_layers._op_fn(kind, "a"), tensors, flags, mode),
              "ours": gpu_layers._op_step(gpu_layers._op_fn(kind, "b"), tensors, flags, mode)}
-    timing = interleaved(steps, rounds, window_ms)
+    timing = gpu_layers.measure_pair({name: (lambda step=step: step) for name, step in steps.items()}, B * T, 3,
+                                     max(rounds // 2, 1), min_window_s=window_ms / 1e3)
     profiles = {name: kernel_profile(step, profile_steps) for name, step in steps.items()}
     ratio = timing["ours"]["ms"] / timing["fla"]["ms"]
     return {"kind": kind, "shape": f"B{B} T{T}", "mode": mode, "timing": timing,

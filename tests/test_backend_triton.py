@@ -260,16 +260,24 @@ def _staged_batch_isend_irecv(original):
 def install_gloo_cuda_staging():
     """P gloo processes share one GPU (NCCL refuses two ranks on one device); gloo's collectives take CPU
     tensors only, so the ones the CP engine uses stage CUDA tensors through host memory in these tests.
-    Must run before ``layers.cp`` is imported (it binds some of these functions at import)."""
+    Modules of ``layers`` that bound one of these functions at import (a spawned rank re-imports this test
+    module, which imports ``layers``) are rebound to the staged version too."""
     import sys
+    import types
 
-    if "layers.cp.collectives" in sys.modules:
-        raise RuntimeError("install_gloo_cuda_staging() must run before layers.cp.collectives is imported")
+    staged = {}
     for name in ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
-                 "all_to_all_single"):
+                 "all_to_all_single", "batch_isend_irecv"):
         if hasattr(dist, name):
-            setattr(dist, name, _stage_through_host(getattr(dist, name)))
-    dist.batch_isend_irecv = _staged_batch_isend_irecv(dist.batch_isend_irecv)
+            original = getattr(dist, name)
+            wrap = _staged_batch_isend_irecv if name == "batch_isend_irecv" else _stage_through_host
+            staged[original] = wrap(original)
+            setattr(dist, name, staged[original])
+    for module_name, module in list(sys.modules.items()):
+        if module_name == "layers" or module_name.startswith("layers."):
+            for attr, value in list(vars(module).items()):
+                if isinstance(value, types.FunctionType) and value in staged:
+                    setattr(module, attr, staged[value])
 
 
 def cp_worker(rank, world, backend="triton", device="cuda", dtype=torch.bfloat16):
@@ -343,3 +351,31 @@ def test_cp_matches_single_rank_eager(cp_results, key):
     errors = [r["error"] for r in per_rank if "error" in r]
     assert not errors, errors[0]
     assert all(e <= TOL for e in first.values()), first
+
+
+def test_gloo_cuda_staging_rebinds_functions_bound_at_import(monkeypatch):
+    """The GPU CP tests stage CUDA collectives through host memory; layers.cp binds some collectives at import,
+    and spawned ranks import it before staging is installed (seen on the H200: every CP case failed)."""
+    import sys
+
+    import layers.cp.collectives  # noqa: F401 - binds its aliases now
+    names = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
+             "all_to_all_single", "batch_isend_irecv")
+    present = [name for name in names if hasattr(dist, name)]
+    originals = [getattr(dist, name) for name in present]
+    for name in names:
+        if hasattr(dist, name):
+            monkeypatch.setattr(dist, name, getattr(dist, name))  # restored after the test
+
+    def bound_originals():
+        return [(module_name, attr) for module_name, module in list(sys.modules.items())
+                if module_name.startswith("layers.") for attr, value in vars(module).items()
+                if any(value is original for original in originals)]
+
+    before = bound_originals()
+    assert before, "layers no longer binds a collective at import; this test is moot"
+    for (module_name, attr) in before:
+        monkeypatch.setattr(sys.modules[module_name], attr, getattr(sys.modules[module_name], attr))
+    install_gloo_cuda_staging()
+    assert not bound_originals()
+    assert all(getattr(dist, name) is not original for name, original in zip(present, originals))
