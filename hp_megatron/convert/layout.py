@@ -67,7 +67,7 @@ class LayoutEntry:
             f = self.sharded
             built = _flatten(f.build_fn(f.key, tensor, f.replica_id, None))
         else:
-            built = [replace(self.sharded, data=tensor)]
+            built = [replace(self.sharded, data=tensor, dtype=tensor.dtype)]
         return [(_piece(t), t.data.reshape(_piece(t).size)) for t in built]
 
     def pieces(self) -> list[Piece]:
