@@ -30,9 +30,10 @@ def tiny_llama(tmp_path, tied=False, shard="40KB"):
     return model, str(directory)
 
 
-def load_and_run(rank, world_size, hf_dir, ckpt_dir, tokens):
+def load_and_run(rank, world_size, hf_dir, ckpt_dir, tokens, resaved_dir):
     """Per rank: for TP in (1, 2), load the checkpoint into a fresh GPTModel and return its full logits; at TP1
-    also the largest difference between the loaded weights and the rules applied to the HF tensors."""
+    also the largest difference between the loaded weights and the rules applied to the HF tensors. At TP2 the
+    model is saved again by megatron-core itself into ``resaved_dir`` (TP-sharded chunks, as training writes)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -63,6 +64,8 @@ def load_and_run(rank, world_size, hf_dir, ckpt_dir, tokens):
             positions = torch.arange(tokens.shape[1]).expand_as(tokens)
             logits = model(tokens, positions, attention_mask=None)
             results[f"logits_tp{tp}"] = gather_from_tensor_model_parallel_region(logits)
+        if tp == 2:
+            dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": 5}, resaved_dir)
         dist.barrier()
     parallel_state.destroy_model_parallel()
     return results
@@ -79,12 +82,14 @@ def setup(tmp_path_factory):
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = model(tokens).logits
-    per_rank = run_distributed_once(load_and_run, 2, hf_dir, ckpt + "/release", tokens)
-    return expected, per_rank
+    resaved = tmp / "resaved_tp2"
+    resaved.mkdir()
+    per_rank = run_distributed_once(load_and_run, 2, hf_dir, ckpt + "/release", tokens, str(resaved))
+    return expected, per_rank, hf_dir, str(resaved), tmp
 
 
 def test_loaded_weights_are_the_rules_applied_to_hf_tensors(setup):
-    _, per_rank = setup
+    _, per_rank, *_ = setup
     for r in per_rank:
         assert r["common"] == (3.0, 0, "llama")
         assert r["weights_changed"] > 0  # the fresh model started from other weights
@@ -93,6 +98,32 @@ def test_loaded_weights_are_the_rules_applied_to_hf_tensors(setup):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_logits_match_transformers(setup, tp):
-    expected, per_rank = setup
+    expected, per_rank, *_ = setup
     for r in per_rank:
         assert rel_err(r[f"logits_tp{tp}"], expected) <= 1e-5
+
+
+def test_checkpoint_saved_by_megatron_at_tp2_exports_to_the_original_hf_tensors(setup):
+    """mcore-to-hf reads the TP-sharded chunks megatron-core wrote (SwiGLU halves interleaved per rank)."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    from hp_megatron.convert import mcore_to_hf
+
+    _, _, hf_dir, resaved, tmp = setup
+    config = json.load(open(os.path.join(hf_dir, "config.json")))
+    mcore_to_hf(resaved, str(tmp / "from_tp2"), hf_config=config)
+
+    def tensors(d):
+        out = {}
+        for name in os.listdir(d):
+            if name.endswith(".safetensors"):
+                out.update(load_file(os.path.join(d, name)))
+        return out
+
+    original, exported = tensors(hf_dir), tensors(str(tmp / "from_tp2"))
+    assert sorted(exported) == sorted(original)
+    for key, tensor in original.items():
+        assert torch.equal(exported[key], tensor), key
