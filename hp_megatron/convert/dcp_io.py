@@ -1,0 +1,159 @@
+"""torch.distributed.checkpoint (DCP) files of megatron-core's ``torch_dist`` format, written and read lazily.
+
+megatron-core's ``dist_checkpointing.save`` gathers every tensor before writing; a converter cannot hold a whole
+model. :func:`save_lazily` writes the same files (one ``.distcp`` file plus ``.metadata``) from a plan of chunks
+whose data :class:`LazySavePlanner` produces only when DCP's serial writer asks for that chunk, in plan order, so
+the resident set is one conversion rule's tensors. :class:`ChunkReader` reads any region of a stored tensor
+(one layer of a stacked tensor, say) whatever the chunking it was saved with (a TP=8 training run, say).
+"""
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (BytesIOWriteData, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
+                                                  TensorWriteData, WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from hp_megatron.convert.safetensors_io import CheckpointError
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """A chunk to write: tensor ``key`` (global ``global_shape``, ``dtype``) at ``offset`` of ``size``."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    size: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class LazySavePlanner(SavePlanner):
+    """A DCP save planner over ``chunks`` (tensor chunks, written in this order) and ``objects`` (DCP key ->
+    serialized bytes); ``produce(i)`` returns the data of ``chunks[i]`` when the writer reaches it."""
+
+    def __init__(self, chunks: Sequence[ChunkSpec], objects: dict[str, bytes], produce: Callable[[int], torch.Tensor]):
+        self.chunks, self.objects, self.produce = list(chunks), dict(objects), produce
+        self._position = {}
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        pass
+
+    def create_local_plan(self) -> SavePlan:
+        items = [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO, bytes_io_data=BytesIOWriteData(
+            nbytes=len(data))) for key, data in self.objects.items()]
+        for i, chunk in enumerate(self.chunks):
+            index = MetadataIndex(chunk.key, torch.Size(chunk.offset))
+            self._position[(chunk.key, tuple(chunk.offset))] = i
+            items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=torch.Size(chunk.offset), sizes=torch.Size(chunk.size)),
+                properties=TensorProperties(dtype=chunk.dtype), size=torch.Size(chunk.global_shape))))
+        return SavePlan(items)
+
+    def create_global_plan(self, all_plans):
+        return create_default_global_save_plan(all_plans, rewrite_index_hints=False)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self.objects[write_item.index.fqn])
+        i = self._position[(write_item.index.fqn, tuple(write_item.index.offset))]
+        data = self.produce(i)
+        chunk = self.chunks[i]
+        if tuple(data.shape) != tuple(chunk.size) or data.dtype != chunk.dtype:
+            raise CheckpointError(f"checkpoint tensor {chunk.key} at {chunk.offset}: produced "
+                                  f"{data.dtype} {tuple(data.shape)}, planned {chunk.dtype} {chunk.size}")
+        return data
+
+
+def save_lazily(directory: str, chunks: Sequence[ChunkSpec], objects: dict[str, bytes],
+                produce: Callable[[int], torch.Tensor]) -> None:
+    """Write a DCP checkpoint of ``chunks`` and ``objects`` into ``directory`` without a process group."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = FileSystemWriter(directory, single_file_per_rank=True, thread_count=1)
+    dcp.save({}, storage_writer=writer, planner=LazySavePlanner(chunks, objects, produce), no_dist=True)
+
+
+class _CachedMetadataReader(FileSystemReader):
+    """A :class:`FileSystemReader` that parses ``.metadata`` once (a reader serves many small loads)."""
+
+    _metadata = None
+
+    def read_metadata(self, *args, **kwargs):
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+class _RegionLoadPlanner(LoadPlanner):
+    """Reads ``regions`` (``[(key, offset, destination tensor)]``) from whatever chunks the checkpoint holds."""
+
+    def __init__(self, regions):
+        self.regions = {(key, tuple(offset)): dest for key, offset, dest in regions}
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for (key, offset), dest in self.regions.items():
+            stored = self.metadata.state_dict_metadata[key]
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offset), sizes=dest.shape)
+            items += create_read_items_for_chunk_list(key, stored, [chunk])
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan):
+        return global_plan
+
+    def finish_plan(self, central_plan):
+        return central_plan
+
+    def load_bytes(self, read_item, value) -> None:
+        raise CheckpointError(f"unexpected object read for {read_item.dest_index.fqn}")
+
+    def resolve_tensor(self, read_item):
+        dest = self.regions[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            dest = dest.narrow(dim, start, length)
+        return dest
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass
+
+
+class ChunkReader:
+    """Regions of the tensors of a DCP checkpoint directory; ``tensors`` maps key -> (global shape, dtype)."""
+
+    def __init__(self, directory: str):
+        if not os.path.isfile(os.path.join(directory, ".metadata")):
+            raise CheckpointError(f"{directory}: no .metadata; not a torch_dist checkpoint directory")
+        self.directory = directory
+        self._reader = _CachedMetadataReader(directory)
+        metadata = self._reader.read_metadata()
+        self.tensors = {key: (tuple(md.size), md.properties.dtype) for key, md in metadata.state_dict_metadata.items()
+                        if isinstance(md, TensorStorageMetadata)}
+
+    def read_into(self, regions: Sequence[tuple[str, Sequence[int], torch.Tensor]]) -> None:
+        """``[(key, offset, destination)]``: fill each destination (any dtype; views allowed) with the stored
+        region of its shape at ``offset``."""
+        import torch.distributed.checkpoint as dcp
+
+        for key, offset, dest in regions:
+            if key not in self.tensors:
+                raise CheckpointError(f"{self.directory}: checkpoint has no tensor {key}")
+            shape = self.tensors[key][0]
+            if len(offset) != len(shape) or any(o + s > g for o, s, g in zip(offset, dest.shape, shape)):
+                raise CheckpointError(f"{self.directory}: tensor {key} has shape {shape}; region at {tuple(offset)} "
+                                      f"of size {tuple(dest.shape)} lies outside it")
+        dcp.load({}, storage_reader=self._reader, planner=_RegionLoadPlanner(regions), no_dist=True)

@@ -1,0 +1,297 @@
+"""Streaming conversion between Hugging Face directories and megatron-core ``torch_dist`` checkpoints.
+
+``hf_to_mcore``: every rule is checked first on ``meta`` tensors (HF shapes from the shard headers -> the
+model's shapes), so missing/unexpected tensors, shape mismatches and a wrong architecture fail before a byte is
+written; then each checkpoint chunk is produced when the writer reaches it (read the rule's HF tensors, apply
+the rule, split as the model's ``sharded_state_dict`` says). ``mcore_to_hf`` is the mirror image. Output goes
+to a temporary sibling directory that is renamed into place only when complete.
+
+Checkpoint directory (what Megatron-LM's ``--load``/``--finetune`` and ``examples/pretrain`` read)::
+
+    SAVE/latest_checkpointed_iteration.txt      "release" or the iteration
+    SAVE/release/ (or iter_0000000/)            .metadata, __0_0.distcp, common.pt, metadata.json
+
+``common.pt`` holds ``checkpoint_version`` 3.0, ``iteration``, ``content_metadata`` (the sharded_state_dict
+metadata the layout was built with) and ``hf_config`` (the HF config.json, carried back by ``mcore_to_hf``).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hp_megatron.convert.dcp_io import ChunkReader, ChunkSpec, save_lazily
+from hp_megatron.convert.layout import CheckpointLayout, LayoutEntry, checkpoint_layout
+from hp_megatron.convert.registry import get_architecture
+from hp_megatron.convert.rules import TensorRule
+from hp_megatron.convert.safetensors_io import (CONFIG_NAME, CheckpointError, HFCheckpoint, ShardedSafetensorsWriter,
+                                                parse_size)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+COMMON = "common.pt"
+NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")  # tensors of a training checkpoint
+
+
+@dataclass
+class ConversionReport:
+    """What a conversion did: tensors and bytes written, seconds taken."""
+
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    output: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / max(self.seconds, 1e-9)
+
+
+# ------------------------------------------------------------------------------------------ model layout
+@contextlib.contextmanager
+def _single_rank_model_parallel():
+    """A 1-rank process group and TP=PP=EP=CP=1 megatron parallel state for the duration (restored after)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from hp_megatron.platform import apply_cpu_shims
+
+    created_group = not dist.is_initialized()
+    if created_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    elif dist.get_world_size() != 1:
+        raise RuntimeError(f"the converter runs in one process; torch.distributed has world size "
+                           f"{dist.get_world_size()}")
+    had_state = parallel_state.model_parallel_is_initialized()
+    if not had_state:
+        parallel_state.initialize_model_parallel(1, 1)
+    apply_cpu_shims()
+    try:
+        yield
+    finally:
+        if not had_state:
+            parallel_state.destroy_model_parallel()
+        if created_group:
+            dist.destroy_process_group()
+
+
+def build_layout(build_model, hf_config: dict, metadata: dict | None = None) -> CheckpointLayout:
+    """The checkpoint layout of ``build_model(hf_config)`` built at TP=PP=EP=1 on the ``meta`` device (no
+    weights are allocated; parameters a module places on an explicit device stay small)."""
+    with _single_rank_model_parallel(), torch.device("meta"):
+        model = build_model(hf_config, perform_initialization=False, use_cpu_initialization=True)
+        layout = checkpoint_layout(model, metadata)
+    layout.check_pieces_tile()
+    return layout
+
+
+def _resolve(hf_config: dict, rules, build_model):
+    model_type = hf_config.get("model_type")
+    if rules is None or build_model is None:
+        arch = get_architecture(model_type)
+        rules = arch.conversion_rules(hf_config) if rules is None else rules
+        build_model = arch.build_model if build_model is None else build_model
+    return list(rules), build_model
+
+
+def _match_rules(rules: list[TensorRule], layout: CheckpointLayout, where: str) -> list[tuple[TensorRule, LayoutEntry]]:
+    """Rules in the model's order, one per model tensor; CheckpointError for gaps and extras."""
+    by_key = {}
+    for rule in rules:
+        if rule.mcore_key in by_key:
+            raise CheckpointError(f"two conversion rules build {rule.mcore_key}")
+        by_key[rule.mcore_key] = rule
+    missing = [k for k in layout.entries if k not in by_key]
+    if missing:
+        raise CheckpointError(f"{where}: model tensors without a conversion rule (wrong architecture?): {missing[:5]}")
+    unknown = [k for k in by_key if k not in layout.entries]
+    if unknown:
+        raise CheckpointError(f"{where}: conversion rules for tensors the model does not have (wrong architecture?): "
+                              f"{unknown[:5]}")
+    owner: dict[str, str] = {}
+    for rule in rules:
+        for hf_key in rule.hf_keys:
+            if hf_key in owner:
+                raise CheckpointError(f"HF tensor {hf_key} is used by two rules ({owner[hf_key]}, {rule.mcore_key})")
+            owner[hf_key] = rule.mcore_key
+    return [(by_key[k], entry) for k, entry in layout.entries.items()]
+
+
+def _meta(shape, dtype) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+def _on_meta(fn, arg, what: str):
+    """``fn(arg)`` on meta tensors (shapes only); a rule that cannot take these shapes names the tensor."""
+    try:
+        return fn(arg)
+    except Exception as err:
+        shapes = [tuple(t.shape) for t in arg] if isinstance(arg, list) else tuple(arg.shape)
+        raise CheckpointError(f"{what}: the conversion rule fails on shapes {shapes}: {err}") from err
+
+
+# ------------------------------------------------------------------------------------------ output dirs
+@contextlib.contextmanager
+def _atomic_directory(target: str, overwrite: bool):
+    """Yields a temporary sibling of ``target``; renames it to ``target`` on success, removes it on failure."""
+    target = os.path.abspath(target)
+    if os.path.exists(target) and not overwrite:
+        raise FileExistsError(f"{target} exists; pass overwrite=True (--overwrite) to replace it")
+    tmp = f"{target}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = f"{target}.old-{os.getpid()}"
+    if os.path.exists(target):
+        os.rename(target, old)
+    os.rename(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def checkpoint_directory(path: str) -> str:
+    """The directory holding the tensors: ``path`` itself, or the one its tracker file names."""
+    tracker = os.path.join(path, TRACKER)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            text = f.read().strip()
+        name = "release" if text == "release" else f"iter_{int(text):07d}"
+        path = os.path.join(path, name)
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise CheckpointError(f"{path}: no metadata.json; not a megatron-core dist checkpoint (nor a directory "
+                              f"with {TRACKER})")
+    return path
+
+
+# ------------------------------------------------------------------------------------------ HF -> mcore
+def hf_to_mcore(hf_dir: str, save: str, *, rules=None, build_model=None, iteration: int | None = None,
+                metadata: dict | None = None, overwrite: bool = False) -> ConversionReport:
+    """Convert the HF directory ``hf_dir`` into a megatron-core checkpoint at ``save``.
+
+    ``rules``/``build_model`` default to the registered architecture of config.json's ``model_type``.
+    ``iteration=None`` writes a ``release`` checkpoint (Megatron-LM loads it as a starting point: no optimizer,
+    iteration 0), an int writes ``iter_XXXXXXX``. ``metadata`` is the ``sharded_state_dict`` metadata (default:
+    megatron-core's defaults, as Megatron-LM and examples/pretrain load without content metadata)."""
+    start = time.perf_counter()
+    hf = HFCheckpoint(hf_dir)
+    rules, build_model = _resolve(hf.config, rules, build_model)
+    layout = build_layout(build_model, hf.config, metadata)
+    matched = _match_rules(rules, layout, hf_dir)
+
+    unexpected = sorted(set(hf.tensors) - {k for rule in rules for k in rule.hf_keys})
+    if unexpected:
+        raise CheckpointError(f"{hf.path(unexpected[0])}: unexpected tensor {unexpected[0]}: no conversion rule reads "
+                              f"it ({len(unexpected)} such tensors: {unexpected[:5]})")
+    chunks, owners = [], []
+    for index, (rule, entry) in enumerate(matched):
+        for key in rule.hf_keys:
+            if key not in hf.tensors:
+                raise CheckpointError(f"{hf_dir}: missing tensor {key} (needed for {rule.mcore_key}; no shard holds it)")
+        infos = [hf.tensors[k] for k in rule.hf_keys]
+        out = _on_meta(rule.to_mcore, [_meta(i.shape, i.dtype) for i in infos], rule.mcore_key)
+        if tuple(out.shape) != entry.shape:
+            described = ", ".join(f"{k} {i.shape} in {i.file}" for k, i in zip(rule.hf_keys, infos))
+            raise CheckpointError(f"{hf_dir}: shape mismatch for {rule.mcore_key}: the model built from config.json "
+                                  f"needs {entry.shape}, the HF tensors ({described}) give {tuple(out.shape)}")
+        for piece, _ in entry.split(out):
+            chunks.append(ChunkSpec(piece.key, piece.global_shape, piece.offset, piece.size, out.dtype))
+            owners.append(index)
+
+    current: dict = {}
+
+    def produce(i: int) -> torch.Tensor:
+        index = owners[i]
+        if current.get("index") != index:
+            current.clear()  # drop the previous rule's tensors before reading the next
+            rule, entry = matched[index]
+            full = rule.to_mcore([hf.read(k) for k in rule.hf_keys])
+            current.update(index=index, pieces={(p.key, p.offset): data for p, data in entry.split(full)})
+        return current["pieces"][(chunks[i].key, chunks[i].offset)]
+
+    name = "release" if iteration is None else f"iter_{iteration:07d}"
+    with _atomic_directory(save, overwrite) as tmp:
+        ckpt = os.path.join(tmp, name)
+        os.makedirs(ckpt)
+        save_lazily(ckpt, chunks, layout.objects, produce)
+        current.clear()
+        common = {"checkpoint_version": 3.0, "iteration": 0 if iteration is None else iteration,
+                  "hf_config": hf.config}
+        if metadata is not None:
+            common["content_metadata"] = metadata
+        torch.save(common, os.path.join(ckpt, COMMON))
+        with open(os.path.join(ckpt, "metadata.json"), "w") as f:
+            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                       "common_backend_version": 1}, f)
+        with open(os.path.join(tmp, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("release" if iteration is None else str(iteration))
+    nbytes = sum(torch.Size(c.size).numel() * c.dtype.itemsize for c in chunks)
+    return ConversionReport(len(chunks), nbytes, time.perf_counter() - start, os.path.abspath(save))
+
+
+# ------------------------------------------------------------------------------------------ mcore -> HF
+def mcore_to_hf(load: str, save: str, *, hf_config: dict | None = None, rules=None, build_model=None,
+                max_shard_size: str | int = "5GB", overwrite: bool = False) -> ConversionReport:
+    """Convert the megatron-core checkpoint ``load`` (root with a tracker file, or the iteration directory)
+    into an HF directory at ``save`` (config.json + safetensors shards + index).
+
+    ``hf_config`` defaults to the config the checkpoint carries (written by :func:`hf_to_mcore`)."""
+    start = time.perf_counter()
+    ckpt = checkpoint_directory(load)
+    common = torch.load(os.path.join(ckpt, COMMON), map_location="cpu", weights_only=False)
+    if hf_config is None:
+        hf_config = common.get("hf_config")
+        if hf_config is None:
+            raise CheckpointError(f"{ckpt}/{COMMON}: no hf_config stored; pass the HF config.json (--hf-config)")
+    rules, build_model = _resolve(hf_config, rules, build_model)
+    metadata = common.get("content_metadata")
+    layout = build_layout(build_model, hf_config, metadata)
+    matched = _match_rules(rules, layout, ckpt)
+    reader = ChunkReader(ckpt)
+
+    specs, used = [], set()
+    for rule, entry in matched:
+        pieces = entry.pieces()
+        for piece in pieces:
+            stored = reader.tensors.get(piece.key)
+            if stored is None:
+                raise CheckpointError(f"{ckpt}: missing tensor {piece.key} (for {rule.mcore_key})")
+            if stored[0] != piece.global_shape:
+                raise CheckpointError(f"{ckpt}: shape mismatch for {piece.key}: stored {stored[0]}, the model built "
+                                      f"from config.json needs {piece.global_shape}")
+            used.add(piece.key)
+        dtype = reader.tensors[pieces[0].key][1]
+        outs = _on_meta(rule.to_hf, _meta(entry.shape, dtype), rule.mcore_key)
+        if len(outs) != len(rule.hf_keys):
+            raise CheckpointError(f"{rule.mcore_key}: the rule returned {len(outs)} tensors for {len(rule.hf_keys)} "
+                                  "HF keys")
+        specs += [(k, t.dtype, tuple(t.shape)) for k, t in zip(rule.hf_keys, outs)]
+    unexpected = sorted(k for k in set(reader.tensors) - used if not k.startswith(NON_MODEL_PREFIXES))
+    if unexpected:
+        raise CheckpointError(f"{ckpt}: unexpected tensor {unexpected[0]}: the model built from config.json has no "
+                              f"such tensor ({len(unexpected)} such tensors: {unexpected[:5]})")
+
+    with _atomic_directory(save, overwrite) as tmp:
+        writer = ShardedSafetensorsWriter(tmp, specs, parse_size(max_shard_size))
+        for rule, entry in matched:
+            pieces = entry.pieces()
+            full = torch.empty(entry.shape, dtype=reader.tensors[pieces[0].key][1])
+            targets = entry.split(full)
+            for _, view in targets:
+                if view.untyped_storage().data_ptr() != full.untyped_storage().data_ptr():
+                    raise CheckpointError(f"{rule.mcore_key}: its sharding factory copies; cannot assemble it")
+            reader.read_into([(p.key, p.offset, view) for p, view in targets])
+            for key, tensor in zip(rule.hf_keys, rule.to_hf(full)):
+                writer.write(key, tensor)
+            del full, targets
+        writer.close()
+        with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
+            json.dump(hf_config, f, indent=2, sort_keys=True)
+    return ConversionReport(len(specs), writer.total_size, time.perf_counter() - start, os.path.abspath(save))

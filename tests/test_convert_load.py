@@ -1,0 +1,129 @@
+"""A converted checkpoint loads into a real megatron-core GPTModel at TP1 and TP2 (2 gloo ranks).
+
+A tiny random ``LlamaForCausalLM`` (transformers) is saved in shards, converted with ``hf_to_mcore``, and loaded by
+megatron-core's own ``dist_checkpointing.load`` through the model's ``sharded_state_dict`` (the path of
+Megatron-LM's ``--load`` and of examples/pretrain). The loaded TP1 weights equal the conversion rules applied to
+the HF tensors bit for bit; the logits at TP1 (data parallel over both ranks) and TP2 equal transformers' logits.
+One spawn serves every case.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist import rel_err, run_distributed_once
+
+VOCAB, SEQ = 96, 12
+
+
+def tiny_llama(tmp_path, tied=False, shard="40KB"):
+    """A random tiny LlamaForCausalLM saved under ``tmp_path / "hf"``; returns (model, directory)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(config).eval()
+    directory = tmp_path / ("hf_tied" if tied else "hf")
+    model.save_pretrained(directory, max_shard_size=shard)
+    return model, str(directory)
+
+
+def load_and_run(rank, world_size, hf_dir, ckpt_dir, tokens, resaved_dir):
+    """Per rank: for TP in (1, 2), load the checkpoint into a fresh GPTModel and return its full logits; at TP1
+    also the largest difference between the loaded weights and the rules applied to the HF tensors. At TP2 the
+    model is saved again by megatron-core itself into ``resaved_dir`` (TP-sharded chunks, as training writes)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from hp_megatron.convert import llama
+    from hp_megatron.convert.safetensors_io import HFCheckpoint
+    from hp_megatron.platform import apply_cpu_shims
+
+    hf = HFCheckpoint(hf_dir)
+    results = {}
+    for tp in (1, 2):
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tp, 1)
+        apply_cpu_shims(100 + tp)
+        model = llama.build_model(hf.config, tensor_model_parallel_size=tp)
+        before = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt_dir)  # as Megatron-LM does
+        model.load_state_dict(state["model"])
+        results["common"] = (state["checkpoint_version"], state["iteration"], state["hf_config"]["model_type"])
+        if tp == 1:
+            rules = {r.mcore_key: r for r in llama.conversion_rules(hf.config)}
+            diffs = [float((model.state_dict()[k] - rule.to_mcore([hf.read(x) for x in rule.hf_keys])).abs().max())
+                     for k, rule in rules.items()]
+            results["weights_max_abs"] = max(diffs)
+            results["weights_changed"] = min(float((model.state_dict()[k] - before[k]).abs().max()) for k in rules
+                                             if "layernorm" not in k)
+        with torch.no_grad():
+            positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+            logits = model(tokens, positions, attention_mask=None)
+            results[f"logits_tp{tp}"] = gather_from_tensor_model_parallel_region(logits)
+        if tp == 2:
+            dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": 5}, resaved_dir)
+        dist.barrier()
+    parallel_state.destroy_model_parallel()
+    return results
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from hp_megatron.convert import hf_to_mcore
+
+    tmp = tmp_path_factory.mktemp("convert_load")
+    model, hf_dir = tiny_llama(tmp)
+    ckpt = str(tmp / "mcore")
+    hf_to_mcore(hf_dir, ckpt)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(tokens).logits
+    resaved = tmp / "resaved_tp2"
+    resaved.mkdir()
+    per_rank = run_distributed_once(load_and_run, 2, hf_dir, ckpt + "/release", tokens, str(resaved))
+    return expected, per_rank, hf_dir, str(resaved), tmp
+
+
+def test_loaded_weights_are_the_rules_applied_to_hf_tensors(setup):
+    _, per_rank, *_ = setup
+    for r in per_rank:
+        assert r["common"] == (3.0, 0, "llama")
+        assert r["weights_changed"] > 0  # the fresh model started from other weights
+        assert r["weights_max_abs"] == 0.0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_logits_match_transformers(setup, tp):
+    expected, per_rank, *_ = setup
+    for r in per_rank:
+        assert rel_err(r[f"logits_tp{tp}"], expected) <= 1e-5
+
+
+def test_checkpoint_saved_by_megatron_at_tp2_exports_to_the_original_hf_tensors(setup):
+    """mcore-to-hf reads the TP-sharded chunks megatron-core wrote (SwiGLU halves interleaved per rank)."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    from hp_megatron.convert import mcore_to_hf
+
+    _, _, hf_dir, resaved, tmp = setup
+    config = json.load(open(os.path.join(hf_dir, "config.json")))
+    mcore_to_hf(resaved, str(tmp / "from_tp2"), hf_config=config)
+
+    def tensors(d):
+        out = {}
+        for name in os.listdir(d):
+            if name.endswith(".safetensors"):
+                out.update(load_file(os.path.join(d, name)))
+        return out
+
+    original, exported = tensors(hf_dir), tensors(str(tmp / "from_tp2"))
+    assert sorted(exported) == sorted(original)
+    for key, tensor in original.items():
+        assert torch.equal(exported[key], tensor), key
