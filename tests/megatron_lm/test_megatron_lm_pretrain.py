@@ -22,6 +22,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 SCRIPTS = os.path.join(REPO, "examples", "pretrain", "megatron_lm")
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "examples", "pretrain"))
+sys.path.insert(0, SCRIPTS)
 
 
 def _megatron_lm_path():
@@ -79,7 +80,7 @@ def run_script(pattern, workdir, sites_dir, env_vars, extra):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     from prepare_data import build
-    from megatron_lm.hf_tokenizer import write_tokenizer_dir
+    from hf_tokenizer import write_tokenizer_dir
 
     out = str(tmp_path_factory.mktemp("pydoc"))
     prefix = build(out, vocab_size=512)

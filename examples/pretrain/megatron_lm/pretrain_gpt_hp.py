@@ -5,7 +5,8 @@ Needs a Megatron-LM checkout on PYTHONPATH (``pretrain_gpt.py``, ``megatron/trai
 
 * ``extra_args_provider=hp_megatron.arguments.add_hp_arguments`` (``--hp-*`` flags), and
 * the ``TransformerConfig`` that Megatron-LM builds from its args (``core_transformer_config_from_args``) gets
-  our fields through ``hp_megatron.arguments.apply_hp_config`` before the model is built.
+  our fields through ``hp_megatron.arguments.apply_hp_config`` before the model is built (and, only where
+  neither Transformer Engine nor Apex is installed, the block-final RMSNorm is ours, for sequence parallelism).
 
 Everything else (data, schedules, optimizer, checkpoints, logging) is Megatron-LM's. Megatron and our package
 are imported in :func:`main` only: megatron-core's checkpoint writer starts a ``spawn`` process, which re-runs
@@ -64,12 +65,27 @@ def _check_args(args):
                              f"is {args.hp_backend}; use --spec hp_megatron.specs {wanted}")
 
 
+def _sequence_parallel_final_norm(args):
+    """Without Transformer Engine or Apex, megatron-core's block-final norm is ``WrappedTorchNorm``, which
+    refuses sequence parallelism; the hybrid specs' own RMSNorm (every layer's norm) supports it. With TE or
+    Apex (GPU installs) nothing changes."""
+    import megatron.core.transformer.transformer_block as transformer_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if (transformer_block.LayerNormImpl is WrappedTorchNorm and args.sequence_parallel
+            and args.normalization == "RMSNorm"):
+        from layers.norm import RMSNorm
+
+        transformer_block.LayerNormImpl = RMSNorm
+
+
 def _with_hp_config(build_config):
     @functools.wraps(build_config)
     def wrapper(args, *a, **kw):
         from hp_megatron.arguments import apply_hp_config
 
         _check_args(args)
+        _sequence_parallel_final_norm(args)
         return apply_hp_config(build_config(args, *a, **kw), args)
     return wrapper
 
