@@ -13,6 +13,7 @@ setup(
     extras_require={
         "triton": ["flash-linear-attention>=0.6.0", "fla-core>=0.6.0", "triton>=3.7.1"],
         "npu": ["torch_npu"],
-        "test": ["pytest>=8", "transformers>=5.6,<6", "psutil", "tokenizers"],
+        "test": ["pytest>=8", "transformers>=5.6,<6", "psutil", "tokenizers",
+                 "six"],  # six: imported by Megatron-LM's training code (tests/megatron_lm)
     },
 )

@@ -5,9 +5,12 @@ Needs a Megatron-LM checkout on PYTHONPATH (``pretrain_gpt.py``, ``megatron/trai
 
 * ``extra_args_provider=hp_megatron.arguments.add_hp_arguments`` (``--hp-*`` flags), and
 * the ``TransformerConfig`` that Megatron-LM builds from its args (``core_transformer_config_from_args``) gets
-  our fields through ``hp_megatron.arguments.apply_hp_config`` before the model is built.
+  our fields through ``hp_megatron.arguments.apply_hp_config`` before the model is built (and, only where
+  neither Transformer Engine nor Apex is installed, the block-final RMSNorm is ours, for sequence parallelism).
 
-Everything else (data, schedules, optimizer, checkpoints, logging) is Megatron-LM's.
+Everything else (data, schedules, optimizer, checkpoints, logging) is Megatron-LM's. Megatron and our package
+are imported in :func:`main` only: megatron-core's checkpoint writer starts a ``spawn`` process, which re-runs
+this file's top level.
 """
 import functools
 import os
@@ -17,15 +20,32 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-try:
-    import pretrain_gpt
-    from megatron.core.enums import ModelType
-    from megatron.training import pretrain
-except ImportError as err:
-    raise RuntimeError("this launcher needs a Megatron-LM checkout on PYTHONPATH (pretrain_gpt.py and "
-                       "megatron/training); pip's megatron-core holds only megatron.core") from err
+# Modules of the Megatron-LM checkout; anything else missing is one of its dependencies.
+_MEGATRON_LM_MODULES = ("pretrain_gpt", "gpt_builders", "model_provider", "megatron.training")
+_PIP_NAMES = {"yaml": "pyyaml", "sentencepiece": "sentencepiece", "tiktoken": "tiktoken"}
 
-from hp_megatron.arguments import add_hp_arguments, apply_hp_config
+
+def _import_error_message(err: ImportError) -> str:
+    """Name the missing module and how to get it: the checkout itself, or a package it imports."""
+    missing = err.name or str(err)
+    if any(missing == m or missing.startswith(m + ".") for m in _MEGATRON_LM_MODULES):
+        return (f"this launcher needs a Megatron-LM checkout on PYTHONPATH (module {missing!r} not found): "
+                "git clone https://github.com/NVIDIA/Megatron-LM at the tag of your megatron-core and set "
+                "MEGATRON_LM (the launch scripts put it on PYTHONPATH); pip's megatron-core holds only megatron.core")
+    package = _PIP_NAMES.get(missing.split(".")[0], missing.split(".")[0])
+    return (f"Megatron-LM imports {missing!r}, which is not installed: pip install {package} "
+            "(pip install -e '.[test]' installs what the CPU tests of this path need)")
+
+
+def _import_megatron_lm():
+    """``(pretrain_gpt, ModelType, pretrain)``; a missing module raises RuntimeError naming it."""
+    try:
+        import pretrain_gpt
+        from megatron.core.enums import ModelType
+        from megatron.training import pretrain
+    except ImportError as err:
+        raise RuntimeError(_import_error_message(err)) from err
+    return pretrain_gpt, ModelType, pretrain
 
 
 def _check_args(args):
@@ -45,15 +65,32 @@ def _check_args(args):
                              f"is {args.hp_backend}; use --spec hp_megatron.specs {wanted}")
 
 
+def _sequence_parallel_final_norm(args):
+    """Without Transformer Engine or Apex, megatron-core's block-final norm is ``WrappedTorchNorm``, which
+    refuses sequence parallelism; the hybrid specs' own RMSNorm (every layer's norm) supports it. With TE or
+    Apex (GPU installs) nothing changes."""
+    import megatron.core.transformer.transformer_block as transformer_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if (transformer_block.LayerNormImpl is WrappedTorchNorm and args.sequence_parallel
+            and args.normalization == "RMSNorm"):
+        from layers.norm import RMSNorm
+
+        transformer_block.LayerNormImpl = RMSNorm
+
+
 def _with_hp_config(build_config):
     @functools.wraps(build_config)
     def wrapper(args, *a, **kw):
+        from hp_megatron.arguments import apply_hp_config
+
         _check_args(args)
+        _sequence_parallel_final_norm(args)
         return apply_hp_config(build_config(args, *a, **kw), args)
     return wrapper
 
 
-def _patch_config_builders():
+def _patch_config_builders(pretrain_gpt):
     """Megatron-LM 0.14 builds the config in pretrain_gpt.model_provider, 0.15+ in gpt_builders.gpt_builder."""
     modules = [pretrain_gpt]
     try:
@@ -71,15 +108,22 @@ def _patch_config_builders():
                            "this Megatron-LM version is not supported by the launcher")
 
 
-def _model_provider():
+def _model_provider(pretrain_gpt):
     if hasattr(pretrain_gpt, "gpt_builder"):  # 0.15+: model_provider(model_builder, pre_process, ...)
         return functools.partial(pretrain_gpt.model_provider, pretrain_gpt.gpt_builder)
     return pretrain_gpt.model_provider
 
 
-if __name__ == "__main__":
-    _patch_config_builders()
+def main():
+    pretrain_gpt, ModelType, pretrain = _import_megatron_lm()
+    from hp_megatron.arguments import add_hp_arguments
+
+    _patch_config_builders(pretrain_gpt)
     pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
-    pretrain(pretrain_gpt.train_valid_test_datasets_provider, _model_provider(), ModelType.encoder_or_decoder,
-             pretrain_gpt.forward_step, args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-             extra_args_provider=add_hp_arguments)
+    pretrain(pretrain_gpt.train_valid_test_datasets_provider, _model_provider(pretrain_gpt),
+             ModelType.encoder_or_decoder, pretrain_gpt.forward_step,
+             args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, extra_args_provider=add_hp_arguments)
+
+
+if __name__ == "__main__":
+    main()

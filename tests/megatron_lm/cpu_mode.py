@@ -1,0 +1,267 @@
+"""CPU/gloo mode of Megatron-LM's training loop (test infrastructure, never imported by the library).
+
+Megatron-LM's ``megatron/training`` asserts CUDA and allocates on ``'cuda'`` in a fixed set of places. This
+module redirects exactly those call sites to CPU, no other caller:
+
+* :data:`SITES` lists each one as ``(file, line, call, text)``: the file under ``megatron/``, the line, the
+  call that is redirected there and a piece of that source line. :func:`check_sites` reads every listed line
+  from the installed megatron-core and the Megatron-LM tree and raises when the text is not there, so a
+  Megatron-LM or megatron-core upgrade that moved a site fails before training starts, naming it.
+* The redirected callables (``torch.cuda.*``, factories with ``device='cuda'``, ``Tensor.cuda``,
+  ``Tensor.type``, ``Module.cuda`` and three start-up functions) look at their caller: a listed site gets the
+  CPU behaviour and is recorded; any other caller gets the original callable. A call from ``megatron/`` that
+  is not listed and fails on CPU raises ``RuntimeError`` naming the site; one that is not listed but is served
+  by ``hp_megatron.platform``'s shims is recorded as unlisted.
+* ``torch.cuda.current_device`` / ``synchronize``, the RNG tracker, the schedules' token counter and the CP
+  slice of rotary tables come from ``hp_megatron.platform.apply_cpu_training_shims`` (reused, wrapped here
+  only to record their megatron callers).
+
+:func:`install` applies all of it right before ``megatron.training`` executes (and no-ops
+``_warmup_jit_function`` once ``megatron.training.initialize`` has executed) through ``import_hook``;
+``tests/megatron_lm/site/sitecustomize.py`` calls it in every Python process started with that folder on
+``PYTHONPATH``. With ``HP_MEGATRON_LM_SITES_DIR`` set, each process writes the sites it reached to
+``$HP_MEGATRON_LM_SITES_DIR/sites-<pid>.json`` at exit (``{"reached": [...], "unlisted": [...]}``).
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import sys
+
+from import_hook import run_after, run_before
+
+# (file under megatron/, line, redirected call, text on that line). Megatron-LM tag core_v0.16.1 over
+# megatron-core 0.16.1. The comment says what the CPU side does.
+SITES = (
+    # start-up: the CUDA assert, one device per rank (model-parallel groups and seeds are set up only then), the dataset-helper build (`make` in site-packages), fused kernels, JIT warm-up
+    ("megatron/training/initialize.py", 62, "torch.cuda.is_available", "assert torch.cuda.is_available()"),
+    ("megatron/training/initialize.py", 319, "torch.cuda.device_count", "torch.cuda.device_count()"),
+    ("megatron/training/initialize.py", 331, "torch.cuda.set_device", "torch.cuda.set_device(args.local_rank)"),
+    ("megatron/training/initialize.py", 422, "torch.cuda.device_count", "torch.cuda.device_count() > 0"),
+    ("megatron/training/initialize.py", 192, "compile_helpers", "compile_helpers()"),
+    ("megatron/training/initialize.py", 224, "fused_kernels.load", "fused_kernels.load(args)"),
+    ("megatron/training/initialize.py", 228, "fused_kernels.load", "fused_kernels.load(args)"),
+    ("megatron/training/initialize.py", 460, "_warmup_jit_function", "_warmup_jit_function()"),
+    # model set-up: .cuda() of the model, the DDP side stream
+    ("megatron/training/training.py", 1258, "Module.cuda", "model_module.cuda(torch.cuda.current_device())"),
+    ("megatron/training/training.py", 1258, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/training/training.py", 1325, "torch.cuda.Stream", "torch.cuda.Stream()"),
+    ("megatron/training/training.py", 1327, "torch.cuda.current_stream", "torch.cuda.current_stream()"),
+    ("megatron/training/training.py", 1329, "torch.cuda.stream", "torch.cuda.stream(ddp_stream)"),
+    ("megatron/training/training.py", 1344, "torch.cuda.current_stream", "torch.cuda.current_stream()"),
+    # small tensors of the training and evaluation loops
+    ("megatron/training/training.py", 812, "torch.tensor", "device='cuda'"),
+    ("megatron/training/training.py", 1816, "torch.tensor", "device='cuda'"),
+    ("megatron/training/training.py", 2072, "torch.tensor", "device='cuda'"),
+    ("megatron/training/training.py", 3112, "Tensor.cuda", ").cuda()"),
+    ("megatron/training/training.py", 3405, "torch.tensor", "flags = torch.tensor("),
+    ("megatron/training/utils.py", 253, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/training/utils.py", 272, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/training/utils.py", 448, "torch.cuda.get_device_properties", "torch.cuda.get_device_properties("),
+    ("megatron/training/utils.py", 534, "Tensor.cuda", 'data["tokens"].cuda('),
+    ("megatron/training/utils.py", 535, "Tensor.cuda", 'data["labels"].cuda('),
+    ("megatron/training/utils.py", 536, "Tensor.cuda", 'data["loss_mask"].cuda('),
+    ("megatron/training/utils.py", 540, "Tensor.cuda", 'data["attention_mask"].cuda('),
+    ("megatron/training/utils.py", 542, "Tensor.cuda", 'data["position_ids"].cuda('),
+    ("megatron/training/utils.py", 561, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/training/utils.py", 605, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/training/checkpointing.py", 343, "torch.cuda.get_rng_state", "torch.cuda.get_rng_state()"),
+    # megatron-core: timers, grad buffers, optimizer, gradient clipping, checkpoint saving
+    ("megatron/core/timers.py", 152, "torch.cuda.synchronize", "torch.cuda.synchronize()"),
+    ("megatron/core/timers.py", 165, "torch.cuda.synchronize", "torch.cuda.synchronize()"),
+    ("megatron/core/timers.py", 303, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/core/utils.py", 1207, "torch.tensor", 'device="cuda"'),
+    ("megatron/core/distributed/param_and_grad_buffer.py", 800, "torch.cuda.current_device",
+     "torch.cuda.current_device()"),
+    ("megatron/core/distributed/param_and_grad_buffer.py", 806, "torch.cuda.current_device",
+     "torch.cuda.current_device()"),
+    ("megatron/core/optimizer/optimizer.py", 481, "torch.tensor", "device='cuda'"),  # fp32/fp16 only
+    ("megatron/core/optimizer/optimizer.py", 485, "torch.tensor", "device='cuda'"),
+    ("megatron/core/optimizer/distrib_optimizer.py", 361, "Tensor.type", "model_param.type() in"),
+    ("megatron/core/optimizer/distrib_optimizer.py", 420, "Tensor.type", "model_param.type() =="),  # fp32
+    ("megatron/core/optimizer/distrib_optimizer.py", 582, "Tensor.type", "param.type() in"),
+    ("megatron/core/optimizer/clip_grads.py", 103, "torch.zeros", "device='cuda'"),
+    ("megatron/core/optimizer/clip_grads.py", 167, "Tensor.type", "param.grad.type() =="),
+    ("megatron/core/optimizer/clip_grads.py", 174, "torch.zeros", "device='cuda'"),
+    ("megatron/core/dist_checkpointing/strategies/filesystem_async.py", 230, "torch.cuda.synchronize",
+     "torch.cuda.synchronize()"),
+    ("megatron/core/dist_checkpointing/strategies/state_dict_saver.py", 252, "torch.cuda.current_device",
+     "torch.cuda.current_device()"),
+    # served by hp_megatron.platform's module-level torch of the schedules (not seen by the recorder)
+    ("megatron/core/pipeline_parallel/schedules.py", 596, "platform:schedules.torch", 'device="cuda"'),
+)
+
+_LISTED = {(f"{path}:{line}", call) for path, line, call, _ in SITES}
+_reached: set = set()
+_unlisted: set = set()
+
+
+def megatron_file(rel_path: str) -> str:
+    """The installed file of ``megatron/<...>`` (megatron-core or the Megatron-LM tree), without importing it."""
+    import megatron  # namespace package over site-packages' megatron-core and the Megatron-LM checkout
+
+    for root in megatron.__path__:
+        candidate = os.path.join(os.path.dirname(root), rel_path)
+        if os.path.isfile(candidate):
+            return candidate
+    raise RuntimeError(f"{rel_path} not found under megatron.__path__={list(megatron.__path__)}; is the "
+                       "Megatron-LM checkout (MEGATRON_LM_PATH) on PYTHONPATH?")
+
+
+def check_sites() -> None:
+    """Raise ``RuntimeError`` listing every site of :data:`SITES` whose line no longer holds its text."""
+    moved, lines = [], {}
+    for path, line, call, text in SITES:
+        if path not in lines:
+            with open(megatron_file(path), encoding="utf-8") as f:
+                lines[path] = f.read().splitlines()
+        found = lines[path][line - 1] if line <= len(lines[path]) else "<past the end of the file>"
+        if text not in found:
+            moved.append(f"{path}:{line} {call}: expected {text!r}, found {found.strip()!r}")
+    if moved:
+        raise RuntimeError("Megatron-LM/megatron-core changed; these CUDA call sites of tests/megatron_lm/"
+                           "cpu_mode.py.SITES moved (find them again and update SITES):\n  " + "\n  ".join(moved))
+
+
+def _caller(depth: int = 2) -> str | None:
+    """``megatron/<...>.py:<line>`` of the frame ``depth`` levels up, or None outside megatron's packages."""
+    frame = sys._getframe(depth)
+    path = frame.f_code.co_filename
+    cut = path.rfind(os.sep + "megatron" + os.sep)
+    return None if cut < 0 else f"{path[cut + 1:]}:{frame.f_lineno}"
+
+
+def _redirect(call: str, original, on_cpu, depth: int = 2):
+    """``original`` for every caller but the listed sites of ``call``, which get ``on_cpu``; ``depth``: frames
+    from the returned function up to megatron's caller."""
+    def redirected(*args, **kwargs):
+        site = _caller(depth)
+        if site is not None and (site, call) in _LISTED:
+            _reached.add(f"{site} {call}")
+            return on_cpu(*args, **kwargs)
+        try:
+            return original(*args, **kwargs)
+        except (RuntimeError, AssertionError) as err:
+            if site is None:
+                raise
+            raise RuntimeError(f"{call} at {site} fails on CPU and is not in tests/megatron_lm/cpu_mode.py.SITES "
+                               "(a new CUDA call site of Megatron-LM?)") from err
+    redirected.__wrapped__ = original
+    return redirected
+
+
+def _recorded(call: str, shimmed):
+    """``shimmed`` (hp_megatron.platform's CPU version) for everyone; megatron callers are recorded."""
+    def recorded(*args, **kwargs):
+        site = _caller()
+        if site is not None:
+            (_reached if (site, call) in _LISTED else _unlisted).add(f"{site} {call}")
+        return shimmed(*args, **kwargs)
+    recorded.__wrapped__ = shimmed
+    return recorded
+
+
+def _cuda_device(kwargs) -> bool:
+    device = kwargs.get("device")
+    return device is not None and str(device).startswith("cuda")
+
+
+def _factory(call: str, original):
+    """A factory that allocates on CPU where a listed site asks for ``device='cuda'``."""
+    def on_cpu(*args, **kwargs):
+        return original(*args, **{**kwargs, "device": "cpu"})
+
+    redirect = _redirect(call, original, on_cpu, depth=3)
+
+    def factory(*args, **kwargs):
+        if not _cuda_device(kwargs):
+            return original(*args, **kwargs)
+        return redirect(*args, **kwargs)
+    factory.__wrapped__ = original
+    return factory
+
+
+class _CpuStream:
+    """Stand-in for ``torch.cuda.Stream`` on CPU, where work is ordered anyway."""
+
+    def wait_stream(self, stream):
+        return None
+
+
+class _DeviceProperties:
+    """What ``get_device_arch_version`` reads: an architecture below Blackwell keeps Megatron-LM's checks of
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (set by the launch scripts) for TP/CP > 1."""
+
+    major = 9
+
+
+_HOPPER = _DeviceProperties()
+
+
+def _cuda_type(original):
+    def cuda_type(tensor, *args, **kwargs):
+        name = original(tensor, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs else name
+    return cuda_type
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+def _apply_before_training() -> None:
+    """Everything but the JIT warm-up: runs right before ``megatron.training`` executes."""
+    import torch
+
+    if torch.cuda.is_available():
+        raise RuntimeError("tests/megatron_lm/cpu_mode.py is on PYTHONPATH on a machine with CUDA; it is for "
+                           "CPU-only runs (remove tests/megatron_lm/site from PYTHONPATH)")
+    check_sites()
+    from hp_megatron.platform import apply_cpu_training_shims
+
+    apply_cpu_training_shims()
+    cuda = torch.cuda
+    cuda.current_device = _recorded("torch.cuda.current_device", cuda.current_device)
+    cuda.synchronize = _recorded("torch.cuda.synchronize", cuda.synchronize)
+    cuda.is_available = _redirect("torch.cuda.is_available", cuda.is_available, lambda: True)
+    cuda.device_count = _redirect("torch.cuda.device_count", cuda.device_count, lambda: 1)  # one per rank
+    cuda.set_device = _redirect("torch.cuda.set_device", cuda.set_device, _noop)
+    cuda.get_device_properties = _redirect("torch.cuda.get_device_properties", cuda.get_device_properties,
+                                           lambda *a, **k: _HOPPER)
+    cuda.Stream = _redirect("torch.cuda.Stream", cuda.Stream, _CpuStream)
+    cuda.current_stream = _redirect("torch.cuda.current_stream", cuda.current_stream, lambda *a, **k: _CpuStream())
+    cuda.stream = _redirect("torch.cuda.stream", cuda.stream, lambda stream: contextlib.nullcontext())
+    cuda.get_rng_state = _redirect("torch.cuda.get_rng_state", cuda.get_rng_state,
+                                   lambda *a, **k: torch.get_rng_state())
+    torch.tensor = _factory("torch.tensor", torch.tensor)
+    torch.zeros = _factory("torch.zeros", torch.zeros)
+    torch.Tensor.cuda = _redirect("Tensor.cuda", torch.Tensor.cuda, lambda tensor, *a, **k: tensor)
+    torch.Tensor.type = _redirect("Tensor.type", torch.Tensor.type, _cuda_type(torch.Tensor.type))
+    torch.nn.Module.cuda = _redirect("Module.cuda", torch.nn.Module.cuda, lambda module, *a, **k: module)
+
+    from megatron.core.datasets import utils as dataset_utils  # the wheel ships helpers_cpp, not its Makefile
+    from megatron.legacy import fused_kernels  # CUDA extensions
+
+    dataset_utils.compile_helpers = _redirect("compile_helpers", dataset_utils.compile_helpers, _noop)
+    fused_kernels.load = _redirect("fused_kernels.load", fused_kernels.load, _noop)
+
+
+def _apply_after_initialize(module) -> None:
+    """``megatron.training.initialize`` has executed: its JIT warm-up runs fused kernels on 'cuda' tensors."""
+    module._warmup_jit_function = _redirect("_warmup_jit_function", module._warmup_jit_function, _noop)
+
+
+def _write_sites() -> None:
+    out_dir = os.environ.get("HP_MEGATRON_LM_SITES_DIR")
+    if out_dir and (_reached or _unlisted):
+        with open(os.path.join(out_dir, f"sites-{os.getpid()}.json"), "w", encoding="utf-8") as f:
+            json.dump({"reached": sorted(_reached), "unlisted": sorted(_unlisted)}, f, indent=1)
+
+
+def install() -> None:
+    """Arm the CPU mode (cheap: imports nothing until ``megatron.training`` is imported)."""
+    run_before("megatron.training", _apply_before_training)
+    run_after("megatron.training.initialize", _apply_after_initialize)
+    atexit.register(_write_sites)

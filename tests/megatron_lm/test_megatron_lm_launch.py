@@ -1,0 +1,87 @@
+"""The Megatron-LM launch path without training: CUDA-site table, launcher errors, common.sh defaults."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+SCRIPTS = os.path.join(REPO, "examples", "pretrain", "megatron_lm")
+LAUNCHER = os.path.join(SCRIPTS, "pretrain_gpt_hp.py")
+sys.path.insert(0, HERE)
+
+from test_megatron_lm_pretrain import MEGATRON_LM  # noqa: E402
+
+needs_megatron_lm = pytest.mark.skipif(MEGATRON_LM is None, reason="Megatron-LM's training code not found: set "
+                                       "MEGATRON_LM_PATH (default ../shared/megatron-lm)")
+
+
+@needs_megatron_lm
+def test_cuda_sites_hold_their_text_and_a_moved_one_fails(monkeypatch):
+    import cpu_mode
+
+    monkeypatch.syspath_prepend(MEGATRON_LM)
+    cpu_mode.check_sites()  # the installed megatron-core and Megatron-LM hold every listed line
+    moved = ("megatron/core/timers.py", 151, "torch.cuda.synchronize", "torch.cuda.synchronize()")
+    monkeypatch.setattr(cpu_mode, "SITES", cpu_mode.SITES + (moved,))
+    with pytest.raises(RuntimeError, match=r"megatron/core/timers.py:151 torch.cuda.synchronize: expected"):
+        cpu_mode.check_sites()
+
+
+def _launch(pythonpath, code):
+    env = dict(os.environ, PYTHONPATH=pythonpath)
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_launcher_without_megatron_lm_names_the_checkout():
+    done = _launch(REPO, f"import runpy; runpy.run_path({LAUNCHER!r}, run_name='__main__')")
+    assert done.returncode != 0
+    assert "RuntimeError: this launcher needs a Megatron-LM checkout on PYTHONPATH (module 'pretrain_gpt'" in \
+        done.stderr, done.stderr[-2000:]
+
+
+@needs_megatron_lm
+def test_launcher_names_a_missing_dependency_of_megatron_lm():
+    code = ("import sys, runpy; sys.modules['six'] = None; "  # as if `six` were not installed
+            f"runpy.run_path({LAUNCHER!r}, run_name='__main__')")
+    done = _launch(f"{MEGATRON_LM}:{REPO}", code)
+    assert done.returncode != 0
+    assert "RuntimeError: Megatron-LM imports 'six', which is not installed: pip install six" in done.stderr, \
+        done.stderr[-2000:]
+
+
+def _common_args(tmp_path, **env_vars):
+    """COMMON_ARGS of common.sh for the given environment, one per line."""
+    env = dict(os.environ, MEGATRON_LM=str(tmp_path), DATA="/data/x_text_document", TOKENIZER="/tok",
+               CKPT=str(tmp_path / "ckpt"), **env_vars)
+    env.pop("MEGATRON_LM_PATH", None)
+    done = subprocess.run(["bash", "-c", f'set -euo pipefail; source "{SCRIPTS}/common.sh"; '
+                           'printf "%s\\n" "${COMMON_ARGS[@]}"'], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split("\n")
+
+
+def _value(args, flag):
+    return args[args.index(flag) + 1]
+
+
+def test_common_sh_keeps_gpu_defaults_and_loads_only_existing_checkpoints(tmp_path):
+    args = _common_args(tmp_path)
+    assert _value(args, "--train-iters") == "10000" and _value(args, "--lr-warmup-iters") == "200"
+    assert "--bf16" in args and _value(args, "--tensor-model-parallel-size") == "2"
+    assert _value(args, "--context-parallel-size") == "4" and "--load" not in args
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
+    args = _common_args(tmp_path, ITERS="3", DTYPE="fp32")
+    assert _value(args, "--load") == str(tmp_path / "ckpt")
+    assert _value(args, "--lr-warmup-iters") == "0" and "--bf16" not in args
+
+
+def test_hf_tokenizer_refuses_a_missing_file(tmp_path):
+    sys.path.insert(0, SCRIPTS)
+    from hf_tokenizer import write_tokenizer_dir
+
+    with pytest.raises(ValueError, match="does not exist"):
+        write_tokenizer_dir(str(tmp_path / "missing.json"), str(tmp_path / "hf"))

@@ -1,0 +1,199 @@
+"""Megatron-LM's own ``pretrain_gpt.py`` with our specs, through the documented launch scripts, on CPU/gloo.
+
+Every run is ``bash examples/pretrain/megatron_lm/train_*.sh`` (torchrun -> pretrain_gpt_hp.py -> Megatron-LM's
+``pretrain``) with tiny dims and the CPU flags of docs/usage.md, in the CPU mode of tests/megatron_lm/cpu_mode.py
+(``sitecustomize`` on PYTHONPATH). Per pattern (KKKM, GGGA): one single-rank reference (3 iterations, evaluation,
+torch_dist checkpoint at iteration 2), CP2 with allgather, p2p and ulysses and TP2 (first iteration each), and
+examples/pretrain/pretrain_hybrid.py on the same dims and data. For KKKM a second run loads the iteration-2
+checkpoint (weights only) and continues. Needs Megatron-LM's training code: MEGATRON_LM_PATH, default
+../shared/megatron-lm next to the repository.
+"""
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+SCRIPTS = os.path.join(REPO, "examples", "pretrain", "megatron_lm")
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(REPO, "examples", "pretrain"))
+sys.path.insert(0, SCRIPTS)
+
+
+def _megatron_lm_path():
+    path = os.environ.get("MEGATRON_LM_PATH") or os.path.join(os.path.dirname(REPO), "shared", "megatron-lm")
+    return path if os.path.isfile(os.path.join(path, "pretrain_gpt.py")) else None
+
+
+MEGATRON_LM = _megatron_lm_path()
+pytestmark = pytest.mark.skipif(
+    MEGATRON_LM is None, reason="Megatron-LM's training code not found: set MEGATRON_LM_PATH to a checkout of "
+    "https://github.com/NVIDIA/Megatron-LM at the tag of the installed megatron-core (default ../shared/megatron-lm)")
+
+# The CPU flags of docs/usage.md and the tiny dims (fp32: DTYPE=fp32 drops the scripts' --bf16).
+CPU_FLAGS = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--inference-rng-tracker",
+             "--rerun-mode", "disabled", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
+             "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-masked-softmax-fusion",
+             "--no-persist-layer-norm"]
+TINY = ["--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
+        "--norm-epsilon", "1e-6", "--hp-linear-num-key-heads", "4", "--hp-linear-key-head-dim", "8",
+        "--hp-linear-value-head-dim", "8"]
+PATTERNS = {
+    "KKKM": ("train_kimi_linear_like.sh",
+             ["--hp-mla-kv-lora-rank", "16", "--hp-mla-qk-head-dim", "8", "--hp-mla-qk-pos-emb-head-dim", "8",
+              "--hp-mla-v-head-dim", "8"],
+             ["--hp-mla-cp", "latent", "--hp-mla-rope-type", "none"]),
+    "GGGA": ("train_qwen3_next_like.sh",
+             ["--kv-channels", "8", "--hp-linear-num-value-heads", "8"],
+             ["--num-query-groups", "2", "--rotary-base", "10000000", "--hp-linear-num-value-heads", "8"]),
+}
+PARALLEL = {"cp2_allgather": {"CP": "2", "CP_METHOD": "allgather"}, "cp2_p2p": {"CP": "2", "CP_METHOD": "p2p"},
+            "cp2_ulysses": {"CP": "2", "CP_METHOD": "ulysses"}, "tp2": {"TP": "2"}}
+SEQ, GBS, ITERS, LR = 32, 2, 3, 1e-2
+
+
+def run_script(pattern, workdir, sites_dir, env_vars, extra):
+    """One launch of the pattern's script; returns (per-iteration records, log text)."""
+    script, dims, _ = PATTERNS[pattern]
+    record_dir = os.path.join(workdir, "record")
+    os.makedirs(record_dir, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=f"{HERE}/site:{REPO}", MEGATRON_LM_PATH=MEGATRON_LM, PET_STANDALONE="1",
+               OMP_NUM_THREADS="1", HP_MEGATRON_LM_SITES_DIR=sites_dir, HP_MEGATRON_LM_RECORD_DIR=record_dir,
+               GPUS="1", TP="1", CP="1", BACKEND="eager", DTYPE="fp32", SEQ=str(SEQ), GBS=str(GBS),
+               ITERS=str(ITERS), LR=str(LR), CKPT=os.path.join(workdir, "ckpt"))
+    env.pop("MEGATRON_LM", None)
+    env.update(env_vars)
+    env["GPUS"] = str(int(env["TP"]) * int(env["CP"]))
+    done = subprocess.run(["bash", os.path.join(SCRIPTS, script), *CPU_FLAGS, *TINY, *dims, *extra], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-6000:]
+    with open(os.path.join(record_dir, "train.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f], log
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from prepare_data import build
+    from hf_tokenizer import write_tokenizer_dir
+
+    out = str(tmp_path_factory.mktemp("pydoc"))
+    prefix = build(out, vocab_size=512)
+    return {"DATA": prefix, "TOKENIZER": write_tokenizer_dir(os.path.join(out, "tokenizer.json"),
+                                                              os.path.join(out, "hf"))}
+
+
+@pytest.fixture(scope="module")
+def sites_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cuda_sites"))
+
+
+_RUNS = {}
+
+
+@pytest.fixture(scope="module")
+def runs(data, sites_dir, tmp_path_factory):
+    """``runs(pattern)``: every run of that pattern, launched once per module."""
+    def get(pattern):
+        if pattern not in _RUNS:
+            _RUNS[pattern] = _launch_all(pattern, data, sites_dir, tmp_path_factory)
+        return _RUNS[pattern]
+    return get
+
+
+def _launch_all(pattern, data, sites_dir, tmp_path_factory):
+    out = {}
+    ref_dir = str(tmp_path_factory.mktemp(f"{pattern}_ref"))
+    # reference: 3 iterations, evaluation at 2 (1 batch), checkpoints at 2 and 3
+    out["ref"] = run_script(pattern, ref_dir, sites_dir, {**data, "SAVE_INTERVAL": "2"},
+                            ["--eval-interval", "2", "--eval-iters", "1"])
+    for name, env_vars in PARALLEL.items():
+        out[name] = run_script(pattern, str(tmp_path_factory.mktemp(f"{pattern}_{name}")), sites_dir,
+                               {**data, **env_vars}, ["--exit-interval", "1", "--eval-iters", "1"])
+    if pattern == "KKKM":  # the same command again resumes: weights of iteration 2, fresh optimizer and RNG
+        out["resumed"] = run_script(pattern, ref_dir, sites_dir, {**data, "SAVE_INTERVAL": "100"},
+                                    ["--ckpt-step", "2", "--no-load-optim", "--no-load-rng", "--eval-iters", "1"])
+    out["hybrid"] = _pretrain_hybrid(pattern, data)
+    return out
+
+
+def _pretrain_hybrid(pattern, data):
+    """examples/pretrain/pretrain_hybrid.py's first iteration on the same dims, data and split."""
+    _, _, hybrid_flags = PATTERNS[pattern]
+    tokenizer_json = os.path.join(os.path.dirname(data["DATA"]), "tokenizer.json")
+    argv = ["--hp-layer-pattern", pattern, "--seq-length", str(SEQ), "--micro-batch-size", "1",
+            "--global-batch-size", str(GBS), "--train-iters", str(ITERS), "--exit-interval", "1", "--lr", str(LR),
+            "--lr-warmup-iters", "0", "--split", "99,1,0", "--data-path", data["DATA"], "--tokenizer",
+            tokenizer_json, "--no-progress", "--hp-linear-conv-kernel-dim", "4",
+            *[a for a in TINY if a != "--norm-epsilon" and a != "1e-6"], *hybrid_flags]
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PET_STANDALONE="1")
+    done = subprocess.run(["torchrun", "--nproc-per-node", "1",
+                           os.path.join(REPO, "examples", "pretrain", "pretrain_hybrid.py"), *argv],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-6000:]
+    losses = [float(m) for m in re.findall(r"iteration\s+1/.*?lm loss: ([0-9.E+-]+)", log)]
+    assert len(losses) == 1, log[-3000:]
+    return losses[0]
+
+
+def _rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.parametrize("name", list(PARALLEL))
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_parallel_first_iteration_matches_single_rank(runs, pattern, name):
+    (ref, _), (got, log) = runs(pattern)["ref"], runs(pattern)[name]
+    assert got[0]["iteration"] == 1 and len(got) == 1, got
+    assert _rel(got[0]["lm loss"], ref[0]["lm loss"]) <= 1e-5, (got[0], ref[0])
+    assert _rel(got[0]["grad_norm"], ref[0]["grad_norm"]) <= 1e-5, (got[0], ref[0])
+    size = "context-parallel size: 2" if name.startswith("cp2") else "tensor-model-parallel size: 2"
+    assert size in log
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_first_iteration_matches_pretrain_hybrid(runs, pattern):
+    (ref, _), hybrid = runs(pattern)["ref"], runs(pattern)["hybrid"]
+    # pretrain_hybrid.py prints the loss with 7 significant digits
+    assert _rel(ref[0]["lm loss"], hybrid) <= 1e-5, (ref[0], hybrid)
+
+
+def test_reference_run_trains_evaluates_and_saves(runs):
+    ref, log = runs("KKKM")["ref"]
+    assert [r["iteration"] for r in ref] == [1, 2, 3]
+    assert ref[2]["lm loss"] < ref[0]["lm loss"], ref
+    assert "validation loss at iteration 2" in log
+    assert "successfully saved checkpoint from iteration       2" in log
+    assert "loading" not in log.lower() or "loading checkpoint" not in log.lower()  # no --load without a checkpoint
+
+
+def test_resumed_run_continues_from_checkpoint(runs):
+    (ref, _), (resumed, log) = runs("KKKM")["ref"], runs("KKKM")["resumed"]
+    assert "successfully loaded checkpoint" in log and "at iteration 2" in log, log[-3000:]
+    assert [r["iteration"] for r in resumed] == [3]
+    assert _rel(resumed[0]["lm loss"], ref[2]["lm loss"]) <= 1e-5, (resumed, ref)
+    assert _rel(resumed[0]["grad_norm"], ref[2]["grad_norm"]) <= 1e-5, (resumed, ref)
+
+
+def test_cuda_sites_all_reached_none_unlisted(runs, sites_dir):
+    """Every redirected site of cpu_mode.SITES is needed by some run, and no run met an unlisted one."""
+    import cpu_mode
+
+    for pattern in PATTERNS:
+        runs(pattern)
+    reached, unlisted = set(), set()
+    for path in glob.glob(os.path.join(sites_dir, "sites-*.json")):
+        with open(path, encoding="utf-8") as f:
+            sites = json.load(f)
+        reached.update(sites["reached"])
+        unlisted.update(sites["unlisted"])
+    listed = {f"{p}:{line} {call}" for p, line, call, _ in cpu_mode.SITES if not call.startswith("platform:")}
+    assert not unlisted
+    assert reached == listed, {"listed, never reached": sorted(listed - reached),
+                               "reached, not listed": sorted(reached - listed)}
