@@ -94,8 +94,10 @@ def verify_checkpoint_files(path: str) -> None:
 
 
 def schedule_differences(checkpoint_schedule: dict, flags_schedule: dict) -> dict:
-    """``{key: (checkpoint value, flags value)}`` for the schedule entries that differ."""
-    return {k: (checkpoint_schedule.get(k), flags_schedule[k]) for k in SCHEDULE_KEYS
+    """``{key: (checkpoint value, flags value)}`` for the schedule entries that differ (the weight-decay
+    ramp length only when the weight decay changes over it)."""
+    keys = [k for k in SCHEDULE_KEYS if k != "wd_incr_steps" or flags_schedule["start_wd"] != flags_schedule["end_wd"]]
+    return {k: (checkpoint_schedule.get(k), flags_schedule[k]) for k in keys
             if k in flags_schedule and checkpoint_schedule.get(k) != flags_schedule[k]}
 
 
@@ -107,14 +109,17 @@ def load_checkpoint(path, model, optimizer, scheduler, warn_schedule=True):
     wins; ``warn_schedule``: rank 0 warns when the checkpoint's schedule is kept and differs from the flags.
     """
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     verify_checkpoint_files(path)
     model_sd = _model_sharded_state_dict(model)
     template = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
     try:
         state = dist_checkpointing.load(template, path)
-    except Exception as exc:
-        raise ValueError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from exc
+    except (Exception, CheckpointException) as exc:
+        if isinstance(exc, CheckpointException):  # (exception, traceback) per failing rank
+            exc = next(iter(exc.failures.values()))[0]
+        raise ValueError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from None
     model.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     saved_schedule = state["opt_param_scheduler"]

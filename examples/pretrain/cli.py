@@ -198,6 +198,7 @@ KNOWN_STARTUP_WARNINGS = (
     r"Apex is not installed",
     r"full scope is deprecated",
     r".*torch\.distributed\._(all_gather|reduce_scatter)_base.*deprecated",
+    r"`load_state_dict` is deprecated",
 )
 
 
