@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import warnings
+from contextlib import contextmanager
 
 from hp_megatron.arguments import add_hp_arguments, validate_hp_args
 
@@ -94,7 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
                    help="on resume, keep the checkpoint's LR schedule without a warning")
     add_hp_arguments(parser)
+    show_defaults(parser)
     return parser
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Give every value-taking flag without help text a ``(default: ...)`` line in --help (the formatter
+    appends it to flags that have help text)."""
+    for action in parser._actions:
+        if action.help is None and action.nargs != 0:
+            action.help = "(default: %(default)s)"
 
 
 def parse_args(argv=None, parser=None):
@@ -209,29 +219,35 @@ def quiet_known_warnings() -> None:
 
 
 REPORTED_ERRORS = (ValueError, TypeError, OSError, ImportError, RuntimeError)
-OTHER_RANK_GRACE_S = 3.0
+
+
+@contextmanager
+def same_on_every_rank():
+    """Mark errors raised inside as raised identically by every rank (flag checks, set-up from the same
+    flags and files), so that only rank 0 reports them."""
+    try:
+        yield
+    except REPORTED_ERRORS as exc:
+        exc.same_on_every_rank = True
+        raise
 
 
 def run_reporting_errors(main, argv=None, verbose=False) -> int:
     """``main(argv)`` with Megatron-style error reporting; returns the exit status.
 
-    A configuration, data or checkpoint error becomes one ``error: ...`` line on stderr and status 1.
-    Rank 0 reports at once; another rank reports (naming itself) only if it is still alive after
-    ``OTHER_RANK_GRACE_S``: when rank 0 failed too, torchrun has stopped it by then, so an error that every
-    rank raises is printed once. ``verbose`` (``--verbose``) keeps the traceback instead.
+    A configuration, data or checkpoint error becomes one ``error: ...`` line on stderr and status 1: from
+    rank 0 alone when it was raised inside :func:`same_on_every_rank`, else from each failing rank
+    (``error (rank k): ...``). ``verbose`` (``--verbose``) keeps the traceback instead.
     """
-    import time
-
     try:
         return main(argv) or 0
     except REPORTED_ERRORS as exc:
         if verbose:
             raise
         rank = launch_rank()
-        if rank != 0:
-            time.sleep(OTHER_RANK_GRACE_S)
-        sys.stderr.write(f"error: {exc}\n" if rank == 0 else f"error (rank {rank}): {exc}\n")
-        sys.stderr.flush()
+        if rank == 0 or not getattr(exc, "same_on_every_rank", False):
+            sys.stderr.write(f"error: {exc}\n" if rank == 0 else f"error (rank {rank}): {exc}\n")
+            sys.stderr.flush()
         _close_process_group()
         return 1
 

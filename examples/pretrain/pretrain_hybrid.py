@@ -31,7 +31,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from checkpointing import TRACKER, find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from cli import parse_args, quiet_known_warnings, run_reporting_errors  # noqa: E402,F401 (parse_args: API)
+from cli import parse_args, quiet_known_warnings, run_reporting_errors, same_on_every_rank  # noqa: E402,F401 (parse_args: API)
 from hp_megatron.arguments import apply_hp_config  # noqa: E402
 from hp_megatron.platform import apply_cpu_training_shims  # noqa: E402
 from training import (BatchLoader, ProgressDisplay, TorchOptimizer, build_datasets, describe_data,  # noqa: E402
@@ -215,12 +215,13 @@ def evaluate(args, model, loader, forward_step_func, num_micro, device):
     return reduce_lm_loss(reports, device)
 
 
-def train(args):
-    """Run the training loop; returns a list of per-iteration dicts (on every rank: loss, grad norm, lr)
-    and, after evaluations, ``{"iteration", "validation_lm_loss"}`` entries."""
-    from megatron.core import parallel_state
+def setup(args):
+    """Everything before the first iteration, built from the flags alone (so any error is the same on every
+    rank): process groups, data files, tokenizer, model, optimizer, scheduler, the checkpoint to resume.
+    Returns a namespace with those and ``iteration`` / ``consumed`` (0 without a checkpoint)."""
+    from types import SimpleNamespace
+
     from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from prepare_data import BPETokenizer
 
@@ -234,24 +235,37 @@ def train(args):
     scheduler = build_scheduler(args, optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
-    is_rank0 = dist.get_rank() == 0
-
-    iteration, consumed = 0, 0
+    run = SimpleNamespace(device=device, tokenizer=tokenizer, vocab_size=vocab_size, config=config, model=model,
+                          optimizer=optimizer, scheduler=scheduler, iteration=0, consumed=0)
     if args.load:
         found = find_checkpoint(args.load)
         if found is None:
-            if is_rank0:
+            if dist.get_rank() == 0:
                 print(f"no checkpoint in {args.load} (no {TRACKER}); training from scratch", flush=True)
         else:
-            iteration, consumed = load_checkpoint(found, model, optimizer, scheduler,
-                                                  warn_schedule=not args.use_checkpoint_opt_param_scheduler)
+            run.iteration, run.consumed = load_checkpoint(
+                found, model, optimizer, scheduler, warn_schedule=not args.use_checkpoint_opt_param_scheduler)
+    return run
+
+
+def train(args):
+    """Run the training loop; returns a list of per-iteration dicts (on every rank: loss, grad norm, lr)
+    and, after evaluations, ``{"iteration", "validation_lm_loss"}`` entries."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    with same_on_every_rank():
+        run = setup(args)
+    device, tokenizer, model, optimizer, scheduler = run.device, run.tokenizer, run.model, run.optimizer, run.scheduler
+    iteration, consumed = run.iteration, run.consumed
     if iteration >= args.train_iters:
-        if is_rank0:
+        if dist.get_rank() == 0:
             print(f"nothing to train: the checkpoint in {args.load} is at iteration {iteration} and --train-iters "
                   f"is {args.train_iters}; raise --train-iters to continue", flush=True)
         parallel_state.destroy_model_parallel()
         return []
-    train_data, valid_data = build_datasets(args, tokenizer)
+    with same_on_every_rank():
+        train_data, valid_data = build_datasets(args, tokenizer)
     loader = BatchLoader(train_data, args, device, tokenizer.pad)
     valid_loader = BatchLoader(valid_data, args, device, tokenizer.pad) if valid_data is not None else None
     log_rank = dist.get_world_size() - 1
@@ -261,7 +275,7 @@ def train(args):
     step_func = partial(forward_step, progress)
     if is_log_rank:
         n_params = sum(p.numel() for p in model.parameters())
-        print(describe_model(args, vocab_size, n_params, device), flush=True)
+        print(describe_model(args, run.vocab_size, n_params, device), flush=True)
         print(describe_data(args, tokenizer, train_data), flush=True)
         if not args.save:
             print("no --save: no checkpoint will be written", flush=True)
@@ -329,7 +343,8 @@ def run_summary(args, history, iterations_run, seconds, saved_to) -> str:
 
 
 def _run(argv):
-    args = parse_args(argv)
+    with same_on_every_rank():
+        args = parse_args(argv)
     train(args)
     dist.barrier()
     dist.destroy_process_group()
