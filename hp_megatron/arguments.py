@@ -106,6 +106,60 @@ def hp_config_from_args(args) -> dict:
     }
 
 
+def validate_hp_args(args) -> None:
+    """Check the ``--hp-*`` flags against each other and Megatron's parallel sizes, before anything is built.
+
+    Reads ``context_parallel_size``, ``tensor_model_parallel_size``, ``seq_length`` and
+    ``num_attention_heads`` from ``args`` (Megatron-LM's names). Raises ValueError naming the flags and
+    values; the same checks the layers make later, stated in flag names.
+    """
+    from hp_megatron.hybrid_layer import validate_pattern
+    from hp_megatron.specs.layer_specs import SYMBOLS
+
+    pattern = args.hp_layer_pattern or ""
+    try:
+        if args.hp_layer_pattern is not None:
+            validate_pattern(pattern, SYMBOLS)
+    except ValueError:
+        raise ValueError(f"--hp-layer-pattern {args.hp_layer_pattern!r} uses letters outside "
+                         f"{''.join(sorted(SYMBOLS))} (G=GDN, K=KDA, M=MLA, A=attention)") from None
+    fields = hp_config_from_args(args)
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    seq = getattr(args, "seq_length", None)
+    parts = 2 * cp if args.hp_cp_layout == "zigzag" else cp
+    if seq is not None and cp > 1 and seq % parts:
+        raise ValueError(f"--seq-length {seq} must be divisible by {parts} ("
+                         f"{'2 x ' if parts != cp else ''}--context-parallel-size {cp}, "
+                         f"--hp-cp-layout {args.hp_cp_layout})")
+    if "A" in pattern and cp > 1 and args.hp_cp_layout != "zigzag":
+        raise ValueError("attention layers ('A' in --hp-layer-pattern) use megatron's rotary embedding, which "
+                         f"assumes the zigzag CP layout; got --hp-cp-layout {args.hp_cp_layout}")
+    ulysses = cp if args.hp_cp_method == "ulysses" else (args.hp_ulysses_degree or 1)
+    if args.hp_cp_method == "ulysses" and args.hp_ulysses_degree not in (None, cp):
+        raise ValueError(f"--hp-cp-method ulysses uses all --context-parallel-size {cp} ranks; drop "
+                         f"--hp-ulysses-degree {args.hp_ulysses_degree} or set it to {cp}")
+    if cp % ulysses:
+        raise ValueError(f"--hp-ulysses-degree {ulysses} must divide --context-parallel-size {cp}")
+    state_ranks = cp // ulysses
+    if args.hp_cp_method == "grouped_allgather_p2p":
+        if args.hp_cp_group_size is None:
+            raise ValueError("--hp-cp-method grouped_allgather_p2p needs --hp-cp-group-size (ranks per "
+                             f"all-gather group, a divisor of {state_ranks})")
+        if state_ranks % args.hp_cp_group_size:
+            raise ValueError(f"--hp-cp-group-size {args.hp_cp_group_size} must divide the state-passing ranks "
+                             f"{state_ranks} (--context-parallel-size {cp} / Ulysses degree {ulysses})")
+    elif args.hp_cp_group_size is not None:
+        raise ValueError(f"--hp-cp-group-size is only used by --hp-cp-method grouped_allgather_p2p, got it with "
+                         f"--hp-cp-method {args.hp_cp_method}")
+    linear = set(pattern or "GK") & {"G", "K"}
+    for flag, heads in (("--hp-linear-num-key-heads", fields["linear_num_key_heads"]),
+                        ("--hp-linear-num-value-heads", fields["linear_num_value_heads"])):
+        if linear and (heads % tp or (heads // tp) % ulysses):
+            raise ValueError(f"GDN/KDA heads {heads} ({flag}, default --num-attention-heads) must be divisible "
+                             f"by --tensor-model-parallel-size {tp} x Ulysses degree {ulysses}")
+
+
 def apply_hp_config(config, args):
     """Set :func:`hp_config_from_args`'s attributes on a megatron ``TransformerConfig``; returns it.
 

@@ -15,8 +15,6 @@ scheduler, iteration, consumed samples), loadable under any other TP/CP/PP layou
 """
 from __future__ import annotations
 
-import argparse
-import math
 import os
 import sys
 import time
@@ -32,69 +30,14 @@ if REPO not in sys.path:  # run from a fresh clone without installing
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from hp_megatron.arguments import add_hp_arguments, apply_hp_config  # noqa: E402
+from checkpointing import TRACKER, find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from cli import parse_args, quiet_known_warnings, run_reporting_errors, same_on_every_rank  # noqa: E402,F401 (parse_args: API)
+from hp_megatron.arguments import apply_hp_config  # noqa: E402
 from hp_megatron.platform import apply_cpu_training_shims  # noqa: E402
-from training import (BatchLoader, ProgressDisplay, TorchOptimizer, build_datasets, load_checkpoint,  # noqa: E402
-                      log_line, reduce_lm_loss, save_checkpoint)
+from training import (BatchLoader, ProgressDisplay, TorchOptimizer, build_datasets, describe_data,  # noqa: E402
+                      log_line, reduce_lm_loss, validation_log_lines)
 
 DEFAULT_DATA_DIR = os.path.join(REPO, "out", "data", "pydoc")
-
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Pretrain a hybrid GDN/KDA/MLA GPT with megatron-core",
-                                     allow_abbrev=False)
-    g = parser.add_argument_group("parallelism (Megatron-LM names)")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true")
-    g = parser.add_argument_group("model (Megatron-LM names)")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=128)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 8/3 x hidden, multiple of 64")
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--num-query-groups", type=int, default=None, help="GQA groups of the attention layers")
-    g.add_argument("--seq-length", type=int, default=256)
-    g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--bf16", action="store_true")
-    g = parser.add_argument_group("training (Megatron-LM names)")
-    g.add_argument("--micro-batch-size", type=int, default=2)
-    g.add_argument("--global-batch-size", type=int, default=8)
-    g.add_argument("--train-iters", type=int, default=60)
-    g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--min-lr", type=float, default=3e-4)
-    g.add_argument("--lr-warmup-iters", type=int, default=5)
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--exit-interval", type=int, default=None, help="stop after this iteration (for resume tests)")
-    g.add_argument("--no-progress", action="store_true", help="no progress display during long iterations")
-    g = parser.add_argument_group("data and checkpoints (Megatron-LM names)")
-    g.add_argument("--data-path", default=None, help="indexed-dataset prefix; default: build the pydoc dataset")
-    g.add_argument("--tokenizer", default=None, help="tokenizer.json (default: next to the default dataset)")
-    g.add_argument("--split", default="100,0,0")
-    g.add_argument("--save", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--load", default=None)
-    add_hp_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 64 * math.ceil(8 * args.hidden_size / 3 / 64)
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_iters >= args.lr_decay_iters:
-        parser.error(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
-                     f"(default --train-iters) {args.lr_decay_iters}")
-    if args.hp_layer_pattern is None:
-        args.hp_layer_pattern = "KKKM"
-    return args
 
 
 def initialize(args):
@@ -108,19 +51,11 @@ def initialize(args):
         apply_cpu_training_shims(args.seed)
     from megatron.core import parallel_state, tensor_parallel
 
-    world = dist.get_world_size()
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
-    if world % model_parallel:
-        raise ValueError(f"world size {world} is not divisible by TP x PP x CP = {model_parallel}")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size)
     args.data_parallel_size = parallel_state.get_data_parallel_world_size()
-    per_step = args.micro_batch_size * args.data_parallel_size
-    if args.global_batch_size % per_step:
-        raise ValueError(f"global batch size {args.global_batch_size} is not divisible by micro batch size x "
-                         f"data-parallel size = {per_step}")
     if on_gpu:
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     torch.manual_seed(args.seed)
@@ -162,10 +97,7 @@ def build_model(args, config, vocab_size):
     transformer_block.LayerNormImpl = RMSNorm
     spec = get_hybrid_layer_spec(args.hp_layer_pattern, backend=args.hp_backend, linear=args.hp_linear,
                                  cp_layout=args.hp_cp_layout)
-    uses_rope = "A" in args.hp_layer_pattern
-    if uses_rope and args.context_parallel_size > 1 and args.hp_cp_layout != "zigzag":
-        raise ValueError("attention layers ('A') use megatron's rotary embedding, which assumes the zigzag CP "
-                         f"layout; got --hp-cp-layout {args.hp_cp_layout}")
+    uses_rope = "A" in args.hp_layer_pattern  # zigzag with CP: checked by validate_hp_args
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=vocab_size, max_sequence_length=args.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
@@ -201,7 +133,8 @@ def build_scheduler(args, optimizer):
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * gbs,
         lr_decay_steps=args.lr_decay_iters * gbs, lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters * gbs,
-        wd_incr_style="constant")
+        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=args.override_opt_param_scheduler)
 
 
 def loss_func(loss_mask, output_tensor):
@@ -223,9 +156,7 @@ def forward_step(progress, data_iterator, model):
 
 
 def prepare_default_data(args):
-    if args.data_path is not None:
-        if args.tokenizer is None:
-            raise ValueError("--data-path needs --tokenizer (a tokenizers JSON file)")
+    if args.data_path is not None:  # checked at parse time
         return
     from prepare_data import DATA_NAME, build, default_data_ready
 
@@ -242,11 +173,55 @@ def pad_vocab(vocab_size, tp, multiple=128):
     return ((vocab_size + step - 1) // step) * step
 
 
-def train(args):
-    """Run the training loop; returns a list of per-iteration dicts (on every rank: loss, grad norm)."""
-    from megatron.core import parallel_state
-    from megatron.core.distributed import finalize_model_grads
+def describe_model(args, vocab_size, n_params, device) -> str:
+    """The header: layer layout, sizes, parallel layout and, for the layers present, backend and CP methods."""
+    pattern = args.hp_layer_pattern
+    layout = "".join(pattern[i % len(pattern)] for i in range(args.num_layers))
+    parts = [f"hybrid GPT: {args.num_layers} layers {layout} (pattern {pattern}), hidden {args.hidden_size}, "
+             f"vocab {vocab_size}, {n_params} parameters on this rank",
+             f"TP={args.tensor_model_parallel_size} CP={args.context_parallel_size} "
+             f"PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}"
+             f"{' SP' if args.sequence_parallel else ''}"]
+    cp = args.context_parallel_size
+    if set(pattern) & {"G", "K"}:
+        text = f"GDN/KDA: backend {args.hp_backend}"
+        if cp > 1:
+            ulysses = cp if args.hp_cp_method == "ulysses" else (args.hp_ulysses_degree or 1)
+            text += f", CP method {args.hp_cp_method}, Ulysses degree {ulysses}"
+            if args.hp_cp_group_size:
+                text += f", group size {args.hp_cp_group_size}"
+        parts.append(text)
+    if "M" in pattern and cp > 1:
+        parts.append(f"MLA CP {args.hp_mla_cp}")
+    if cp > 1:
+        parts.append(f"layout {args.hp_cp_layout}")
+    parts.append(f"device {device}")
+    return "; ".join(parts)
+
+
+def evaluate(args, model, loader, forward_step_func, num_micro, device):
+    """Mean validation token loss over ``--eval-iters`` global batches (the first ones of the split)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model.eval()
+    reports = []
+    with torch.no_grad():
+        for k in range(args.eval_iters):
+            reports += get_forward_backward_func()(
+                forward_step_func=forward_step_func, data_iterator=loader.global_batch(k * args.global_batch_size),
+                model=model, num_microbatches=num_micro, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=True)
+    model.train()
+    return reduce_lm_loss(reports, device)
+
+
+def setup(args):
+    """Everything before the first iteration, built from the flags alone (so any error is the same on every
+    rank): process groups, data files, tokenizer, model, optimizer, scheduler, the checkpoint to resume.
+    Returns a namespace with those and ``iteration`` / ``consumed`` (0 without a checkpoint)."""
+    from types import SimpleNamespace
+
+    from megatron.core.distributed import finalize_model_grads
 
     from prepare_data import BPETokenizer
 
@@ -260,32 +235,60 @@ def train(args):
     scheduler = build_scheduler(args, optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
-
-    iteration, consumed = 0, 0
+    run = SimpleNamespace(device=device, tokenizer=tokenizer, vocab_size=vocab_size, config=config, model=model,
+                          optimizer=optimizer, scheduler=scheduler, iteration=0, consumed=0)
     if args.load:
-        iteration, consumed = load_checkpoint(args.load, model, optimizer, scheduler)
-    dataset = build_datasets(args, tokenizer)
-    loader = BatchLoader(dataset, args, device)
+        found = find_checkpoint(args.load)
+        if found is None:
+            if dist.get_rank() == 0:
+                print(f"no checkpoint in {args.load} (no {TRACKER}); training from scratch", flush=True)
+        else:
+            run.iteration, run.consumed = load_checkpoint(
+                found, model, optimizer, scheduler, warn_schedule=not args.use_checkpoint_opt_param_scheduler)
+    return run
+
+
+def train(args):
+    """Run the training loop; returns a list of per-iteration dicts (on every rank: loss, grad norm, lr)
+    and, after evaluations, ``{"iteration", "validation_lm_loss"}`` entries."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    with same_on_every_rank():
+        run = setup(args)
+    device, tokenizer, model, optimizer, scheduler = run.device, run.tokenizer, run.model, run.optimizer, run.scheduler
+    iteration, consumed = run.iteration, run.consumed
+    if iteration >= args.train_iters:
+        if dist.get_rank() == 0:
+            print(f"nothing to train: the checkpoint in {args.load} is at iteration {iteration} and --train-iters "
+                  f"is {args.train_iters}; raise --train-iters to continue", flush=True)
+        parallel_state.destroy_model_parallel()
+        return []
+    with same_on_every_rank():
+        train_data, valid_data = build_datasets(args, tokenizer)
+    loader = BatchLoader(train_data, args, device, tokenizer.pad)
+    valid_loader = BatchLoader(valid_data, args, device, tokenizer.pad) if valid_data is not None else None
     log_rank = dist.get_world_size() - 1
     is_log_rank = dist.get_rank() == log_rank
     num_micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     progress = ProgressDisplay(enabled=is_log_rank and not args.no_progress, num_microbatches=num_micro)
+    step_func = partial(forward_step, progress)
     if is_log_rank:
         n_params = sum(p.numel() for p in model.parameters())
-        print(f"hybrid GPT: pattern {args.hp_layer_pattern} x {args.num_layers} layers, hidden {args.hidden_size}, "
-              f"vocab {vocab_size}, {n_params} parameters on this rank; TP={args.tensor_model_parallel_size} "
-              f"CP={args.context_parallel_size} PP={args.pipeline_model_parallel_size} "
-              f"DP={args.data_parallel_size}; backend {args.hp_backend}, CP method {args.hp_cp_method}, "
-              f"layout {args.hp_cp_layout}; device {device}", flush=True)
+        print(describe_model(args, run.vocab_size, n_params, device), flush=True)
+        print(describe_data(args, tokenizer, train_data), flush=True)
+        if not args.save:
+            print("no --save: no checkpoint will be written", flush=True)
     fwd_bwd = get_forward_backward_func()
-    history = []
+    history, saved_to = [], None
+    first_iteration, run_start = iteration, time.perf_counter()
     model.train()
     while iteration < args.train_iters:
         start = time.perf_counter()
         progress.start(iteration + 1)
         optimizer.zero_grad()
         model.zero_grad_buffer()
-        losses = fwd_bwd(forward_step_func=partial(forward_step, progress),
+        losses = fwd_bwd(forward_step_func=step_func,
                          data_iterator=loader.global_batch(consumed), model=model, num_microbatches=num_micro,
                          seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                          decoder_seq_length=args.seq_length, forward_only=False)
@@ -304,23 +307,56 @@ def train(args):
             tokens = args.global_batch_size * args.seq_length
             print(log_line(iteration, args.train_iters, consumed, elapsed, lr, args.global_batch_size,
                            lm_loss, grad_norm, tokens / elapsed), flush=True)
+        last = iteration == args.train_iters or bool(args.exit_interval and iteration % args.exit_interval == 0)
+        if valid_loader is not None and (iteration % args.eval_interval == 0 or last):
+            progress.start(iteration)
+            valid_loss = evaluate(args, model, valid_loader, step_func, num_micro, device)
+            progress.stop()
+            history.append({"iteration": iteration, "validation_lm_loss": valid_loss})
+            if is_log_rank:
+                print("\n".join(validation_log_lines(iteration, valid_loss)), flush=True)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            save_checkpoint(args.save, iteration, consumed, model, optimizer, scheduler)
-        if args.exit_interval and iteration % args.exit_interval == 0:
+            saved_to = save_checkpoint(args.save, iteration, consumed, model, optimizer, scheduler)
+        if last:
             break
     if args.save and (not args.save_interval or iteration % args.save_interval):
-        save_checkpoint(args.save, iteration, consumed, model, optimizer, scheduler)
+        saved_to = save_checkpoint(args.save, iteration, consumed, model, optimizer, scheduler)
     progress.close()
+    if is_log_rank:
+        print(run_summary(args, history, iteration - first_iteration, time.perf_counter() - run_start, saved_to),
+              flush=True)
     parallel_state.destroy_model_parallel()
     return history
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def run_summary(args, history, iterations_run, seconds, saved_to) -> str:
+    """The end-of-run line: iterations, time, tokens/s, final training (and validation) loss, checkpoint."""
+    train_losses = [h["lm_loss"] for h in history if "lm_loss" in h]
+    valid_losses = [h["validation_lm_loss"] for h in history if "validation_lm_loss" in h]
+    tokens = iterations_run * args.global_batch_size * args.seq_length
+    text = (f"done: {iterations_run} iterations in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.0f} tokens/s), "
+            f"final lm loss {train_losses[-1]:.4f}")
+    if valid_losses:
+        text += f", validation lm loss {valid_losses[-1]:.4f}"
+    text += f"; checkpoint {saved_to}" if saved_to else "; no checkpoint written (pass --save DIR to write one)"
+    return text
+
+
+def _run(argv):
+    with same_on_every_rank():
+        args = parse_args(argv)
     train(args)
     dist.barrier()
     dist.destroy_process_group()
 
 
+def main(argv=None):
+    """Entry point: exit status 0, 1 for a reported error (one line on rank 0), 2 for a usage error."""
+    verbose = "--verbose" in (sys.argv[1:] if argv is None else argv)
+    if not verbose:
+        quiet_known_warnings()
+    return run_reporting_errors(_run, argv, verbose=verbose)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

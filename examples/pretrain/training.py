@@ -2,6 +2,7 @@
 checkpoints, logging. Kept apart from pretrain_hybrid.py so each part stays small."""
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -13,50 +14,83 @@ import torch.distributed as dist
 
 from hp_megatron.data import get_batch_on_this_cp_rank
 
-CHECKPOINT_VERSION = 1
-TRACKER = "latest_checkpointed_iteration.txt"
-
-
 # ----------------------------------------------------------------------------------------------- data
+def dataset_sizes(args):
+    """Samples of the train / validation / test splits: ``train_iters x GBS`` and, with evaluation,
+    ``eval_iters x GBS`` (every evaluation reads the same first validation batches)."""
+    valid = args.eval_iters * args.global_batch_size if args.eval_interval else 0
+    return [args.train_iters * args.global_batch_size, valid, 0]
+
+
 def build_datasets(args, tokenizer):
-    """megatron-core GPTDataset over the indexed dataset, sized for ``train_iters x global_batch_size``."""
+    """megatron-core GPTDatasets (train, validation or None) over the indexed dataset."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     config = GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length, blend=([args.data_path], None),
-        split=args.split, tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
-        eod_mask_loss=False, create_attention_mask=False,
+        split=args.split, tokenizer=tokenizer, reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=False,
         path_to_cache=os.path.join(os.path.dirname(os.path.abspath(args.data_path)), "cache"))
-    train, _, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [args.train_iters * args.global_batch_size, 0, 0], lambda: True, config).build()
+    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, dataset_sizes(args), lambda: True, config).build()
     if train is None:
         raise ValueError(f"no training split in {args.data_path} with --split {args.split}")
-    return train
+    if args.eval_interval and valid is None:
+        raise ValueError(f"no validation split in {args.data_path} with --split {args.split}")
+    return train, valid
+
+
+def describe_data(args, tokenizer, dataset) -> str:
+    """One line: which data, how much of it, which tokenizer."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    indexed = IndexedDataset(args.data_path)
+    return (f"data: {args.data_path} ({len(indexed)} documents, {int(indexed.sequence_lengths.sum())} tokens), "
+            f"--split {args.split}, {len(dataset)} training samples of {args.seq_length} tokens"
+            f"{', packed per document (THD)' if args.reset_attention_mask else ''}; tokenizer {args.tokenizer} "
+            f"(vocab {tokenizer.vocab_size})")
 
 
 class BatchLoader:
     """Megatron's pretraining sample order: global batch g holds samples [g*GBS, (g+1)*GBS); micro-batch m
     of data-parallel rank d reads samples ``g*GBS + (m*DP + d)*MBS + [0, MBS)``. The position is just the
-    consumed-sample count, so a resumed run continues with the very next sample."""
+    consumed-sample count, so a resumed run continues with the very next sample.
 
-    def __init__(self, dataset, args, device):
+    With ``--reset-attention-mask`` each micro-batch is packed into one THD row (``packing.py``) and
+    carries its ``packed_seq_params``; the CP share is ``hp_megatron.data.get_batch_on_this_cp_rank``'s."""
+
+    def __init__(self, dataset, args, device, pad_id):
         from megatron.core import parallel_state
 
-        self.dataset, self.device = dataset, device
+        from packing import document_multiple
+
+        self.dataset, self.device, self.pad_id = dataset, device, pad_id
         self.mbs, self.gbs = args.micro_batch_size, args.global_batch_size
         self.dp = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.layout = args.hp_cp_layout
+        self.packed = args.reset_attention_mask
+        self.multiple = document_multiple(args.context_parallel_size, args.hp_cp_layout,
+                                          args.tensor_model_parallel_size, args.sequence_parallel)
 
     def _micro_batch(self, first):
+        from packing import PACKED_KEYS, pack_documents
+
         samples = [self.dataset[first + i] for i in range(self.mbs)]
-        batch = {}
-        for key in ("tokens", "labels", "loss_mask", "position_ids"):
-            batch[key] = torch.stack([torch.as_tensor(s[key]) for s in samples]).to(self.device)
+        batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in PACKED_KEYS}
         batch["tokens"] = batch["tokens"].long()
         batch["labels"] = batch["labels"].long()
-        return get_batch_on_this_cp_rank(batch, layout=self.layout)
+        params = None
+        if self.packed:
+            batch, params = pack_documents(batch, self.pad_id, self.multiple)
+        batch = {key: value.to(self.device) for key, value in batch.items()}
+        if params is not None:
+            for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+                setattr(params, name, getattr(params, name).to(self.device))
+        batch = get_batch_on_this_cp_rank(batch, params, layout=self.layout)
+        batch["packed_seq_params"] = params
+        return batch
 
     def global_batch(self, consumed_samples):
         num_micro = self.gbs // (self.mbs * self.dp)
@@ -148,59 +182,6 @@ class TorchOptimizer:
         self.optimizer.load_state_dict(state)
 
 
-# ---------------------------------------------------------------------------------------- checkpoints
-def _model_sharded_state_dict(model):
-    return model.module.sharded_state_dict()
-
-
-def _optimizer_sharded_state_dict(optimizer, model_sd, is_loading):
-    if isinstance(optimizer, TorchOptimizer):
-        return optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
-    return optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
-
-
-def save_checkpoint(root, iteration, consumed, model, optimizer, scheduler):
-    """``<root>/iter_XXXXXXX`` in dist_checkpointing format + Megatron's tracker file."""
-    from megatron.core import dist_checkpointing
-
-    path = os.path.join(root, f"iter_{iteration:07d}")
-    if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-    dist.barrier()
-    model_sd = _model_sharded_state_dict(model)
-    state = {"model": model_sd, "optimizer": _optimizer_sharded_state_dict(optimizer, model_sd, False),
-             "opt_param_scheduler": scheduler.state_dict(), "iteration": iteration,
-             "consumed_samples": consumed, "checkpoint_version": CHECKPOINT_VERSION}
-    dist_checkpointing.save(state, path)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        with open(os.path.join(root, TRACKER), "w") as f:
-            f.write(str(iteration))
-        print(f"saved checkpoint at iteration {iteration} to {path}", flush=True)
-    dist.barrier()
-
-
-def load_checkpoint(root, model, optimizer, scheduler):
-    """Load the tracker's iteration into model/optimizer/scheduler; returns (iteration, consumed samples)."""
-    from megatron.core import dist_checkpointing
-
-    tracker = os.path.join(root, TRACKER)
-    if not os.path.exists(tracker):
-        raise FileNotFoundError(f"no {TRACKER} in {root}")
-    with open(tracker) as f:
-        iteration = int(f.read().strip())
-    path = os.path.join(root, f"iter_{iteration:07d}")
-    model_sd = _model_sharded_state_dict(model)
-    template = {"model": model_sd, "optimizer": _optimizer_sharded_state_dict(optimizer, model_sd, True)}
-    state = dist_checkpointing.load(template, path)
-    model.module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["opt_param_scheduler"])
-    if dist.get_rank() == 0:
-        print(f"loaded checkpoint {path} (iteration {iteration}, {state['consumed_samples']} samples)", flush=True)
-    return state["iteration"], state["consumed_samples"]
-
-
 # -------------------------------------------------------------------------------------------- logging
 def reduce_lm_loss(losses_reduced, device):
     """Mean token loss of the global batch (last pipeline stage; NaN elsewhere), as Megatron-LM reports it."""
@@ -220,6 +201,14 @@ def log_line(iteration, train_iters, consumed, elapsed_s, lr, gbs, lm_loss, grad
             f"elapsed time per iteration (ms): {elapsed_s * 1000:.1f} | learning rate: {lr:.6E} | "
             f"global batch size: {gbs:5d} | lm loss: {lm_loss:.6E} | grad norm: {grad_norm:.3f} | "
             f"tokens/s: {tokens_per_s:.0f} |")
+
+
+def validation_log_lines(iteration, lm_loss):
+    """Megatron-LM's evaluation report: the line between two rules of dashes."""
+    line = (f" validation loss at iteration {iteration} | lm loss value: {lm_loss:.6E} | "
+            f"lm loss PPL: {math.exp(min(20.0, lm_loss)):.6E} | ")
+    rule = "-" * (len(line) + 1)
+    return [rule, line, rule]
 
 
 class ProgressDisplay:

@@ -1,0 +1,136 @@
+"""Checkpoints of the example in Megatron-LM's conventions: ``<dir>/iter_XXXXXXX`` in megatron-core's
+``dist_checkpointing`` format plus the ``latest_checkpointed_iteration.txt`` tracker.
+
+* ``--load DIR`` loads when DIR holds a checkpoint and starts from scratch (saying so) when it does not,
+  so ``--save X --load X`` works on the first run as in Megatron-LM.
+* A checkpoint the tracker points to is checked before the collective load: a missing directory,
+  metadata file or shard, or a shard shorter than its metadata says, is named in a ValueError raised
+  on every rank (all ranks read the same small metadata file).
+* The LR schedule on resume follows Megatron-LM: ``--override-opt_param-scheduler`` takes the flags',
+  ``--use-checkpoint-opt_param-scheduler`` the checkpoint's; with neither, the checkpoint's is kept and
+  rank 0 warns when the flags differ.
+"""
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+CHECKPOINT_VERSION = 1
+TRACKER = "latest_checkpointed_iteration.txt"
+# OptimizerParamScheduler.state_dict() entries that the flags determine (num_steps is progress)
+SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd",
+                 "wd_incr_steps", "wd_incr_style")
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _model_sharded_state_dict(model):
+    return model.module.sharded_state_dict()
+
+
+def save_checkpoint(root, iteration, consumed, model, optimizer, scheduler):
+    """Write ``<root>/iter_XXXXXXX`` and the tracker; returns the checkpoint directory."""
+    from megatron.core import dist_checkpointing
+
+    path = checkpoint_dir(root, iteration)
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    model_sd = _model_sharded_state_dict(model)
+    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=False),
+             "opt_param_scheduler": scheduler.state_dict(), "iteration": iteration,
+             "consumed_samples": consumed, "checkpoint_version": CHECKPOINT_VERSION}
+    dist_checkpointing.save(state, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, TRACKER), "w") as f:
+            f.write(str(iteration))
+        print(f"saved checkpoint at iteration {iteration} to {path}", flush=True)
+    dist.barrier()
+    return path
+
+
+def find_checkpoint(root: str):
+    """The directory of the tracker's iteration under ``root``, or None when ``root`` holds no checkpoint.
+
+    Raises ValueError for a tracker that is not an integer or points to a missing directory."""
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise ValueError(f"checkpoint tracker {tracker} holds {text!r}, not an iteration number")
+    path = checkpoint_dir(root, int(text))
+    if not os.path.isdir(path):
+        raise ValueError(f"checkpoint tracker {tracker} names iteration {text}, but {path} does not exist")
+    return path
+
+
+def verify_checkpoint_files(path: str) -> None:
+    """Check that ``path``'s metadata and every shard it lists are present and long enough (ValueError)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for name in (".metadata", "common.pt"):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise ValueError(f"checkpoint {path} is incomplete: no {os.path.join(path, name)}")
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as exc:  # unpickling a damaged file raises anything
+        raise ValueError(f"checkpoint metadata {os.path.join(path, '.metadata')} is unreadable: {exc}") from None
+    needed = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise ValueError(f"checkpoint {path} is incomplete: no {file}")
+        actual = os.path.getsize(file)
+        if actual < size:
+            raise ValueError(f"checkpoint file {file} is truncated: {actual} bytes, its metadata needs {size}")
+
+
+def schedule_differences(checkpoint_schedule: dict, flags_schedule: dict) -> dict:
+    """``{key: (checkpoint value, flags value)}`` for the schedule entries that differ (the weight-decay
+    ramp length only when the weight decay changes over it)."""
+    keys = [k for k in SCHEDULE_KEYS if k != "wd_incr_steps" or flags_schedule["start_wd"] != flags_schedule["end_wd"]]
+    return {k: (checkpoint_schedule.get(k), flags_schedule[k]) for k in keys
+            if k in flags_schedule and checkpoint_schedule.get(k) != flags_schedule[k]}
+
+
+def load_checkpoint(path, model, optimizer, scheduler, warn_schedule=True):
+    """Load ``path`` (see :func:`find_checkpoint`) into model, optimizer and scheduler.
+
+    Returns ``(iteration, consumed samples)``. ``scheduler`` (megatron-core's ``OptimizerParamScheduler``)
+    was built with Megatron-LM's ``override_opt_param_scheduler`` choice, which decides whose schedule
+    wins; ``warn_schedule``: rank 0 warns when the checkpoint's schedule is kept and differs from the flags.
+    """
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    verify_checkpoint_files(path)
+    model_sd = _model_sharded_state_dict(model)
+    template = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
+    try:
+        state = dist_checkpointing.load(template, path)
+    except (Exception, CheckpointException) as exc:
+        if isinstance(exc, CheckpointException):  # (exception, traceback) per failing rank
+            exc = next(iter(exc.failures.values()))[0]
+        raise ValueError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from None
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    saved_schedule = state["opt_param_scheduler"]
+    differences = schedule_differences(saved_schedule, scheduler.state_dict())
+    scheduler.load_state_dict(saved_schedule)
+    if dist.get_rank() == 0:
+        print(f"loaded checkpoint {path} (iteration {state['iteration']}, {state['consumed_samples']} samples)",
+              flush=True)
+        if differences and warn_schedule and not scheduler.override_opt_param_scheduler:
+            text = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in differences.items())
+            print(f"WARNING: the flags' LR schedule differs from the checkpoint's ({text}); keeping the "
+                  "checkpoint's. Pass --override-opt_param-scheduler to use the flags' schedule or "
+                  "--use-checkpoint-opt_param-scheduler to keep the checkpoint's silently.", flush=True)
+    return state["iteration"], state["consumed_samples"]

@@ -1,0 +1,259 @@
+"""Command line of the example: Megatron-LM's flag names and defaults, checks made before anything is built,
+and the way errors reach the user (one line from rank 0, non-zero exit, the other ranks quiet).
+
+Every check here depends only on the flags and the launch environment (``WORLD_SIZE``), so every rank
+reaches the same verdict and rank 0 alone reports it.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import warnings
+from contextlib import contextmanager
+
+from hp_megatron.arguments import add_hp_arguments, validate_hp_args
+
+PROG = "pretrain_hybrid.py"
+
+
+def launch_rank() -> int:
+    """This process's global rank as torchrun sets it (0 when run without a launcher)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+class RankZeroArgumentParser(argparse.ArgumentParser):
+    """``--help`` and usage errors printed by rank 0 only; an error is one line (``prog: error: ...``)."""
+
+    def _print_message(self, message, file=None):
+        if launch_rank() == 0:
+            super()._print_message(message, file)
+
+    def error(self, message):
+        if launch_rank() == 0:
+            sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The example's flags; add groups to the returned parser to extend it (its defaults show in --help)."""
+    parser = RankZeroArgumentParser(prog=PROG, description="Pretrain a hybrid GDN/KDA/MLA GPT with megatron-core",
+                                    allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = parser.add_argument_group("parallelism (Megatron-LM names)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g = parser.add_argument_group("model (Megatron-LM names)")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="None: 8/3 x hidden, a multiple of 64")
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-query-groups", type=int, default=None, help="GQA groups of the attention layers")
+    g.add_argument("--seq-length", type=int, default=256)
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--bf16", action="store_true")
+    g = parser.add_argument_group("training (Megatron-LM names)")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=8)
+    g.add_argument("--train-iters", type=int, default=60)
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="None: --train-iters")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--exit-interval", type=int, default=None, help="stop after this iteration (for resume tests)")
+    g.add_argument("--no-progress", action="store_true", help="no progress display during long iterations")
+    g.add_argument("--verbose", action="store_true",
+                   help="keep megatron-core's start-up warnings (Apex/TE fallbacks, deprecations)")
+    g = parser.add_argument_group("evaluation (Megatron-LM names)")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="evaluate every this many iterations and at the end (None: no evaluation)")
+    g.add_argument("--eval-iters", type=int, default=10, help="global batches of the validation split per evaluation")
+    g = parser.add_argument_group("data and checkpoints (Megatron-LM names)")
+    g.add_argument("--data-path", default=None, help="indexed-dataset prefix; None: build the pydoc dataset")
+    g.add_argument("--tokenizer", default=None, help="tokenizer.json (None: next to the default dataset)")
+    g.add_argument("--split", default="100,0,0", help="train,validation,test weights over the documents")
+    g.add_argument("--reset-position-ids", action="store_true", help="positions restart after every EOD")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="documents attend only within themselves: micro-batches are packed (THD) along EODs")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD tokens")
+    g.add_argument("--save", default=None, help="checkpoint directory (None: no checkpoint is written)")
+    g.add_argument("--save-interval", type=int, default=None, help="None: save at the end only")
+    g.add_argument("--load", default=None, help="resume from the latest checkpoint here when there is one")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on resume, take the LR schedule from the flags instead of the checkpoint")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on resume, keep the checkpoint's LR schedule without a warning")
+    add_hp_arguments(parser)
+    show_defaults(parser)
+    return parser
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Give every value-taking flag without help text a ``(default: ...)`` line in --help (the formatter
+    appends it to flags that have help text)."""
+    for action in parser._actions:
+        if action.help is None and action.nargs != 0:
+            action.help = "(default: %(default)s)"
+
+
+def parse_args(argv=None, parser=None):
+    """Parse and check the flags; fills the derived defaults (FFN size, decay iters, layer pattern)."""
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 64 * math.ceil(8 * args.hidden_size / 3 / 64)
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.hp_layer_pattern is None:
+        args.hp_layer_pattern = "KKKM"
+    check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    return args
+
+
+def _split_weights(split: str):
+    try:
+        weights = [float(w) for w in split.replace("/", ",").split(",")]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"--split {split!r} must be up to three non-negative weights such as 969,30,1")
+    return weights + [0.0] * (3 - len(weights))
+
+
+def check_args(args, world_size: int) -> None:
+    """Every check that needs only the flags and the world size; raises ValueError naming flags and values."""
+    for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "global_batch_size", "train_iters", "log_interval", "eval_iters"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    for flag in ("save_interval", "exit_interval", "eval_interval"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if world_size % (tp * pp * cp):
+        raise ValueError(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                         f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {tp * pp * cp}")
+    dp = world_size // (tp * pp * cp)
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise ValueError(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+                         f"{args.micro_batch_size} x data-parallel size {dp} (world {world_size} / TP x PP x CP)")
+    if args.num_layers % pp:
+        raise ValueError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    if args.hidden_size % args.num_attention_heads:
+        raise ValueError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                         f"{args.num_attention_heads}")
+    for flag, heads in (("--num-attention-heads", args.num_attention_heads),
+                        ("--num-query-groups", args.num_query_groups)):
+        if heads is not None and heads % tp:
+            raise ValueError(f"{flag} {heads} is not divisible by --tensor-model-parallel-size {tp}")
+    if args.lr_warmup_iters < 0 or args.lr_warmup_iters >= max(args.lr_decay_iters, 1) and args.lr_warmup_iters:
+        raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} must be in [0, --lr-decay-iters "
+                         f"{args.lr_decay_iters}) (--lr-decay-iters defaults to --train-iters)")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ValueError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other")
+    weights = _split_weights(args.split)
+    if weights[0] == 0:
+        raise ValueError(f"--split {args.split!r} leaves no training documents")
+    if args.eval_interval is not None and weights[1] == 0:
+        raise ValueError(f"--eval-interval {args.eval_interval} needs a validation split; --split {args.split!r} "
+                         "has none (e.g. --split 969,30,1)")
+    if args.reset_attention_mask and not args.reset_position_ids:
+        raise ValueError("--reset-attention-mask packs documents (THD), whose positions restart per document; "
+                         "add --reset-position-ids")
+    if args.reset_position_ids and not args.reset_attention_mask:
+        raise ValueError("--reset-position-ids alone has no effect here: positions come from rotary embeddings "
+                         "over the sequence (no learned position embedding); add --reset-attention-mask")
+    if args.reset_attention_mask and pp > 1:
+        raise ValueError(f"--reset-attention-mask (packed documents) has a variable token count per micro-batch, "
+                         f"which the example's pipeline schedule does not support; got "
+                         f"--pipeline-model-parallel-size {pp}")
+    if args.data_path is not None:
+        if args.tokenizer is None:
+            raise ValueError("--data-path needs --tokenizer (a tokenizers JSON file)")
+        for suffix in (".bin", ".idx"):
+            if not os.path.exists(args.data_path + suffix):
+                raise FileNotFoundError(f"--data-path {args.data_path}: no {args.data_path + suffix}")
+    if args.tokenizer is not None and not os.path.exists(args.tokenizer):
+        raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no such file")
+    if args.save is not None:
+        _check_checkpoint_writer()
+    validate_hp_args(args)
+
+
+def _check_checkpoint_writer():
+    # megatron-core's filesystem writer measures its workers' memory with psutil; without it the worker
+    # dies before signalling and every rank waits on its queue forever.
+    try:
+        import psutil  # noqa: F401
+    except ImportError:
+        raise RuntimeError("--save needs the psutil package (megatron-core's checkpoint writer uses it): "
+                           "pip install psutil") from None
+
+
+# megatron-core's messages at import and config time that do not concern a run of this example
+KNOWN_STARTUP_WARNINGS = (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    r"full scope is deprecated",
+    r".*torch\.distributed\._(all_gather|reduce_scatter)_base.*deprecated",
+    r"`load_state_dict` is deprecated",
+)
+
+
+def quiet_known_warnings() -> None:
+    """Filter :data:`KNOWN_STARTUP_WARNINGS` (the example's default; ``--verbose`` keeps them)."""
+    for pattern in KNOWN_STARTUP_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+REPORTED_ERRORS = (ValueError, TypeError, OSError, ImportError, RuntimeError)
+
+
+@contextmanager
+def same_on_every_rank():
+    """Mark errors raised inside as raised identically by every rank (flag checks, set-up from the same
+    flags and files), so that only rank 0 reports them."""
+    try:
+        yield
+    except REPORTED_ERRORS as exc:
+        exc.same_on_every_rank = True
+        raise
+
+
+def run_reporting_errors(main, argv=None, verbose=False) -> int:
+    """``main(argv)`` with Megatron-style error reporting; returns the exit status.
+
+    A configuration, data or checkpoint error becomes one ``error: ...`` line on stderr and status 1: from
+    rank 0 alone when it was raised inside :func:`same_on_every_rank`, else from each failing rank
+    (``error (rank k): ...``). ``verbose`` (``--verbose``) keeps the traceback instead.
+    """
+    try:
+        return main(argv) or 0
+    except REPORTED_ERRORS as exc:
+        if verbose:
+            raise
+        rank = launch_rank()
+        if rank == 0 or not getattr(exc, "same_on_every_rank", False):
+            sys.stderr.write(f"error: {exc}\n" if rank == 0 else f"error (rank {rank}): {exc}\n")
+            sys.stderr.flush()
+        _close_process_group()
+        return 1
+
+
+def _close_process_group():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
