@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 
@@ -52,7 +53,7 @@ def _kimi_linear():
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_token=2, num_shared_experts=1,
         routed_scaling_factor=2.0, q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4,
-        v_head_dim=6, rms_norm_eps=1e-5, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        v_head_dim=6, rms_norm_eps=1e-5, pad_token_id=None, bos_token_id=None, eos_token_id=None, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
         layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
         linear_attn_config={"head_dim": 8, "num_heads": 4, "short_conv_kernel_size": 4})
     return KimiLinearForCausalLM, cfg
@@ -95,9 +96,14 @@ def tiny_hf_model(arch: str, directory: str, seed: int = 0):
 
 
 def read_checkpoint(directory: str) -> dict:
+    """The saved tensors. transformers saves Kimi Linear's dense MLPs under Moonshot's MoE name
+    (``block_sparse_moe.gate_proj``: it reverses its load-time rename ``block_sparse_moe -> mlp`` on every MLP);
+    Moonshot's checkpoints, and our rules, name them ``mlp.gate_proj``, which transformers loads as well."""
     from safetensors.torch import load_file
 
-    return load_file(os.path.join(directory, "model.safetensors"))
+    state = load_file(os.path.join(directory, "model.safetensors"))
+    dense = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.((gate|up|down)_proj\.weight)")
+    return {dense.sub(r"\1mlp.\2", k): v for k, v in state.items()}
 
 
 def to_mcore(rules, hf_state: dict) -> dict:

@@ -172,3 +172,53 @@ def layer_norm_rules(i: int) -> list[TensorRule]:
 def layer_mlp_rules(i: int, is_moe: bool, num_experts: int, **moe_keys) -> list[TensorRule]:
     mcore, hf = layer_prefix(i) + "mlp.", f"model.layers.{i}.mlp."
     return moe_rules(mcore, hf, num_experts, **moe_keys) if is_moe else mlp_rules(mcore, hf)
+
+
+# ---- MLA (DeepSeek-V3, Kimi Linear) -------------------------------------------------------------------------
+MLA_ROPE_KEYS = {"rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                 "mscale", "mscale_all_dim"}
+
+
+def mla_fields(hf: dict, model_type: str, rope_type: str, rope: dict) -> dict:
+    """Our MLA layers' config attributes (``MLATransformerConfig`` names) from an HF MLA config."""
+    unknown = sorted(set(rope) - MLA_ROPE_KEYS)
+    if unknown:
+        refuse(model_type, "rope_parameters", {k: rope[k] for k in unknown}, sorted(MLA_ROPE_KEYS))
+    fields = dict(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=field_of(hf, model_type, "kv_lora_rank"),
+                  qk_head_dim=field_of(hf, model_type, "qk_nope_head_dim"),
+                  qk_pos_emb_head_dim=field_of(hf, model_type, "qk_rope_head_dim"),
+                  v_head_dim=field_of(hf, model_type, "v_head_dim"), rope_type=rope_type,
+                  rotary_base=float(rope.get("rope_theta", 10000.0)), rotary_percent=1.0,
+                  rotary_scaling_factor=float(rope.get("factor", 1.0)),
+                  original_max_position_embeddings=int(rope.get("original_max_position_embeddings",
+                                                                hf.get("max_position_embeddings", 4096))),
+                  beta_fast=float(rope.get("beta_fast", 32.0)), beta_slow=float(rope.get("beta_slow", 1.0)),
+                  mscale=float(rope.get("mscale", 1.0)),
+                  # transformers scales the softmax by YaRN's mscale only for YaRN; megatron whenever it is set
+                  mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)) if rope_type == "yarn" else 0.0,
+                  mla_cp_strategy="latent")
+    return fields
+
+
+def mla_rules(mcore: str, hf: str, extra: dict, heads: int, *, rope_interleave: bool) -> list[TensorRule]:
+    """``layers.mla.MultiLatentAttention`` from ``DeepseekV3Attention`` / ``KimiLinearAttention`` tensors
+    (``layers.mla``'s name map; rotary rows permuted when transformers' layout is half-split)."""
+    from types import SimpleNamespace
+
+    from layers.mla import HF_TO_MLA, mla_state_dict_from_hf, mla_state_dict_to_hf
+
+    dims = SimpleNamespace(num_attention_heads=heads, qk_head_dim=extra["qk_head_dim"],
+                           qk_pos_emb_head_dim=extra["qk_pos_emb_head_dim"])
+    if extra["q_lora_rank"] is None:
+        names = ("q_proj.weight",)
+    else:
+        names = ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight")
+    names += ("kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight")
+
+    def rule(hf_name):
+        ours = HF_TO_MLA[hf_name]
+        return TensorRule(mcore + ours, (hf + hf_name,),
+                          lambda ts: mla_state_dict_from_hf({hf_name: ts[0]}, dims, rope_interleave=rope_interleave)[ours],
+                          lambda t: (mla_state_dict_to_hf({ours: t}, dims, rope_interleave=rope_interleave)[hf_name],))
+
+    return [rule(name) for name in names]
