@@ -8,6 +8,11 @@ from the *global* 1-based layer number (local number + the stage's layer offset)
 ``TransformerLayerSubmodules`` from :class:`HybridLayerSubmodules`. A pattern as long as ``num_layers``
 describes every layer explicitly; a shorter one repeats ("KKKM" = three KDA layers, then one MLA layer).
 
+MLP: with ``config.num_moe_experts`` set (Megatron's ``--num-experts``), the layers that
+``config.moe_layer_freq`` marks (an int k: every k-th layer from the first; a list: one 0/1 per layer, as
+DeepSeek-V3's first dense layers) get :attr:`HybridLayerSubmodules.moe_mlp` (megatron-core's ``MoELayer``)
+instead of the dense MLP; a spec without ``moe_mlp`` refuses a MoE config rather than build dense layers.
+
 Checkpoints: mixers of different types have different parameter names, so they cannot be stacked along
 megatron's layer axis. :meth:`HybridLayer.sharded_state_dict` always writes per-layer keys
 ``decoder.layers.<global index>.…`` (megatron's "non-homogeneous" naming), which stay valid under any
@@ -16,7 +21,7 @@ pipeline / virtual-pipeline split.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Optional, Tuple
 
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
@@ -32,6 +37,37 @@ class HybridLayerSubmodules:
     # symbols whose mixer computes its own positions (MLA): the model's rotary tables are not passed to them,
     # so patterns may mix MLA with RoPE attention layers
     own_positions: Tuple[str, ...] = ()
+    # the mlp of MoE layers (megatron-core MoELayer spec); None: the spec has no MoE
+    moe_mlp: Optional[object] = None
+
+
+def moe_layer_flags(config) -> list:
+    """One bool per global layer: does it get the MoE MLP (megatron's ``moe_layer_freq`` convention)?"""
+    num_layers = config.num_layers
+    if not getattr(config, "num_moe_experts", None):
+        return [False] * num_layers
+    freq = getattr(config, "moe_layer_freq", 1)
+    if isinstance(freq, int):
+        if freq <= 0:
+            raise ValueError(f"moe_layer_freq must be a positive int or a 0/1 list, got {freq}")
+        return [i % freq == 0 for i in range(num_layers)]
+    flags = list(freq)
+    if len(flags) != num_layers or any(f not in (0, 1) for f in flags):
+        raise ValueError(f"moe_layer_freq as a list needs one 0/1 per layer (num_layers={num_layers}), got {flags}")
+    return [bool(f) for f in flags]
+
+
+def with_layer_mlp(config, layer: TransformerLayerSubmodules, moe_mlp, global_layer_number: int):
+    """``layer`` with the MoE MLP when ``moe_layer_flags`` marks this 1-based global layer, else unchanged."""
+    if not moe_layer_flags(config)[global_layer_number - 1]:
+        return layer
+    if moe_mlp is None:
+        raise ValueError(f"config.num_moe_experts={config.num_moe_experts} asks for MoE layers but this layer "
+                         "spec has no MoE MLP (HybridLayerSubmodules.moe_mlp is None)")
+    if getattr(config, "moe_grouped_gemm", False):
+        raise ValueError("moe_grouped_gemm=True needs Transformer Engine's grouped GEMM, which these specs do not "
+                         "use; set moe_grouped_gemm=False (megatron-core SequentialMLP experts)")
+    return replace(layer, mlp=moe_mlp)
 
 
 def validate_pattern(pattern: str, symbols) -> str:
@@ -95,7 +131,9 @@ class HybridLayer(TransformerLayer):
         self.layer_symbol = symbol_for_layer(pattern, layer_number + offset)
         self.layer_pattern = pattern
         self.drops_rotary = self.layer_symbol in submodules.own_positions
-        super().__init__(config, submodules.layer_types[self.layer_symbol], layer_number, *args, **kwargs)
+        layer = with_layer_mlp(config, submodules.layer_types[self.layer_symbol], submodules.moe_mlp,
+                               layer_number + offset)
+        super().__init__(config, layer, layer_number, *args, **kwargs)
 
     def forward(self, *args, **kwargs):
         if self.drops_rotary:

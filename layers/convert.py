@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+GDN_IN_PROJ_PARTS = ("query", "key", "value", "z", "beta", "alpha")  # row order of our GDN in_proj
+
 
 def gdn_dims_from_qwen3_next_config(hf_config) -> dict:
     """Our GDN options from a ``Qwen3NextConfig``."""
@@ -45,6 +47,28 @@ def _gdn_dims(num_key_heads, num_value_heads, key_head_dim, value_head_dim):
     return num_key_heads, num_value_heads, key_head_dim, value_head_dim, num_value_heads // num_key_heads
 
 
+def split_qwen3_next_in_proj(qkvz, ba, num_key_heads, num_value_heads, key_head_dim, value_head_dim):
+    """Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` weights -> our in_proj parts (q, k, v, z, beta, alpha),
+    each ``[rows, hidden]``: Qwen3-Next groups rows per key head (``[q K, k K, v r*V, z r*V]`` and ``[b r, a r]``,
+    r = HV/H), our parts hold all heads of one kind."""
+    H, HV, K, V, r = _gdn_dims(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
+    hidden = qkvz.shape[1]
+    q, k, v, z = qkvz.reshape(H, 2 * K + 2 * r * V, hidden).split([K, K, r * V, r * V], dim=1)
+    b, a = ba.reshape(H, 2 * r, hidden).split([r, r], dim=1)
+    return (q.reshape(H * K, hidden), k.reshape(H * K, hidden), v.reshape(HV * V, hidden), z.reshape(HV * V, hidden),
+            b.reshape(HV, hidden), a.reshape(HV, hidden))
+
+
+def join_qwen3_next_in_proj(q, k, v, z, b, a, num_key_heads, num_value_heads, key_head_dim, value_head_dim):
+    """Inverse of :func:`split_qwen3_next_in_proj`: ``(in_proj_qkvz, in_proj_ba)`` weights."""
+    H, HV, K, V, r = _gdn_dims(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
+    hidden = q.shape[1]
+    grouped = [q.reshape(H, K, hidden), k.reshape(H, K, hidden), v.reshape(H, r * V, hidden),
+               z.reshape(H, r * V, hidden)]
+    ba = [b.reshape(H, r, hidden), a.reshape(H, r, hidden)]
+    return torch.cat(grouped, dim=1).reshape(-1, hidden), torch.cat(ba, dim=1).reshape(-1, hidden)
+
+
 def gdn_from_qwen3_next(hf_state_dict: dict, *, num_key_heads: int, num_value_heads: int, key_head_dim: int,
                         value_head_dim: int, prefix: str = "", **_unused) -> dict:
     """``Qwen3NextGatedDeltaNet`` state dict -> our GDN global parts.
@@ -57,18 +81,14 @@ def gdn_from_qwen3_next(hf_state_dict: dict, *, num_key_heads: int, num_value_he
     hidden = qkvz.shape[1]
     qkvz = _take(hf_state_dict, prefix, "in_proj_qkvz.weight", (H * (2 * K + 2 * r * V), hidden))
     ba = _take(hf_state_dict, prefix, "in_proj_ba.weight", (2 * HV, hidden))
-    q, k, v, z = qkvz.reshape(H, 2 * K + 2 * r * V, hidden).split([K, K, r * V, r * V], dim=1)
-    b, a = ba.reshape(H, 2 * r, hidden).split([r, r], dim=1)
+    q, k, v, z, b, a = split_qwen3_next_in_proj(qkvz, ba, num_key_heads, num_value_heads, key_head_dim,
+                                                value_head_dim)
     conv = hf_state_dict[prefix + "conv1d.weight"]
     conv = _take(hf_state_dict, prefix, "conv1d.weight", (2 * H * K + HV * V, 1, conv.shape[-1]))
     conv_q, conv_k, conv_v = conv.split([H * K, H * K, HV * V], dim=0)
     return {
-        "in_proj.weight.query": q.reshape(H * K, hidden).clone(),
-        "in_proj.weight.key": k.reshape(H * K, hidden).clone(),
-        "in_proj.weight.value": v.reshape(HV * V, hidden).clone(),
-        "in_proj.weight.z": z.reshape(HV * V, hidden).clone(),
-        "in_proj.weight.beta": b.reshape(HV, hidden).clone(),
-        "in_proj.weight.alpha": a.reshape(HV, hidden).clone(),
+        "in_proj.weight.query": q.clone(), "in_proj.weight.key": k.clone(), "in_proj.weight.value": v.clone(),
+        "in_proj.weight.z": z.clone(), "in_proj.weight.beta": b.clone(), "in_proj.weight.alpha": a.clone(),
         "conv1d.weight.query": conv_q.clone(),
         "conv1d.weight.key": conv_k.clone(),
         "conv1d.weight.value": conv_v.clone(),
@@ -82,16 +102,11 @@ def gdn_from_qwen3_next(hf_state_dict: dict, *, num_key_heads: int, num_value_he
 def gdn_to_qwen3_next(parts: dict, *, num_key_heads: int, num_value_heads: int, key_head_dim: int,
                       value_head_dim: int, prefix: str = "", **_unused) -> dict:
     """Our GDN global parts -> ``Qwen3NextGatedDeltaNet`` state dict (inverse of :func:`gdn_from_qwen3_next`)."""
-    H, HV, K, V, r = _gdn_dims(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
-    hidden = parts["in_proj.weight.query"].shape[1]
-    grouped = [parts["in_proj.weight.query"].reshape(H, K, hidden), parts["in_proj.weight.key"].reshape(H, K, hidden),
-               parts["in_proj.weight.value"].reshape(H, r * V, hidden),
-               parts["in_proj.weight.z"].reshape(H, r * V, hidden)]
-    ba = [parts["in_proj.weight.beta"].reshape(H, r, hidden), parts["in_proj.weight.alpha"].reshape(H, r, hidden)]
+    qkvz, ba = join_qwen3_next_in_proj(*(parts[f"in_proj.weight.{n}"] for n in GDN_IN_PROJ_PARTS),
+                                       num_key_heads, num_value_heads, key_head_dim, value_head_dim)
     conv = torch.cat([parts["conv1d.weight.query"], parts["conv1d.weight.key"], parts["conv1d.weight.value"]])
     out = {
-        "in_proj_qkvz.weight": torch.cat(grouped, dim=1).reshape(-1, hidden),
-        "in_proj_ba.weight": torch.cat(ba, dim=1).reshape(-1, hidden),
+        "in_proj_qkvz.weight": qkvz, "in_proj_ba.weight": ba,
         "conv1d.weight": conv,
         "A_log": parts["A_log"], "dt_bias": parts["dt_bias"],
         "norm.weight": parts["out_norm.weight"], "out_proj.weight": parts["out_proj.weight"],

@@ -9,6 +9,8 @@ megatron-core builds norms as ``build_module(spec, config=..., hidden_size=..., 
   ``rmsnorm(x) * weight * act(gate)``, all in fp32, result in x's dtype.
 
 With ``config.layernorm_zero_centered_gamma`` the weight is stored as ``gamma - 1`` (initialized to zeros).
+:class:`GatedRMSNorm` reads ``config.gated_norm_zero_centered_gamma`` first when it is set (Qwen3-Next centres its
+layer and q/k norms but not the gated output norm of its GDN layers); ``zero_centered_gamma=`` overrides both.
 """
 from __future__ import annotations
 
@@ -34,14 +36,20 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (normed * weight.float() * GATE_ACTIVATIONS[activation](gate.float())).to(x.dtype)
 
 
-def _norm_weight(config, hidden_size) -> nn.Parameter:
+def _zero_centered(config, override) -> bool:
+    """``override`` when given, else ``config.layernorm_zero_centered_gamma`` (megatron's field)."""
+    if override is not None:
+        return bool(override)
+    return bool(getattr(config, "layernorm_zero_centered_gamma", False))
+
+
+def _norm_weight(config, hidden_size, zero_centered: bool) -> nn.Parameter:
     if hidden_size is None or isinstance(hidden_size, bool) or int(hidden_size) <= 0:
         raise ValueError(f"a norm needs a positive hidden_size, got {hidden_size!r}")
     dtype = getattr(config, "params_dtype", torch.float32) if config is not None else torch.float32
     device = "cpu"
     if config is not None and not getattr(config, "use_cpu_initialization", True) and torch.cuda.is_available():
         device = torch.cuda.current_device()
-    zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
     init = torch.zeros if zero_centered else torch.ones
     return nn.Parameter(init(int(hidden_size), dtype=dtype, device=device))
 
@@ -49,11 +57,12 @@ def _norm_weight(config, hidden_size) -> nn.Parameter:
 class RMSNorm(nn.Module):
     """RMS normalization over the last dimension (``[..., hidden_size]``)."""
 
-    def __init__(self, config=None, hidden_size: int | None = None, eps: float = 1e-5, **kwargs):
+    def __init__(self, config=None, hidden_size: int | None = None, eps: float = 1e-5,
+                 zero_centered_gamma: bool | None = None, **kwargs):
         super().__init__()
         self.eps = float(eps)
-        self.zero_centered_gamma = bool(getattr(config, "layernorm_zero_centered_gamma", False))
-        self.weight = _norm_weight(config, hidden_size)
+        self.zero_centered_gamma = _zero_centered(config, zero_centered_gamma)
+        self.weight = _norm_weight(config, hidden_size, self.zero_centered_gamma)
         sequence_parallel = bool(getattr(config, "sequence_parallel", False)) if config is not None else False
         setattr(self.weight, "sequence_parallel", sequence_parallel)
 
@@ -74,14 +83,16 @@ class GatedRMSNorm(nn.Module):
     """
 
     def __init__(self, config=None, hidden_size: int | None = None, eps: float = 1e-5, activation: str = "silu",
-                 **kwargs):
+                 zero_centered_gamma: bool | None = None, **kwargs):
         super().__init__()
         if activation not in GATE_ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(GATE_ACTIVATIONS)}, got {activation!r}")
         self.eps = float(eps)
         self.activation = activation
-        self.zero_centered_gamma = bool(getattr(config, "layernorm_zero_centered_gamma", False))
-        self.weight = _norm_weight(config, hidden_size)
+        if zero_centered_gamma is None:
+            zero_centered_gamma = getattr(config, "gated_norm_zero_centered_gamma", None)
+        self.zero_centered_gamma = _zero_centered(config, zero_centered_gamma)
+        self.weight = _norm_weight(config, hidden_size, self.zero_centered_gamma)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if x.shape != gate.shape:

@@ -146,8 +146,8 @@ def test_ready_specs_import_like_megatron_lm():
     assert specs.kimi_linear_spec.module is HybridLayer and specs.kimi_linear_spec.params["pattern"] == "KKKM"
     assert specs.qwen3_next_spec.params["pattern"] == "GGGA"
     assert specs.hybrid_spec.params["pattern"] is None
-    assert specs.gdn_triton_spec.submodules.self_attention.params["backend"] == "triton"
-    assert specs.kda_ascendc_spec.submodules.self_attention.params["backend"] == "ascendc"
+    assert specs.gdn_triton_spec.submodules.layer_types["G"].self_attention.params["backend"] == "triton"
+    assert specs.kda_ascendc_spec.submodules.layer_types["K"].self_attention.params["backend"] == "ascendc"
 
 
 def test_providers_and_errors():

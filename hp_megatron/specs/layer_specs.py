@@ -1,8 +1,12 @@
 """Layer specs: one mixer per layer (``get_layer_spec``) or a repeating pattern of mixers (``get_hybrid_layer_spec``).
 
 Every spec is a plain megatron-core ``ModuleSpec`` tree, so any submodule can be swapped by editing it:
-``spec.submodules.self_attention.submodules.out_proj = MyRowParallelLinear`` (single mixer) or
-``spec.submodules.layer_types["K"].mlp = my_moe_spec`` (hybrid).
+``spec.submodules.layer_types["K"].self_attention.submodules.out_proj = MyRowParallelLinear`` (every spec is a
+``HybridLayer``; a single-mixer spec has one symbol) or ``spec.submodules.moe_mlp = my_moe_spec``.
+
+MoE: every spec carries megatron-core's ``MoELayer`` (router, token dispatcher, ``SequentialMLP`` experts, shared
+experts with the optional shared-expert gate); the layers build it where ``config.num_moe_experts`` and
+``config.moe_layer_freq`` say (see ``hp_megatron.hybrid_layer``), the dense MLP elsewhere.
 
 Pattern symbols (``SYMBOLS``): ``G`` GDN, ``K`` KDA, ``M`` MLA, ``A`` standard causal softmax attention.
 """
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -82,6 +87,17 @@ def _mla_spec(provider, cp_layout) -> ModuleSpec:
     )
 
 
+def _moe_mlp_spec(provider) -> ModuleSpec:
+    """megatron-core's MoE layer spec with this provider's linears (SequentialMLP experts)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    # without Transformer Engine megatron-core 0.16 never binds this name, yet the router reads it
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    # num_experts is only checked for presence here; the layers read config.num_moe_experts
+    return get_moe_module_spec_for_backend(provider, num_experts=0, moe_grouped_gemm=False)
+
+
 def get_mixer_spec(mixer: str, backend="eager", *, qk_layernorm: bool = False, linear: str = "local",
                    cp_layout: str | None = None) -> ModuleSpec:
     """The ``self_attention`` spec of one mixer (``gdn | kda | mla | attn``) for a backend or provider.
@@ -116,10 +132,12 @@ def get_layer_submodules(mixer: str, backend="eager", *, qk_layernorm: bool = Fa
 
 def get_layer_spec(mixer: str, backend="eager", *, qk_layernorm: bool = False, linear: str = "local",
                    cp_layout: str | None = None) -> ModuleSpec:
-    """``ModuleSpec(TransformerLayer)`` whose ``self_attention`` is one mixer, for every layer of a model."""
-    return ModuleSpec(module=TransformerLayer,
-                      submodules=get_layer_submodules(mixer, backend, qk_layernorm=qk_layernorm, linear=linear,
-                                                      cp_layout=cp_layout))
+    """A layer spec whose ``self_attention`` is one mixer in every layer (a one-symbol ``HybridLayer``, so MoE
+    layers follow ``config.num_moe_experts`` / ``moe_layer_freq`` as in every spec here)."""
+    symbol = {name: sym for sym, name in SYMBOLS.items()}.get(mixer)
+    if symbol is None:
+        raise ValueError(f"mixer must be one of {MIXERS}, got {mixer!r}")
+    return get_hybrid_layer_spec(symbol, backend, qk_layernorm=qk_layernorm, linear=linear, cp_layout=cp_layout)
 
 
 def get_hybrid_layer_spec(pattern: str | None, backend="eager", *, qk_layernorm: bool = False,
@@ -136,4 +154,5 @@ def get_hybrid_layer_spec(pattern: str | None, backend="eager", *, qk_layernorm:
                                                 linear=linear, cp_layout=cp_layout)
                    for symbol in symbols}
     return ModuleSpec(module=HybridLayer, params={"pattern": pattern},
-                      submodules=HybridLayerSubmodules(layer_types=layer_types, own_positions=OWN_POSITIONS))
+                      submodules=HybridLayerSubmodules(layer_types=layer_types, own_positions=OWN_POSITIONS,
+                                                       moe_mlp=_moe_mlp_spec(get_spec_provider(backend, linear))))

@@ -1,0 +1,224 @@
+"""What the architecture modules share: the preset they return, config-field checks, and conversion rules for the
+parts every architecture has (embeddings, norms, SwiGLU MLPs, megatron-core MoE layers).
+
+mcore keys are ``GPTModel.state_dict()`` keys at TP=PP=EP=1 (``decoder.layers.<i>.`` with the 0-based global
+layer index, ``mlp.experts.local_experts.<e>.`` with the global expert index); HF keys are the checkpoint keys
+that ``save_pretrained`` writes (per-expert ``mlp.experts.<e>.gate_proj.weight``, not transformers' fused
+in-memory expert tensors).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hp_megatron.convert.rules import TensorRule, identity_rule
+
+
+@dataclass
+class ModelPreset:
+    """A megatron-core model equivalent to one HF ``config.json``.
+
+    ``config``: ``TransformerConfig`` fields; ``extra``: our layers' config attributes (``linear_*``, MLA's
+    ``q_lora_rank``..., ``gated_norm_zero_centered_gamma``) set on the config after construction; ``gpt``:
+    ``GPTModel`` keywords (vocab size, rotary embedding, tied embeddings); ``pattern``: one layer symbol per layer
+    (``G`` GDN, ``K`` KDA, ``M`` MLA, ``A`` attention); ``qk_layernorm``: the spec option for ``A`` layers.
+    """
+
+    model_type: str
+    pattern: str
+    config: dict
+    extra: dict = field(default_factory=dict)
+    gpt: dict = field(default_factory=dict)
+    qk_layernorm: bool = False
+
+    def transformer_config(self, **overrides):
+        """A ``TransformerConfig`` of this preset; ``overrides`` (parallel sizes, dtypes...) win over it."""
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        config = TransformerConfig(**{**self.config, **overrides})
+        for name, value in self.extra.items():
+            setattr(config, name, value)
+        config.hp_layer_pattern = self.pattern
+        return config
+
+    def layer_spec(self, backend="eager", **kwargs):
+        """The ``HybridLayer`` spec of this preset (``kwargs``: ``linear``, ``cp_layout``)."""
+        from hp_megatron.specs import get_hybrid_layer_spec
+
+        return get_hybrid_layer_spec(self.pattern, backend, qk_layernorm=self.qk_layernorm, **kwargs)
+
+    def gpt_model(self, config, backend="eager", *, max_sequence_length: int, pre_process: bool = True,
+                  post_process: bool = True, vp_stage=None, **spec_kwargs):
+        """megatron-core ``GPTModel`` of this preset for this pipeline stage; the final norm is our RMSNorm
+        (zero-centred as the config says) rather than megatron's module-level default norm class."""
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+        from layers.norm import RMSNorm
+
+        block = TransformerBlockSubmodules(
+            layer_specs=[self.layer_spec(backend, **spec_kwargs)] * get_num_layers_to_build(config, vp_stage),
+            layer_norm=RMSNorm)
+        return GPTModel(config=config, transformer_layer_spec=block, max_sequence_length=max_sequence_length,
+                        pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, **self.gpt)
+
+
+def refuse(model_type: str, name: str, value, supported) -> None:
+    raise ValueError(f"{model_type} config.json field {name}={value!r} is not supported (supported: {supported})")
+
+
+def require(hf: dict, model_type: str, name: str, allowed, default=None):
+    """``hf[name]`` (or ``default`` when absent) if it is in ``allowed``, else ValueError naming the field."""
+    value = hf.get(name, default)
+    if value not in allowed:
+        refuse(model_type, name, value, allowed)
+    return value
+
+
+def field_of(hf: dict, model_type: str, name: str):
+    """A field the architecture needs: ValueError naming it when config.json lacks it."""
+    if name not in hf or hf[name] is None:
+        raise ValueError(f"{model_type} config.json lacks the field {name!r}")
+    return hf[name]
+
+
+def rope_parameters(hf: dict) -> dict:
+    """transformers 5 ``rope_parameters``, or the older top-level ``rope_theta`` / ``rope_scaling`` fields."""
+    params = dict(hf.get("rope_parameters") or {})
+    if not params:
+        params = dict(hf.get("rope_scaling") or {})
+        params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+        if "partial_rotary_factor" in hf:
+            params.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
+
+
+def swiglu_config(hf: dict, model_type: str) -> dict:
+    """Megatron fields of SwiGLU MLPs without biases (``hidden_act`` must be SiLU)."""
+    require(hf, model_type, "hidden_act", ("silu", "swish"))
+    return dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False)
+
+
+def moe_router_config(model_type: str, *, num_experts: int, topk: int, norm_topk_prob: bool,
+                      score_function: str, scaling_factor, expert_bias: bool, num_groups=None, group_topk=None) -> dict:
+    """megatron-core router fields reproducing an HF router (no auxiliary loss: transformers' CausalLM loss has
+    none unless ``output_router_logits``)."""
+    if score_function == "sigmoid" and not norm_topk_prob and topk > 1:
+        raise ValueError(f"{model_type}: a sigmoid router without norm_topk_prob has no megatron-core "
+                         "counterpart (megatron renormalizes the top-k sigmoid scores)")
+    fields = dict(num_moe_experts=num_experts, moe_router_topk=topk, moe_router_score_function=score_function,
+                  moe_router_pre_softmax=score_function == "softmax" and not norm_topk_prob,
+                  moe_router_enable_expert_bias=expert_bias, moe_router_load_balancing_type="none",
+                  moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
+    if scaling_factor not in (None, 1, 1.0):
+        fields["moe_router_topk_scaling_factor"] = float(scaling_factor)
+    if num_groups not in (None, 1):
+        if topk % group_topk or topk // group_topk != 2:
+            # transformers scores a group by its top-2 experts; megatron by its top-(topk / group_topk)
+            raise ValueError(f"{model_type}: grouped routing needs num_experts_per_tok / topk_group == 2 (the "
+                             f"group score of transformers), got {topk} / {group_topk}")
+        fields.update(moe_router_num_groups=num_groups, moe_router_group_topk=group_topk)
+    return fields
+
+
+def layer_prefix(i: int) -> str:
+    return f"decoder.layers.{i}."
+
+
+def swiglu_fc1_rule(mcore_key: str, gate_key: str, up_key: str) -> TensorRule:
+    """megatron's fused SwiGLU ``linear_fc1`` rows ``[gate; up]`` at TP=1."""
+    return TensorRule(mcore_key, (gate_key, up_key), lambda ts: torch.cat(ts, 0),
+                      lambda t: tuple(t.chunk(2, 0)))
+
+
+def mlp_rules(mcore: str, hf: str) -> list[TensorRule]:
+    """A SwiGLU MLP (``gate_proj``/``up_proj``/``down_proj``) as megatron's ``linear_fc1``/``linear_fc2``."""
+    return [swiglu_fc1_rule(mcore + "linear_fc1.weight", hf + "gate_proj.weight", hf + "up_proj.weight"),
+            identity_rule(mcore + "linear_fc2.weight", hf + "down_proj.weight")]
+
+
+def moe_rules(mcore: str, hf: str, num_experts: int, *, router: str, shared: str | None, expert_bias: str | None = None,
+              shared_gate: str | None = None) -> list[TensorRule]:
+    """megatron-core ``MoELayer`` (router, SequentialMLP experts, shared experts) from HF keys under ``hf``."""
+    rules = [identity_rule(mcore + "router.weight", hf + router)]
+    if expert_bias is not None:
+        rules.append(identity_rule(mcore + "router.expert_bias", hf + expert_bias))
+    for e in range(num_experts):
+        rules += mlp_rules(f"{mcore}experts.local_experts.{e}.", f"{hf}experts.{e}.")
+    if shared is not None:
+        rules += mlp_rules(mcore + "shared_experts.", hf + shared)
+    if shared_gate is not None:
+        rules.append(identity_rule(mcore + "shared_experts.gate_weight", hf + shared_gate))
+    return rules
+
+
+def model_rules(tied: bool) -> list[TensorRule]:
+    """Embedding, final norm and output layer (``lm_head``; none when the embeddings are tied)."""
+    rules = [identity_rule("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+             identity_rule("decoder.final_layernorm.weight", "model.norm.weight")]
+    if not tied:
+        rules.append(identity_rule("output_layer.weight", "lm_head.weight"))
+    return rules
+
+
+def layer_norm_rules(i: int) -> list[TensorRule]:
+    mcore, hf = layer_prefix(i), f"model.layers.{i}."
+    return [identity_rule(mcore + "input_layernorm.weight", hf + "input_layernorm.weight"),
+            identity_rule(mcore + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight")]
+
+
+def layer_mlp_rules(i: int, is_moe: bool, num_experts: int, **moe_keys) -> list[TensorRule]:
+    mcore, hf = layer_prefix(i) + "mlp.", f"model.layers.{i}.mlp."
+    return moe_rules(mcore, hf, num_experts, **moe_keys) if is_moe else mlp_rules(mcore, hf)
+
+
+# ---- MLA (DeepSeek-V3, Kimi Linear) -------------------------------------------------------------------------
+MLA_ROPE_KEYS = {"rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                 "mscale", "mscale_all_dim"}
+
+
+def mla_fields(hf: dict, model_type: str, rope_type: str, rope: dict) -> dict:
+    """Our MLA layers' config attributes (``MLATransformerConfig`` names) from an HF MLA config."""
+    unknown = sorted(set(rope) - MLA_ROPE_KEYS)
+    if unknown:
+        refuse(model_type, "rope_parameters", {k: rope[k] for k in unknown}, sorted(MLA_ROPE_KEYS))
+    fields = dict(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=field_of(hf, model_type, "kv_lora_rank"),
+                  qk_head_dim=field_of(hf, model_type, "qk_nope_head_dim"),
+                  qk_pos_emb_head_dim=field_of(hf, model_type, "qk_rope_head_dim"),
+                  v_head_dim=field_of(hf, model_type, "v_head_dim"), rope_type=rope_type,
+                  rotary_base=float(rope.get("rope_theta", 10000.0)), rotary_percent=1.0,
+                  rotary_scaling_factor=float(rope.get("factor", 1.0)),
+                  original_max_position_embeddings=int(rope.get("original_max_position_embeddings",
+                                                                hf.get("max_position_embeddings", 4096))),
+                  beta_fast=float(rope.get("beta_fast", 32.0)), beta_slow=float(rope.get("beta_slow", 1.0)),
+                  mscale=float(rope.get("mscale", 1.0)),
+                  # transformers scales the softmax by YaRN's mscale only for YaRN; megatron whenever it is set
+                  mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)) if rope_type == "yarn" else 0.0,
+                  mla_cp_strategy="latent")
+    return fields
+
+
+def mla_rules(mcore: str, hf: str, extra: dict, heads: int, *, rope_interleave: bool) -> list[TensorRule]:
+    """``layers.mla.MultiLatentAttention`` from ``DeepseekV3Attention`` / ``KimiLinearAttention`` tensors
+    (``layers.mla``'s name map; rotary rows permuted when transformers' layout is half-split)."""
+    from types import SimpleNamespace
+
+    from layers.mla import HF_TO_MLA, mla_state_dict_from_hf, mla_state_dict_to_hf
+
+    dims = SimpleNamespace(num_attention_heads=heads, qk_head_dim=extra["qk_head_dim"],
+                           qk_pos_emb_head_dim=extra["qk_pos_emb_head_dim"])
+    if extra["q_lora_rank"] is None:
+        names = ("q_proj.weight",)
+    else:
+        names = ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight")
+    names += ("kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight")
+
+    def rule(hf_name):
+        ours = HF_TO_MLA[hf_name]
+        return TensorRule(mcore + ours, (hf + hf_name,),
+                          lambda ts: mla_state_dict_from_hf({hf_name: ts[0]}, dims, rope_interleave=rope_interleave)[ours],
+                          lambda t: (mla_state_dict_to_hf({ours: t}, dims, rope_interleave=rope_interleave)[hf_name],))
+
+    return [rule(name) for name in names]

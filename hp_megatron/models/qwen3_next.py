@@ -1,0 +1,152 @@
+"""Qwen3-Next (``model_type: qwen3_next``, e.g. Qwen3-Next-80B-A3B): GDN ("G") and gated attention ("A") layers,
+MoE MLPs with a gated shared expert, zero-centred RMSNorm weights.
+
+megatron-core equivalents: attention with ``attention_output_gate`` (``q_proj`` holds each head's query and gate),
+q/k RMSNorm (``qk_layernorm``), partial rotary (``rotary_percent``), ``layernorm_zero_centered_gamma`` for every
+norm except the GDN output norm (``gated_norm_zero_centered_gamma=False``: Qwen3-Next stores that one plainly),
+softmax top-k router (``moe_router_pre_softmax`` when ``norm_topk_prob`` is false), ``moe_shared_expert_gate``.
+"""
+from __future__ import annotations
+
+import torch
+
+from hp_megatron.convert.rules import TensorRule, identity_rule
+from hp_megatron.models.common import (ModelPreset, field_of, layer_mlp_rules, layer_norm_rules, layer_prefix,
+                                       model_rules, moe_router_config, refuse, require, rope_parameters,
+                                       swiglu_config)
+from layers.convert import GDN_IN_PROJ_PARTS, join_qwen3_next_in_proj, split_qwen3_next_in_proj
+
+MODEL_TYPE = "qwen3_next"
+LAYER_SYMBOLS = {"linear_attention": "G", "full_attention": "A"}
+
+
+def _layer_types(hf: dict) -> list:
+    num_layers = field_of(hf, MODEL_TYPE, "num_hidden_layers")
+    types = hf.get("layer_types")
+    if types is None:  # transformers' default: full attention every full_attention_interval-th layer
+        interval = hf.get("full_attention_interval", 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    if len(types) != num_layers or any(t not in LAYER_SYMBOLS for t in types):
+        refuse(MODEL_TYPE, "layer_types", types, f"{num_layers} entries of {sorted(LAYER_SYMBOLS)}")
+    return types
+
+
+def moe_layers(hf: dict) -> list:
+    """One bool per layer: sparse (MoE) MLP, as ``Qwen3NextDecoderLayer`` decides it."""
+    num_layers, experts = hf["num_hidden_layers"], hf.get("num_experts", 0) or 0
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+    return [i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
+
+
+def _gdn_dims(hf: dict) -> dict:
+    return dict(num_key_heads=field_of(hf, MODEL_TYPE, "linear_num_key_heads"),
+                num_value_heads=field_of(hf, MODEL_TYPE, "linear_num_value_heads"),
+                key_head_dim=field_of(hf, MODEL_TYPE, "linear_key_head_dim"),
+                value_head_dim=field_of(hf, MODEL_TYPE, "linear_value_head_dim"))
+
+
+def megatron_config(hf: dict) -> ModelPreset:
+    """The megatron-core model of a Qwen3-Next ``config.json`` (a dict)."""
+    require(hf, MODEL_TYPE, "model_type", (MODEL_TYPE,))
+    require(hf, MODEL_TYPE, "attention_bias", (False,), False)
+    require(hf, MODEL_TYPE, "attention_dropout", (0, 0.0), 0.0)
+    rope = rope_parameters(hf)
+    if rope["rope_type"] != "default":
+        refuse(MODEL_TYPE, "rope_parameters.rope_type", rope["rope_type"], ["default"])
+    types, flags = _layer_types(hf), moe_layers(hf)
+    heads = field_of(hf, MODEL_TYPE, "num_attention_heads")
+    config = dict(
+        num_layers=hf["num_hidden_layers"], hidden_size=field_of(hf, MODEL_TYPE, "hidden_size"),
+        ffn_hidden_size=field_of(hf, MODEL_TYPE, "intermediate_size"), num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads", heads),
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        normalization="RMSNorm", layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), layernorm_zero_centered_gamma=True,
+        qk_layernorm=True, attention_output_gate=True, hidden_dropout=0.0, attention_dropout=0.0,
+        **swiglu_config(hf, MODEL_TYPE))
+    if any(flags):
+        require(hf, MODEL_TYPE, "output_router_logits", (False,), False)
+        shared = field_of(hf, MODEL_TYPE, "shared_expert_intermediate_size")
+        config.update(moe_router_config(MODEL_TYPE, num_experts=hf["num_experts"],
+                                        topk=field_of(hf, MODEL_TYPE, "num_experts_per_tok"),
+                                        norm_topk_prob=hf.get("norm_topk_prob", True), score_function="softmax",
+                                        scaling_factor=None, expert_bias=False),
+                      moe_layer_freq=[int(f) for f in flags],
+                      moe_ffn_hidden_size=field_of(hf, MODEL_TYPE, "moe_intermediate_size"),
+                      moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+    dims = _gdn_dims(hf)
+    extra = dict(linear_num_key_heads=dims["num_key_heads"], linear_num_value_heads=dims["num_value_heads"],
+                 linear_key_head_dim=dims["key_head_dim"], linear_value_head_dim=dims["value_head_dim"],
+                 linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4), gated_norm_zero_centered_gamma=False)
+    gpt = dict(vocab_size=field_of(hf, MODEL_TYPE, "vocab_size"), position_embedding_type="rope",
+               rotary_percent=float(rope.get("partial_rotary_factor", 0.25)),
+               rotary_base=float(rope.get("rope_theta", 10000.0)),
+               share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)))
+    return ModelPreset(MODEL_TYPE, "".join(LAYER_SYMBOLS[t] for t in types), config, extra, gpt, qk_layernorm=True)
+
+
+def _gated_qkv_rule(mcore_key: str, hf: str, heads: int, groups: int, head_dim: int) -> TensorRule:
+    """megatron's ``linear_qkv`` with output gate: per query group ``[q (r heads), gate (r heads), k, v]``;
+    transformers' ``q_proj`` holds ``[q, gate]`` per head."""
+    r = heads // groups
+
+    def to_mcore(ts):
+        q_proj, k, v = ts
+        hidden = q_proj.shape[1]
+        q, gate = q_proj.reshape(heads, 2, head_dim, hidden).unbind(1)
+        return torch.cat([q.reshape(groups, r * head_dim, hidden), gate.reshape(groups, r * head_dim, hidden),
+                          k.reshape(groups, head_dim, hidden), v.reshape(groups, head_dim, hidden)], 1
+                         ).reshape(-1, hidden)
+
+    def to_hf(t):
+        hidden = t.shape[1]
+        q, gate, k, v = t.reshape(groups, 2 * (r + 1) * head_dim, hidden).split(
+            [r * head_dim, r * head_dim, head_dim, head_dim], 1)
+        q_proj = torch.stack([q.reshape(heads, head_dim, hidden), gate.reshape(heads, head_dim, hidden)], 1)
+        return q_proj.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
+
+    return TensorRule(mcore_key, (hf + "q_proj.weight", hf + "k_proj.weight", hf + "v_proj.weight"), to_mcore, to_hf)
+
+
+def _attention_rules(mcore: str, hf: str, preset: ModelPreset) -> list[TensorRule]:
+    c = preset.config
+    return [_gated_qkv_rule(mcore + "linear_qkv.weight", hf, c["num_attention_heads"], c["num_query_groups"],
+                            c["kv_channels"]),
+            identity_rule(mcore + "linear_proj.weight", hf + "o_proj.weight"),
+            identity_rule(mcore + "q_layernorm.weight", hf + "q_norm.weight"),
+            identity_rule(mcore + "k_layernorm.weight", hf + "k_norm.weight")]
+
+
+def _gdn_rules(mcore: str, hf: str, dims: dict) -> list[TensorRule]:
+    H, HV, K, V = dims["num_key_heads"], dims["num_value_heads"], dims["key_head_dim"], dims["value_head_dim"]
+    sizes = dict(zip(GDN_IN_PROJ_PARTS, (H * K, H * K, HV * V, HV * V, HV, HV)))
+
+    def in_proj_to_mcore(ts):
+        return torch.cat(split_qwen3_next_in_proj(*ts, **dims), 0)
+
+    def in_proj_to_hf(t):
+        return join_qwen3_next_in_proj(*t.split(list(sizes.values()), 0), **dims)
+
+    return [TensorRule(mcore + "in_proj.weight", (hf + "in_proj_qkvz.weight", hf + "in_proj_ba.weight"),
+                       in_proj_to_mcore, in_proj_to_hf),
+            identity_rule(mcore + "conv1d.weight", hf + "conv1d.weight"),  # both [q; k; v] channels
+            identity_rule(mcore + "A_log", hf + "A_log"),
+            identity_rule(mcore + "dt_bias", hf + "dt_bias"),
+            identity_rule(mcore + "out_norm.weight", hf + "norm.weight"),
+            identity_rule(mcore + "out_proj.weight", hf + "out_proj.weight")]
+
+
+def conversion_rules(hf: dict) -> list[TensorRule]:
+    """One rule per megatron-core tensor of the model of :func:`megatron_config`."""
+    preset = megatron_config(hf)
+    dims = _gdn_dims(hf)
+    rules = model_rules(preset.gpt["share_embeddings_and_output_weights"])
+    for i, (symbol, is_moe) in enumerate(zip(preset.pattern, moe_layers(hf))):
+        mcore = layer_prefix(i) + "self_attention."
+        if symbol == "A":
+            rules += _attention_rules(mcore, f"model.layers.{i}.self_attn.", preset)
+        else:
+            rules += _gdn_rules(mcore, f"model.layers.{i}.linear_attn.", dims)
+        rules += layer_norm_rules(i)
+        rules += layer_mlp_rules(i, is_moe, hf.get("num_experts", 0), router="gate.weight",
+                                 shared="shared_expert.", shared_gate="shared_expert_gate.weight")
+    return rules
