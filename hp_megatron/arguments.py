@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-CP_METHODS = ("allgather", "p2p", "grouped_allgather_p2p", "recursive_doubling", "ulysses")
+CP_METHODS = ("allgather", "p2p", "grouped_allgather_p2p", "recursive_doubling", "ulysses", "auto")
 CP_LAYOUTS = ("zigzag", "contiguous")
 MLA_CP_METHODS = ("latent", "latent_ulysses", "expanded_ulysses")
 BACKENDS = ("eager", "triton", "ascendc")
@@ -34,7 +34,11 @@ def add_hp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--hp-linear", choices=("local", "te"), default="local",
                    help="column/row-parallel linear classes: megatron-core's (local) or Transformer Engine's (te)")
     g.add_argument("--hp-cp-method", choices=CP_METHODS, default="allgather",
-                   help="context-parallel method of the GDN/KDA layers")
+                   help="context-parallel method of the GDN/KDA layers; auto: the fastest for this CP group and "
+                        "layer shape from a calibrated cost model (docs/cp.md, section 4)")
+    g.add_argument("--hp-cp-calibration", default=None, metavar="PATH",
+                   help="with --hp-cp-method auto: JSON file caching the CP group's calibration (keyed by world "
+                        "layout and hardware); reused when it holds this layout, else measured and saved there")
     g.add_argument("--hp-cp-layout", choices=CP_LAYOUTS, default="zigzag",
                    help="token layout over CP ranks: zigzag (Megatron's load-balanced split) or contiguous")
     g.add_argument("--hp-cp-group-size", type=_positive, default=None,
@@ -93,6 +97,7 @@ def hp_config_from_args(args) -> dict:
         "delta_cp_layout": args.hp_cp_layout,
         "delta_cp_group_size": args.hp_cp_group_size,
         "delta_cp_ulysses_degree": args.hp_ulysses_degree,
+        "delta_cp_calibration": args.hp_cp_calibration,
         "kda_lower_bound": args.hp_kda_lower_bound,
         "kda_gate_low_rank_dim": args.hp_kda_gate_low_rank_dim,
         "kda_safe_gate": args.hp_kda_safe_gate,

@@ -44,7 +44,7 @@ from layers.norm import GATE_ACTIVATIONS, GatedRMSNorm
 from layers.ops import causal_conv1d
 from layers.ops.backends import get_backend
 
-CP_METHODS = ("p2p", "allgather", "grouped_allgather_p2p", "recursive_doubling", "ulysses")
+CP_METHODS = ("p2p", "allgather", "grouped_allgather_p2p", "recursive_doubling", "ulysses", "auto")
 CP_LAYOUTS = ("zigzag", "contiguous")
 DEFAULT_CP_METHOD = "allgather"
 # megatron's --cp-comm-type values -> our CP methods (used when no method is configured explicitly)
@@ -76,6 +76,7 @@ COMMON_OPTIONS = {
     "cp_layout": Option(("delta_cp_layout",), "zigzag"),
     "cp_group_size": Option(("delta_cp_group_size",), None),
     "cp_ulysses_degree": Option(("delta_cp_ulysses_degree",), None),
+    "cp_calibration": Option(("delta_cp_calibration",), None),  # cp_method="auto": calibration JSON cache path
     "init_seed": Option(("delta_init_seed",), None),  # None -> torch.initial_seed()
 }
 
@@ -613,9 +614,13 @@ class DeltaMixer(MegatronModule):
             return cu, None
         from layers.cp import build_cp_context
 
-        ctx = build_cp_context(cp_group, method=self.cp_method, layout=self.cp_layout, cu_seqlens=cu,
-                               group_size=self.cp_group_size, ulysses_degree=self.cp_ulysses_degree,
-                               conv_kernel_size=self.conv_kernel_dim)
+        method, group_size, degree = self.cp_method, self.cp_group_size, self.cp_ulysses_degree
+        if method == "auto":   # decided at the first CP forward, then kept (layers.cp.auto)
+            from layers.cp.auto import resolve_for_mixer
+
+            method, group_size, degree = resolve_for_mixer(self, cp_group, seq * cp_size, batch, cu)
+        ctx = build_cp_context(cp_group, method=method, layout=self.cp_layout, cu_seqlens=cu,
+                               group_size=group_size, ulysses_degree=degree, conv_kernel_size=self.conv_kernel_dim)
         return None, ctx
 
     # ---------------------------------------------------------------- checkpointing

@@ -1,0 +1,167 @@
+"""``method="auto"``: the fastest CP configuration for this CP group, chosen from the calibrated cost model.
+
+``decide(group, shape)`` (collective over the CP group) loads or measures the group's calibration
+(``layers.cp.calibration``), predicts every valid configuration of the layer shape (``layers.cp.cost_model``:
+GDN/KDA methods incl. grouped with each group size and the Ulysses hybrids; MLA strategies), and on group
+rank 0 ranks them; rank 0's ``Decision`` is broadcast, so every rank uses the same one. Decisions are cached
+per (CP group, shape, calibration file): layers of the same shape decide once, and one log line per decision
+(printed on global rank 0) names the choice, its predicted time and the runner-up::
+
+    [hp_megatron cp auto] GDN B=1 T=4096 H=4 HV=4 K=64 V=64 zigzag, P=4: ulysses 12.3 ms fwd+bwd
+    (comm 1.1 + compute 11.2); runner-up allgather 14.0 ms (+14%); 9 candidates
+
+``rank_candidates`` is the pure choice (no communication), used by the tests on synthetic calibrations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from layers.cp.collectives import global_rank, group_rank, group_size
+from layers.cp.cost_model import (Calibration, Candidate, DeltaLayerShape, MLALayerShape, delta_candidates,
+                                  mla_candidates, predict_delta, predict_mla)
+
+LOG_PREFIX = "[hp_megatron cp auto]"
+_DECISIONS: dict = {}
+LOG: list = []                     # every log line this process printed (or would print on global rank 0)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The chosen candidate, its prediction, and the full ranking ``[(candidate, prediction dict)]``."""
+
+    shape: object
+    world_size: int
+    choice: Candidate
+    predicted: dict
+    ranking: tuple
+
+    @property
+    def runner_up(self):
+        return self.ranking[1] if len(self.ranking) > 1 else None
+
+    def log_line(self) -> str:
+        p = self.predicted
+        line = (f"{LOG_PREFIX} {self.shape.describe()}, P={self.world_size}: {self.choice.label} "
+                f"{p['total'] * 1e3:.2f} ms fwd+bwd (comm {p['comm'] * 1e3:.2f} + compute {p['compute'] * 1e3:.2f})")
+        if self.runner_up is None:
+            return line + "; the only valid candidate"
+        cand, pred = self.runner_up
+        return (line + f"; runner-up {cand.label} {pred['total'] * 1e3:.2f} ms "
+                f"(+{100 * (pred['total'] / p['total'] - 1):.0f}%); {len(self.ranking)} candidates")
+
+
+def rank_candidates(shape, world_size: int, calibration: Calibration) -> Decision:
+    """Predict every valid candidate of ``shape`` on ``world_size`` ranks and rank them, fastest first (ties:
+    the earlier candidate of the enumeration)."""
+    if isinstance(shape, DeltaLayerShape):
+        cands = delta_candidates(world_size, shape.heads, shape.value_heads)
+        predict = predict_delta
+    elif isinstance(shape, MLALayerShape):
+        cands = mla_candidates(world_size, shape.heads)
+        predict = predict_mla
+    else:
+        raise TypeError(f"shape must be a DeltaLayerShape or MLALayerShape, got {type(shape).__name__}")
+    scored = [(c, predict(shape, world_size, c, calibration)) for c in cands]
+    ranking = tuple(sorted(scored, key=lambda cp: cp[1]["total"]))
+    best, pred = ranking[0]
+    return Decision(shape=shape, world_size=world_size, choice=best, predicted=pred, ranking=ranking)
+
+
+def calibration_line(calibration: Calibration, source: str) -> str:
+    fits = ", ".join(f"{name} alpha={f.alpha * 1e6:.1f} us/step beta={f.beta / 1e9:.2f} GB/s "
+                     f"(resid {100 * f.residual:.0f}%)" for name, f in calibration.collectives.items())
+    return (f"{LOG_PREFIX} calibration [{calibration.key}] {source}: {fits}; fold gamma="
+            f"{calibration.fold_flops / 1e9:.1f} GFLOP/s")
+
+
+def _log(line: str) -> None:
+    LOG.append(line)
+    if dist.get_rank() == 0:
+        print(line, flush=True)
+
+
+def _ensure_kernel(calibration, group, shape) -> bool:
+    """Measure the kernel fits ``shape`` needs if missing; True if something was measured (collective)."""
+    import torch
+
+    from layers.cp.calibration import calibrate_gemm, calibrate_kernel
+
+    if shape.kernel in calibration.kernels:
+        return False
+    dtype = getattr(torch, shape.dtype)
+    if isinstance(shape, DeltaLayerShape):
+        calibrate_kernel(calibration, group, kind=shape.kind, backend=shape.backend, k_dim=shape.k_dim,
+                         v_dim=shape.v_dim, dtype=dtype)
+    else:
+        calibrate_gemm(calibration, group, shape.kernel, dtype)
+    return True
+
+
+def decide(group, shape, *, calibration: Calibration | None = None, calibration_path: str | None = None
+           ) -> Decision:
+    """The decision for ``shape`` on ``group`` (None = WORLD), identical on every rank (collective, except
+    when cached). ``calibration``: use this one instead of loading/measuring the group's."""
+    from layers.cp.calibration import load_or_calibrate, persist
+
+    group = dist.GroupMember.WORLD if group is None else group
+    P = group_size(group)
+    key = (tuple(dist.get_process_group_ranks(group)), shape, calibration_path,
+           None if calibration is None else id(calibration))
+    if key in _DECISIONS:
+        return _DECISIONS[key]
+    if calibration is None:
+        calibration, source = load_or_calibrate(group, calibration_path)
+        if source != "cached":
+            _log(calibration_line(calibration, source))
+        if _ensure_kernel(calibration, group, shape):
+            persist(calibration, group, calibration_path)
+    else:
+        _ensure_kernel(calibration, group, shape)
+    box = [rank_candidates(shape, P, calibration) if group_rank(group) == 0 else None]
+    dist.broadcast_object_list(box, src=global_rank(group, 0), group=group)
+    decision = box[0]
+    _DECISIONS[key] = decision
+    _log(decision.log_line())
+    return decision
+
+
+def auto_context_kwargs(group, layer, layout: str, *, calibration=None, group_size=None,
+                        ulysses_degree=None) -> dict:
+    """``build_cp_context``'s hook for ``method="auto"``: the chosen ``method``, ``group_size``,
+    ``ulysses_degree`` for the ``DeltaLayerShape`` ``layer``. ``calibration``: a ``Calibration``, a JSON path
+    (``--hp-cp-calibration``) or None (measure once per process)."""
+    if not isinstance(layer, DeltaLayerShape):
+        raise ValueError("method='auto' needs auto_layer=DeltaLayerShape(...) (the layer's heads, head dims and "
+                         f"tokens) to predict the methods; got {layer!r}")
+    if group_size is not None or ulysses_degree is not None:
+        raise ValueError(f"method='auto' chooses group_size and ulysses_degree itself; got group_size={group_size}"
+                         f", ulysses_degree={ulysses_degree}")
+    if layer.layout != layout:
+        raise ValueError(f"auto_layer.layout={layer.layout!r} differs from layout={layout!r}")
+    if isinstance(calibration, Calibration):
+        d = decide(group, layer, calibration=calibration)
+    else:
+        d = decide(group, layer, calibration_path=calibration)
+    return d.choice.context_kwargs()
+
+
+def resolve_for_mixer(mixer, cp_group, seq_len: int, batch: int, cu_seqlens) -> tuple:
+    """(method, group_size, ulysses_degree) for a GDN/KDA mixer with ``cp_method="auto"``, decided at its first
+    CP forward (global ``seq_len`` per row, or total packed tokens with ``cu_seqlens``) and kept for the life of
+    the module: later micro-batches reuse it without communication."""
+    chosen = getattr(mixer, "_cp_auto_choice", None)
+    if chosen is not None:
+        return chosen
+    dtype = mixer.in_proj.weight.dtype
+    shape = DeltaLayerShape(
+        kind=mixer.kind, batch=batch, seq_len=seq_len, heads=mixer.key_heads_local,
+        value_heads=mixer.value_heads_local, k_dim=mixer.key_head_dim, v_dim=mixer.value_head_dim,
+        layout=mixer.cp_layout, cu_seqlens=None if cu_seqlens is None else tuple(int(c) for c in cu_seqlens),
+        hidden=mixer.hidden_size, act_bytes=dtype.itemsize, backend=mixer.backend,
+        dtype=str(dtype).replace("torch.", ""), native_summaries=mixer.backend in ("triton", "ascendc"))
+    kwargs = auto_context_kwargs(cp_group, shape, mixer.cp_layout, calibration=mixer.options.get("cp_calibration"),
+                                 group_size=mixer.cp_group_size, ulysses_degree=mixer.cp_ulysses_degree)
+    mixer._cp_auto_choice = (kwargs["method"], kwargs["group_size"], kwargs["ulysses_degree"])
+    return mixer._cp_auto_choice

@@ -1,0 +1,244 @@
+"""``method="auto"``: the cost model and the choice on synthetic calibrations, and on 4 gloo ranks the real
+calibration, the identical decision on every rank and a GDN layer built with auto against the chosen method."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist import run_distributed
+from layers.cp.auto import rank_candidates
+from layers.cp.calibration import fit_line
+from layers.cp.cost_model import (Calibration, Candidate, DeltaLayerShape, KernelFit, LinearFit, MLALayerShape,
+                                  delta_candidates, mla_candidates, predict_delta, state_exchange_seconds)
+
+
+def synthetic(alpha, beta, *, gamma=1e12, op_rate=1e12, gemm_rate=1e12, a2a_alpha=None):
+    """A calibration with one alpha/beta for every collective (all-to-all latency optionally apart) and kernel
+    fits for the shapes below."""
+    fits = {c: LinearFit(alpha, beta) for c in ("all_gather", "send_recv")}
+    fits["all_to_all"] = LinearFit(alpha if a2a_alpha is None else a2a_alpha, beta)
+    kern = {"op": KernelFit(0.0, op_rate), "gemm": KernelFit(0.0, gemm_rate)}
+    return Calibration(collectives=fits, fold_flops=gamma, key="synthetic",
+                       kernels={k: dict(kern) for k in ("gdn/eager/K128/V128/float32", "kda/eager/K64/V64/float32",
+                                                         "mla/gemm/float32")})
+
+
+def gdn(heads=16, value_heads=32, T=131072, layout="zigzag", **kw):
+    return DeltaLayerShape(kind="gdn", batch=1, seq_len=T, heads=heads, value_heads=value_heads, k_dim=128,
+                           v_dim=128, layout=layout, hidden=2048, act_bytes=2, **kw)
+
+
+def labels(cands):
+    return [c.label for c in cands]
+
+
+def test_candidates_enumerate_every_valid_configuration():
+    assert labels(delta_candidates(4, 4, 4)) == [
+        "p2p", "allgather", "grouped_allgather_p2p(g=2)", "recursive_doubling",
+        "ulysses2 x p2p", "ulysses2 x allgather", "ulysses2 x recursive_doubling", "ulysses"]
+    # heads not divisible by P (nor by 2): no Ulysses at all, grouped with g = 2 and 3 at P = 6
+    assert labels(delta_candidates(6, 3, 3)) == [
+        "p2p", "allgather", "grouped_allgather_p2p(g=2)", "grouped_allgather_p2p(g=3)", "recursive_doubling",
+        "ulysses3 x p2p", "ulysses3 x allgather", "ulysses3 x recursive_doubling"]
+    assert "ulysses" not in labels(delta_candidates(4, 3, 6))
+    assert labels(mla_candidates(4, 6)) == ["latent"]
+    assert labels(mla_candidates(4, 8)) == ["latent", "latent_ulysses", "expanded_ulysses"]
+
+
+def test_state_exchange_follows_the_closed_forms():
+    cal = synthetic(1e-5, 4e10, gamma=5e13)
+    HV, K, V, P = 32, 128, 128, 8
+    m, s = HV * K * (K + V) * 4, HV * K * V * 4
+    apply_ = 2 * HV * K * K * V / 5e13
+    got = state_exchange_seconds("allgather", "zigzag", P, num_chains=1, heads=HV, k_dim=K, v_dim=V, calibration=cal)
+    assert got == pytest.approx(1e-5 * 3 + 2 * (P - 1) * m / 4e10 + (2 * P - 1) * apply_)
+    got = state_exchange_seconds("p2p", "contiguous", P, num_chains=1, heads=HV, k_dim=K, v_dim=V, calibration=cal)
+    assert got == pytest.approx((P - 1) * (1e-5 + s / 4e10) + P * apply_)
+
+
+def test_high_latency_avoids_sequential_walks():
+    """alpha = 1 ms per step, infinite bandwidth: p2p's 2(P-1) hand-overs lose to one all-gather."""
+    d = rank_candidates(gdn(heads=3, value_heads=3, T=8192), 16, synthetic(1e-3, 1e15))
+    assert d.choice.method in ("allgather", "recursive_doubling")
+    comm = dict((c.label, p["comm"]) for c, p in d.ranking)
+    assert comm["p2p"] > 5 * d.predicted["comm"]              # 30 hand-overs against 4 all-gather rounds
+
+
+def test_high_bandwidth_many_heads_picks_ulysses():
+    """Fast all-to-all and heads divisible by P: Ulysses (no summary pass, no chain) wins on compute."""
+    cal = synthetic(1e-6, 1e13, op_rate=1e11)
+    d = rank_candidates(gdn(heads=16, value_heads=32), 8, cal)
+    assert d.choice == Candidate("ulysses")
+    assert d.runner_up[1]["total"] > d.predicted["total"]
+
+
+def test_heads_not_divisible_never_chooses_ulysses_over_p():
+    cal = synthetic(1e-6, 1e13, op_rate=1e11)
+    d = rank_candidates(gdn(heads=6, value_heads=6), 4, cal)
+    assert d.choice.method != "ulysses" and all(c.method != "ulysses" for c, _ in d.ranking)
+    assert d.choice.ulysses_degree == 2          # the hybrid still shortens the chain and skips half the work
+
+
+def test_low_bandwidth_large_p_prefers_log_volume():
+    """Slow network, many ranks, no Ulysses: the all-gather's (P-1) maps cost more than log P rounds."""
+    d = rank_candidates(gdn(heads=5, value_heads=5, T=1 << 20), 256, synthetic(2e-6, 1e9))
+    assert d.choice.method in ("recursive_doubling", "grouped_allgather_p2p")
+    times = dict((c.label, p["total"]) for c, p in d.ranking)
+    assert times["allgather"] > 2 * d.predicted["total"]
+
+
+def test_layout_imbalance_of_packed_documents():
+    """Contiguous THD with one short and one long document: the compute follows the chunk-padded pieces of the
+    slowest rank, so a configuration's compute grows with the number of pieces a rank pads."""
+    cal = synthetic(1e-6, 1e12, op_rate=1e10)
+    even = DeltaLayerShape(kind="gdn", batch=1, seq_len=4096, heads=4, value_heads=4, k_dim=128, v_dim=128,
+                           layout="contiguous", cu_seqlens=(0, 4096))
+    ragged = DeltaLayerShape(kind="gdn", batch=1, seq_len=4096, heads=4, value_heads=4, k_dim=128, v_dim=128,
+                             layout="contiguous", cu_seqlens=(0, 1, 2, 3, 4096))
+    a = predict_delta(even, 4, Candidate("allgather"), cal)["compute"]
+    b = predict_delta(ragged, 4, Candidate("allgather"), cal)["compute"]
+    assert b > a                                # three 1-token documents each pad a chunk on rank 0
+
+
+def test_mla_strategies():
+    shape = MLALayerShape(batch=1, seq_len=32768, heads=8, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
+                          kv_lora_rank=512)
+    # expanding K/V for every head on every rank dominates: latent_ulysses expands only its heads
+    d = rank_candidates(shape, 8, synthetic(1e-6, 1e12, gemm_rate=1e12))
+    assert d.choice.method in ("latent_ulysses", "expanded_ulysses")
+    odd = MLALayerShape(batch=1, seq_len=4096, heads=6, qk_head_dim=64, qk_pos_emb_head_dim=32, v_head_dim=64,
+                        kv_lora_rank=128)
+    assert rank_candidates(odd, 4, synthetic(1e-6, 1e12)).choice.method == "latent"
+
+
+def test_fit_recovers_alpha_beta_and_rejects_noise_signs():
+    xs = [1e4, 1e5, 1e6]
+    fit = fit_line(xs, [3 * 2e-5 + x / 5e9 for x in xs], steps=3)
+    assert fit.alpha == pytest.approx(2e-5) and fit.beta == pytest.approx(5e9) and fit.residual < 1e-9
+    flat = fit_line(xs, [1.1e-4, 1e-4, 0.9e-4])         # no bandwidth term measurable: latency only
+    assert flat.alpha > 0 and flat.beta >= 1e14
+
+
+def test_calibration_json_round_trip(tmp_path):
+    from layers.cp.calibration import _read, save
+
+    cal = synthetic(1e-5, 4e10)
+    cal.key = "P=4|test"
+    path = tmp_path / "cal.json"
+    save(cal, str(path))
+    other = synthetic(2e-5, 1e10)
+    other.key = "P=2|test"
+    save(other, str(path))
+    data = json.loads(path.read_text())
+    assert sorted(data) == ["P=2|test", "P=4|test"]
+    back = Calibration.from_json(_read(str(path))["P=4|test"])
+    assert back.collectives == cal.collectives and back.kernels == cal.kernels
+
+
+def test_auto_rejects_explicit_group_size():
+    from layers.cp.auto import auto_context_kwargs
+
+    with pytest.raises(ValueError, match="chooses group_size and ulysses_degree itself"):
+        auto_context_kwargs(None, gdn(), "zigzag", group_size=2)
+    with pytest.raises(ValueError, match="needs auto_layer=DeltaLayerShape"):
+        auto_context_kwargs(None, None, "zigzag")
+
+
+# -- 4 gloo ranks ---------------------------------------------------------------------------------------------
+P = 4
+HIDDEN, SEQ, BATCH = 32, 32, 1
+
+
+def _worker(rank, world_size, path):
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    from hp_megatron.platform import apply_cpu_shims
+    from layers import GatedDeltaNet
+    from layers.cp import build_cp_context
+    from layers.cp import auto as auto_mod
+    from layers.cp.calibration import _CACHE, load_or_calibrate
+
+    out = {}
+    cal, source = load_or_calibrate(None, path)
+    out["source"] = source
+    out["fits"] = {k: (v.alpha, v.beta) for k, v in cal.collectives.items()}
+    _CACHE.clear()
+    out["reload"] = load_or_calibrate(None, path)[1]
+    # rank-dependent calibrations: rank 0's decision must still win everywhere
+    skew = synthetic(1e-6 if rank == 0 else 1.0, 1e13, op_rate=1e11)
+    shape = DeltaLayerShape(kind="kda", batch=1, seq_len=1024, heads=4, value_heads=4, k_dim=64, v_dim=64)
+    out["skewed"] = auto_mod.decide(None, shape, calibration=skew).choice.label
+    ctx = build_cp_context(None, method="auto", layout="zigzag", auto_layer=shape, calibration=skew)
+    out["ctx"] = (ctx.method, ctx.group_size, ctx.ulysses_degree)
+
+    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=P)
+    apply_cpu_shims(7)
+    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, use_cpu_initialization=True,
+                               params_dtype=torch.float32, context_parallel_size=P)
+    dims = dict(num_key_heads=4, num_value_heads=4, key_head_dim=8, value_head_dim=8, init_seed=5)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+    idx = torch.tensor([t for c in (rank, 2 * P - 1 - rank) for t in range(c * SEQ // (2 * P), (c + 1) * SEQ // (2 * P))])
+    results = {}
+    for label in ("auto", "chosen"):
+        opts = {"cp_method": "auto", "cp_calibration": path} if label == "auto" else {}
+        if label == "chosen":
+            opts = {"cp_method": results["auto"]["method"][0], "cp_group_size": results["auto"]["method"][1],
+                    "cp_ulysses_degree": results["auto"]["method"][2]}
+        layer = GatedDeltaNet(config, None, layer_number=1, **dims, **opts)
+        xl = x[idx].clone().requires_grad_(True)
+        y, _ = layer(xl)
+        y.square().sum().backward()
+        method = getattr(layer, "_cp_auto_choice", (layer.cp_method, layer.cp_group_size, layer.cp_ulysses_degree))
+        results[label] = {"y": y.detach(), "dx": xl.grad, "method": method,
+                          "grads": {n: p.grad.clone() for n, p in layer.named_parameters()}}
+    out["layer"] = {"method": results["auto"]["method"],
+                    "dy": (results["auto"]["y"] - results["chosen"]["y"]).abs().max().item(),
+                    "ddx": (results["auto"]["dx"] - results["chosen"]["dx"]).abs().max().item(),
+                    "dgrad": max((results["auto"]["grads"][n] - g).abs().max().item()
+                                 for n, g in results["chosen"]["grads"].items())}
+    out["log"] = list(auto_mod.LOG)
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("cp_auto") / "calibration.json")
+    return run_distributed(_worker, P, path), path
+
+
+def test_calibration_measures_then_reuses_the_file(ranks):
+    results, path = ranks
+    assert results[0]["source"].startswith("measured in")
+    assert all(r["reload"] == f"loaded from {path}" for r in results)
+    assert all(r["fits"] == results[0]["fits"] for r in results)       # max-reduced: one fit for all ranks
+    for alpha, beta in results[0]["fits"].values():
+        assert 0 <= alpha < 1.0 and 1e6 < beta and math.isfinite(alpha)
+    data = json.loads(open(path).read())
+    (key,) = data
+    assert key.startswith(f"P={P}|hosts=1x{P}|gloo|")
+    assert "gdn/eager/K8/V8/float32" in data[key]["kernels"]
+
+
+def test_decision_is_rank_zeros_on_every_rank(ranks):
+    results, _ = ranks
+    # rank 0 sees cheap latency and chooses Ulysses; the others' calibration would forbid any communication
+    assert {r["skewed"] for r in results} == {"ulysses"}
+    assert {r["ctx"] for r in results} == {("ulysses", None, P)}
+
+
+def test_layer_with_auto_equals_the_chosen_method(ranks):
+    results, _ = ranks
+    assert len({r["layer"]["method"] for r in results}) == 1
+    assert results[0]["layer"]["method"][0] in ("p2p", "allgather", "grouped_allgather_p2p", "recursive_doubling",
+                                                "ulysses")
+    for r in results:
+        assert r["layer"]["dy"] == 0 and r["layer"]["ddx"] == 0 and r["layer"]["dgrad"] == 0
+    lines = [l for l in results[0]["log"] if l.startswith("[hp_megatron cp auto] GDN")]
+    assert len(lines) == 1 and "runner-up" in lines[0] and "ms fwd+bwd" in lines[0]
