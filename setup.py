@@ -11,7 +11,7 @@ setup(
     packages=find_packages(include=["hp_megatron", "hp_megatron.*", "layers", "layers.*"]),
     install_requires=["torch>=2.6", "megatron-core>=0.14.0,<0.17", "numpy", "packaging"],
     extras_require={
-        "triton": ["flash-linear-attention>=0.6.0", "fla-core>=0.6.0", "triton>=3.7.1"],
+        "triton": ["flash-linear-attention>=0.6.0,<0.7", "fla-core>=0.6.0,<0.7", "triton>=3.7.1"],
         "npu": ["torch_npu"],
         "test": ["pytest>=8", "transformers>=5.6,<6", "psutil", "tokenizers",
                  "six"],  # six: imported by Megatron-LM's training code (tests/megatron_lm)

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-CP_METHODS = ("allgather", "p2p", "grouped_allgather_p2p", "recursive_doubling", "ulysses", "auto")
-CP_LAYOUTS = ("zigzag", "contiguous")
-MLA_CP_METHODS = ("latent", "latent_ulysses", "expanded_ulysses")
-BACKENDS = ("eager", "triton", "ascendc")
+from layers.choices import BACKENDS, CP_LAYOUTS
+from layers.choices import CP_METHOD_CHOICES as CP_METHODS
+from layers.choices import MLA_CP_STRATEGIES as MLA_CP_METHODS
 
 
 def _positive(text):

@@ -39,13 +39,16 @@ from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParal
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from layers.choices import CP_LAYOUTS
+from layers.choices import CP_METHOD_CHOICES as CP_METHODS
+from layers.cp import CommStats, build_cp_context
+from layers.cp.sequence import micro_batch_cache, packed_cu_seqlens
+from layers.keywords import check_keywords, declared_keywords
 from layers.masks import check_causal_mask
 from layers.norm import GATE_ACTIVATIONS, GatedRMSNorm
 from layers.ops import causal_conv1d
 from layers.ops.backends import get_backend
 
-CP_METHODS = ("p2p", "allgather", "grouped_allgather_p2p", "recursive_doubling", "ulysses", "auto")
-CP_LAYOUTS = ("zigzag", "contiguous")
 DEFAULT_CP_METHOD = "allgather"
 # megatron's --cp-comm-type values -> our CP methods (used when no method is configured explicitly)
 CP_COMM_TYPE_METHODS = {"p2p": "p2p", "all_gather": "allgather", "a2a": "ulysses", "a2a+p2p": "p2p"}
@@ -279,20 +282,6 @@ def _module_class(spec):
     return spec
 
 
-_CPU_CU_CACHE: dict = {}
-
-
-def _cu_seqlens_cpu(cu: torch.Tensor) -> torch.Tensor:
-    """Global cu_seqlens as CPU int64, converted once per tensor (every layer of a micro-batch shares it)."""
-    key = (id(cu), cu.data_ptr(), cu._version, tuple(cu.shape), str(cu.device))
-    hit = _CPU_CU_CACHE.get("last")
-    if hit is not None and hit[0] == key and hit[1] is cu:
-        return hit[2]
-    cpu = cu.detach().to("cpu", torch.int64)
-    _CPU_CU_CACHE["last"] = (key, cu, cpu)
-    return cpu
-
-
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -326,7 +315,7 @@ class DeltaMixer(MegatronModule):
         name = type(self).__name__
         submodules = submodules if submodules is not None else DeltaMixerSubmodules()
         overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in self.OPTIONS}
-        # Remaining kwargs are megatron-core's own (name=, pp_layer_offset=, ...): accepted and unused.
+        check_keywords(name, kwargs, list(self.OPTIONS) + declared_keywords(DeltaMixer))
         self._check_mask_type(attn_mask_type)
         opts = resolve_options(self.OPTIONS, config, overrides, name)
         self.layer_number = layer_number
@@ -354,6 +343,8 @@ class DeltaMixer(MegatronModule):
                              "all-gather group; must divide the CP size)")
         self.init_seed = opts["init_seed"]
         self.options = opts
+        self.comm_stats = None   # a layers.cp.CommStats turns communication accounting on for this layer
+        self._cp_contexts = {}   # BSHD CP contexts per (group, configuration); THD ones live on the micro-batch
         if self.num_value_heads % self.num_key_heads:
             raise ValueError(f"{name}: num_value_heads={self.num_value_heads} must be a multiple of "
                              f"num_key_heads={self.num_key_heads}")
@@ -555,13 +546,13 @@ class DeltaMixer(MegatronModule):
                              f"{getattr(hidden_states, 'shape', type(hidden_states).__name__)}")
         cp_group = self._cp_group_for(packed_seq_params)
         cp_size = _group_size(cp_group)
-        cu_global = self._packed_cu_seqlens(packed_seq_params)
+        cu_global = packed_cu_seqlens(packed_seq_params)
         check_causal_mask(attention_mask, self.cp_layout, cp_size, _group_rank(cp_group), cu_global,
                           owner=type(self).__name__)
 
         projected, _ = self.in_proj(hidden_states)  # [s, b, D_local]
         seq, batch = projected.shape[:2]
-        cu_seqlens, cp_context = self._sequence_context(cu_global, cp_group, cp_size, seq, batch)
+        cu_seqlens, cp_context = self._sequence_context(packed_seq_params, cu_global, cp_group, cp_size, seq, batch)
         x = projected.transpose(0, 1)  # [b, s, D_local]
         sizes = [rows // self.tp_size for _, rows in self._in_parts]
         parts = dict(zip((n for n, _ in self._in_parts), torch.split(x, sizes, dim=-1)))
@@ -588,20 +579,12 @@ class DeltaMixer(MegatronModule):
         group = getattr(packed_seq_params, "cp_group", None) if packed_seq_params is not None else None
         return group if group is not None else self.cp_group
 
-    def _packed_cu_seqlens(self, packed_seq_params):
-        """Global packed boundaries (CPU int64) for THD input, else None."""
-        if packed_seq_params is None or getattr(packed_seq_params, "qkv_format", None) != "thd":
-            return None
-        cu = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
-        if cu is None:
-            cu = getattr(packed_seq_params, "cu_seqlens_q", None)
-        if cu is None:
-            raise ValueError(f"{type(self).__name__}: PackedSeqParams(qkv_format='thd') needs cu_seqlens_q "
-                             "(or cu_seqlens_q_padded)")
-        return _cu_seqlens_cpu(cu)
+    def _sequence_context(self, packed_seq_params, cu, cp_group, cp_size, seq, batch):
+        """(cu_seqlens for the local op, CP context): under CP the context holds the global boundaries.
 
-    def _sequence_context(self, cu, cp_group, cp_size, seq, batch):
-        """(cu_seqlens for the local op, CP context): under CP the context holds the global boundaries."""
+        The context is built once per micro-batch (THD: cached on ``packed_seq_params``, shared by every layer
+        with the same CP configuration) or once per layer and group (BSHD: it does not depend on the batch).
+        Communication accounting is off unless ``self.comm_stats`` is a ``CommStats``."""
         name = type(self).__name__
         if cu is not None:
             if batch != 1:
@@ -612,15 +595,21 @@ class DeltaMixer(MegatronModule):
                                  "cu_seqlens must be the global (pre-CP-split) boundaries")
         if cp_size == 1:
             return cu, None
-        from layers.cp import build_cp_context
-
         method, group_size, degree = self.cp_method, self.cp_group_size, self.cp_ulysses_degree
         if method == "auto":   # decided at the first CP forward, then kept (layers.cp.auto)
             from layers.cp.auto import resolve_for_mixer
 
             method, group_size, degree = resolve_for_mixer(self, cp_group, seq * cp_size, batch, cu)
-        ctx = build_cp_context(cp_group, method=method, layout=self.cp_layout, cu_seqlens=cu,
-                               group_size=group_size, ulysses_degree=degree, conv_kernel_size=self.conv_kernel_dim)
+        key = ("cp_context", cp_group, method, self.cp_layout, group_size, degree, self.conv_kernel_dim,
+               id(self.comm_stats))
+        cache = micro_batch_cache(packed_seq_params) if cu is not None else self._cp_contexts
+        ctx = cache.get(key)
+        if ctx is None:
+            stats = self.comm_stats if self.comm_stats is not None else CommStats(enabled=False)
+            ctx = build_cp_context(cp_group, method=method, layout=self.cp_layout, cu_seqlens=cu,
+                                   group_size=group_size, ulysses_degree=degree, conv_kernel_size=self.conv_kernel_dim,
+                                   stats=stats)
+            cache[key] = ctx
         return None, ctx
 
     # ---------------------------------------------------------------- checkpointing

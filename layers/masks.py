@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from layers.compat import tensor_version
 from layers.cp.plan import local_seq_index
 
 _LAST_CHECKED: dict = {}
@@ -20,7 +21,7 @@ def check_causal_mask(mask, layout: str, cp_size: int, cp_rank: int, cu_seqlens=
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"attention_mask must be None or a bool tensor, got {type(mask).__name__}")
     cu_key = None if cu_seqlens is None else tuple(cu_seqlens.tolist())
-    key = (mask._version, layout, cp_size, cp_rank, cu_key)
+    key = (tensor_version(mask), layout, cp_size, cp_rank, cu_key)
     if _LAST_CHECKED.get("mask") is mask and _LAST_CHECKED.get("key") == key:   # the same object, unchanged
         return
     if mask.dtype != torch.bool or mask.ndim != 4 or mask.shape[1] != 1:

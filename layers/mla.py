@@ -33,8 +33,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from layers.attention.masking import document_starts
-from layers.cp.mla import STRATEGIES, MLADims, check_strategy, expand_keys_values, mla_context_parallel, token_order
+from layers.cp.mla import STRATEGIES, MLADims, check_strategy, expand_keys_values, mla_context_parallel
 from layers.cp.plan import check_layout
+from layers.cp.sequence import packed_cu_seqlens, plan_for_batch
+from layers.keywords import check_keywords, declared_keywords
 from layers.masks import check_causal_mask
 from layers.rotary import MLARotary, apply_mla_rope, mla_softmax_scale
 
@@ -117,6 +119,7 @@ class MultiLatentAttention(MegatronModule):
                  model_comm_pgs=None, *, cp_strategy: Optional[str] = None, cp_layout: Optional[str] = None,
                  rope_type: Optional[str] = None, checkpoint_norm_names: str = "te", comm_stats=None, **kwargs):
         super().__init__(config=config)
+        check_keywords("MultiLatentAttention", kwargs, declared_keywords(MultiLatentAttention))
         if _mask_type_name(attn_mask_type) not in (None, "causal"):
             raise ValueError(f"MultiLatentAttention supports only causal self-attention, got attn_mask_type="
                              f"{attn_mask_type!r}")
@@ -216,7 +219,7 @@ class MultiLatentAttention(MegatronModule):
         self._check_forward_args(hidden_states, key_value_states, inference_context, inference_params,
                                  rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,
                                  attention_bias, position_ids, packed_seq_params)
-        cu_seqlens = self._global_cu_seqlens(packed_seq_params)
+        cu_seqlens = packed_cu_seqlens(packed_seq_params)
         cp_group = self._cp_group(packed_seq_params)
         cp_size = _group_size(cp_group)
         cp_rank = torch.distributed.get_rank(cp_group) if cp_size > 1 else 0
@@ -226,7 +229,8 @@ class MultiLatentAttention(MegatronModule):
         latent, rope_key = self._kv_latent(hidden_states)                # [s, b, r], [s, b, p]
         latent, rope_key = latent.transpose(0, 1), rope_key.transpose(0, 1)
         batch, seq = latent.shape[:2]
-        q_ids, positions = self._token_positions(batch, seq, cp_size, cp_group, cu_seqlens, latent.device)
+        plan, positions = self._token_positions(batch, seq, cp_size, cp_rank, packed_seq_params, cu_seqlens,
+                                                latent.device)
         cos_sin = self.rotary.cos_sin(positions)
         rope_key = apply_mla_rope(rope_key, cos_sin, token_dim=1)
 
@@ -243,7 +247,7 @@ class MultiLatentAttention(MegatronModule):
             out = mla_context_parallel(self.cp_strategy, kv_payload=payload, make_query=make_query,
                                        kv_weight=kv_weight, dims=dims, attention=self.core_attention,
                                        group=cp_group, layout=self.cp_layout, cu_seqlens=cu_seqlens,
-                                       stats=self.comm_stats)
+                                       stats=self.comm_stats, plan=plan)
         out = out.reshape(batch, seq, dims.heads * dims.v).transpose(0, 1).contiguous()
         return self.linear_proj(out)
 
@@ -274,26 +278,9 @@ class MultiLatentAttention(MegatronModule):
         group = getattr(packed_seq_params, "cp_group", None) if packed_seq_params is not None else None
         return group if group is not None else self.cp_group
 
-    @staticmethod
-    def _global_cu_seqlens(packed_seq_params):
-        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
-            return None
-        cu = packed_seq_params.cu_seqlens_q_padded
-        if cu is None:
-            cu = packed_seq_params.cu_seqlens_q
-        if cu is None:
-            raise ValueError("packed_seq_params.qkv_format == 'thd' needs cu_seqlens_q (or cu_seqlens_q_padded)")
-        kv = packed_seq_params.cu_seqlens_kv_padded
-        if kv is None:
-            kv = packed_seq_params.cu_seqlens_kv
-        cu = cu.detach().to("cpu", torch.int64)
-        if kv is not None and not torch.equal(kv.detach().to("cpu", torch.int64), cu):
-            raise ValueError("self-attention needs identical query and key document boundaries; "
-                             f"cu_seqlens_q={cu.tolist()} cu_seqlens_kv={kv.tolist()}")
-        return cu
-
-    def _token_positions(self, batch, seq, cp_size, cp_group, cu_seqlens, device):
-        """Global ids (CPU int64 [seq]) and rotary positions ([seq] on device) of the local tokens."""
+    def _token_positions(self, batch, seq, cp_size, cp_rank, packed_seq_params, cu_seqlens, device):
+        """The micro-batch's sequence plan (None without CP) and rotary positions ([seq] on device) of the
+        local tokens."""
         total = seq * cp_size
         if cu_seqlens is not None:
             if batch != 1:
@@ -301,12 +288,10 @@ class MultiLatentAttention(MegatronModule):
             if int(cu_seqlens[-1]) != total:
                 raise ValueError(f"cu_seqlens[-1]={int(cu_seqlens[-1])} must equal the global packed token count "
                                  f"{total} (local tokens {seq} x CP {cp_size})")
-        if cp_size == 1:
-            ids = torch.arange(seq)
-        else:
-            ids = token_order(cp_size, cp_group.rank(), self.cp_layout, total, cu_seqlens).local_ids
+        plan = None if cp_size == 1 else plan_for_batch(packed_seq_params, cp_size, cp_rank, self.cp_layout, total)
+        ids = torch.arange(seq) if plan is None else plan.local_index
         positions = ids - document_starts(ids, cu_seqlens) if cu_seqlens is not None else ids
-        return ids, positions.to(device)
+        return plan, positions.to(device)
 
     def _kv_latent(self, hidden_states):
         """-> normalized latent [s, b, r] and un-rotated shared key [s, b, p], full local sequence, with

@@ -307,7 +307,7 @@ def _reduce(x):
 def cp_case(kind, layout_name, method, opts, via_hook):
     """CP(ascendc, fp32 stand-in) on this rank vs single-rank eager of the whole problem."""
     from layers.cp import build_cp_context, shard, unshard
-    from layers.ops.ascendc.cp import state_passing_cp
+    from layers.cp.ascendc import state_passing_cp
 
     layout, tensors, flags, cu = _cp_problem(kind, layout_name)
     extra = {"safe_gate": True} if kind == "kda" else {}
@@ -347,7 +347,7 @@ def cp_worker(rank, world):
             dist.barrier()
     # recursive_doubling: a clear NotImplementedError before any communication
     from layers.cp import build_cp_context
-    from layers.ops.ascendc.cp import state_passing_cp
+    from layers.cp.ascendc import state_passing_cp
 
     ctx = build_cp_context(None, method="recursive_doubling", layout="zigzag")
     try:

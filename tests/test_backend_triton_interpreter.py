@@ -160,8 +160,8 @@ def test_single_rank_matches_eager(key):
 @pytest.mark.parametrize("key", [f"{k}-{lay}-{m}" for k, lay, m, _ in CP_CASES] + list(CP_VARIANTS)
                          + [f"conv-{lay}-{m}" for lay, m in CONV_CP_CASES])
 def test_cp_matches_single_rank_eager(key):
-    """Every method; allgather on FLA's partitions must take FLA's own KCP path (layers/ops/triton/cp.py), the rest
-    FLA's kernels with our exchange (layers/ops/triton/kcp.py)."""
+    """Every method; allgather on FLA's partitions must take FLA's own KCP path (layers/cp/triton.py), the rest
+    FLA's kernels with our exchange (layers/cp/triton_kcp.py)."""
     fla_path = key.endswith("allgather") and any(f"-{layout}-" in key for layout in FLA_CP_LAYOUTS)
     for errs in run_distributed_once(worker, WORLD):
         errs = dict(errs[key])

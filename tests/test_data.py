@@ -84,11 +84,13 @@ def test_cp1_is_identity_and_non_tensors_pass_through():
 
 
 def test_errors_name_the_constraint():
-    with pytest.raises(ValueError, match="divisible by 4"):
+    with pytest.raises(ValueError, match=r"divisible by 2\*P=4"):
         cp_token_index(10, 2, 0)
-    with pytest.raises(ValueError, match=r"documents \[1\] have lengths \[6\]"):
+    with pytest.raises(ValueError, match=r"\(document, length\) pairs violating it: \[\(1, 6\)\]"):
         cp_token_index(14, 2, 0, torch.tensor([0, 8, 14]))
     with pytest.raises(ValueError, match="layout"):
         cp_token_index(8, 2, 0, layout="ring")
-    with pytest.raises(ValueError, match="cp_rank"):
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
         cp_token_index(8, 2, 2)
+    with pytest.raises(ValueError, match="strictly increasing"):   # an empty document: the model rejects it too
+        cp_token_index(8, 2, 0, torch.tensor([0, 4, 4, 8]))

@@ -6,46 +6,20 @@ forward arguments, so it can be the ``core_attention`` of the standard attention
 "GGGA") on any device:
 
 * CP = 1: causal (per document for THD) attention of the local sequence.
-* CP > 1: all-gather K and V over the CP group (the backward reduce-scatters their gradients back to
-  their owners), put them in global token order, and let the local (zigzag or contiguous) queries
-  attend with global causal positions. Memory per rank is that of the full K/V of one layer.
+* CP > 1: all-gather K and V over the CP group and put them in global token order with the micro-batch's
+  sequence plan (``layers.cp.sequence.gather_sequence``; the backward reduce-scatters their gradients back
+  to their owners), and let the local (zigzag or contiguous) queries attend with global causal positions.
+  Memory per rank is that of the full K/V of one layer.
 
 The attention math is ``layers.attention.causal_attention`` (eager SDPA or Ascend's fused kernel).
 """
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
-from hp_megatron.data import cp_token_index
+from layers.cp.sequence import gather_sequence, packed_cu_seqlens, plan_for_batch
+from layers.keywords import check_keywords, declared_keywords
 from layers.masks import check_causal_mask
-
-
-class _GatherSeq(torch.autograd.Function):
-    """All-gather along dim 0 over ``group``; backward sums the gradients and keeps this rank's part."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        world = group.size()
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(world)]
-        dist.all_gather(parts, x, group=group)
-        return torch.cat(parts, 0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        group = ctx.group
-        world, rank = group.size(), group.rank()
-        grad = grad.contiguous()
-        local = grad.shape[0] // world
-        if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter
-            dist.all_reduce(grad, group=group)
-            return grad[rank * local:(rank + 1) * local].clone(), None
-        out = torch.empty((local,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_tensor(out, grad, group=group)
-        return out, None
 
 
 class ContextParallelDotProductAttention(nn.Module):
@@ -61,6 +35,7 @@ class ContextParallelDotProductAttention(nn.Module):
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None,
                  model_comm_pgs=None, backend: str = "eager", layout: str | None = None, **kwargs):
         super().__init__()
+        check_keywords(type(self).__name__, kwargs, declared_keywords(ContextParallelDotProductAttention))
         name = getattr(attn_mask_type, "name", attn_mask_type)
         if name not in (None, "causal", "padding_causal"):
             raise ValueError(f"{type(self).__name__} supports causal masks only, got attn_mask_type={attn_mask_type!r}")
@@ -94,24 +69,17 @@ class ContextParallelDotProductAttention(nn.Module):
         s_local, b, heads, _ = query.shape
         if heads % key.shape[2]:
             raise ValueError(f"query heads {heads} must be a multiple of key/value groups {key.shape[2]}")
-        cu = None
-        if thd:
-            cu = packed_seq_params.cu_seqlens_q_padded
-            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+        cu = packed_cu_seqlens(packed_seq_params) if thd else None
         group = self.cp_group
         cp_size = group.size() if group is not None else 1
-        check_causal_mask(attention_mask, self.layout, cp_size, group.rank() if cp_size > 1 else 0,
-                          None if cu is None else cu.cpu(), owner=type(self).__name__)
+        cp_rank = group.rank() if cp_size > 1 else 0
+        check_causal_mask(attention_mask, self.layout, cp_size, cp_rank, cu, owner=type(self).__name__)
         q_ids = None
         if cp_size > 1:
-            total = s_local * cp_size
-            order = torch.cat([cp_token_index(total, cp_size, r, cu, self.layout) for r in range(cp_size)])
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(total)
-            inverse = inverse.to(key.device)
-            key = _GatherSeq.apply(key, group).index_select(0, inverse)
-            value = _GatherSeq.apply(value, group).index_select(0, inverse)
-            q_ids = order[group.rank() * s_local:(group.rank() + 1) * s_local]
+            plan = plan_for_batch(packed_seq_params, cp_size, cp_rank, self.layout, s_local * cp_size)
+            key = gather_sequence(key, plan, group)
+            value = gather_sequence(value, plan, group)
+            q_ids = plan.local_index
         repeat = heads // key.shape[2]
         if repeat > 1:
             key = key.repeat_interleave(repeat, dim=2)
@@ -119,6 +87,6 @@ class ContextParallelDotProductAttention(nn.Module):
         # [s, b, n, d] -> [b, s, n, d]
         out = causal_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
                                scale=self.softmax_scale, q_ids=q_ids,
-                               cu_seqlens=None if cu is None else cu.to(torch.int64), backend=self.backend)
+                               cu_seqlens=cu, backend=self.backend)
         out = out.transpose(0, 1).reshape(s_local, b, -1)
         return out.squeeze(1) if thd else out

@@ -24,8 +24,8 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.mlp import MLPSubmodules
 
 from hp_megatron.specs.attention import ContextParallelDotProductAttention
+from layers.choices import BACKENDS
 
-BACKENDS = ("eager", "triton", "ascendc")
 LINEAR_IMPLS = ("local", "te")
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from layers.keywords import check_keywords, declared_keywords
+
 from .eager import eager_causal_attention
 from .masking import QueryBlock, document_starts, query_blocks
 from .npu import npu_causal_attention
@@ -47,6 +49,7 @@ class CoreAttention(nn.Module):
                  softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None,
                  pg_collection=None, backend: str | None = None, **kwargs):
         super().__init__()
+        check_keywords(type(self).__name__, kwargs, declared_keywords(CoreAttention))
         if attention_type not in (None, "self"):
             raise ValueError(f"CoreAttention supports only self-attention, got attention_type={attention_type!r}")
         name = getattr(attn_mask_type, "name", attn_mask_type)

@@ -98,9 +98,9 @@ class CommStats:
 
 def current_phase() -> str:
     """``"backward"`` while autograd runs a backward pass on this thread, else ``"forward"``."""
-    import torch
+    from layers.compat import in_backward
 
-    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+    return "backward" if in_backward() else "forward"
 
 
 # -- closed forms (docs/cp.md) --------------------------------------------------------------------------------

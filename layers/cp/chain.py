@@ -19,11 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from layers.choices import STATE_METHODS  # noqa: F401  (re-exported)
 from layers.cp.accounting import current_phase
 from layers.cp.collectives import all_gather_raw, exchange, group_rank, group_size
 from layers.ops.summary import apply_summary
-
-STATE_METHODS = ("p2p", "allgather", "grouped_allgather_p2p", "recursive_doubling")
 
 
 @dataclass(frozen=True, eq=False)

@@ -13,21 +13,23 @@ one piece per sequence when Q == 1).
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from layers.choices import CP_METHODS
+from layers.compat import process_group_alive
 from layers.cp.accounting import CommStats
 from layers.cp.chain import STATE_METHODS, ChainComm
 from layers.cp.collectives import all_gather, group_rank
 from layers.cp.collectives import group_size as _pg_size
-from layers.cp.plan import (build_chain_plan, check_divisibility, check_layout, local_seq_index,
-                            normalize_global_cu_seqlens)
+from layers.cp.halo import causal_conv1d_with_cp
+from layers.cp.plan import build_chain_plan, check_divisibility, check_layout, normalize_global_cu_seqlens
+from layers.cp.sequence import sequence_plan
+from layers.cp.state_parallel import delta_rule_with_cp
 
-METHODS = ("ulysses",) + STATE_METHODS
+METHODS = CP_METHODS
 
 _SUBGROUPS: dict = {}
 
@@ -44,7 +46,7 @@ def _subgroup(global_ranks: tuple):
         return world
     key = (id(world), tuple(global_ranks))
     pg = _SUBGROUPS.get(key)
-    if pg is not None and pg not in getattr(dist.distributed_c10d, "_world").pg_map:
+    if pg is not None and not process_group_alive(pg):
         pg = None                                 # destroyed (e.g. the world was re-initialized)
     if pg is None:
         pg = dist.new_group(list(global_ranks), use_local_synchronization=True)
@@ -113,6 +115,15 @@ class CPContext:
         T = self.global_len(local_len)
         return build_chain_plan(self.state_world_size, self.state_rank, self.inner_layout, batch=batch,
                                 seq_len=T, cu_seqlens=self.cu_seqlens)
+
+    # -- what the public ops run under this context (``layers.ops`` calls these; it never imports ``layers.cp``)
+    def delta_rule(self, kind: str, backend: str, q, k, v, g, beta, **kw):
+        """GDN (``kind="gdn"``) or KDA on this rank's shard -> ``(o, None)`` (see ``state_parallel``)."""
+        return delta_rule_with_cp(kind, backend, self, q, k, v, g, beta, **kw)
+
+    def causal_conv1d(self, impl, x, weight, *, bias, activation):
+        """Depthwise causal conv of this rank's shard with the halo of the preceding tokens (see ``halo``)."""
+        return causal_conv1d_with_cp(impl, self, x, weight, bias=bias, activation=activation)
 
     def check_heads(self, **heads: int) -> None:
         """ValueError unless every head count (e.g. ``H=..., HV=...``) is divisible by the Ulysses degree."""
@@ -217,20 +228,7 @@ def shard(x: torch.Tensor, ctx: CPContext, seq_dim: int) -> torch.Tensor:
     equals Transformer Engine's ``thd_get_partitioned_indices``. Differentiable (an index_select).
     """
     T = _seq_len_of(x, seq_dim, ctx)
-    idx = local_seq_index(ctx.world_size, ctx.rank, ctx.layout, T, ctx.cu_seqlens)
-    return x.index_select(seq_dim, idx.to(x.device))
-
-
-def _gather_inverse(P, layout, T, cu):
-    return _gather_inverse_cached(P, layout, T, None if cu is None else tuple(cu.tolist()))
-
-
-@lru_cache(maxsize=64)   # bounded: packed batches bring new boundaries every step
-def _gather_inverse_cached(P, layout, T, cu_key):
-    ids = torch.cat([local_seq_index(P, r, layout, T, cu_key and list(cu_key)) for r in range(P)])
-    inv = torch.empty_like(ids)
-    inv[ids] = torch.arange(ids.numel())
-    return inv
+    return sequence_plan(ctx.world_size, ctx.rank, ctx.layout, T, ctx.cu_seqlens).shard(x, seq_dim)
 
 
 class _GatherOwnerGrad(torch.autograd.Function):
@@ -265,5 +263,5 @@ def unshard(x_local: torch.Tensor, ctx: CPContext, seq_dim: int, *, grad: str = 
     gathered = (all_gather(xl, ctx.group, ctx.stats) if grad == "sum"
                 else _GatherOwnerGrad.apply(xl, ctx.group, ctx.stats))          # [P, T_loc, ...]
     flat = gathered.reshape((P * T_loc,) + tuple(xl.shape[1:]))
-    inv = _gather_inverse(P, ctx.layout, T, ctx.cu_seqlens).to(flat.device)
-    return flat.index_select(0, inv).movedim(0, seq_dim)
+    to_global = sequence_plan(P, ctx.rank, ctx.layout, T, ctx.cu_seqlens).on("to_global", flat.device)
+    return flat.index_select(0, to_global).movedim(0, seq_dim)

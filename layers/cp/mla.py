@@ -27,17 +27,15 @@ closed forms.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from layers.choices import MLA_CP_STRATEGIES as STRATEGIES
 from layers.cp.collectives import all_gather_raw, all_to_all, all_to_all_start, reduce_scatter_raw
-from layers.cp.plan import check_layout, local_seq_index
-
-STRATEGIES = ("expanded_ulysses", "latent_ulysses", "latent")
+from layers.cp.sequence import SequencePlan, sequence_plan
 
 
 @dataclass(frozen=True)
@@ -56,35 +54,7 @@ def check_strategy(strategy: str) -> str:
     return strategy
 
 
-# -- token orders -------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TokenOrder:
-    """Where every rank's local tokens sit in the global sequence of one row (or the packed stream).
-
-    ``local_ids [S]``: global ids of this rank's tokens (local order). ``gathered_ids [P*S]``: ids of the
-    rank-major concatenation of all ranks' local tokens. ``to_global [T]``: gathered index of global token
-    j (so ``x_gathered[:, to_global]`` is in global order); ``gathered_ids`` maps back.
-    """
-    local_ids: torch.Tensor
-    gathered_ids: torch.Tensor
-    to_global: torch.Tensor
-
-
-@lru_cache(maxsize=64)
-def _token_order(world_size, rank, layout, seq_len, cu_key) -> TokenOrder:
-    cu = None if cu_key is None else torch.tensor(cu_key, dtype=torch.int64)
-    per_rank = [local_seq_index(world_size, p, layout, seq_len, cu) for p in range(world_size)]
-    gathered = torch.cat(per_rank)
-    return TokenOrder(per_rank[rank], gathered, torch.argsort(gathered))
-
-
-def token_order(world_size: int, rank: int, layout: str, seq_len: int, cu_seqlens=None) -> TokenOrder:
-    """Cached :class:`TokenOrder` for a global length ``seq_len`` (ValueError on indivisible layouts)."""
-    check_layout(layout)
-    cu_key = None if cu_seqlens is None else tuple(int(x) for x in torch.as_tensor(cu_seqlens).reshape(-1).tolist())
-    return _token_order(world_size, rank, layout, seq_len, cu_key)
-
-
+# -- token orders: the micro-batch's SequencePlan (layers/cp/sequence.py): local_index, gathered_index, to_global
 def _index(ids: torch.Tensor, device) -> torch.Tensor:
     return ids.to(device, non_blocking=True)
 
@@ -142,7 +112,7 @@ class _ExpandGatheredLatent(torch.autograd.Function):
             if grad_rope_key is None:
                 grad_rope_key = grad_latent.new_zeros(*grad_latent.shape[:2], W - grad_latent.shape[-1])
             grad_glob = torch.cat((grad_latent, grad_rope_key.to(grad_latent.dtype)), dim=-1)
-            grad_gathered = grad_glob.index_select(1, _index(order.gathered_ids, grad_glob.device))
+            grad_gathered = grad_glob.index_select(1, _index(order.gathered_index, grad_glob.device))
             grad_gathered = grad_gathered.view(B, P, S, W).permute(1, 0, 2, 3)
             with _call(stats, f"{name}.latent_reduce_scatter", "backward"):
                 grad_payload, work = reduce_scatter_raw(grad_gathered, group, stats, async_op=True)
@@ -179,18 +149,18 @@ def _seq_to_heads_send(x: torch.Tensor, P: int) -> torch.Tensor:
     return x.reshape(B, S, P, H // P, D).permute(2, 0, 1, 3, 4)
 
 
-def _seq_to_heads_recv(y: torch.Tensor, order: TokenOrder) -> torch.Tensor:
+def _seq_to_heads_recv(y: torch.Tensor, order: SequencePlan) -> torch.Tensor:
     """[P, B, S, h, D] (entry i = rank i's tokens) -> [B, T, h, D] in global order."""
     P, B, S, h, D = y.shape
     flat = y.permute(1, 0, 2, 3, 4).reshape(B, P * S, h, D)
     return flat.index_select(1, _index(order.to_global, flat.device))
 
 
-def _heads_to_seq(x: torch.Tensor, order: TokenOrder, P: int, group, stats) -> torch.Tensor:
+def _heads_to_seq(x: torch.Tensor, order: SequencePlan, P: int, group, stats) -> torch.Tensor:
     """[B, T, h, D] global order -> [B, S, P*h, D] local tokens, all heads (differentiable all-to-all)."""
     B, T, h, D = x.shape
     S = T // P
-    gathered = x.index_select(1, _index(order.gathered_ids, x.device)).view(B, P, S, h, D)
+    gathered = x.index_select(1, _index(order.gathered_index, x.device)).view(B, P, S, h, D)
     recv = all_to_all(gathered.permute(1, 0, 2, 3, 4), group, stats)   # entry i: my tokens, head group i
     return recv.permute(1, 2, 0, 3, 4).reshape(B, S, P * h, D)
 
@@ -198,11 +168,13 @@ def _heads_to_seq(x: torch.Tensor, order: TokenOrder, P: int, group, stats) -> t
 # -- strategies ---------------------------------------------------------------------------------------------
 def mla_context_parallel(strategy: str, *, kv_payload: torch.Tensor, make_query: Callable[[], torch.Tensor],
                          kv_weight: torch.Tensor, dims: MLADims, attention: Callable, group, layout: str = "zigzag",
-                         cu_seqlens: Optional[torch.Tensor] = None, stats=None) -> torch.Tensor:
+                         cu_seqlens: Optional[torch.Tensor] = None, stats=None,
+                         plan: Optional[SequencePlan] = None) -> torch.Tensor:
     """Causal MLA attention of this rank's local tokens under CP; returns ``[B, S, H, v]`` (see module doc).
 
     ``attention(q, k, v, q_ids=None, cu_seqlens=None)`` is the core attention with the softmax scale
-    bound. ``cu_seqlens``: global packed document boundaries (B == 1), or None for BSHD rows.
+    bound. ``cu_seqlens``: global packed document boundaries (B == 1), or None for BSHD rows. ``plan``: the
+    micro-batch's sequence plan when the caller has it (else built from ``layout`` and ``cu_seqlens``).
     """
     check_strategy(strategy)
     P, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -213,7 +185,10 @@ def mla_context_parallel(strategy: str, *, kv_payload: torch.Tensor, make_query:
     if strategy != "latent" and dims.heads % P != 0:
         raise ValueError(f"MLA CP strategy {strategy!r} needs the TP-local head count divisible by the CP size: "
                          f"heads per TP rank = {dims.heads}, CP = {P} (use strategy 'latent' for any head count)")
-    order = token_order(P, rank, layout, S * P, cu_seqlens)
+    order = plan if plan is not None else sequence_plan(P, rank, layout, S * P, cu_seqlens)
+    if (order.world_size, order.rank, order.seq_len) != (P, rank, S * P):
+        raise ValueError(f"plan is for rank {order.rank} of {order.world_size} and {order.seq_len} tokens; the "
+                         f"group gives rank {rank} of {P} and the input {S} x {P} tokens")
     name = f"mla.{strategy}"
     if strategy == "expanded_ulysses":
         return _expanded_ulysses(kv_payload, make_query, kv_weight, dims, attention, group, P, order,
@@ -230,7 +205,7 @@ def _latent(strategy, payload, make_query, kv_weight, dims, attention, group, P,
     if strategy == "latent":
         kv, rope_key = _ExpandGatheredLatent.apply(payload, kv_weight, pending, order, group, stats, name)
         key, value = assemble_keys_values(kv, rope_key, dims, dims.heads)
-        return attention(query, key, value, q_ids=order.local_ids, cu_seqlens=cu_seqlens)
+        return attention(query, key, value, q_ids=order.local_index, cu_seqlens=cu_seqlens)
     # latent_ulysses: queries sequence -> heads while this rank expands K/V for its own head group.
     h = dims.heads // P
     with _call(stats, f"{name}.query_all_to_all", "forward"):

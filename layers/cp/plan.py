@@ -27,9 +27,8 @@ from functools import lru_cache
 
 import torch
 
+from layers.choices import CP_LAYOUTS as LAYOUTS
 from layers.ops.validation import as_cu_seqlens
-
-LAYOUTS = ("zigzag", "contiguous")
 
 
 @dataclass(frozen=True, eq=False)

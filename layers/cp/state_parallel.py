@@ -12,16 +12,29 @@ Ulysses (alone or as the outer level of the hybrid) exchanges sequence for heads
 """
 from __future__ import annotations
 
+import importlib
+
 from layers.cp.chain import chain_scan
 from layers.cp.ulysses import heads_to_seq, seq_to_heads
+from layers.ops.backends import get_backend
 from layers.ops.summary import augmented_final_states
 
+# backends whose kernels write CP summaries natively run their own decomposition (module, function ``state_passing_cp``)
+NATIVE_CP = {"triton": "layers.cp.triton", "ascendc": "layers.cp.ascendc"}
 
-def _state_passing(kind, impl, ctx, plan, q, k, v, g, beta, scale, flags):
+
+def native_cp_hook(backend: str):
+    """The native state-passing function of ``backend`` (see ``NATIVE_CP``), or None for the generic path."""
+    module = NATIVE_CP.get(backend)
+    return None if module is None else importlib.import_module(module).state_passing_cp
+
+
+def _state_passing(kind, backend, ctx, plan, q, k, v, g, beta, scale, flags):
     """Run on [B, T, ...] tensors laid out as the state-group ``plan`` describes."""
-    hook = getattr(impl, "state_passing_cp", None)
-    if hook is not None:   # a backend with native summary/merge kernels (Ascend C, FLA) runs its own decomposition
+    hook = native_cp_hook(backend)
+    if hook is not None:
         return hook(kind, ctx, plan, q, k, v, g, beta, scale=scale, flags=flags)
+    impl = get_backend(backend)
     B, T = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
     flat = lambda x: x.reshape(1, B * T, *x.shape[2:])   # noqa: E731  pieces index flattened tokens
@@ -36,9 +49,8 @@ def _state_passing(kind, impl, ctx, plan, q, k, v, g, beta, scale, flags):
     return o.view(B, T, HV, V)
 
 
-def delta_rule_with_cp(kind, impl, ctx, q, k, v, g, beta, *, cu_seqlens, scale, initial_state, output_final_state,
-                       **flags):
-    """GDN/KDA on this rank's shard of a context-parallel sequence -> (o [B,T_local,HV,V], None)."""
+def delta_rule_with_cp(kind, backend, ctx, q, k, v, g, beta, *, scale, **flags):
+    """GDN/KDA (``backend`` by name) on this rank's shard of a context-parallel sequence -> (o [B,T_local,HV,V], None)."""
     B, T_loc = q.shape[:2]
     U = ctx.ulysses_degree
     if U > 1:
@@ -52,8 +64,9 @@ def delta_rule_with_cp(kind, impl, ctx, q, k, v, g, beta, *, cu_seqlens, scale, 
             flags["dt_bias"] = db[heads] if kind == "gdn" else db.view(HV, -1)[heads].reshape(-1)
         q, k, v, g, beta = (seq_to_heads(x, ctx, head_dim=2) for x in (q, k, v, g, beta))
     if ctx.state_world_size > 1:
-        o = _state_passing(kind, impl, ctx, ctx.state_plan_for(B, T_loc), q, k, v, g, beta, scale, flags)
+        o = _state_passing(kind, backend, ctx, ctx.state_plan_for(B, T_loc), q, k, v, g, beta, scale, flags)
     else:   # pure Ulysses: every rank now holds whole sequences (natural order) for its heads
+        impl = get_backend(backend)
         fn = impl.chunk_gated_delta_rule if kind == "gdn" else impl.chunk_kda
         o, _ = fn(q, k, v, g, beta, scale=scale, initial_state=None, output_final_state=False,
                   cu_seqlens=ctx.cu_seqlens, **flags)

@@ -9,7 +9,9 @@ A backend is a module exposing, with already-validated inputs (see ``layers/ops/
     causal_conv1d(x, weight, *, bias, activation, cu_seqlens, history) -> y
     delta_rule_final_state(kind, k, v, g, beta, *, initial_state, cu_seqlens, **flags) -> final [N,HV,K,V]
         (final states only, for the CP engine's affine summaries; see layers/ops/summary.py)
-    state_passing_cp(...)   optional: a backend-native CP decomposition (see layers/cp/state_parallel.py)
+
+Backends hold no CP code: native CP decompositions live with the CP engine (``layers/cp/state_parallel.py``'s
+``NATIVE_CP``).
 
 ``cu_seqlens`` is None or a CPU int64 tensor. Optional backends are imported lazily and raise
 ``RuntimeError`` naming the missing package; nothing falls back to another backend.
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 import importlib
 
-BACKENDS = ("eager", "triton", "ascendc")
+from layers.choices import BACKENDS
+
 _MODULES = {
     "eager": "layers.ops.eager.backend",
     "triton": "layers.ops.triton.backend",

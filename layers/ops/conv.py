@@ -61,8 +61,6 @@ def causal_conv1d(x, weight, bias=None, activation=None, cu_seqlens=None, histor
     """
     cu = _validate(x, weight, bias, activation, cu_seqlens, history, cp_context)
     impl = get_backend(backend)
-    if cp_context is not None:
-        from layers.cp.halo import causal_conv1d_with_cp
-
-        return causal_conv1d_with_cp(impl, cp_context, x, weight, bias=bias, activation=activation)
+    if cp_context is not None:   # the context (built by layers.cp) carries the halo exchange
+        return cp_context.causal_conv1d(impl, x, weight, bias=bias, activation=activation)
     return impl.causal_conv1d(x, weight, bias=bias, activation=activation, cu_seqlens=cu, history=history)

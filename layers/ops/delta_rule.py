@@ -80,12 +80,11 @@ def _validate(kind, q, k, v, g, beta, scale, initial_state, output_final_state, 
     return cu
 
 
-def _dispatch(kind, backend, cp_context, q, k, v, g, beta, cu, **kw):
+def _dispatch(kind, backend, cp_context, q, k, v, g, beta, cu, *, initial_state, output_final_state, **kw):
     impl = get_backend(backend)
-    if cp_context is not None:
-        from layers.cp.state_parallel import delta_rule_with_cp
-
-        return delta_rule_with_cp(kind, impl, cp_context, q, k, v, g, beta, cu_seqlens=cu, **kw)
+    if cp_context is not None:   # the context (built by layers.cp) carries the CP engine; ops never import it
+        return cp_context.delta_rule(kind, backend, q, k, v, g, beta, **kw)
+    kw.update(initial_state=initial_state, output_final_state=output_final_state)
     fn = impl.chunk_gated_delta_rule if kind == "gdn" else impl.chunk_kda
     return fn(q, k, v, g, beta, cu_seqlens=cu, **kw)
 

@@ -1,20 +1,18 @@
 """The ascendc backend: fla-npu's Ascend C kernels behind the ``layers.ops`` contract (Ascend NPUs).
 
 GDN: composite forward/backward (``gdn.py``; backward Ascend 950 only). KDA: staged prepare / state pass /
-finalize and their backward stages (``kda.py``). CP: :func:`state_passing_cp` (``cp.py``), the FLA-KCP
-decomposition on fla-npu's native summary and merge kernels, which the CP engine calls instead of its
-generic summary path. Short convolution: fla-npu's ``causal_conv1d`` is an inference cache operator (no
-history gradient), so this backend's conv is the PyTorch depthwise convolution of ``layers/ops/eager/conv.py``
+finalize and their backward stages (``kda.py``). CP on fla-npu's native summary and merge kernels lives with
+the CP engine (``layers/cp/ascendc.py``). Short convolution: fla-npu's ``causal_conv1d`` is an inference cache
+operator (no history gradient), so this backend's conv is the eager backend's PyTorch depthwise convolution
 run on the NPU tensors (aten kernels through torch_npu) -- stated here and in docs/backends.md.
 """
 from __future__ import annotations
 
 from layers.ops.ascendc import runtime
-from layers.ops.ascendc.cp import state_passing_cp  # the CP engine's hook
 from layers.ops.ascendc.gdn import chunk_gated_delta_rule
 from layers.ops.ascendc.kda import chunk_kda
 
-__all__ = ["check_available", "chunk_gated_delta_rule", "chunk_kda", "causal_conv1d", "state_passing_cp"]
+__all__ = ["check_available", "chunk_gated_delta_rule", "chunk_kda", "causal_conv1d"]
 
 
 def check_available() -> None:
@@ -25,6 +23,7 @@ def check_available() -> None:
 
 def causal_conv1d(x, weight, *, bias, activation, cu_seqlens, history):
     """PyTorch depthwise causal conv on the NPU tensors (see module doc); same contract as every backend."""
-    from layers.ops.eager.conv import causal_conv1d as torch_conv1d
+    from layers.ops.backends import get_backend
 
-    return torch_conv1d(x, weight, bias=bias, activation=activation, cu_seqlens=cu_seqlens, history=history)
+    return get_backend("eager").causal_conv1d(x, weight, bias=bias, activation=activation, cu_seqlens=cu_seqlens,
+                                              history=history)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from layers.ops.ascendc import runtime
-from layers.ops.eager.gates import gdn_gate
+from layers.ops.gates import gdn_gate
 
 _FWD, _BWD = "chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_bwd"
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from layers.ops.eager.chunking import chunk_layout, from_chunks, to_chunks
-from layers.ops.eager.gates import prepare_inputs
+from layers.ops.gates import prepare_inputs
 from layers.ops.eager.scan import StateScan
 
 CHUNK_SIZE = 64

@@ -3,20 +3,19 @@
 Inputs arrive validated by ``layers/ops/delta_rule.py`` / ``layers/ops/conv.py``; this module only maps the
 contract onto FLA's public ops (keywords only), moves packed boundaries to the GPU, and converts the conv
 history ``[N, W-1, D]`` into FLA's cache layout ``[N, D, W]``. Autograd is FLA's (gradients for q, k, v, g,
-beta, A_log, dt_bias, the initial state, conv weight/bias/history). CP: ``state_passing_cp`` (``cp.py``) runs FLA's
-own KCP path where its partition is ours (allgather, B == 1), otherwise FLA's summary kernels with the engine's
-exchange (``kcp.py``); ``delta_rule_final_state`` serves ``layers.ops.summary`` (V+K wide values, K <= 256).
+beta, A_log, dt_bias, the initial state, conv weight/bias/history). CP on FLA's kernels lives with the CP engine
+(``layers/cp/triton.py``, ``layers/cp/triton_kcp.py``); ``delta_rule_final_state`` serves ``layers.ops.summary``
+(V+K wide values, K <= 256).
 """
 from __future__ import annotations
 
 import torch
 
-from layers.ops.triton.cp import state_passing_cp  # the CP engine's hook
 from layers.ops.triton.runtime import (check_available, check_inputs, check_tensor_device, device_cu_seqlens,
                                        gdn_backward_blocker, load_fla)
 
 __all__ = ["check_available", "chunk_gated_delta_rule", "chunk_kda", "causal_conv1d", "delta_rule_final_state",
-           "history_to_fla_cache", "state_passing_cp"]
+           "history_to_fla_cache"]
 
 
 def check_gdn_backward(*inputs) -> None:

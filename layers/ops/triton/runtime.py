@@ -26,8 +26,10 @@ from typing import Callable
 
 import torch
 
-PACKAGES = "flash-linear-attention>=0.6.0 (fla-core) and triton>=3.7.1"
-INSTALL_HINT = "pip install 'hp-megatron[triton]'  (flash-linear-attention>=0.6.0, fla-core>=0.6.0, triton>=3.7.1)"
+from layers.compat import tensor_version
+
+PACKAGES = "flash-linear-attention>=0.6.0,<0.7 (fla-core) and triton>=3.7.1"
+INSTALL_HINT = "pip install 'hp-megatron[triton]'  (flash-linear-attention>=0.6.0,<0.7, fla-core>=0.6.0,<0.7, triton>=3.7.1)"
 MIN_FLA = (0, 6, 0)
 MIN_TRITON = (3, 3, 0)  # FLA 0.6's own floor; 3.7.1 is required for GDN backward on Hopper (see module doc)
 SAFE_TRITON_HOPPER_GDN_BWD = (3, 7, 1)
@@ -220,7 +222,7 @@ def device_cu_seqlens(cu_seqlens: torch.Tensor | None, device: torch.device):
     if cu_seqlens is None:
         return None, None
     key = (cu_seqlens.data_ptr(), cu_seqlens.storage_offset(), cu_seqlens.shape, cu_seqlens.stride(),
-           cu_seqlens._version, device)
+           tensor_version(cu_seqlens), device)
     hit = _CU_CACHE.get(key)
     if hit is not None:
         return hit[1], cu_seqlens

@@ -12,6 +12,7 @@ FLA's kernels around it. These are FLA's internal functions; :func:`load_interna
 from __future__ import annotations
 
 import importlib
+import inspect
 import types
 from functools import lru_cache
 
@@ -41,11 +42,68 @@ _INTERNALS = {
 }
 
 
+# keywords this module passes to each internal function (tests/test_fla_pins.py keeps this table equal to the calls)
+KEYWORDS = {
+    "chunk_bwd_dqkwg": ("chunk_indices", "chunk_size", "cu_seqlens", "dh", "do", "dv", "g", "h", "k", "q", "scale",
+                        "v", "w"),
+    "chunk_bwd_dv_local": ("chunk_indices", "chunk_size", "cu_seqlens", "do", "g", "k", "q", "scale"),
+    "chunk_cp_bwd_dh": ("chunk_size", "cu_seqlens", "dhm", "do", "dv", "k", "q", "scale", "w"),
+    "chunk_cp_fwd_h": ("chunk_size", "cu_seqlens", "hm", "k", "multi_seqs", "u", "w"),
+    "chunk_fwd_o": ("chunk_indices", "chunk_size", "cu_seqlens", "g", "h", "k", "q", "scale", "v"),
+    "chunk_gated_delta_rule_bwd_dhu": ("chunk_indices", "chunk_size", "cu_seqlens", "dht", "do", "dv", "g", "h0",
+                                       "k", "q", "scale", "w"),
+    "chunk_gated_delta_rule_fwd_h": ("chunk_indices", "chunk_size", "cu_seqlens", "initial_state", "k",
+                                     "output_final_state", "u", "w"),
+    "chunk_gated_delta_rule_fwd_intra": ("beta", "chunk_indices", "chunk_size", "cu_seqlens", "g", "k", "v"),
+    "chunk_gla_fwd_o_gk": ("A", "chunk_indices", "chunk_size", "cu_seqlens", "g", "h", "q", "scale", "v"),
+    "chunk_kda_bwd": ("A_log", "Akk", "Aqk", "beta", "chunk_indices", "chunk_size", "cu_seqlens", "dht",
+                      "disable_recompute", "do", "dt_bias", "g", "g_org", "h", "initial_state", "k", "kg",
+                      "lower_bound", "q", "qg", "safe_gate", "scale", "u", "use_gate_in_kernel", "v", "v_new", "w"),
+    "chunk_kda_bwd_dAv": ("A", "chunk_indices", "chunk_size", "cu_seqlens", "do", "k", "q", "scale", "v"),
+    "chunk_kda_fwd_intra": ("beta", "chunk_indices", "chunk_size", "cu_seqlens", "disable_recompute", "gk", "k", "q",
+                            "safe_gate", "scale", "v"),
+    "chunk_local_cumsum": ("chunk_indices", "chunk_size", "cu_seqlens", "reverse", "scale"),
+    "fused_beta_sigmoid": ("scale",),
+    "fused_beta_sigmoid_bwd": ("scale",),
+    "gdn_gate_bwd": ("A_log", "dt_bias", "dyg", "g"),
+    "gdn_gate_chunk_cumsum": ("A_log", "chunk_indices", "chunk_size", "cu_seqlens", "dt_bias", "g", "scale"),
+    "kda_gate_chunk_cumsum": ("A_log", "chunk_indices", "chunk_size", "cu_seqlens", "dt_bias", "g", "lower_bound",
+                              "scale"),
+    "kda_recompute_w_u": ("A", "beta", "chunk_indices", "cu_seqlens", "gk", "k", "q", "v"),
+    "l2norm_bwd": (),
+    "l2norm_fwd": (),
+    "prepare_chunk_indices": ("cu_seqlens_cpu",),
+    "prepare_wy_repr_bwd": ("A", "beta", "chunk_indices", "cu_seqlens", "du", "dw", "g", "k", "v"),
+    "recompute_w_u_fwd": ("A", "beta", "chunk_indices", "cu_seqlens", "g", "k", "v"),
+}
+
+
+def check_signatures(found: dict, fla_version: str) -> None:
+    """RuntimeError naming FLA's version and the function when an internal function no longer takes the keywords
+    this module passes (FLA moved it: these are not FLA's public API)."""
+    for name, keywords in KEYWORDS.items():
+        fn = found.get(name)
+        if fn is None or not callable(fn):
+            raise RuntimeError(f"backend='triton' CP: flash-linear-attention {fla_version} lacks {name}; this "
+                               f"backend's CP is written against FLA 0.6's kernels; need {PACKAGES}")
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):   # a builtin without a signature: nothing to check
+            continue
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            continue
+        missing = sorted(set(keywords) - set(params))
+        if missing:
+            raise RuntimeError(f"backend='triton' CP: flash-linear-attention {fla_version}'s {name} no longer takes "
+                               f"{missing} (its parameters: {list(params)}); this backend's CP is written against "
+                               f"FLA 0.6's kernels; need {PACKAGES}")
+
+
 @lru_cache(maxsize=1)
 def load_internals() -> types.SimpleNamespace:
-    """FLA's internal stages this module calls (``kda_recompute_w_u`` for KDA's variant); RuntimeError if any is
-    missing (they are not FLA's public API and may move between versions)."""
-    load_fla()
+    """FLA's internal stages this module calls (``kda_recompute_w_u`` for KDA's variant); RuntimeError naming FLA's
+    version if any is missing or its signature moved (they are not FLA's public API)."""
+    fla_version = ".".join(map(str, load_fla().fla_version))
     found = {}
     for module_name, names in _INTERNALS.items():
         try:
@@ -54,8 +112,10 @@ def load_internals() -> types.SimpleNamespace:
                 key = "kda_recompute_w_u" if module_name == "fla.ops.kda.wy_fast" else name
                 found[key] = getattr(module, name)
         except (ImportError, AttributeError) as error:
-            raise RuntimeError(f"backend='triton' CP: flash-linear-attention lacks {module_name} ({error}); this "
-                               f"backend's CP is written against FLA 0.6's kernels; need {PACKAGES}") from error
+            raise RuntimeError(f"backend='triton' CP: flash-linear-attention {fla_version} lacks {module_name} "
+                               f"({error}); this backend's CP is written against FLA 0.6's kernels; need "
+                               f"{PACKAGES}") from error
+    check_signatures(found, fla_version)
     return types.SimpleNamespace(**found)
 
 

@@ -29,7 +29,7 @@ from layers.ops.ascendc import runtime
 from layers.ops.ascendc.gdn import check_gdn
 from layers.ops.ascendc.kda import (batch4, check_kda, head_major, kda_local_backward, kda_meta, kda_prepare,
                                     token_major_scalars, untoken)
-from layers.ops.eager.gates import gdn_gate
+from layers.ops.gates import gdn_gate
 
 SUPPORTED_METHODS = ("p2p", "allgather", "grouped_allgather_p2p")
 MERGE_MAX_HEADS = 256  # merge_fwd_bwd_kernel's HV limit; chains x heads are folded in groups of this size

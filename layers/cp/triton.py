@@ -12,7 +12,7 @@ FLA's partition equals ours (checked: FLA's local boundaries must equal the plan
 - there is one row (B == 1: BSHD with micro-batch 1, or packed THD), and
 - the layout is ``contiguous`` (documents packed in any way), or ``zigzag`` with a single sequence (FLA's zigzag
   halves the whole token stream, Megatron's THD zigzag halves every document).
-Every other case (any method, layout, batch) runs FLA's summary kernels with our exchange (``kcp.py``).
+Every other case (any method, layout, batch) runs FLA's summary kernels with our exchange (``triton_kcp.py``).
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from layers.ops.triton.kcp import native_state_passing
+from layers.cp.triton_kcp import native_state_passing
+from layers.ops.triton.backend import check_gdn_backward
 from layers.ops.triton.runtime import check_inputs, load_fla
 
 _FLA_CONTEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ChainPlan -> {(device, group): ctx}
@@ -89,12 +90,10 @@ def state_passing_cp(kind, ctx, plan, q, k, v, g, beta, *, scale, flags):
     """CP engine hook: GDN/KDA on this rank's ``[B, T_local, ...]`` shard in ``plan``'s local order -> o.
 
     FLA's own KCP path where it is our decomposition (module doc), else FLA's kernels with our exchange."""
-    from layers.ops.triton import backend as impl
-
     fla = load_fla()
     check_inputs(q, k, v, g, beta)
     if kind == "gdn":
-        impl.check_gdn_backward(q, k, v, g, beta, flags.get("A_log"), flags.get("dt_bias"))
+        check_gdn_backward(q, k, v, g, beta, flags.get("A_log"), flags.get("dt_bias"))
     if not uses_fla_cp(ctx, plan):
         return native_state_passing(kind, ctx, plan, q, k, v, g, beta, scale=scale, flags=flags)
     K, (HV, V) = q.shape[-1], v.shape[2:]
