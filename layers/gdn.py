@@ -34,7 +34,6 @@ class GatedDeltaNet(DeltaMixer):
     ``init_seed``.
     """
 
-    kind = "gdn"
     gate_activation = "silu"
     OPTIONS = COMMON_OPTIONS
 

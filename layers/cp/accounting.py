@@ -87,10 +87,6 @@ class CommStats:
         return {"bytes_sent": sum(r.bytes_sent for r in sel), "bytes_received": sum(r.bytes_received for r in sel),
                 "steps": sum(r.steps for r in sel), "messages": sum(r.messages for r in sel), "calls": len(sel)}
 
-    def last(self, name: str | None = None, phase: str | None = None) -> CallRecord | None:
-        sel = self.select(name, phase)
-        return sel[-1] if sel else None
-
     def __repr__(self) -> str:
         f, b = self.totals(phase="forward"), self.totals(phase="backward")
         return f"CommStats(calls={len(self.records)}, forward={f}, backward={b})"

@@ -3,10 +3,9 @@
 Two layers:
 
 * raw functions (``*_raw``, ``exchange``): no autograd, optional ``async_op`` returning the work handle;
-* differentiable functions built on them (``all_gather``, ``reduce_scatter``, ``all_to_all``, ``send_recv``)
-  whose backward is the adjoint collective, plus ``*_start`` variants that launch the forward collective
-  asynchronously and return a ``Pending`` whose ``wait()`` yields the (differentiable) result, so local work
-  can overlap the communication.
+* differentiable functions built on them (``all_gather``, ``all_to_all``, ``send_recv``) whose backward is the
+  adjoint collective, plus ``all_to_all_start``, which launches the forward all-to-all asynchronously and returns
+  a ``Pending`` whose ``wait()`` yields the (differentiable) result, so local work can overlap it.
 
 Conventions: ``group`` is a process group or None (= WORLD); ranks in arguments are ranks *inside the group*.
 Stacked tensors have the group dimension first: ``all_gather(x)`` returns ``[P, *x.shape]`` with entry i from
@@ -184,24 +183,6 @@ class Pending:
 def all_gather(x: torch.Tensor, group=None, stats=None) -> torch.Tensor:
     """Differentiable all-gather: ``[P, *x.shape]``; backward reduce-scatters (sums) the gradient to owners."""
     return _Collective.apply(x, all_gather_raw, reduce_scatter_raw, group, stats, None)
-
-
-def all_gather_start(x: torch.Tensor, group=None, stats=None) -> Pending:
-    """Launch ``all_gather`` asynchronously; ``.wait()`` returns the differentiable ``[P, *x.shape]`` result."""
-    p = Pending()
-    p.result = _Collective.apply(x, all_gather_raw, reduce_scatter_raw, group, stats, p)
-    return p
-
-
-def reduce_scatter(x: torch.Tensor, group=None, stats=None) -> torch.Tensor:
-    """Differentiable reduce-scatter of ``x`` [P, ...] (sum of entry ``rank`` over ranks); backward all-gathers."""
-    return _Collective.apply(x, reduce_scatter_raw, all_gather_raw, group, stats, None)
-
-
-def reduce_scatter_start(x: torch.Tensor, group=None, stats=None) -> Pending:
-    p = Pending()
-    p.result = _Collective.apply(x, reduce_scatter_raw, all_gather_raw, group, stats, p)
-    return p
 
 
 def all_to_all(x: torch.Tensor, group=None, stats=None) -> torch.Tensor:

@@ -215,7 +215,7 @@ def build_cp_context(group=None, *, method: str, layout: str, cu_seqlens=None, g
 
 
 # -- shard / unshard ----------------------------------------------------------------------------------------
-def _seq_len_of(x, seq_dim, ctx):
+def _seq_len_of(x, seq_dim):
     if not -x.dim() <= seq_dim < x.dim():
         raise ValueError(f"seq_dim={seq_dim} out of range for a tensor of shape {tuple(x.shape)}")
     return x.shape[seq_dim]
@@ -227,7 +227,7 @@ def shard(x: torch.Tensor, ctx: CPContext, seq_dim: int) -> torch.Tensor:
     BSHD zigzag equals megatron-core's ``get_batch_on_this_cp_rank``; packed THD (ctx.cu_seqlens) zigzag
     equals Transformer Engine's ``thd_get_partitioned_indices``. Differentiable (an index_select).
     """
-    T = _seq_len_of(x, seq_dim, ctx)
+    T = _seq_len_of(x, seq_dim)
     return sequence_plan(ctx.world_size, ctx.rank, ctx.layout, T, ctx.cu_seqlens).shard(x, seq_dim)
 
 
@@ -256,7 +256,7 @@ def unshard(x_local: torch.Tensor, ctx: CPContext, seq_dim: int, *, grad: str = 
     """
     if grad not in ("sum", "owner"):
         raise ValueError(f"grad must be 'sum' or 'owner', got {grad!r}")
-    T_loc = _seq_len_of(x_local, seq_dim, ctx)
+    T_loc = _seq_len_of(x_local, seq_dim)
     P = ctx.world_size
     T = ctx.global_len(T_loc)
     xl = x_local.movedim(seq_dim, 0).contiguous()

@@ -75,7 +75,7 @@ def assemble_keys_values(kv: torch.Tensor, rope_key: torch.Tensor, dims: MLADims
     return key, value
 
 
-def head_rows(dims: MLADims, first: int, count: int, width: int) -> slice:
+def head_rows(first: int, count: int, width: int) -> slice:
     return slice(first * width, (first + count) * width)
 
 
@@ -210,7 +210,7 @@ def _latent(strategy, payload, make_query, kv_weight, dims, attention, group, P,
     h = dims.heads // P
     with _call(stats, f"{name}.query_all_to_all", "forward"):
         q_pending = all_to_all_start(_seq_to_heads_send(query, P), group, stats)
-    rows = head_rows(dims, rank * h, h, dims.qk + dims.v)
+    rows = head_rows(rank * h, h, dims.qk + dims.v)
     kv, rope_key = _ExpandGatheredLatent.apply(payload, kv_weight[rows], pending, order, group, stats, name)
     key, value = assemble_keys_values(kv, rope_key, dims, h)
     query = _seq_to_heads_recv(q_pending.wait(), order)

@@ -45,7 +45,7 @@ def _permutation(ctx, B: int, T_loc: int):
     return hit
 
 
-def _check(x, ctx, head_dim, what):
+def _check(x, head_dim, what):
     if x.dim() < 3:
         raise ValueError(f"{what} needs x [B, T, ..., heads, ...] with at least 3 dims, got {tuple(x.shape)}")
     hd = head_dim % x.dim()
@@ -117,7 +117,7 @@ def seq_to_heads(x: torch.Tensor, ctx, head_dim: int = 2) -> torch.Tensor:
     layout order). Identity when ctx.ulysses_degree == 1."""
     if ctx.ulysses_degree == 1:
         return x
-    hd = _check(x, ctx, head_dim, "seq_to_heads")
+    hd = _check(x, head_dim, "seq_to_heads")
     if x.shape[hd] % ctx.ulysses_degree != 0:
         raise ValueError(f"Ulysses needs the head dim (dim {hd}, size {x.shape[hd]}) divisible by the Ulysses "
                          f"degree U={ctx.ulysses_degree}")
@@ -128,5 +128,5 @@ def heads_to_seq(x: torch.Tensor, ctx, head_dim: int = 2) -> torch.Tensor:
     """Inverse of ``seq_to_heads``: [B, U*T_local, ..., H/U, ...] -> [B, T_local, ..., H, ...]."""
     if ctx.ulysses_degree == 1:
         return x
-    hd = _check(x, ctx, head_dim, "heads_to_seq")
+    hd = _check(x, head_dim, "heads_to_seq")
     return _UlyssesExchange.apply(x, ctx, hd, "heads_to_seq")
