@@ -91,6 +91,7 @@ class CPContext:
     chain_comm: ChainComm
     conv_kernel_size: int | None = None
     stats: CommStats = field(default_factory=CommStats)
+    _plans: dict = field(default_factory=dict, repr=False)   # memo of plan_for / state_plan_for
 
     # -- shapes and plans ------------------------------------------------------------------------------
     def global_len(self, local_len: int) -> int:
@@ -102,19 +103,26 @@ class CPContext:
         return T
 
     def plan_for(self, batch: int, local_len: int):
-        """ChainPlan of this rank in the P-rank ``layout`` (the layout of the op's local input)."""
-        T = self.global_len(local_len)
-        return build_chain_plan(self.world_size, self.rank, self.layout, batch=batch, seq_len=T,
-                                cu_seqlens=self.cu_seqlens)
+        """ChainPlan of this rank in the P-rank ``layout`` (the layout of the op's local input); memoized on the
+        context, so the layers sharing a micro-batch's context validate and key the boundaries once."""
+        key = ("outer", batch, local_len)
+        if key not in self._plans:
+            T = self.global_len(local_len)
+            self._plans[key] = build_chain_plan(self.world_size, self.rank, self.layout, batch=batch, seq_len=T,
+                                                cu_seqlens=self.cu_seqlens)
+        return self._plans[key]
 
     def state_plan_for(self, batch: int, local_len: int):
         """ChainPlan of this rank's state rank among Q in ``inner_layout`` (after Ulysses; = plan_for when
         U == 1). ``local_len`` is the length of the op's local input (before Ulysses)."""
         if self.ulysses_degree == 1:
             return self.plan_for(batch, local_len)
-        T = self.global_len(local_len)
-        return build_chain_plan(self.state_world_size, self.state_rank, self.inner_layout, batch=batch,
-                                seq_len=T, cu_seqlens=self.cu_seqlens)
+        key = ("state", batch, local_len)
+        if key not in self._plans:
+            T = self.global_len(local_len)
+            self._plans[key] = build_chain_plan(self.state_world_size, self.state_rank, self.inner_layout,
+                                                batch=batch, seq_len=T, cu_seqlens=self.cu_seqlens)
+        return self._plans[key]
 
     # -- what the public ops run under this context (``layers.ops`` calls these; it never imports ``layers.cp``)
     def delta_rule(self, kind: str, backend: str, q, k, v, g, beta, **kw):
