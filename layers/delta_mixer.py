@@ -301,10 +301,12 @@ class DeltaMixerSubmodules:
 class DeltaMixer(MegatronModule):
     """Base class of :class:`layers.GatedDeltaNet` and :class:`layers.KimiDeltaAttention`.
 
-    Subclasses set ``gate_activation`` and ``OPTIONS``, and implement
+    Subclasses set ``kind`` (``"gdn" | "kda"``, read by ``layers.cp.auto``), ``gate_activation`` and ``OPTIONS``,
+    and implement
     :meth:`_in_proj_parts`, :meth:`_extra_layouts`, :meth:`_build_extra` and :meth:`_delta_rule`.
     """
 
+    kind = "gdn"
     gate_activation = "silu"
     OPTIONS = COMMON_OPTIONS
 

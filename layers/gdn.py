@@ -34,6 +34,7 @@ class GatedDeltaNet(DeltaMixer):
     ``init_seed``.
     """
 
+    kind = "gdn"
     gate_activation = "silu"
     OPTIONS = COMMON_OPTIONS
 

@@ -53,6 +53,7 @@ class KimiDeltaAttention(DeltaMixer):
     ``output_gate_bias``; config attributes ``kda_*`` of the same names.
     """
 
+    kind = "kda"
     gate_activation = "sigmoid"
     OPTIONS = KDA_OPTIONS
 
