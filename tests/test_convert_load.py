@@ -81,8 +81,36 @@ def load_and_run(rank, world_size, hf_dir, ckpt_dir, tokens, resaved_dir):
             dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": 5}, resaved_dir)
             results["example_load"] = _example_load(hf.config, os.path.dirname(ckpt_dir), tokens)
         dist.barrier()
+    results["pp2_weights_max_abs"] = _pipeline_stage_load(hf, ckpt_dir)
     parallel_state.destroy_model_parallel()
     return results
+
+
+def _pipeline_stage_load(hf, ckpt_dir):
+    """PP=2: this rank's stage (one layer; embedding or final norm + output layer) loads exactly the rules'
+    tensors of its global layer numbers. Returns the largest difference."""
+    import re
+
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from hp_megatron.convert import llama
+    from hp_megatron.platform import apply_cpu_shims
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 2)
+    apply_cpu_shims(7)
+    model = llama.build_model(hf.config, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt_dir)["model"])
+    offset = parallel_state.get_pipeline_model_parallel_rank()  # one layer per stage
+    rules = {r.mcore_key: r for r in llama.conversion_rules(hf.config)}
+    diffs = []
+    for key, value in model.state_dict().items():
+        if key.endswith("_extra_state"):
+            continue
+        global_key = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + offset}.", key)
+        rule = rules[global_key]
+        diffs.append(float((value - rule.to_mcore([hf.read(x) for x in rule.hf_keys])).abs().max()))
+    return max(diffs) if len(diffs) > 5 else float("nan")  # a stage holds a layer's 6 tensors at least
 
 
 def _example_load(hf_config, ckpt_root, tokens):
@@ -135,6 +163,12 @@ def test_logits_match_transformers(setup, tp):
     expected, per_rank, *_ = setup
     for r in per_rank:
         assert rel_err(r[f"logits_tp{tp}"], expected) <= 1e-5
+
+
+def test_pipeline_stages_load_their_layers(setup):
+    _, per_rank, *_ = setup
+    for r in per_rank:
+        assert r["pp2_weights_max_abs"] == 0.0
 
 
 def test_example_starts_from_the_converted_release_checkpoint(setup):
