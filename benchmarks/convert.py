@@ -91,8 +91,10 @@ def run_cli(argv: list[str]) -> dict:
     out, err = proc.stdout.read(), proc.stderr.read()
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"conversion failed: {' '.join(argv)}\n{err[-3000:]}")
-    match = re.search(r"in ([0-9.]+) s", out)
-    return {"wall_s": wall, "convert_s": float(match.group(1)) if match else None,
+    match = re.search(r"in ([0-9.]+) s .*setup ([0-9.]+) s", out)
+    if match is None:
+        raise RuntimeError(f"unexpected converter output: {out!r}")
+    return {"wall_s": wall, "convert_s": float(match.group(1)), "setup_s": float(match.group(2)),
             "peak_rss_bytes": usage.ru_maxrss * 1024}
 
 
@@ -127,7 +129,8 @@ def main(argv=None) -> None:
                                            "--max-shard-size", args.shard_size])):
             r = run_cli(cli)
             r["mb_per_s_wall"] = total / 1e6 / r["wall_s"]
-            r["mb_per_s_convert"] = total / 1e6 / r["convert_s"] if r["convert_s"] else None
+            r["mb_per_s_convert"] = total / 1e6 / r["convert_s"]
+            r["mb_per_s_tensors"] = total / 1e6 / max(r["convert_s"] - r["setup_s"], 1e-9)
             r["rss_goal_met"] = r["peak_rss_bytes"] < goal_rss
             r["speed_goal_met"] = r["mb_per_s_wall"] >= 200
             rows[name] = r
@@ -141,11 +144,13 @@ def main(argv=None) -> None:
     lines = [f"Synthetic Llama-shaped checkpoint: {total / 1e9:.2f} GB {args.dtype}, {layers} layers, largest tensor "
              f"{largest / 1e6:.0f} MB; RSS goal 2 x largest + 1 GiB = {goal_rss / 2**30:.2f} GiB; HF -> ours -> HF "
              f"bit-exact: {'yes' if bit_exact else 'NO'}. Command: `{result['command']}`, {result['threads']} threads.",
-             "", "| direction | wall s | MB/s (wall) | MB/s (conversion) | peak RSS GiB | RSS goal | 200 MB/s |",
-             "|---|---|---|---|---|---|---|"]
+             "MB/s over the tensor bytes: *wall* from process start to exit (imports included), *conversion* inside "
+             "the converter (model layout and checks included), *tensors* the tensor phase alone.",
+             "", "| direction | wall s | setup s | MB/s wall | MB/s conversion | MB/s tensors | peak RSS GiB | "
+             "RSS goal | 200 MB/s (wall) |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
-        conv = f"{r['mb_per_s_convert']:.0f}" if r["mb_per_s_convert"] else "-"
-        lines.append(f"| {name} | {r['wall_s']:.1f} | {r['mb_per_s_wall']:.0f} | {conv} | "
+        lines.append(f"| {name} | {r['wall_s']:.1f} | {r['setup_s']:.1f} | {r['mb_per_s_wall']:.0f} | "
+                     f"{r['mb_per_s_convert']:.0f} | {r['mb_per_s_tensors']:.0f} | "
                      f"{r['peak_rss_bytes'] / 2**30:.2f} | {'met' if r['rss_goal_met'] else 'missed'} | "
                      f"{'met' if r['speed_goal_met'] else 'missed'} |")
     publish(result, "\n".join(lines), args, "convert", "## Checkpoint conversion (benchmarks/convert.py)")

@@ -9,17 +9,7 @@ import shutil
 import pytest
 import torch
 
-from test_convert_load import VOCAB, tiny_llama
-
-
-def _tensors(directory):
-    from safetensors.torch import load_file
-
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(directory, name)))
-    return out
+from test_convert_load import VOCAB, hf_tensors, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +35,7 @@ def test_round_trip_is_bit_exact_and_reloads_in_transformers(hf_models, case):
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "7"
     assert main(["mcore-to-hf", "--load", ckpt, "--save", back, "--max-shard-size", "30KB"]) == 0
 
-    original, exported = _tensors(hf_dir), _tensors(back)
+    original, exported = hf_tensors(hf_dir), hf_tensors(back)
     assert sorted(exported) == sorted(original)
     for key, tensor in original.items():
         assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key

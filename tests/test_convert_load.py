@@ -8,6 +8,8 @@ One spawn serves every case.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -28,6 +30,17 @@ def tiny_llama(tmp_path, tied=False, shard="40KB"):
     directory = tmp_path / ("hf_tied" if tied else "hf")
     model.save_pretrained(directory, max_shard_size=shard)
     return model, str(directory)
+
+
+def hf_tensors(directory) -> dict:
+    """Every tensor of the safetensors shards of an HF directory."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, name)))
+    return out
 
 
 def load_and_run(rank, world_size, hf_dir, ckpt_dir, tokens, resaved_dir):
@@ -66,9 +79,58 @@ def load_and_run(rank, world_size, hf_dir, ckpt_dir, tokens, resaved_dir):
             results[f"logits_tp{tp}"] = gather_from_tensor_model_parallel_region(logits)
         if tp == 2:
             dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": 5}, resaved_dir)
+            results["example_load"] = _example_load(hf.config, os.path.dirname(ckpt_dir), tokens)
         dist.barrier()
+    results["pp2_weights_max_abs"] = _pipeline_stage_load(hf, ckpt_dir)
     parallel_state.destroy_model_parallel()
     return results
+
+
+def _pipeline_stage_load(hf, ckpt_dir):
+    """PP=2: this rank's stage (one layer; embedding or final norm + output layer) loads exactly the rules'
+    tensors of its global layer numbers. Returns the largest difference."""
+    import re
+
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from hp_megatron.convert import llama
+    from hp_megatron.platform import apply_cpu_shims
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 2)
+    apply_cpu_shims(7)
+    model = llama.build_model(hf.config, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt_dir)["model"])
+    offset = parallel_state.get_pipeline_model_parallel_rank()  # one layer per stage
+    rules = {r.mcore_key: r for r in llama.conversion_rules(hf.config)}
+    diffs = []
+    for key, value in model.state_dict().items():
+        if key.endswith("_extra_state"):
+            continue
+        global_key = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + offset}.", key)
+        rule = rules[global_key]
+        diffs.append(float((value - rule.to_mcore([hf.read(x) for x in rule.hf_keys])).abs().max()))
+    return max(diffs) if len(diffs) > 5 else float("nan")  # a stage holds a layer's 6 tensors at least
+
+
+def _example_load(hf_config, ckpt_root, tokens):
+    """examples/pretrain's load_checkpoint on the converted (release) root: (iteration, consumed, logits)."""
+    import sys
+    from types import SimpleNamespace
+
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from hp_megatron.convert import llama
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                                    "pretrain"))
+    from training import load_checkpoint
+
+    model = llama.build_model(hf_config, tensor_model_parallel_size=2)
+    iteration, consumed = load_checkpoint(ckpt_root, SimpleNamespace(module=model), None, None)
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), attention_mask=None)
+    return iteration, consumed, gather_from_tensor_model_parallel_region(logits)
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +165,23 @@ def test_logits_match_transformers(setup, tp):
         assert rel_err(r[f"logits_tp{tp}"], expected) <= 1e-5
 
 
+def test_pipeline_stages_load_their_layers(setup):
+    _, per_rank, *_ = setup
+    for r in per_rank:
+        assert r["pp2_weights_max_abs"] == 0.0
+
+
+def test_example_starts_from_the_converted_release_checkpoint(setup):
+    expected, per_rank, *_ = setup
+    for r in per_rank:
+        iteration, consumed, logits = r["example_load"]
+        assert (iteration, consumed) == (0, 0)
+        assert rel_err(logits, expected) <= 1e-5
+
+
 def test_checkpoint_saved_by_megatron_at_tp2_exports_to_the_original_hf_tensors(setup):
     """mcore-to-hf reads the TP-sharded chunks megatron-core wrote (SwiGLU halves interleaved per rank)."""
     import json
-    import os
-
-    from safetensors.torch import load_file
 
     from hp_megatron.convert import mcore_to_hf
 
@@ -116,14 +189,7 @@ def test_checkpoint_saved_by_megatron_at_tp2_exports_to_the_original_hf_tensors(
     config = json.load(open(os.path.join(hf_dir, "config.json")))
     mcore_to_hf(resaved, str(tmp / "from_tp2"), hf_config=config)
 
-    def tensors(d):
-        out = {}
-        for name in os.listdir(d):
-            if name.endswith(".safetensors"):
-                out.update(load_file(os.path.join(d, name)))
-        return out
-
-    original, exported = tensors(hf_dir), tensors(str(tmp / "from_tp2"))
+    original, exported = hf_tensors(hf_dir), hf_tensors(str(tmp / "from_tp2"))
     assert sorted(exported) == sorted(original)
     for key, tensor in original.items():
         assert torch.equal(exported[key], tensor), key

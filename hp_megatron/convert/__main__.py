@@ -53,7 +53,8 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     print(f"{args.direction}: {report.tensors} tensors, {report.bytes / 1e6:.1f} MB in {report.seconds:.2f} s "
-          f"({report.mb_per_s:.1f} MB/s) -> {report.output}", flush=True)
+          f"({report.mb_per_s:.1f} MB/s; setup {report.setup_seconds:.2f} s, tensors {report.data_mb_per_s:.1f} MB/s)"
+          f" -> {report.output}", flush=True)
     return 0
 
 

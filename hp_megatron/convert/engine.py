@@ -21,7 +21,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -39,17 +39,23 @@ NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")  # tenso
 
 @dataclass
 class ConversionReport:
-    """What a conversion did: tensors and bytes written, seconds taken."""
+    """What a conversion did: tensors and bytes written, seconds taken in all and in the setup before the first
+    tensor byte (parsing headers, building the model layout, checking every rule)."""
 
-    tensors: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    output: str = ""
-    extra: dict = field(default_factory=dict)
+    tensors: int
+    bytes: int
+    seconds: float
+    setup_seconds: float
+    output: str
 
     @property
     def mb_per_s(self) -> float:
         return self.bytes / 1e6 / max(self.seconds, 1e-9)
+
+    @property
+    def data_mb_per_s(self) -> float:
+        """Throughput of the tensor phase alone (reading, converting, writing)."""
+        return self.bytes / 1e6 / max(self.seconds - self.setup_seconds, 1e-9)
 
 
 # ------------------------------------------------------------------------------------------ model layout
@@ -217,6 +223,7 @@ def hf_to_mcore(hf_dir: str, save: str, *, rules=None, build_model=None, iterati
         return current["pieces"][(chunks[i].key, chunks[i].offset)]
 
     name = "release" if iteration is None else f"iter_{iteration:07d}"
+    setup = time.perf_counter() - start
     with _atomic_directory(save, overwrite) as tmp:
         ckpt = os.path.join(tmp, name)
         os.makedirs(ckpt)
@@ -233,7 +240,7 @@ def hf_to_mcore(hf_dir: str, save: str, *, rules=None, build_model=None, iterati
         with open(os.path.join(tmp, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write("release" if iteration is None else str(iteration))
     nbytes = sum(torch.Size(c.size).numel() * c.dtype.itemsize for c in chunks)
-    return ConversionReport(len(chunks), nbytes, time.perf_counter() - start, os.path.abspath(save))
+    return ConversionReport(len(chunks), nbytes, time.perf_counter() - start, setup, os.path.abspath(save))
 
 
 # ------------------------------------------------------------------------------------------ mcore -> HF
@@ -278,6 +285,7 @@ def mcore_to_hf(load: str, save: str, *, hf_config: dict | None = None, rules=No
         raise CheckpointError(f"{ckpt}: unexpected tensor {unexpected[0]}: the model built from config.json has no "
                               f"such tensor ({len(unexpected)} such tensors: {unexpected[:5]})")
 
+    setup = time.perf_counter() - start
     with _atomic_directory(save, overwrite) as tmp:
         writer = ShardedSafetensorsWriter(tmp, specs, parse_size(max_shard_size))
         for rule, entry in matched:
@@ -294,4 +302,4 @@ def mcore_to_hf(load: str, save: str, *, hf_config: dict | None = None, rules=No
         writer.close()
         with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
             json.dump(hf_config, f, indent=2, sort_keys=True)
-    return ConversionReport(len(specs), writer.total_size, time.perf_counter() - start, os.path.abspath(save))
+    return ConversionReport(len(specs), writer.total_size, time.perf_counter() - start, setup, os.path.abspath(save))

@@ -70,9 +70,10 @@ def build_model(hf_config: dict, **config_overrides):
     """The ``GPTModel`` of ``hf_config`` on the current megatron parallel state; ``config_overrides`` are
     ``TransformerConfig`` fields (parallel sizes, ``params_dtype``, ``perform_initialization``...)."""
     import torch.nn.functional as F
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     from hp_megatron.specs import get_layer_spec
     from layers.norm import RMSNorm
@@ -87,8 +88,8 @@ def build_model(hf_config: dict, **config_overrides):
                   params_dtype=torch.float32, gradient_accumulation_fusion=False, bias_dropout_fusion=False)
     fields.update(config_overrides)
     config = TransformerConfig(**fields)
-    spec = TransformerBlockSubmodules(layer_specs=[get_layer_spec("attn")] * d["layers"], layer_norm=RMSNorm)
-    from megatron.core import parallel_state
+    local_layers = get_num_layers_to_build(config)  # this pipeline stage's layers
+    spec = TransformerBlockSubmodules(layer_specs=[get_layer_spec("attn")] * local_layers, layer_norm=RMSNorm)
 
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=hf_config["vocab_size"],
                     max_sequence_length=hf_config.get("max_position_embeddings", 4096),

@@ -2,9 +2,10 @@
 
 Reading: :class:`HFCheckpoint` parses ``config.json``, ``model.safetensors.index.json`` (or a single
 ``model.safetensors``) and every shard's header up front, so a missing shard, a bad header or a truncated file is
-reported (file and tensor named) before anything is converted. Tensors are then read one by one with
-``safetensors.safe_open`` (lazy: only the requested tensor's bytes are read); each shard's handle is opened for
-the read and closed after it, so no shard stays memory-mapped and resident memory holds only the tensors in use.
+reported (file and tensor named) before anything is converted. Tensors are then read one by one: the header's
+offsets locate the bytes, which are read straight into a new tensor. (``safetensors.safe_open`` was measured
+first: its tensors are views of a memory-mapped shard, whose touched pages stayed in the resident set
+(file-backed RSS grew by 160 MB over a 1.2 GB conversion); plain reads keep only the tensors in use.)
 
 Writing: :class:`ShardedSafetensorsWriter` takes the names, dtypes and shapes of all tensors first, splits them
 into shards of at most ``max_shard_bytes``, writes each shard's header, and then accepts the tensors in any order,
@@ -43,6 +44,7 @@ class TensorInfo:
     file: str  # shard file name, relative to the directory
     dtype: torch.dtype
     shape: tuple[int, ...]
+    offset: int = 0  # absolute byte offset of the data in the file
 
     @property
     def nbytes(self) -> int:
@@ -75,7 +77,7 @@ def read_safetensors_header(path: str) -> dict[str, TensorInfo]:
         if end > data_bytes:
             raise CheckpointError(f"{path}: truncated shard: tensor {key} ends at data byte {end}, the file holds "
                                   f"{data_bytes} data bytes")
-        info = TensorInfo(name, DTYPES[entry["dtype"]], tuple(entry["shape"]))
+        info = TensorInfo(name, DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + header_len + begin)
         if end - begin != info.nbytes:
             raise CheckpointError(f"{path}: tensor {key} spans {end - begin} bytes, its dtype and shape "
                                   f"{info.dtype} {info.shape} need {info.nbytes}")
@@ -133,13 +135,21 @@ class HFCheckpoint:
         return os.path.join(self.directory, self.tensors[key].file)
 
     def read(self, key: str) -> torch.Tensor:
-        """The tensor ``key``, read lazily from its shard."""
-        from safetensors import safe_open
-
+        """The tensor ``key``: its bytes only, read from its shard straight into a new tensor."""
         if key not in self.tensors:
             raise CheckpointError(f"{self.directory}: tensor {key} is in no shard")
-        with safe_open(self.path(key), framework="pt") as f:
-            return f.get_tensor(key)
+        info = self.tensors[key]
+        out = torch.empty(info.shape, dtype=info.dtype)
+        with open(self.path(key), "rb", buffering=0) as f:
+            f.seek(info.offset)
+            view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+            done = 0
+            while done < info.nbytes:
+                n = f.readinto(view[done:])
+                if not n:
+                    raise CheckpointError(f"{self.path(key)}: truncated shard: tensor {key} ends early")
+                done += n
+        return out
 
 
 def shard_file_name(index: int, count: int) -> str:
