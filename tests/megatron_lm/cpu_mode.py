@@ -67,6 +67,7 @@ SITES = (
     ("megatron/training/utils.py", 542, "Tensor.cuda", 'data["position_ids"].cuda('),
     ("megatron/training/utils.py", 561, "torch.cuda.current_device", "torch.cuda.current_device()"),
     ("megatron/training/utils.py", 605, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/training/checkpointing.py", 315, "torch.tensor", "device='cuda'"),  # loading
     ("megatron/training/checkpointing.py", 343, "torch.cuda.get_rng_state", "torch.cuda.get_rng_state()"),
     # megatron-core: timers, grad buffers, optimizer, gradient clipping, checkpoint saving
     ("megatron/core/timers.py", 152, "torch.cuda.synchronize", "torch.cuda.synchronize()"),

@@ -170,7 +170,7 @@ def test_reference_run_trains_evaluates_and_saves(runs):
     assert ref[2]["lm loss"] < ref[0]["lm loss"], ref
     assert "validation loss at iteration 2" in log
     assert "successfully saved checkpoint from iteration       2" in log
-    assert "loading" not in log.lower() or "loading checkpoint" not in log.lower()  # no --load without a checkpoint
+    assert re.search(r"^\s+load \.+ None$", log, re.M), "common.sh passed --load without a checkpoint"
 
 
 def test_resumed_run_continues_from_checkpoint(runs):
