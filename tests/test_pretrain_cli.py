@@ -66,6 +66,7 @@ BAD_FLAGS = [  # (flags, world size, text the error must contain)
     (["--train-iters", "0"], 1, "--train-iters must be positive"),
     (["--data-path", "/nonexistent/x", "--tokenizer", __file__], 1, "no /nonexistent/x.bin"),
     (["--data-path", "/nonexistent/x"], 1, "--data-path needs --tokenizer"),
+    (["--save", __file__], 1, "is a file, not a directory"),
 ]
 
 
