@@ -51,6 +51,8 @@ BAD_FLAGS = [  # (flags, world size, text the error must contain)
      "--hp-cp-group-size 3 must divide"),
     (["--context-parallel-size", "2", "--hp-cp-group-size", "2"], 2, "--hp-cp-group-size is only used by"),
     (["--context-parallel-size", "2", "--hp-ulysses-degree", "3"], 2, "--hp-ulysses-degree 3 must divide"),
+    (["--context-parallel-size", "2", "--hp-cp-method", "auto", "--hp-ulysses-degree", "2"], 2,
+     "--hp-cp-method auto chooses the group size and Ulysses degree itself"),
     (["--context-parallel-size", "2", "--hp-cp-layout", "contiguous", "--hp-layer-pattern", "GGGA"], 2,
      "--hp-cp-layout contiguous"),
     (["--global-batch-size", "3", "--micro-batch-size", "2"], 1, "--global-batch-size 3 is not divisible"),
