@@ -9,11 +9,12 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["hp_megatron", "hp_megatron.*", "layers", "layers.*"]),
-    install_requires=["torch>=2.6", "megatron-core>=0.14.0,<0.17", "numpy", "packaging"],
+    # psutil: megatron-core's checkpoint writer needs it (it hangs without); tokenizers: the example's data
+    install_requires=["torch>=2.6", "megatron-core>=0.14.0,<0.17", "numpy", "packaging", "psutil", "tokenizers"],
     extras_require={
-        "triton": ["flash-linear-attention>=0.6.0,<0.7", "fla-core>=0.6.0,<0.7", "triton>=3.7.1"],
+        "triton": ["flash-linear-attention>=0.6.0,<0.7", "fla-core>=0.6.0,<0.7", "triton==3.7.1"],  # what CI tests
         "npu": ["torch_npu"],
-        "test": ["pytest>=8", "transformers>=5.6,<6", "psutil", "tokenizers",
+        "test": ["pytest>=8", "transformers>=5.6,<6",
                  "six"],  # six: imported by Megatron-LM's training code (tests/megatron_lm)
     },
 )

@@ -139,6 +139,9 @@ def validate_hp_args(args) -> None:
     if "A" in pattern and cp > 1 and args.hp_cp_layout != "zigzag":
         raise ValueError("attention layers ('A' in --hp-layer-pattern) use megatron's rotary embedding, which "
                          f"assumes the zigzag CP layout; got --hp-cp-layout {args.hp_cp_layout}")
+    if args.hp_cp_method == "auto" and (args.hp_cp_group_size is not None or args.hp_ulysses_degree is not None):
+        raise ValueError("--hp-cp-method auto chooses the group size and Ulysses degree itself; drop "
+                         f"--hp-cp-group-size {args.hp_cp_group_size} / --hp-ulysses-degree {args.hp_ulysses_degree}")
     ulysses = cp if args.hp_cp_method == "ulysses" else (args.hp_ulysses_degree or 1)
     if args.hp_cp_method == "ulysses" and args.hp_ulysses_degree not in (None, cp):
         raise ValueError(f"--hp-cp-method ulysses uses all --context-parallel-size {cp} ranks; drop "

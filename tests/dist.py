@@ -1,17 +1,60 @@
-"""Spawn gloo process groups on CPU for multi-rank tests.
+"""Spawn gloo process groups on CPU for multi-rank tests, robust on a busy machine.
 
 One spawn should serve many cases: a worker loops over its cases and returns all results, and the
 test module turns them into parametrized assertions (see ``tests/test_cp_*.py``).
+
+Deadlines are per case, not per spawn: a worker that calls :func:`case_started` before each case gets
+``timeout`` seconds for each one, scaled by the machine's load (:func:`load_factor`); a worker that never
+calls it gets ``timeout`` (scaled) for everything. A rank that exceeds its deadline, dies, or raises
+stops the spawn with an error that says which rank, which case and why ("timed out" for deadlines).
+Results a worker streams with :func:`case_result` survive such a failure: with
+:func:`run_distributed_cases` the tests of the cases that finished still pass and only the failed
+case's tests (and those never reached) fail, each with the spawn's message.
 """
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("HP_TEST_CASE_TIMEOUT", "900"))
+POLL_S = 1.0
+_QUEUE = None  # the parent's queue, in a spawned worker
+_RANK = None
+
+
+class DistributedTestError(RuntimeError):
+    """A spawn failed; ``partial`` holds ``{rank: {key: value}}`` streamed with :func:`case_result`."""
+
+    def __init__(self, message, partial):
+        super().__init__(message)
+        self.partial = partial
+
+
+def load_factor() -> float:
+    """How many runnable processes share each core right now (1 on an idle machine)."""
+    try:
+        return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    except OSError:
+        return 1.0
+
+
+def case_started(name: str) -> None:
+    """In a worker: this rank starts case ``name``; its deadline restarts."""
+    if _QUEUE is not None:
+        _QUEUE.put((_RANK, "case", name))
+
+
+def case_result(key, value) -> None:
+    """In a worker: send one case's result to the parent now (kept if the spawn fails later)."""
+    if _QUEUE is not None:
+        _QUEUE.put((_RANK, "result", (key, value)))
 
 
 def _free_port() -> int:
@@ -21,6 +64,8 @@ def _free_port() -> int:
 
 
 def _entry(rank, world_size, port, fn, args, queue):
+    global _QUEUE, _RANK
+    _QUEUE, _RANK = queue, rank
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -36,11 +81,49 @@ def _entry(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 900.0):
+class _Ranks:
+    """The parent's view of each rank: current case, when it started, its result or failure."""
+
+    def __init__(self, world_size, timeout):
+        now = time.monotonic()
+        self.timeout = timeout
+        self.case = {r: "start-up" for r in range(world_size)}
+        self.since = {r: now for r in range(world_size)}
+        self.results, self.partial = {}, {r: {} for r in range(world_size)}
+
+    def running(self):
+        return [r for r in self.case if r not in self.results]
+
+    def describe(self, ranks):
+        now = time.monotonic()
+        return ", ".join(f"rank {r} in case {self.case[r]!r} for {now - self.since[r]:.0f} s" for r in ranks)
+
+    def overdue(self):
+        """(rank, limit) of a running rank past its deadline, else None."""
+        limit = self.timeout * load_factor()
+        now = time.monotonic()
+        late = [r for r in self.running() if now - self.since[r] > limit]
+        return (late[0], limit) if late else None
+
+
+def _drain(queue, ranks, wait_s=1.0):
+    while True:
+        try:
+            rank, kind, payload = queue.get(timeout=wait_s)
+        except queue_module.Empty:
+            return
+        if kind == "result":
+            ranks.partial[rank][payload[0]] = payload[1]
+        elif kind == "ok":
+            ranks.results[rank] = payload
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results indexed by rank.
 
-    ``fn`` must be importable at module level (spawned processes re-import it). Any rank's exception
-    is re-raised here with its traceback.
+    ``fn`` must be importable at module level (spawned processes re-import it). ``timeout``: seconds per
+    case (see the module docstring), times :func:`load_factor`. Raises :class:`DistributedTestError`
+    naming the rank and case on a rank's exception, death or deadline.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -48,46 +131,83 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 900.0):
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
-    results, errors = {}, []
-    import queue as queue_module
-    import time
-    deadline = time.monotonic() + timeout
-    for _ in range(world_size):
-        while True:
-            try:
-                rank, status, payload = queue.get(timeout=2.0)
-                break
-            except queue_module.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    for p in procs:
-                        p.kill()
-                    raise RuntimeError(f"distributed workers died or timed out (exit codes "
-                                       f"{[p.exitcode for p in procs]})")
-        if status == "ok":
-            results[rank] = payload
+    ranks = _Ranks(world_size, timeout)
+    failure = None
+    while failure is None and ranks.running():
+        try:
+            rank, kind, payload = queue.get(timeout=POLL_S)
+        except queue_module.Empty:
+            dead = [r for r in ranks.running() if procs[r].exitcode not in (None, 0)]
+            late = ranks.overdue()
+            if dead:
+                failure = (f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} in case "
+                           f"{ranks.case[dead[0]]!r}; {ranks.describe(ranks.running())}")
+            elif late:
+                rank, limit = late
+                failure = (f"timed out: rank {rank} spent more than {limit:.0f} s in case {ranks.case[rank]!r} "
+                           f"(per-case limit {timeout:.0f} s x load factor {limit / timeout:.1f}); "
+                           f"{ranks.describe(ranks.running())}")
+            continue
+        if kind == "case":
+            ranks.case[rank], ranks.since[rank] = payload, time.monotonic()
+        elif kind == "result":
+            ranks.partial[rank][payload[0]] = payload[1]
+        elif kind == "ok":
+            ranks.results[rank] = payload
         else:
-            errors.append(f"rank {rank}:\n{payload}")
-            break
+            failure = f"rank {rank} raised in case {ranks.case[rank]!r}:\n{payload}"
+    if failure is not None:  # keep what the other ranks reported before the failure
+        _drain(queue, ranks)
     for p in procs:
-        p.join(timeout=5 if errors else timeout)
+        if failure is not None:
+            p.kill()
+        p.join(timeout=30)
         if p.is_alive():
             p.kill()
-    if errors:
-        raise RuntimeError("distributed worker failed\n" + "\n".join(errors))
-    return [results[r] for r in range(world_size)]
+    if failure is not None:
+        for rank, result in ranks.results.items():  # ranks that finished: their returned cases count too
+            if isinstance(result, dict):
+                ranks.partial[rank] = {**result, **ranks.partial[rank]}
+        raise DistributedTestError("distributed test failed: " + failure, ranks.partial)
+    return [ranks.results[r] for r in range(world_size)]
 
 
 _SPAWNS: dict = {}
 
 
-def run_distributed_once(fn, world_size: int, *args):
-    """:func:`run_distributed`, spawned once per ``(fn, world_size, args)`` in this process: every test that
-    asks again gets the cached per-rank results (``args`` must be hashable)."""
+def _spawn_once(fn, world_size, args):
     key = (fn, world_size, args)
     if key not in _SPAWNS:
-        _SPAWNS[key] = run_distributed(fn, world_size, *args)
+        try:
+            _SPAWNS[key] = (run_distributed(fn, world_size, *args), None)
+        except DistributedTestError as exc:
+            _SPAWNS[key] = (None, exc)
     return _SPAWNS[key]
+
+
+def run_distributed_once(fn, world_size: int, *args):
+    """:func:`run_distributed`, spawned once per ``(fn, world_size, args)`` in this process: every test that
+    asks again gets the cached per-rank results, or the spawn's error again (``args`` must be hashable)."""
+    results, error = _spawn_once(fn, world_size, args)
+    if error is not None:
+        raise error
+    return results
+
+
+def run_distributed_cases(fn, world_size: int, key, *args):
+    """One case's results from a shared spawn whose worker streams them with :func:`case_result`: the list
+    of values the ranks reported for ``key`` (ranks that did not report it are left out). When the spawn
+    failed, the cases finished before the failure still return; any other raises the spawn's error."""
+    results, error = _spawn_once(fn, world_size, args)
+    if error is not None:
+        values = [cases[key] for _, cases in sorted(error.partial.items()) if key in cases]
+        if not values:
+            raise error
+        return values
+    values = [r[key] for r in results if isinstance(r, dict) and key in r]
+    if not values:
+        raise KeyError(f"no rank reported case {key!r}")
+    return values
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

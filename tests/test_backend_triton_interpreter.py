@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import triton_interpreter
-from dist import run_distributed_once
+from dist import case_result, case_started, run_distributed_cases
 from triton_cases import (accept_stacked_all_gather_on_gloo, compare_conv_single_rank, compare_single_rank,
                           cp_case, cp_conv_case)
 
@@ -87,12 +87,14 @@ def worker(rank, world):
     results = {}
 
     def attempt(key, fn, *args, collective=False):
+        case_started(key)  # per-case deadline (tests/dist.py)
         try:
             results[key] = fn(*args)
         except Exception:  # noqa: BLE001 - reported per case; ranks stay in lockstep
             results[key] = {"error": traceback.format_exc()}
             if collective:
                 dist.barrier()
+        case_result(key, results[key])  # kept if a later case fails the spawn
 
     single = list(SINGLE_CASES) + list(CONV_CASES)
     for index, key in enumerate(single):
@@ -143,8 +145,7 @@ def _check(errs):
 
 @pytest.mark.parametrize("key", [key for key, _ in LAYER_CASES])
 def test_layer_matches_single_rank_eager_layer(key):
-    for errs in run_distributed_once(worker, WORLD):
-        errs = errs[key]
+    for errs in run_distributed_cases(worker, WORLD, key):
         assert "error" not in errs, errs["error"]
         flat = {"out": errs["out"], "x_grad": errs["x_grad"], **errs["param_grads"]}
         assert all(e <= TOL for e in flat.values()), flat
@@ -152,8 +153,7 @@ def test_layer_matches_single_rank_eager_layer(key):
 
 @pytest.mark.parametrize("key", list(SINGLE_CASES) + list(CONV_CASES))
 def test_single_rank_matches_eager(key):
-    per_rank = run_distributed_once(worker, WORLD)
-    (errs,) = [r[key] for r in per_rank if key in r]
+    (errs,) = run_distributed_cases(worker, WORLD, key)
     _check(errs)
 
 
@@ -163,8 +163,8 @@ def test_cp_matches_single_rank_eager(key):
     """Every method; allgather on FLA's partitions must take FLA's own KCP path (layers/cp/triton.py), the rest
     FLA's kernels with our exchange (layers/cp/triton_kcp.py)."""
     fla_path = key.endswith("allgather") and any(f"-{layout}-" in key for layout in FLA_CP_LAYOUTS)
-    for errs in run_distributed_once(worker, WORLD):
-        errs = dict(errs[key])
+    for errs in run_distributed_cases(worker, WORLD, key):
+        errs = dict(errs)
         assert "error" not in errs, errs["error"]
         if not key.startswith("conv-"):
             assert errs.pop("fla_cp", None) is fla_path, (key, fla_path)

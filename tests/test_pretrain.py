@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from dist import run_distributed
+from dist import case_started, run_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.join(os.path.dirname(HERE), "examples", "pretrain")
@@ -39,8 +39,10 @@ def _parallel_worker(rank, world_size, data_dir, ckpt_dir):
     out = {}
     tp_cp = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]
     for method in CP_METHODS:
+        case_started(method)
         extra = ["--hp-cp-group-size", "2"] if method == "grouped_allgather_p2p" else []
         out[method] = _train(_argv(data_dir, tp_cp + ["--train-iters", "1", "--hp-cp-method", method] + extra))[0]
+    case_started("save")
     out["saved"] = _train(_argv(data_dir, tp_cp + ["--train-iters", "3", "--exit-interval", "2",
                                                    "--save", ckpt_dir, "--save-interval", "2"]))
     return out

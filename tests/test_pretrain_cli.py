@@ -51,6 +51,8 @@ BAD_FLAGS = [  # (flags, world size, text the error must contain)
      "--hp-cp-group-size 3 must divide"),
     (["--context-parallel-size", "2", "--hp-cp-group-size", "2"], 2, "--hp-cp-group-size is only used by"),
     (["--context-parallel-size", "2", "--hp-ulysses-degree", "3"], 2, "--hp-ulysses-degree 3 must divide"),
+    (["--context-parallel-size", "2", "--hp-cp-method", "auto", "--hp-ulysses-degree", "2"], 2,
+     "--hp-cp-method auto chooses the group size and Ulysses degree itself"),
     (["--context-parallel-size", "2", "--hp-cp-layout", "contiguous", "--hp-layer-pattern", "GGGA"], 2,
      "--hp-cp-layout contiguous"),
     (["--global-batch-size", "3", "--micro-batch-size", "2"], 1, "--global-batch-size 3 is not divisible"),
@@ -66,6 +68,7 @@ BAD_FLAGS = [  # (flags, world size, text the error must contain)
     (["--train-iters", "0"], 1, "--train-iters must be positive"),
     (["--data-path", "/nonexistent/x", "--tokenizer", __file__], 1, "no /nonexistent/x.bin"),
     (["--data-path", "/nonexistent/x"], 1, "--data-path needs --tokenizer"),
+    (["--save", __file__], 1, "is a file, not a directory"),
 ]
 
 
@@ -191,3 +194,21 @@ def test_damaged_checkpoints_are_named(runs, tmp_path):
     with pytest.raises(ValueError, match="names iteration 7, but .*iter_0000007 does not exist"):
         find_checkpoint(str(tmp_path))
     assert find_checkpoint(str(tmp_path / "missing")) is None
+
+
+def test_header_tells_the_truth(monkeypatch):
+    from cli import parse_args
+    from pretrain_hybrid import describe_model
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = parse_args(["--hp-layer-pattern", "AAAM", "--num-layers", "6", "--context-parallel-size", "4"])
+    args.data_parallel_size = 1
+    header = describe_model(args, 4096, 10, "cpu")
+    assert "6 layers AAAMAA (pattern AAAM)" in header and "MLA CP latent" in header
+    assert "backend" not in header and "CP method" not in header and "Ulysses" not in header
+    args = parse_args(["--hp-layer-pattern", "GA", "--context-parallel-size", "4", "--hp-ulysses-degree", "2",
+                       "--hp-cp-method", "grouped_allgather_p2p", "--hp-cp-group-size", "2"])
+    args.data_parallel_size = 1
+    header = describe_model(args, 4096, 10, "cpu")
+    assert ("GDN/KDA: backend eager, CP method grouped_allgather_p2p, Ulysses degree 2, group size 2" in header
+            and "MLA" not in header), header

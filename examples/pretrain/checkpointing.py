@@ -31,14 +31,30 @@ def _model_sharded_state_dict(model):
     return model.module.sharded_state_dict()
 
 
+def _make_dir_on_rank0(path):
+    """Rank 0 creates ``path``; every rank raises (OSError naming it) if that failed, instead of waiting."""
+    import torch
+
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            error = exc
+    failed = torch.tensor([0 if error is None else 1],
+                          device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(failed)
+    if int(failed):
+        raise OSError(f"cannot create the checkpoint directory {path}"
+                      + (f": {error}" if error is not None else " (see rank 0)"))
+
+
 def save_checkpoint(root, iteration, consumed, model, optimizer, scheduler):
     """Write ``<root>/iter_XXXXXXX`` and the tracker; returns the checkpoint directory."""
     from megatron.core import dist_checkpointing
 
     path = checkpoint_dir(root, iteration)
-    if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-    dist.barrier()
+    _make_dir_on_rank0(path)
     model_sd = _model_sharded_state_dict(model)
     state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=False),
              "opt_param_scheduler": scheduler.state_dict(), "iteration": iteration,

@@ -189,7 +189,18 @@ def check_args(args, world_size: int) -> None:
         raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no such file")
     if args.save is not None:
         _check_checkpoint_writer()
+        _check_writable_dir("--save", args.save)
     validate_hp_args(args)
+
+
+def _check_writable_dir(flag, path):
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a file, not a directory")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {existing} is not writable")
 
 
 def _check_checkpoint_writer():

@@ -4,6 +4,7 @@ Contract (flash-linear-attention 0.6): q, k ``[B,T,H,K]``; v ``[B,T,HV,V]`` with
 i reads q/k head ``i // (HV // H)``); beta ``[B,T,HV]``; g natural-log decay ``[B,T,HV]`` (GDN) or
 ``[B,T,HV,K]`` (KDA); states ``[N,HV,K,V]`` fp32 with N = B, or the number of documents when
 ``cu_seqlens`` (``[N+1]``, B == 1) packs documents. Returns ``(o [B,T,HV,V] in q.dtype, final_state)``.
+In-kernel gate parameters: A_log ``[HV]``; dt_bias ``[HV]`` (GDN) or ``[HV*K]`` (KDA). Table: docs/layers.md.
 """
 from __future__ import annotations
 
