@@ -65,6 +65,10 @@ def add_hp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--hp-mla-qk-head-dim", type=_positive, default=None, help="MLA no-rope q/k head dim")
     g.add_argument("--hp-mla-qk-pos-emb-head-dim", type=_positive, default=None, help="MLA rope q/k head dim")
     g.add_argument("--hp-mla-v-head-dim", type=_positive, default=None, help="MLA value head dim")
+    g.add_argument("--hp-hf-config", default=None,
+                   help="Hugging Face config.json (or a checkpoint directory holding one) of a supported architecture "
+                        "(qwen3_next, deepseek_v3, kimi_linear): the model flags come from it "
+                        "(hp_megatron.models.args.apply_hf_config_to_args; docs/models.md)")
     g.add_argument("--hp-mla-rope-type", choices=("rope", "yarn", "none"), default="rope",
                    help="MLA rotary embedding (none = NoPE, as Kimi Linear's MLA layers)")
     return parser
@@ -184,6 +188,13 @@ def apply_hp_config(config, args):
         if is_mla_config and name in mla_only:
             continue
         setattr(config, name, value)
+    if getattr(args, "hp_hf_config", None) is not None:  # the architecture's own layer attributes
+        from hp_megatron.models import preset_from_hf
+
+        preset = preset_from_hf(args.hp_hf_config)
+        for name, value in preset.extra.items():
+            setattr(config, name, value)
+        config.hp_layer_pattern = preset.pattern
     for f in fields(MLATransformerConfig):
         if not hasattr(config, f.name) and f.default is not MISSING:
             setattr(config, f.name, f.default)

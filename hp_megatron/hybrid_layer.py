@@ -81,6 +81,17 @@ def validate_pattern(pattern: str, symbols) -> str:
     return pattern
 
 
+def _check_qk_layernorm(config, layer: TransformerLayerSubmodules) -> None:
+    """megatron's ``qk_layernorm`` lives in the spec; refuse a config asking for it from a spec without it."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    attention = getattr(layer.self_attention, "submodules", None)
+    q_norm = getattr(attention, "q_layernorm", None)
+    if getattr(config, "qk_layernorm", False) and q_norm is IdentityOp and hasattr(attention, "linear_qkv"):
+        raise ValueError("config.qk_layernorm=True (--qk-layernorm) but the attention spec has no q/k norms; "
+                         "build it with get_hybrid_layer_spec(..., qk_layernorm=True)")
+
+
 def symbol_for_layer(pattern: str, global_layer_number: int) -> str:
     """The pattern symbol of a 1-based global layer number (the pattern repeats)."""
     if global_layer_number < 1:
@@ -133,6 +144,7 @@ class HybridLayer(TransformerLayer):
         self.drops_rotary = self.layer_symbol in submodules.own_positions
         layer = with_layer_mlp(config, submodules.layer_types[self.layer_symbol], submodules.moe_mlp,
                                layer_number + offset)
+        _check_qk_layernorm(config, layer)
         super().__init__(config, layer, layer_number, *args, **kwargs)
 
     def forward(self, *args, **kwargs):

@@ -83,16 +83,19 @@ def _perturb(model, seed):
             p.copy_(0.2 * noise if p.dim() < 2 else noise / p.shape[-1] ** 0.5)
 
 
-def tiny_hf_model(arch: str, directory: str, seed: int = 0):
-    """(model, config dict): a tiny random transformers model of ``arch`` saved to ``directory``."""
+def tiny_hf_model(arch: str, directory: str, seed: int = 0, save: bool = True):
+    """(model, config.json as a dict): a tiny random transformers model of ``arch`` saved to ``directory``
+    (``save=False``: (model, None), another process saves the same model there)."""
     cls, cfg = ARCHITECTURES[arch]()
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = cls(cfg).float().eval()
     _perturb(model, seed)
-    model.save_pretrained(directory)
-    with open(os.path.join(directory, "config.json")) as f:
-        return model, json.load(f)
+    if save:
+        model.save_pretrained(directory)
+        with open(os.path.join(directory, "config.json")) as f:
+            return model, json.load(f)
+    return model, None
 
 
 def read_checkpoint(directory: str) -> dict:
