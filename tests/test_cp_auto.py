@@ -223,7 +223,9 @@ def test_calibration_measures_then_reuses_the_file(ranks):
     data = json.loads(open(path).read())
     (key,) = data
     assert key.startswith(f"P={P}|hosts=1x{P}|gloo|")
-    assert "gdn/eager/K8/V8/float32" in data[key]["kernels"]
+    kernels = data[key]["kernels"]
+    assert sorted(kernels["gdn/eager/K8/V8/float32"]) == ["gemm", "op", "summary"]
+    assert list(kernels["gdn/eager/K8/V8/float32/H4/HV4/hidden32/layer"]) == ["rest"]
 
 
 def test_decision_is_rank_zeros_on_every_rank(ranks):
