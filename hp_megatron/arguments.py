@@ -11,7 +11,7 @@ import argparse
 
 CP_METHODS = ("allgather", "p2p", "grouped_allgather_p2p", "recursive_doubling", "ulysses", "auto")
 CP_LAYOUTS = ("zigzag", "contiguous")
-MLA_CP_METHODS = ("latent", "latent_ulysses", "expanded_ulysses")
+MLA_CP_METHODS = ("latent", "latent_ulysses", "expanded_ulysses", "auto")
 BACKENDS = ("eager", "triton", "ascendc")
 
 
@@ -46,7 +46,7 @@ def add_hp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--hp-ulysses-degree", type=_positive, default=None,
                    help="hybrid CP: all-to-all over this many ranks, state passing across the rest")
     g.add_argument("--hp-mla-cp", choices=MLA_CP_METHODS, default="latent",
-                   help="context-parallel strategy of the MLA layers")
+                   help="context-parallel strategy of the MLA layers (auto: from the calibrated cost model)")
     g.add_argument("--hp-linear-num-key-heads", type=_positive, default=None,
                    help="GDN/KDA query/key heads H (default: --num-attention-heads)")
     g.add_argument("--hp-linear-num-value-heads", type=_positive, default=None,

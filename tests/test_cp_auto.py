@@ -202,9 +202,31 @@ def _worker(rank, world_size, path):
                     "ddx": (results["auto"]["dx"] - results["chosen"]["dx"]).abs().max().item(),
                     "dgrad": max((results["auto"]["grads"][n] - g).abs().max().item()
                                  for n, g in results["chosen"]["grads"].items())}
+    out["mla"] = _mla_auto_vs_chosen(parallel_state.get_context_parallel_group(), path)
     out["log"] = list(auto_mod.LOG)
     parallel_state.destroy_model_parallel()
     return out
+
+
+def _mla_auto_vs_chosen(cp_group, path):
+    """An MLA layer with cp_strategy="auto" against the same weights with the strategy it chose."""
+    from test_mla import build_layer, make_config
+
+    config = make_config(heads=4)
+    config.delta_cp_calibration = path
+    solo = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    torch.manual_seed(3)
+    ys = {}
+    auto = build_layer(config, solo, cp_group, cp_strategy="auto")
+    T = 16
+    idx = torch.tensor([t for c in (dist.get_rank(), 2 * P - 1 - dist.get_rank())
+                        for t in range(c * T // (2 * P), (c + 1) * T // (2 * P))])
+    x = torch.randn(T, 1, 32, generator=torch.Generator().manual_seed(4))[idx]
+    ys["auto"] = auto(x)[0]
+    chosen = build_layer(config, solo, cp_group, cp_strategy=auto._cp_auto_choice)
+    chosen.load_state_dict(auto.state_dict())
+    ys["chosen"] = chosen(x)[0]
+    return {"strategy": auto._cp_auto_choice, "dy": (ys["auto"] - ys["chosen"]).abs().max().item()}
 
 
 @pytest.fixture(scope="module")
@@ -244,3 +266,11 @@ def test_layer_with_auto_equals_the_chosen_method(ranks):
         assert r["layer"]["dy"] == 0 and r["layer"]["ddx"] == 0 and r["layer"]["dgrad"] == 0
     lines = [l for l in results[0]["log"] if l.startswith("[hp_megatron cp auto] GDN")]
     assert len(lines) == 1 and "runner-up" in lines[0] and "ms fwd+bwd" in lines[0]
+
+
+def test_mla_with_auto_equals_the_chosen_strategy(ranks):
+    results, _ = ranks
+    assert len({r["mla"]["strategy"] for r in results}) == 1
+    assert results[0]["mla"]["strategy"] in ("latent", "latent_ulysses", "expanded_ulysses")
+    assert all(r["mla"]["dy"] == 0 for r in results)
+    assert sum(l.startswith("[hp_megatron cp auto] MLA") for l in results[0]["log"]) == 1

@@ -226,3 +226,18 @@ def resolve_for_mixer(mixer, cp_group, seq_len: int, batch: int, cu_seqlens) -> 
     kwargs = auto_context_kwargs(cp_group, shape, mixer.cp_layout, calibration=calibration)
     mixer._cp_auto_choice = (kwargs["method"], kwargs["group_size"], kwargs["ulysses_degree"])
     return mixer._cp_auto_choice
+
+
+def resolve_for_mla(mla, cp_group, seq_len: int, batch: int) -> str:
+    """The CP strategy of an MLA layer with ``cp_strategy="auto"``, decided at its first CP forward and kept.
+    The calibration file is the config's ``delta_cp_calibration`` (``--hp-cp-calibration``)."""
+    chosen = getattr(mla, "_cp_auto_choice", None)
+    if chosen is not None:
+        return chosen
+    d, dtype = mla.dims, mla.linear_kv_up_proj.weight.dtype
+    shape = MLALayerShape(batch=batch, seq_len=seq_len, heads=d.heads, qk_head_dim=d.qk, qk_pos_emb_head_dim=d.pe,
+                          v_head_dim=d.v, kv_lora_rank=d.kv_lora_rank, layout=mla.cp_layout, act_bytes=dtype.itemsize,
+                          dtype=str(dtype).replace("torch.", ""))
+    mla._cp_auto_choice = decide(cp_group, shape,
+                                 calibration_path=getattr(mla.config, "delta_cp_calibration", None)).choice.method
+    return mla._cp_auto_choice
