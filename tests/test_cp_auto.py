@@ -148,6 +148,23 @@ def test_auto_rejects_explicit_group_size():
         auto_context_kwargs(None, None, "zigzag")
 
 
+def test_auto_flags_become_config_fields():
+    import argparse
+
+    from hp_megatron.arguments import add_hp_arguments, hp_config_from_args
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-attention-heads", type=int, default=4)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    add_hp_arguments(parser)
+    fields = hp_config_from_args(parser.parse_args(["--hp-cp-method", "auto", "--hp-mla-cp", "auto",
+                                                    "--hp-cp-calibration", "cal.json"]))
+    assert (fields["delta_cp_method"], fields["mla_cp_strategy"], fields["delta_cp_calibration"]) == (
+        "auto", "auto", "cal.json")
+    with pytest.raises(ValueError, match="needs --hp-cp-method auto"):
+        hp_config_from_args(parser.parse_args(["--hp-cp-calibration", "cal.json"]))
+
+
 # -- 4 gloo ranks ---------------------------------------------------------------------------------------------
 P = 4
 HIDDEN, SEQ, BATCH = 32, 32, 1
