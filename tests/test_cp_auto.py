@@ -208,13 +208,17 @@ def _worker(rank, world_size, path):
             opts = {"cp_method": results["auto"]["method"][0], "cp_group_size": results["auto"]["method"][1],
                     "cp_ulysses_degree": results["auto"]["method"][2]}
         layer = GatedDeltaNet(config, None, layer_number=1, **dims, **opts)
+        hook_calls = []                # megatron's DDP accumulates main_grad in such hooks: one call per backward
+        for p in layer.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: hook_calls.append(1))
         xl = x[idx].clone().requires_grad_(True)
         y, _ = layer(xl)
         y.square().sum().backward()
         method = getattr(layer, "_cp_auto_choice", (layer.cp_method, layer.cp_group_size, layer.cp_ulysses_degree))
         results[label] = {"y": y.detach(), "dx": xl.grad, "method": method,
+                          "hook_calls": len(hook_calls) / len(list(layer.parameters())),
                           "grads": {n: p.grad.clone() for n, p in layer.named_parameters()}}
-    out["layer"] = {"method": results["auto"]["method"],
+    out["layer"] = {"method": results["auto"]["method"], "hook_calls": results["auto"]["hook_calls"],
                     "dy": (results["auto"]["y"] - results["chosen"]["y"]).abs().max().item(),
                     "ddx": (results["auto"]["dx"] - results["chosen"]["dx"]).abs().max().item(),
                     "dgrad": max((results["auto"]["grads"][n] - g).abs().max().item()
@@ -281,6 +285,7 @@ def test_layer_with_auto_equals_the_chosen_method(ranks):
                                                 "ulysses")
     for r in results:
         assert r["layer"]["dy"] == 0 and r["layer"]["ddx"] == 0 and r["layer"]["dgrad"] == 0
+        assert r["layer"]["hook_calls"] == 1          # the calibration runs touched no parameter gradient
     lines = [l for l in results[0]["log"] if l.startswith("[hp_megatron cp auto] GDN")]
     assert len(lines) == 1 and "runner-up" in lines[0] and "ms fwd+bwd" in lines[0]
 

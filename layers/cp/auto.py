@@ -167,12 +167,15 @@ _SOLO: dict = {}
 def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerShape) -> None:
     """Add ``calibration.kernels[shape.layer_key] = {"rest": fit}``: the mixer's own forward + backward at CP = 1
     (a one-rank CP group passed through ``PackedSeqParams.cp_group``) on 128 and 512 tokens, minus the
-    calibrated op time, per token; max over ``group``. Leaves the mixer's gradients as they were (collective)."""
+    calibrated op time, per token; max over ``group`` (collective).
+
+    The parameters are frozen meanwhile (``requires_grad`` off), so no gradient, main_grad or DDP hook sees
+    the timing runs; the weight gradients it skips are added back from the projections' FLOPs at the gemm fit."""
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from layers.cp.calibration import _max_over_group, _median_seconds, fit_kernel, group_device
-    from layers.cp.cost_model import delta_flops
+    from layers.cp.cost_model import delta_flops, projection_flops
 
     if shape.layer_key in calibration.kernels:
         return
@@ -181,9 +184,8 @@ def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerSha
         _SOLO[me] = dist.new_group([me], use_local_synchronization=True)
     packed = PackedSeqParams(qkv_format="sbhd", cp_group=_SOLO[me])
     weight = mixer.in_proj.weight
-    params = list(mixer.parameters())
-    saved = [p.grad for p in params]
-    op = calibration.kernels[shape.kernel]["op"]
+    params = [p for p in mixer.parameters() if p.requires_grad]
+    op, gemm = calibration.kernels[shape.kernel]["op"], calibration.kernels[shape.kernel]["gemm"]
     gen = torch.Generator().manual_seed(0)
     points = []
     for n in (128, 512):
@@ -192,10 +194,15 @@ def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerSha
         def run():
             y, _ = mixer(x.clone().requires_grad_(True), packed_seq_params=packed)
             y.float().sum().backward()
-        t = _median_seconds(run, group_device(group), 3)
+        for p in params:
+            p.requires_grad_(False)
+        try:
+            t = _median_seconds(run, group_device(group), 3)
+        finally:
+            for p in params:
+                p.requires_grad_(True)
+        t += gemm.seconds(projection_flops(shape, n))                      # the skipped weight gradients
         points.append((n, t - op.seconds(3 * delta_flops(n, shape.value_heads, shape.k_dim, shape.v_dim))))
-    for p, g in zip(params, saved):
-        p.grad = g
     ts = _max_over_group([max(t, 1e-6) for _, t in points], group, group_device(group))
     calibration.kernels[shape.layer_key] = {"rest": fit_kernel([n for n, _ in points], ts)}
 
