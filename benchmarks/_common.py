@@ -92,3 +92,43 @@ def publish(result, table: str, args, docs_name: str, docs_title: str) -> None:
     if args.write_docs:
         write_docs_section(marked_section(docs_name, f"{docs_title}\n\n{table}"), DOCS)
         print(f"wrote {DOCS}")
+
+
+def _gloo_entry(rank, world_size, port, fn, args, queue):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        queue.put((rank, fn(rank, world_size, *args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_gloo(fn, world_size: int, *args, timeout: float = 3600.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` (a module-level function) on ``world_size`` spawned gloo CPU ranks
+    with one thread each; returns the results by rank. A rank that fails makes this raise."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(queue.get(timeout=timeout) for _ in range(world_size))
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise RuntimeError(f"benchmark ranks exited with {bad}")
+    return [results[r] for r in range(world_size)]

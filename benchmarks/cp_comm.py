@@ -18,20 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import socket
 import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
-from benchmarks._common import marked_section, write_docs_section  # noqa: E402
+from benchmarks._common import marked_section, spawn_gloo, write_docs_section  # noqa: E402
 from layers.cp.accounting import state_scan_comm  # noqa: E402
+from layers.cp.cost_model import COLLECTIVES, Calibration, LinearFit, state_exchange_seconds  # noqa: E402
 
 HV, H, K, V = 32, 16, 128, 128
 SEQ = 131_072
@@ -44,6 +41,7 @@ HYBRID_U = 8                         # hybrid row: Ulysses inside a node, all-ga
 ALPHA = 10e-6                        # s per sequential communication step (inter-node latency + launch)
 BETA = 40e9                          # B/s per rank and direction (400 Gb/s NIC at ~80 % efficiency)
 GAMMA = 50e12                        # FLOP/s of the fp32 K x K state folds (tf32x3-class tensor-core rate)
+MODEL = Calibration(collectives={c: LinearFit(ALPHA, BETA) for c in COLLECTIVES}, fold_flops=GAMMA, key="cp_comm")
 
 STATE_ROWS = ("p2p", "allgather", "grouped_allgather_p2p", "recursive_doubling")
 
@@ -58,58 +56,39 @@ def ulysses_token_bytes_fwd() -> int:
 
 
 # -- measurement on gloo ------------------------------------------------------------------------------------
-def _worker(rank, P, port, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=P)
-    try:
-        from layers.cp import ChainScan, build_cp_context, heads_to_seq, seq_to_heads, shard
+def _worker(rank, P):
+    from layers.cp import ChainScan, build_cp_context, heads_to_seq, seq_to_heads, shard
 
-        out = {}
-        for layout in ("zigzag", "contiguous"):
-            for method in STATE_ROWS:
-                g = _group(P) if method == "grouped_allgather_p2p" else None
-                ctx = build_cp_context(None, method=method, layout=layout, group_size=g)
-                plan = ctx.plan_for(1, 2 * P if layout == "zigzag" else P)    # T tiny: bytes need no T
-                gen = torch.Generator().manual_seed(rank)
-                M = (torch.randn(1, plan.n_own, HV, K, K, generator=gen) / K).requires_grad_(True)
-                E = torch.randn(1, plan.n_own, HV, K, V, generator=gen).requires_grad_(True)
-                ChainScan.apply(M, E, method, plan, ctx.stats, ctx.chain_comm).sum().backward()
-                f, b = ctx.stats.records
-                out[(layout, method)] = {"forward": (f.bytes_sent, f.bytes_received, f.steps),
-                                         "backward": (b.bytes_sent, b.bytes_received, b.steps)}
-        # Ulysses (U = P): in-exchange of q, k, v, g, beta and out-exchange of o on T_small tokens
-        if H % P == 0:
-            ctx = build_cp_context(None, method="ulysses", layout="zigzag")
-            T_small = 2 * P * 2
-            full = {"q": (H, K), "k": (H, K), "v": (HV, V), "g": (HV,), "beta": (HV,)}
-            for name, tail in full.items():
-                x = torch.zeros((1, T_small) + tail, dtype=torch.bfloat16)
-                seq_to_heads(shard(x, ctx, 1), ctx)
-            o = torch.zeros(1, T_small, HV // P, V, dtype=torch.bfloat16)
-            heads_to_seq(o, ctx)
-            sent = sum(r.bytes_sent for r in ctx.stats.records)
-            out[("ulysses", "per_token")] = sent / (T_small // P)
-        queue.put((rank, out))
-    finally:
-        dist.destroy_process_group()
+    out = {}
+    for layout in ("zigzag", "contiguous"):
+        for method in STATE_ROWS:
+            g = _group(P) if method == "grouped_allgather_p2p" else None
+            ctx = build_cp_context(None, method=method, layout=layout, group_size=g)
+            plan = ctx.plan_for(1, 2 * P if layout == "zigzag" else P)    # T tiny: bytes need no T
+            gen = torch.Generator().manual_seed(rank)
+            M = (torch.randn(1, plan.n_own, HV, K, K, generator=gen) / K).requires_grad_(True)
+            E = torch.randn(1, plan.n_own, HV, K, V, generator=gen).requires_grad_(True)
+            ChainScan.apply(M, E, method, plan, ctx.stats, ctx.chain_comm).sum().backward()
+            f, b = ctx.stats.records
+            out[(layout, method)] = {"forward": (f.bytes_sent, f.bytes_received, f.steps),
+                                     "backward": (b.bytes_sent, b.bytes_received, b.steps)}
+    # Ulysses (U = P): in-exchange of q, k, v, g, beta and out-exchange of o on T_small tokens
+    if H % P == 0:
+        ctx = build_cp_context(None, method="ulysses", layout="zigzag")
+        T_small = 2 * P * 2
+        full = {"q": (H, K), "k": (H, K), "v": (HV, V), "g": (HV,), "beta": (HV,)}
+        for name, tail in full.items():
+            x = torch.zeros((1, T_small) + tail, dtype=torch.bfloat16)
+            seq_to_heads(shard(x, ctx, 1), ctx)
+        o = torch.zeros(1, T_small, HV // P, V, dtype=torch.bfloat16)
+        heads_to_seq(o, ctx)
+        sent = sum(r.bytes_sent for r in ctx.stats.records)
+        out[("ulysses", "per_token")] = sent / (T_small // P)
+    return out
 
 
 def measure(P: int) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, P, port, queue)) for r in range(P)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=1200) for _ in range(P))
-    for p in procs:
-        p.join()
-        if p.exitcode != 0:
-            raise RuntimeError(f"measurement worker exited with {p.exitcode}")
-    return results
+    return dict(enumerate(spawn_gloo(_worker, P)))
 
 
 # -- closed forms and model ---------------------------------------------------------------------------------
@@ -127,26 +106,10 @@ def state_row(method, layout, P):
 
 
 def model_forward_seconds(method, layout, P, row) -> float:
-    """alpha * steps + bytes / beta + critical-path fold FLOPs / gamma (forward; backward is the same)."""
-    n = 2 if layout == "zigzag" else 1
-    L = n * P
-    f_apply = 2 * HV * K * K * V                       # X <- M X + E for one position
-    f_compose = 2 * HV * K * K * (K + V)               # (M2 M1, M2 E1 + E2)
-    fwd = row["forward"]
-    s = HV * K * V * 4
-    if method == "p2p":
-        return fwd["steps"] * (ALPHA + s / BETA) + L * f_apply / GAMMA
-    if method == "allgather":
-        return ALPHA * math.ceil(math.log2(P)) + fwd["bytes_received"] / BETA + (L - 1) * f_apply / GAMMA
-    if method == "grouped_allgather_p2p":
-        g = row["group_size"]
-        gather = (g - 1) * n * HV * K * (K + V) * 4
-        hops = fwd["steps"] - (g > 1)                     # sequential state hand-overs between groups
-        return (ALPHA * math.ceil(math.log2(g)) + gather / BETA + hops * (ALPHA + s / BETA)
-                + (L - 1) * f_apply / GAMMA)
-    if method == "recursive_doubling":
-        return fwd["steps"] * ALPHA + fwd["bytes_received"] / BETA + fwd["steps"] * n * f_compose / GAMMA
-    raise AssertionError(method)
+    """The library's alpha-beta-gamma forward time of the state scan (backward is the same) at this script's
+    constants: ``layers.cp.cost_model.state_exchange_seconds``."""
+    return state_exchange_seconds(method, layout, P, num_chains=1, heads=HV, k_dim=K, v_dim=V, calibration=MODEL,
+                                  group_size=row["group_size"])
 
 
 def ulysses_row(P):

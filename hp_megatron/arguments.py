@@ -11,7 +11,7 @@ import argparse
 
 from layers.choices import BACKENDS, CP_LAYOUTS
 from layers.choices import CP_METHOD_CHOICES as CP_METHODS
-from layers.choices import MLA_CP_STRATEGIES as MLA_CP_METHODS
+from layers.choices import MLA_CP_STRATEGY_CHOICES as MLA_CP_METHODS
 
 
 def _positive(text):
@@ -34,7 +34,7 @@ def add_hp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="column/row-parallel linear classes: megatron-core's (local) or Transformer Engine's (te)")
     g.add_argument("--hp-cp-method", choices=CP_METHODS, default="allgather",
                    help="context-parallel method of the GDN/KDA layers; auto: the fastest for this CP group and "
-                        "layer shape from a calibrated cost model (docs/cp.md, section 4)")
+                        "layer shape from a calibrated cost model (docs/cp.md, section 3)")
     g.add_argument("--hp-cp-calibration", default=None, metavar="PATH",
                    help="with --hp-cp-method auto: JSON file caching the CP group's calibration (keyed by world "
                         "layout and hardware); reused when it holds this layout, else measured and saved there")
@@ -45,7 +45,7 @@ def add_hp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--hp-ulysses-degree", type=_positive, default=None,
                    help="hybrid CP: all-to-all over this many ranks, state passing across the rest")
     g.add_argument("--hp-mla-cp", choices=MLA_CP_METHODS, default="latent",
-                   help="context-parallel strategy of the MLA layers")
+                   help="context-parallel strategy of the MLA layers (auto: from the calibrated cost model)")
     g.add_argument("--hp-linear-num-key-heads", type=_positive, default=None,
                    help="GDN/KDA query/key heads H (default: --num-attention-heads)")
     g.add_argument("--hp-linear-num-value-heads", type=_positive, default=None,
@@ -86,6 +86,10 @@ def hp_config_from_args(args) -> dict:
     value_heads = args.hp_linear_num_value_heads or key_heads
     if value_heads % key_heads:
         raise ValueError(f"--hp-linear-num-value-heads {value_heads} must be a multiple of the key heads {key_heads}")
+    calibration = getattr(args, "hp_cp_calibration", None)
+    if calibration and "auto" not in (args.hp_cp_method, args.hp_mla_cp):
+        raise ValueError(f"--hp-cp-calibration {calibration} needs --hp-cp-method auto or --hp-mla-cp auto "
+                         f"(got {args.hp_cp_method!r} / {args.hp_mla_cp!r})")
     if args.hp_kda_lower_bound is not None and args.hp_kda_lower_bound >= 0:
         raise ValueError(f"--hp-kda-lower-bound must be negative, got {args.hp_kda_lower_bound}")
     return {
@@ -100,7 +104,7 @@ def hp_config_from_args(args) -> dict:
         "delta_cp_layout": args.hp_cp_layout,
         "delta_cp_group_size": args.hp_cp_group_size,
         "delta_cp_ulysses_degree": args.hp_ulysses_degree,
-        "delta_cp_calibration": args.hp_cp_calibration,
+        "delta_cp_calibration": calibration,
         "kda_lower_bound": args.hp_kda_lower_bound,
         "kda_gate_low_rank_dim": args.hp_kda_gate_low_rank_dim,
         "kda_safe_gate": args.hp_kda_safe_gate,

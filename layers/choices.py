@@ -11,3 +11,4 @@ CP_METHOD_CHOICES = STATE_METHODS + ("ulysses", "auto")       # what a layer / -
                                                               # layers/cp/auto.py picks one of CP_METHODS)
 CP_LAYOUTS = ("zigzag", "contiguous")                         # token layouts over CP ranks
 MLA_CP_STRATEGIES = ("expanded_ulysses", "latent_ulysses", "latent")
+MLA_CP_STRATEGY_CHOICES = MLA_CP_STRATEGIES + ("auto",)       # what an MLA layer / --hp-mla-cp accepts

@@ -194,7 +194,7 @@ class MultiLatentAttention(MegatronModule):
             cp_strategy = cp_comm_type if cp_comm_type in STRATEGIES else TE_CP_COMM_TYPES.get(cp_comm_type)
         if cp_strategy is None:
             cp_strategy = getattr(self.config, "mla_cp_strategy", None) or "latent"
-        return check_strategy(cp_strategy)
+        return cp_strategy if cp_strategy == "auto" else check_strategy(cp_strategy)   # auto: layers.cp.auto
 
     def _down_kwargs(self, spec) -> dict:
         module = _spec_module(spec)
@@ -244,7 +244,13 @@ class MultiLatentAttention(MegatronModule):
             out = self.core_attention(query, key, value, q_ids=None, cu_seqlens=cu_seqlens)
         else:
             payload = torch.cat((latent, rope_key), dim=-1)
-            out = mla_context_parallel(self.cp_strategy, kv_payload=payload, make_query=make_query,
+            strategy = self.cp_strategy
+            if strategy == "auto":   # decided at the first CP forward, then kept
+                from layers.cp.auto import resolve_for_mla
+
+                strategy = resolve_for_mla(self, cp_group, seq * cp_size if cu_seqlens is None else
+                                           int(cu_seqlens[-1]), batch)
+            out = mla_context_parallel(strategy, kv_payload=payload, make_query=make_query,
                                        kv_weight=kv_weight, dims=dims, attention=self.core_attention,
                                        group=cp_group, layout=self.cp_layout, cu_seqlens=cu_seqlens,
                                        stats=self.comm_stats, plan=plan)

@@ -148,6 +148,23 @@ def test_auto_rejects_explicit_group_size():
         auto_context_kwargs(None, None, "zigzag")
 
 
+def test_auto_flags_become_config_fields():
+    import argparse
+
+    from hp_megatron.arguments import add_hp_arguments, hp_config_from_args
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--num-attention-heads", type=int, default=4)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    add_hp_arguments(parser)
+    fields = hp_config_from_args(parser.parse_args(["--hp-cp-method", "auto", "--hp-mla-cp", "auto",
+                                                    "--hp-cp-calibration", "cal.json"]))
+    assert (fields["delta_cp_method"], fields["mla_cp_strategy"], fields["delta_cp_calibration"]) == (
+        "auto", "auto", "cal.json")
+    with pytest.raises(ValueError, match="needs --hp-cp-method auto"):
+        hp_config_from_args(parser.parse_args(["--hp-cp-calibration", "cal.json"]))
+
+
 # -- 4 gloo ranks ---------------------------------------------------------------------------------------------
 P = 4
 HIDDEN, SEQ, BATCH = 32, 32, 1
@@ -191,20 +208,46 @@ def _worker(rank, world_size, path):
             opts = {"cp_method": results["auto"]["method"][0], "cp_group_size": results["auto"]["method"][1],
                     "cp_ulysses_degree": results["auto"]["method"][2]}
         layer = GatedDeltaNet(config, None, layer_number=1, **dims, **opts)
+        hook_calls = []                # megatron's DDP accumulates main_grad in such hooks: one call per backward
+        for p in layer.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: hook_calls.append(1))
         xl = x[idx].clone().requires_grad_(True)
         y, _ = layer(xl)
         y.square().sum().backward()
         method = getattr(layer, "_cp_auto_choice", (layer.cp_method, layer.cp_group_size, layer.cp_ulysses_degree))
         results[label] = {"y": y.detach(), "dx": xl.grad, "method": method,
+                          "hook_calls": len(hook_calls) / len(list(layer.parameters())),
                           "grads": {n: p.grad.clone() for n, p in layer.named_parameters()}}
-    out["layer"] = {"method": results["auto"]["method"],
+    out["layer"] = {"method": results["auto"]["method"], "hook_calls": results["auto"]["hook_calls"],
                     "dy": (results["auto"]["y"] - results["chosen"]["y"]).abs().max().item(),
                     "ddx": (results["auto"]["dx"] - results["chosen"]["dx"]).abs().max().item(),
                     "dgrad": max((results["auto"]["grads"][n] - g).abs().max().item()
                                  for n, g in results["chosen"]["grads"].items())}
+    out["mla"] = _mla_auto_vs_chosen(parallel_state.get_context_parallel_group(), path)
     out["log"] = list(auto_mod.LOG)
     parallel_state.destroy_model_parallel()
     return out
+
+
+def _mla_auto_vs_chosen(cp_group, path):
+    """An MLA layer with cp_strategy="auto" against the same weights with the strategy it chose."""
+    from test_mla import build_layer, make_config
+
+    config = make_config(heads=4)
+    config.delta_cp_calibration = path
+    solo = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    torch.manual_seed(3)
+    ys = {}
+    auto = build_layer(config, solo, cp_group, cp_strategy="auto")
+    T = 16
+    idx = torch.tensor([t for c in (dist.get_rank(), 2 * P - 1 - dist.get_rank())
+                        for t in range(c * T // (2 * P), (c + 1) * T // (2 * P))])
+    x = torch.randn(T, 1, 32, generator=torch.Generator().manual_seed(4))[idx]
+    ys["auto"] = auto(x)[0]
+    chosen = build_layer(config, solo, cp_group, cp_strategy=auto._cp_auto_choice)
+    chosen.load_state_dict(auto.state_dict())
+    ys["chosen"] = chosen(x)[0]
+    return {"strategy": auto._cp_auto_choice, "dy": (ys["auto"] - ys["chosen"]).abs().max().item()}
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +266,9 @@ def test_calibration_measures_then_reuses_the_file(ranks):
     data = json.loads(open(path).read())
     (key,) = data
     assert key.startswith(f"P={P}|hosts=1x{P}|gloo|")
-    assert "gdn/eager/K8/V8/float32" in data[key]["kernels"]
+    kernels = data[key]["kernels"]
+    assert sorted(kernels["gdn/eager/K8/V8/float32"]) == ["gemm", "op", "summary"]
+    assert list(kernels["gdn/eager/K8/V8/float32/H4/HV4/hidden32/layer"]) == ["rest"]
 
 
 def test_decision_is_rank_zeros_on_every_rank(ranks):
@@ -240,5 +285,14 @@ def test_layer_with_auto_equals_the_chosen_method(ranks):
                                                 "ulysses")
     for r in results:
         assert r["layer"]["dy"] == 0 and r["layer"]["ddx"] == 0 and r["layer"]["dgrad"] == 0
+        assert r["layer"]["hook_calls"] == 1          # the calibration runs touched no parameter gradient
     lines = [l for l in results[0]["log"] if l.startswith("[hp_megatron cp auto] GDN")]
     assert len(lines) == 1 and "runner-up" in lines[0] and "ms fwd+bwd" in lines[0]
+
+
+def test_mla_with_auto_equals_the_chosen_strategy(ranks):
+    results, _ = ranks
+    assert len({r["mla"]["strategy"] for r in results}) == 1
+    assert results[0]["mla"]["strategy"] in ("latent", "latent_ulysses", "expanded_ulysses")
+    assert all(r["mla"]["dy"] == 0 for r in results)
+    assert sum(l.startswith("[hp_megatron cp auto] MLA") for l in results[0]["log"]) == 1

@@ -99,27 +99,41 @@ def _ensure_kernel(calibration, group, shape) -> bool:
     return True
 
 
+def _group_calibration(group, path):
+    from layers.cp.calibration import load_or_calibrate
+
+    calibration, source = load_or_calibrate(group, path)
+    if source != "cached":
+        _log(calibration_line(calibration, source))
+    return calibration
+
+
+def _ensure_layer(calibration, group, mixer, shape) -> bool:
+    if shape.layer_key in calibration.kernels:
+        return False
+    calibrate_mixer(calibration, group, mixer, shape)
+    return True
+
+
 def decide(group, shape, *, calibration: Calibration | None = None, calibration_path: str | None = None
            ) -> Decision:
     """The decision for ``shape`` on ``group`` (None = WORLD), identical on every rank (collective, except
-    when cached). ``calibration``: use this one instead of loading/measuring the group's."""
-    from layers.cp.calibration import load_or_calibrate, persist
+    when cached). ``calibration``: use this one instead of loading/measuring the group's (``calibration_path``
+    or a fresh measurement)."""
+    from layers.cp.calibration import persist
 
     group = dist.GroupMember.WORLD if group is None else group
-    P = group_size(group)
-    key = (tuple(dist.get_process_group_ranks(group)), shape, calibration_path,
-           None if calibration is None else id(calibration))
+    key = (tuple(dist.get_process_group_ranks(group)), shape,
+           calibration_path if calibration is None else id(calibration))
     if key in _DECISIONS:
         return _DECISIONS[key]
     if calibration is None:
-        calibration, source = load_or_calibrate(group, calibration_path)
-        if source != "cached":
-            _log(calibration_line(calibration, source))
+        calibration = _group_calibration(group, calibration_path)
         if _ensure_kernel(calibration, group, shape):
             persist(calibration, group, calibration_path)
     else:
         _ensure_kernel(calibration, group, shape)
-    box = [rank_candidates(shape, P, calibration) if group_rank(group) == 0 else None]
+    box = [rank_candidates(shape, group_size(group), calibration) if group_rank(group) == 0 else None]
     dist.broadcast_object_list(box, src=global_rank(group, 0), group=group)
     decision = box[0]
     _DECISIONS[key] = decision
@@ -147,6 +161,52 @@ def auto_context_kwargs(group, layer, layout: str, *, calibration=None, group_si
     return d.choice.context_kwargs()
 
 
+_SOLO: dict = {}
+
+
+def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerShape) -> None:
+    """Add ``calibration.kernels[shape.layer_key] = {"rest": fit}``: the mixer's own forward + backward at CP = 1
+    (a one-rank CP group passed through ``PackedSeqParams.cp_group``) on 128 and 512 tokens, minus the
+    calibrated op time, per token; max over ``group`` (collective).
+
+    The parameters are frozen meanwhile (``requires_grad`` off), so no gradient, main_grad or DDP hook sees
+    the timing runs; the weight gradients it skips are added back from the projections' FLOPs at the gemm fit."""
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from layers.cp.calibration import _max_over_group, _median_seconds, fit_kernel, group_device
+    from layers.cp.cost_model import delta_flops, projection_flops
+
+    if shape.layer_key in calibration.kernels:
+        return
+    me = dist.get_rank()
+    if me not in _SOLO:
+        _SOLO[me] = dist.new_group([me], use_local_synchronization=True)
+    packed = PackedSeqParams(qkv_format="sbhd", cp_group=_SOLO[me])
+    weight = mixer.in_proj.weight
+    params = [p for p in mixer.parameters() if p.requires_grad]
+    op, gemm = calibration.kernels[shape.kernel]["op"], calibration.kernels[shape.kernel]["gemm"]
+    gen = torch.Generator().manual_seed(0)
+    points = []
+    for n in (128, 512):
+        x = torch.randn(n, 1, shape.hidden, generator=gen).to(weight.device, weight.dtype)
+
+        def run():
+            y, _ = mixer(x.clone().requires_grad_(True), packed_seq_params=packed)
+            y.float().sum().backward()
+        for p in params:
+            p.requires_grad_(False)
+        try:
+            t = _median_seconds(run, group_device(group), 3)
+        finally:
+            for p in params:
+                p.requires_grad_(True)
+        t += gemm.seconds(projection_flops(shape, n))                      # the skipped weight gradients
+        points.append((n, t - op.seconds(3 * delta_flops(n, shape.value_heads, shape.k_dim, shape.v_dim))))
+    ts = _max_over_group([max(t, 1e-6) for _, t in points], group, group_device(group))
+    calibration.kernels[shape.layer_key] = {"rest": fit_kernel([n for n, _ in points], ts)}
+
+
 def resolve_for_mixer(mixer, cp_group, seq_len: int, batch: int, cu_seqlens) -> tuple:
     """(method, group_size, ulysses_degree) for a GDN/KDA mixer with ``cp_method="auto"``, decided at its first
     CP forward (global ``seq_len`` per row, or total packed tokens with ``cu_seqlens``) and kept for the life of
@@ -161,7 +221,30 @@ def resolve_for_mixer(mixer, cp_group, seq_len: int, batch: int, cu_seqlens) -> 
         layout=mixer.cp_layout, cu_seqlens=None if cu_seqlens is None else tuple(int(c) for c in cu_seqlens),
         hidden=mixer.hidden_size, act_bytes=dtype.itemsize, backend=mixer.backend,
         dtype=str(dtype).replace("torch.", ""), native_summaries=mixer.backend in ("triton", "ascendc"))
-    kwargs = auto_context_kwargs(cp_group, shape, mixer.cp_layout, calibration=mixer.options.get("cp_calibration"),
-                                 group_size=mixer.cp_group_size, ulysses_degree=mixer.cp_ulysses_degree)
+    from layers.cp.calibration import persist
+
+    path = mixer.options.get("cp_calibration")
+    if mixer.cp_group_size is not None or mixer.cp_ulysses_degree is not None:
+        raise ValueError(f"cp_method='auto' chooses group_size and ulysses_degree itself; got group_size="
+                         f"{mixer.cp_group_size}, ulysses_degree={mixer.cp_ulysses_degree}")
+    calibration = _group_calibration(cp_group, path)
+    if _ensure_kernel(calibration, cp_group, shape) | _ensure_layer(calibration, cp_group, mixer, shape):
+        persist(calibration, cp_group, path)
+    kwargs = auto_context_kwargs(cp_group, shape, mixer.cp_layout, calibration=calibration)
     mixer._cp_auto_choice = (kwargs["method"], kwargs["group_size"], kwargs["ulysses_degree"])
     return mixer._cp_auto_choice
+
+
+def resolve_for_mla(mla, cp_group, seq_len: int, batch: int) -> str:
+    """The CP strategy of an MLA layer with ``cp_strategy="auto"``, decided at its first CP forward and kept.
+    The calibration file is the config's ``delta_cp_calibration`` (``--hp-cp-calibration``)."""
+    chosen = getattr(mla, "_cp_auto_choice", None)
+    if chosen is not None:
+        return chosen
+    d, dtype = mla.dims, mla.linear_kv_up_proj.weight.dtype
+    shape = MLALayerShape(batch=batch, seq_len=seq_len, heads=d.heads, qk_head_dim=d.qk, qk_pos_emb_head_dim=d.pe,
+                          v_head_dim=d.v, kv_lora_rank=d.kv_lora_rank, layout=mla.cp_layout, act_bytes=dtype.itemsize,
+                          dtype=str(dtype).replace("torch.", ""))
+    mla._cp_auto_choice = decide(cp_group, shape,
+                                 calibration_path=getattr(mla.config, "delta_cp_calibration", None)).choice.method
+    return mla._cp_auto_choice

@@ -140,13 +140,15 @@ def calibrate(group=None, *, message_bytes=MESSAGE_BYTES, repeats: int = REPEATS
 
 
 def _delta_inputs(kind, tokens, heads, K, V, dtype, device, gen):
-    q = torch.randn(1, tokens, heads, K, generator=gen).to(device, dtype)
-    k = torch.nn.functional.normalize(torch.randn(1, tokens, heads, K, generator=gen), dim=-1).to(device, dtype)
+    """Raw q, k, v, gate, beta and the in-kernel flags the GDN/KDA mixers use (l2norm, sigmoid beta, gate)."""
+    q, k = (torch.randn(1, tokens, heads, K, generator=gen).to(device, dtype) for _ in range(2))
     v = torch.randn(1, tokens, heads, V, generator=gen).to(device, dtype)
-    gshape = (1, tokens, heads) + ((K,) if kind == "kda" else ())
-    g = torch.nn.functional.logsigmoid(torch.randn(gshape, generator=gen)).to(device, dtype)
-    beta = torch.rand(1, tokens, heads, generator=gen).to(device, dtype)
-    return [t.requires_grad_(True) for t in (q, k, v, g, beta)]
+    g = torch.randn((1, tokens, heads) + ((K,) if kind == "kda" else ()), generator=gen).to(device, dtype)
+    beta = torch.randn(1, tokens, heads, generator=gen).to(device, dtype)
+    flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
+                 A_log=torch.zeros(heads, device=device, dtype=dtype),
+                 dt_bias=torch.zeros(heads * (K if kind == "kda" else 1), device=device, dtype=dtype))
+    return [t.requires_grad_(True) for t in (q, k, v, g, beta)], flags
 
 
 def _gemm_points(device, dtype, hidden) -> list:
@@ -162,10 +164,12 @@ def _gemm_points(device, dtype, hidden) -> list:
 
 def calibrate_kernel(calibration: Calibration, group, *, kind: str, backend: str, k_dim: int, v_dim: int,
                      dtype: torch.dtype, hidden: int = 256) -> dict:
-    """Add ``calibration.kernels[kernel_key]`` = {"op": fit of the delta-rule op forward + backward (FLOPs as
-    ``cost_model.delta_flops`` x 3), "gemm": fit of a dense matmul forward + backward} (collective)."""
+    """Add ``calibration.kernels[kernel_key]`` = {"op": the delta-rule op forward + backward with the mixers'
+    in-kernel flags (FLOPs as ``cost_model.delta_flops`` x 3), "summary": the generic summary pass (values
+    [v | 0_K], FLOPs at width K + V), "gemm": a dense matmul forward + backward} (collective)."""
     from layers.cp.cost_model import delta_flops, kernel_key
     from layers.ops import chunk_gated_delta_rule, chunk_kda
+    from layers.ops.summary import segment_summary
 
     group = dist.GroupMember.WORLD if group is None else group
     device = group_device(group)
@@ -174,18 +178,25 @@ def calibrate_kernel(calibration: Calibration, group, *, kind: str, backend: str
         return calibration.kernels[key]
     fn = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
     gen = torch.Generator().manual_seed(0)
-    heads, op_points = 2, []
+    heads, op_points, summary_points = 2, [], []
     for tokens in (128, 512):
-        inputs = _delta_inputs(kind, tokens, heads, k_dim, v_dim, dtype, device, gen)
+        (q, k, v, g, beta), flags = _delta_inputs(kind, tokens, heads, k_dim, v_dim, dtype, device, gen)
 
-        def run():
-            o, _ = fn(*inputs, backend=backend)
+        def run_op():
+            o, _ = fn(q, k, v, g, beta, backend=backend, **flags)
             o.float().sum().backward()
-        op_points.append((3 * delta_flops(tokens, heads, k_dim, v_dim), _median_seconds(run, device, 3)))
+
+        def run_summary():           # the generic CP path's extra pass: final states of [v | 0] from [0 | I]
+            M, E = segment_summary(kind, k, v, g, beta, backend=backend, **flags)
+            (M.sum() + E.sum()).backward()
+        op_points.append((3 * delta_flops(tokens, heads, k_dim, v_dim), _median_seconds(run_op, device, 3)))
+        summary_points.append((3 * delta_flops(tokens, heads, k_dim, k_dim + v_dim),
+                               _median_seconds(run_summary, device, 3)))
     gemm_points = _gemm_points(device, dtype, hidden)
-    ts = _max_over_group([t for _, t in op_points + gemm_points], group, device)
+    ts = _max_over_group([t for _, t in op_points + summary_points + gemm_points], group, device)
     fits = {"op": fit_kernel([f for f, _ in op_points], ts[:2]),
-            "gemm": fit_kernel([f for f, _ in gemm_points], ts[2:])}
+            "summary": fit_kernel([f for f, _ in summary_points], ts[2:4]),
+            "gemm": fit_kernel([f for f, _ in gemm_points], ts[4:])}
     calibration.kernels[key] = fits
     return fits
 

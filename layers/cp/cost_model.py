@@ -116,6 +116,11 @@ class DeltaLayerShape:
     def kernel(self) -> str:
         return kernel_key(self.kind, self.backend, self.k_dim, self.v_dim, self.dtype)
 
+    @property
+    def layer_key(self) -> str:
+        """Key of the fit of the rest of the layer (projections, conv, norm, gates) per local token."""
+        return f"{self.kernel}/H{self.heads}/HV{self.value_heads}/hidden{self.hidden}/layer"
+
     def describe(self) -> str:
         docs = "" if self.cu_seqlens is None else f", {len(self.cu_seqlens) - 1} docs"
         return (f"{self.kind.upper()} B={self.batch} T={self.seq_len}{docs} H={self.heads} HV={self.value_heads} "
@@ -250,7 +255,8 @@ def predict_delta(shape: DeltaLayerShape, world_size: int, cand: Candidate, cali
     """Predicted forward + backward seconds of one layer per rank: ``{"total", "comm", "compute"}``.
 
     Compute = the slowest state rank's chunk-padded local pass (and, for state methods, its summary pass with
-    values [v | 0_K]) at the calibrated kernel rate, plus the projections; comm = the state scan forward and
+    values [v | 0_K]) at the calibrated kernel rates, plus the rest of the layer on the local tokens (the
+    measured ``layer_key`` fit when the calibration has one, else the projections' FLOPs); comm = the state scan forward and
     backward, and for Ulysses two all-to-all rounds per pass (5 tensors in, the output back).
     """
     P = world_size
@@ -263,17 +269,21 @@ def predict_delta(shape: DeltaLayerShape, world_size: int, cand: Candidate, cali
         raise ValueError(f"calibration has no kernel fit for {shape.kernel}; calibrate it first "
                          "(layers.cp.calibration.calibrate_kernel)")
     op, gemm = fits["op"], fits["gemm"]
+    summary = fits.get("summary", op)
     pieces = _rank_pieces(shape, Q, inner)
     worst = max(_padded(p) for p in pieces)
-    n_pieces = max(len(p) for p in pieces)
     flops = 3 * delta_flops(worst, HVu, shape.k_dim, shape.v_dim)                  # forward + backward
-    compute = op.seconds(flops, n_pieces)
+    compute = op.seconds(flops)
     if Q > 1:
         width = shape.v_dim + shape.k_dim                                          # values [v | 0_K]
         sfl = 3 * delta_flops(worst, HVu, shape.k_dim, width)
-        compute += op.seconds(sfl / (2 if shape.native_summaries else 1), n_pieces)
+        compute += summary.seconds(sfl / (2 if shape.native_summaries else 1))
     tokens_local = shape.batch * shape.seq_len / P
-    compute += gemm.seconds(3 * projection_flops(shape, tokens_local)) if shape.hidden else 0.0
+    rest = calibration.kernels.get(shape.layer_key)
+    if rest is not None:                    # measured: the layer at CP = 1 minus its op, per token
+        compute += rest["rest"].seconds(tokens_local)
+    elif shape.hidden:                      # else the projections alone
+        compute += gemm.seconds(3 * projection_flops(shape, tokens_local))
     comm = 0.0
     if Q > 1:
         comm += 2 * state_exchange_seconds(cand.method, inner, Q, num_chains=_num_chains(shape, inner), heads=HVu,
