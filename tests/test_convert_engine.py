@@ -117,7 +117,7 @@ def test_export_with_a_config_of_other_shapes_is_refused(hf_models):
     hf_to_mcore(models["untied"][1], ckpt)
     config = json.load(open(os.path.join(models["untied"][1], "config.json")))
     config["intermediate_size"] = 40
-    with pytest.raises(ValueError, match="shape mismatch for decoder.layers.mlp.linear_fc1.weight"):
+    with pytest.raises(ValueError, match=r"shape mismatch for decoder\.layers\.(0\.)?mlp\.linear_fc1\.weight"):
         mcore_to_hf(ckpt, str(tmp / "wrong_back"), hf_config=config)
     assert not os.path.exists(tmp / "wrong_back")
     with pytest.raises(FileExistsError, match="overwrite"):

@@ -114,7 +114,7 @@ def _pipeline_stage_load(hf, ckpt_dir):
 
 
 def _example_load(hf_config, ckpt_root, tokens):
-    """examples/pretrain's load_checkpoint on the converted (release) root: (iteration, consumed, logits)."""
+    """examples/pretrain's find_checkpoint + load_checkpoint on the converted (release) root: (iteration, consumed, logits)."""
     import sys
     from types import SimpleNamespace
 
@@ -124,10 +124,10 @@ def _example_load(hf_config, ckpt_root, tokens):
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                                     "pretrain"))
-    from training import load_checkpoint
+    from checkpointing import find_checkpoint, load_checkpoint
 
     model = llama.build_model(hf_config, tensor_model_parallel_size=2)
-    iteration, consumed = load_checkpoint(ckpt_root, SimpleNamespace(module=model), None, None)
+    iteration, consumed = load_checkpoint(find_checkpoint(ckpt_root), SimpleNamespace(module=model), None, None)
     with torch.no_grad():
         logits = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), attention_mask=None)
     return iteration, consumed, gather_from_tensor_model_parallel_region(logits)

@@ -78,6 +78,11 @@ def find_checkpoint(root: str):
         return None
     with open(tracker) as f:
         text = f.read().strip()
+    if text == "release":  # weights only, e.g. from `python -m hp_megatron.convert hf-to-mcore`
+        path = os.path.join(root, "release")
+        if not os.path.isdir(path):
+            raise ValueError(f"checkpoint tracker {tracker} says 'release', but {path} does not exist")
+        return path
     if not text.isdigit():
         raise ValueError(f"checkpoint tracker {tracker} holds {text!r}, not an iteration number")
     path = checkpoint_dir(root, int(text))
@@ -129,7 +134,10 @@ def load_checkpoint(path, model, optimizer, scheduler, warn_schedule=True):
 
     verify_checkpoint_files(path)
     model_sd = _model_sharded_state_dict(model)
-    template = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
+    release = os.path.basename(os.path.normpath(path)) == "release"  # weights only: training starts at 0
+    template = {"model": model_sd}
+    if not release:
+        template["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
     try:
         state = dist_checkpointing.load(template, path)
     except (Exception, CheckpointException) as exc:
@@ -137,6 +145,10 @@ def load_checkpoint(path, model, optimizer, scheduler, warn_schedule=True):
             exc = next(iter(exc.failures.values()))[0]
         raise ValueError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from None
     model.module.load_state_dict(state["model"])
+    if release:
+        if dist.get_rank() == 0:
+            print(f"loaded release checkpoint {path} (weights only, iteration 0)", flush=True)
+        return 0, 0
     optimizer.load_state_dict(state["optimizer"])
     saved_schedule = state["opt_param_scheduler"]
     differences = schedule_differences(saved_schedule, scheduler.state_dict())

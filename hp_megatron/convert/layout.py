@@ -109,15 +109,21 @@ def checkpoint_layout(model, metadata: dict | None = None) -> CheckpointLayout:
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
     sharded = model.sharded_state_dict(metadata=metadata)
+    # sharded_state_dict may rename keys (a layer's sharded_state_dict_keys_map); its tensors are the state's
+    state_key_of = {id(t): k for k, t in model.state_dict(keep_vars=True).items() if torch.is_tensor(t)}
     entries, objects = {}, {}
-    for state_key, value in sharded.items():
+    for sharded_key, value in sharded.items():
         if isinstance(value, (ShardedTensor, ShardedTensorFactory)):
             data = value.data
+            state_key = state_key_of.get(id(data))
+            if state_key is None:
+                raise CheckpointError(f"model state {sharded_key}: its tensor is not one of the model's "
+                                      "state_dict() tensors; the converter cannot name it")
             entries[state_key] = LayoutEntry(state_key, tuple(data.shape), data.dtype, value)
         elif isinstance(value, ShardedObject):
             objects[value.unique_key] = _object_bytes(value)
         else:
-            raise CheckpointError(f"model state {state_key}: {type(value).__name__} is neither a sharded tensor "
+            raise CheckpointError(f"model state {sharded_key}: {type(value).__name__} is neither a sharded tensor "
                                   "nor a sharded object; the converter cannot place it")
     return CheckpointLayout(entries, objects)
 

@@ -2,8 +2,10 @@
 
 An architecture is a pair of functions of the HF config dict: ``conversion_rules(hf_config) ->
 list[TensorRule]`` and ``build_model(hf_config, **TransformerConfig overrides) -> GPTModel`` (on the current
-megatron parallel state). Architecture modules register themselves with :func:`register_architecture`;
-``hp_megatron.models`` (when installed) is imported on the first lookup so that its modules can do so.
+megatron parallel state). Built in: ``llama`` (``hp_megatron.convert.llama``); others register with
+:func:`register_architecture`. A ``model_type`` not registered is looked up in ``hp_megatron.models`` (Qwen3-Next,
+DeepSeek-V3, Kimi Linear): its module's ``conversion_rules`` and a model built from its ``megatron_config``
+preset.
 """
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 _REGISTRY: dict[str, "Architecture"] = {}
-_PLUGIN_PACKAGES = ("hp_megatron.models",)
 
 
 @dataclass(frozen=True)
@@ -26,21 +27,35 @@ def register_architecture(model_type: str, conversion_rules: Callable, build_mod
     _REGISTRY[model_type] = Architecture(model_type, conversion_rules, build_model)
 
 
-def _load_plugins() -> None:
-    for package in _PLUGIN_PACKAGES:
-        try:
-            importlib.import_module(package)
-        except ModuleNotFoundError as err:
-            if err.name != package:
-                raise
+def preset_model_builder(megatron_config: Callable) -> Callable:
+    """``build_model`` of an ``hp_megatron.models`` module: its ``ModelPreset``'s GPTModel for this pipeline
+    stage, with ``overrides`` as TransformerConfig fields."""
+
+    def build_model(hf_config: dict, **overrides):
+        from megatron.core import parallel_state
+
+        preset = megatron_config(hf_config)
+        fields = dict(use_cpu_initialization=True, gradient_accumulation_fusion=False, bias_dropout_fusion=False)
+        config = preset.transformer_config(**{**fields, **overrides})
+        return preset.gpt_model(config, max_sequence_length=hf_config.get("max_position_embeddings", 4096),
+                                pre_process=parallel_state.is_pipeline_first_stage(),
+                                post_process=parallel_state.is_pipeline_last_stage())
+
+    return build_model
 
 
 def get_architecture(model_type: str) -> Architecture:
-    """The registered architecture of ``model_type``; ValueError listing the known ones otherwise."""
-    _load_plugins()
-    if model_type not in _REGISTRY:
-        raise ValueError(f"no conversion architecture for model_type={model_type!r}; known: {sorted(_REGISTRY)}")
-    return _REGISTRY[model_type]
+    """The architecture of ``model_type``: registered here, else from ``hp_megatron.models``; ValueError
+    naming it and the known ones otherwise."""
+    if model_type in _REGISTRY:
+        return _REGISTRY[model_type]
+    from hp_megatron import models
+
+    if model_type not in models.ARCHITECTURES:
+        raise ValueError(f"no conversion architecture for model_type={model_type!r}; known: "
+                         f"{sorted(set(_REGISTRY) | set(models.ARCHITECTURES))}")
+    module = models.get_architecture(model_type)
+    return Architecture(model_type, module.conversion_rules, preset_model_builder(module.megatron_config))
 
 
 def load_callable(spec: str) -> Callable:
