@@ -43,7 +43,7 @@ def hf_tensors(directory) -> dict:
     return out
 
 
-def load_and_run(rank, world_size, hf_dir, ckpt_dir, tokens, resaved_dir):
+def load_and_run(rank, world_size, hf_dir, ckpt_dir, tokens, resaved_dir, moe_hf_dir, moe_ckpt_dir):
     """Per rank: for TP in (1, 2), load the checkpoint into a fresh GPTModel and return its full logits; at TP1
     also the largest difference between the loaded weights and the rules applied to the HF tensors. At TP2 the
     model is saved again by megatron-core itself into ``resaved_dir`` (TP-sharded chunks, as training writes)."""
@@ -82,6 +82,7 @@ def load_and_run(rank, world_size, hf_dir, ckpt_dir, tokens, resaved_dir):
             results["example_load"] = _example_load(hf.config, os.path.dirname(ckpt_dir), tokens)
         dist.barrier()
     results["pp2_weights_max_abs"] = _pipeline_stage_load(hf, ckpt_dir)
+    results["ep2"] = _expert_parallel_load(moe_hf_dir, moe_ckpt_dir)
     parallel_state.destroy_model_parallel()
     return results
 
@@ -113,6 +114,36 @@ def _pipeline_stage_load(hf, ckpt_dir):
     return max(diffs) if len(diffs) > 5 else float("nan")  # a stage holds a layer's 6 tensors at least
 
 
+def _expert_parallel_load(hf_dir, ckpt_dir):
+    """EP=2 on a converted Qwen3-Next (4 routed experts): each rank's local experts and every other tensor are
+    exactly the rules' tensors of their global expert indices. Returns (largest difference, tensors compared)."""
+    import re
+
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from hp_megatron.convert import get_architecture
+    from hp_megatron.convert.safetensors_io import HFCheckpoint
+    from hp_megatron.platform import apply_cpu_shims
+
+    hf = HFCheckpoint(hf_dir)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    apply_cpu_shims(9)
+    arch = get_architecture(hf.config["model_type"])
+    model = arch.build_model(hf.config, expert_model_parallel_size=2, params_dtype=torch.float32)
+    model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt_dir)["model"])
+    first = parallel_state.get_expert_model_parallel_rank() * 2  # 2 local experts of 4
+    rules = {r.mcore_key: r for r in arch.conversion_rules(hf.config)}
+    diffs = []
+    for key, value in model.state_dict().items():
+        if key.endswith("_extra_state"):
+            continue
+        global_key = re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{int(m[1]) + first}.", key)
+        rule = rules[global_key]
+        diffs.append(float((value - rule.to_mcore([hf.read(x) for x in rule.hf_keys])).abs().max()))
+    return max(diffs), len(diffs)
+
+
 def _example_load(hf_config, ckpt_root, tokens):
     """examples/pretrain's find_checkpoint + load_checkpoint on the converted (release) root: (iteration, consumed, logits)."""
     import sys
@@ -133,6 +164,18 @@ def _example_load(hf_config, ckpt_root, tokens):
     return iteration, consumed, gather_from_tensor_model_parallel_region(logits)
 
 
+def _converted_qwen3_next(tmp):
+    """A tiny Qwen3-Next (tests/models_case.py) saved and converted; returns (HF dir, checkpoint root)."""
+    from models_case import tiny_hf_model
+
+    from hp_megatron.convert import hf_to_mcore
+
+    hf_dir, ckpt = str(tmp / "qwen3_next_hf"), str(tmp / "qwen3_next_mcore")
+    tiny_hf_model("qwen3_next", hf_dir)
+    hf_to_mcore(hf_dir, ckpt)
+    return hf_dir, ckpt
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from hp_megatron.convert import hf_to_mcore
@@ -146,7 +189,9 @@ def setup(tmp_path_factory):
         expected = model(tokens).logits
     resaved = tmp / "resaved_tp2"
     resaved.mkdir()
-    per_rank = run_distributed_once(load_and_run, 2, hf_dir, ckpt + "/release", tokens, str(resaved))
+    moe_hf_dir, moe_ckpt = _converted_qwen3_next(tmp)
+    per_rank = run_distributed_once(load_and_run, 2, hf_dir, ckpt + "/release", tokens, str(resaved), moe_hf_dir,
+                                    moe_ckpt + "/release")
     return expected, per_rank, hf_dir, str(resaved), tmp
 
 
@@ -169,6 +214,13 @@ def test_pipeline_stages_load_their_layers(setup):
     _, per_rank, *_ = setup
     for r in per_rank:
         assert r["pp2_weights_max_abs"] == 0.0
+
+
+def test_expert_parallel_ranks_load_their_experts(setup):
+    _, per_rank, *_ = setup
+    for r in per_rank:
+        max_abs, compared = r["ep2"]
+        assert compared > 20 and max_abs == 0.0
 
 
 def test_example_starts_from_the_converted_release_checkpoint(setup):
