@@ -145,7 +145,8 @@ def _expert_parallel_load(hf_dir, ckpt_dir):
 
 
 def _example_load(hf_config, ckpt_root, tokens):
-    """examples/pretrain's find_checkpoint + load_checkpoint on the converted (release) root: (iteration, consumed, logits)."""
+    """examples/pretrain's find_checkpoint + load_checkpoint on the converted (release) root:
+    (iteration, consumed samples, logits)."""
     import sys
     from types import SimpleNamespace
 

@@ -9,6 +9,7 @@ the resident set is one conversion rule's tensors. :class:`ChunkReader` reads an
 from __future__ import annotations
 
 import io
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -26,8 +27,8 @@ from hp_megatron.convert.safetensors_io import CheckpointError
 
 
 @dataclass(frozen=True)
-class ChunkSpec:
-    """A chunk to write: tensor ``key`` (global ``global_shape``, ``dtype``) at ``offset`` of ``size``."""
+class Chunk:
+    """One chunk of a checkpoint tensor: ``key`` of global ``global_shape``, at ``offset``, of ``size``."""
 
     key: str
     global_shape: tuple[int, ...]
@@ -35,12 +36,16 @@ class ChunkSpec:
     size: tuple[int, ...]
     dtype: torch.dtype
 
+    @property
+    def numel(self) -> int:
+        return math.prod(self.size)
+
 
 class LazySavePlanner(SavePlanner):
     """A DCP save planner over ``chunks`` (tensor chunks, written in this order) and ``objects`` (DCP key ->
     serialized bytes); ``produce(i)`` returns the data of ``chunks[i]`` when the writer reaches it."""
 
-    def __init__(self, chunks: Sequence[ChunkSpec], objects: dict[str, bytes], produce: Callable[[int], torch.Tensor]):
+    def __init__(self, chunks: Sequence[Chunk], objects: dict[str, bytes], produce: Callable[[int], torch.Tensor]):
         self.chunks, self.objects, self.produce = list(chunks), dict(objects), produce
         self._position = {}
 
@@ -76,7 +81,7 @@ class LazySavePlanner(SavePlanner):
         return data
 
 
-def save_lazily(directory: str, chunks: Sequence[ChunkSpec], objects: dict[str, bytes],
+def save_lazily(directory: str, chunks: Sequence[Chunk], objects: dict[str, bytes],
                 produce: Callable[[int], torch.Tensor]) -> None:
     """Write a DCP checkpoint of ``chunks`` and ``objects`` into ``directory`` without a process group."""
     import torch.distributed.checkpoint as dcp

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hp_megatron.convert.dcp_io import ChunkReader, ChunkSpec, save_lazily
+from hp_megatron.convert.dcp_io import ChunkReader, save_lazily
 from hp_megatron.convert.layout import CheckpointLayout, LayoutEntry, checkpoint_layout
 from hp_megatron.convert.registry import get_architecture
 from hp_megatron.convert.rules import TensorRule
@@ -200,7 +200,8 @@ def hf_to_mcore(hf_dir: str, save: str, *, rules=None, build_model=None, iterati
     for index, (rule, entry) in enumerate(matched):
         for key in rule.hf_keys:
             if key not in hf.tensors:
-                raise CheckpointError(f"{hf_dir}: missing tensor {key} (needed for {rule.mcore_key}; no shard holds it)")
+                raise CheckpointError(f"{hf_dir}: missing tensor {key} (needed for {rule.mcore_key}; no shard "
+                                      "holds it)")
         infos = [hf.tensors[k] for k in rule.hf_keys]
         out = _on_meta(rule.to_mcore, [_meta(i.shape, i.dtype) for i in infos], rule.mcore_key)
         if tuple(out.shape) != entry.shape:
@@ -208,7 +209,7 @@ def hf_to_mcore(hf_dir: str, save: str, *, rules=None, build_model=None, iterati
             raise CheckpointError(f"{hf_dir}: shape mismatch for {rule.mcore_key}: the model built from config.json "
                                   f"needs {entry.shape}, the HF tensors ({described}) give {tuple(out.shape)}")
         for piece, _ in entry.split(out):
-            chunks.append(ChunkSpec(piece.key, piece.global_shape, piece.offset, piece.size, out.dtype))
+            chunks.append(piece)
             owners.append(index)
 
     current: dict = {}
@@ -237,7 +238,7 @@ def hf_to_mcore(hf_dir: str, save: str, *, rules=None, build_model=None, iterati
         with open(os.path.join(ckpt, "metadata.json"), "w") as f:
             json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                        "common_backend_version": 1}, f)
-        with open(os.path.join(tmp, "latest_checkpointed_iteration.txt"), "w") as f:
+        with open(os.path.join(tmp, TRACKER), "w") as f:
             f.write("release" if iteration is None else str(iteration))
     nbytes = sum(torch.Size(c.size).numel() * c.dtype.itemsize for c in chunks)
     return ConversionReport(len(chunks), nbytes, time.perf_counter() - start, setup, os.path.abspath(save))

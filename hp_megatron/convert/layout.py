@@ -20,21 +20,8 @@ from typing import Any
 
 import torch
 
+from hp_megatron.convert.dcp_io import Chunk
 from hp_megatron.convert.safetensors_io import CheckpointError
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One chunk of a checkpoint tensor: ``key`` of global ``global_shape``, at ``offset``, of ``size``."""
-
-    key: str
-    global_shape: tuple[int, ...]
-    offset: tuple[int, ...]
-    size: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.size)
 
 
 def _flatten(built) -> list:
@@ -45,9 +32,9 @@ def _flatten(built) -> list:
     return [built]
 
 
-def _piece(sh_ten) -> Piece:
+def _piece(sh_ten) -> Chunk:
     size = (1,) * sh_ten.prepend_axis_num + tuple(sh_ten.local_shape)
-    return Piece(sh_ten.key, tuple(sh_ten.global_shape), tuple(sh_ten.global_offset), size)
+    return Chunk(sh_ten.key, tuple(sh_ten.global_shape), tuple(sh_ten.global_offset), size, sh_ten.dtype)
 
 
 @dataclass(frozen=True)
@@ -59,7 +46,7 @@ class LayoutEntry:
     dtype: torch.dtype
     sharded: Any  # megatron ShardedTensor or ShardedTensorFactory of the template model
 
-    def split(self, tensor: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
+    def split(self, tensor: torch.Tensor) -> list[tuple[Chunk, torch.Tensor]]:
         """``tensor`` (this entry's full tensor) as checkpoint pieces and their data (views where possible)."""
         from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
@@ -70,7 +57,7 @@ class LayoutEntry:
             built = [replace(self.sharded, data=tensor, dtype=tensor.dtype)]
         return [(_piece(t), t.data.reshape(_piece(t).size)) for t in built]
 
-    def pieces(self) -> list[Piece]:
+    def pieces(self) -> list[Chunk]:
         return [p for p, _ in self.split(torch.empty(self.shape, dtype=self.dtype, device="meta"))]
 
 
