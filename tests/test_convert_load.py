@@ -90,8 +90,6 @@ def load_and_run(rank, world_size, hf_dir, ckpt_dir, tokens, resaved_dir, moe_hf
 def _pipeline_stage_load(hf, ckpt_dir):
     """PP=2: this rank's stage (one layer; embedding or final norm + output layer) loads exactly the rules'
     tensors of its global layer numbers. Returns the largest difference."""
-    import re
-
     from megatron.core import dist_checkpointing, parallel_state
 
     from hp_megatron.convert import llama
@@ -103,22 +101,14 @@ def _pipeline_stage_load(hf, ckpt_dir):
     model = llama.build_model(hf.config, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
     model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt_dir)["model"])
     offset = parallel_state.get_pipeline_model_parallel_rank()  # one layer per stage
-    rules = {r.mcore_key: r for r in llama.conversion_rules(hf.config)}
-    diffs = []
-    for key, value in model.state_dict().items():
-        if key.endswith("_extra_state"):
-            continue
-        global_key = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + offset}.", key)
-        rule = rules[global_key]
-        diffs.append(float((value - rule.to_mcore([hf.read(x) for x in rule.hf_keys])).abs().max()))
-    return max(diffs) if len(diffs) > 5 else float("nan")  # a stage holds a layer's 6 tensors at least
+    max_abs, compared = _difference_to_rules(model, llama.conversion_rules(hf.config), hf,
+                                             r"^(decoder\.layers\.)(\d+)\.", offset)
+    return max_abs if compared > 5 else float("nan")  # a stage holds a layer's 6 tensors at least
 
 
 def _expert_parallel_load(hf_dir, ckpt_dir):
     """EP=2 on a converted Qwen3-Next (4 routed experts): each rank's local experts and every other tensor are
     exactly the rules' tensors of their global expert indices. Returns (largest difference, tensors compared)."""
-    import re
-
     from megatron.core import dist_checkpointing, parallel_state
 
     from hp_megatron.convert import get_architecture
@@ -133,13 +123,20 @@ def _expert_parallel_load(hf_dir, ckpt_dir):
     model = arch.build_model(hf.config, expert_model_parallel_size=2, params_dtype=torch.float32)
     model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt_dir)["model"])
     first = parallel_state.get_expert_model_parallel_rank() * 2  # 2 local experts of 4
-    rules = {r.mcore_key: r for r in arch.conversion_rules(hf.config)}
+    return _difference_to_rules(model, arch.conversion_rules(hf.config), hf, r"(local_experts\.)(\d+)\.", first)
+
+
+def _difference_to_rules(model, rules, hf, local_index: str, offset: int):
+    """(largest |loaded - rule(HF)|, tensors compared) over ``model``'s state, whose local layer or expert
+    numbers (group 2 of the regex ``local_index``) are the global ones minus ``offset``."""
+    import re
+
+    rules = {r.mcore_key: r for r in rules}
     diffs = []
     for key, value in model.state_dict().items():
         if key.endswith("_extra_state"):
             continue
-        global_key = re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{int(m[1]) + first}.", key)
-        rule = rules[global_key]
+        rule = rules[re.sub(local_index, lambda m: f"{m[1]}{int(m[2]) + offset}.", key)]
         diffs.append(float((value - rule.to_mcore([hf.read(x) for x in rule.hf_keys])).abs().max()))
     return max(diffs), len(diffs)
 
