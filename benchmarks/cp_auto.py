@@ -110,8 +110,8 @@ def summarize(rows) -> dict:
             "predictions_within_2x": sum(0.5 <= q <= 2.0 for q in ratios), "predictions": len(ratios)}
 
 
-def markdown(rows, summary, kind, calibrations) -> str:
-    lines = [f"{kind.upper()} layer (hidden {HIDDEN}, K = V = {HEAD_DIM}, batch 1, zigzag, fp32, eager) forward + "
+def markdown(rows, summary, kind, calibrations, meta, note="") -> str:
+    lines = [f"`{meta['command']}` (torch {meta['torch']}, megatron-core {meta['megatron_core']}).{note}", "",f"{kind.upper()} layer (hidden {HIDDEN}, K = V = {HEAD_DIM}, batch 1, zigzag, fp32, eager) forward + "
              "backward per rank on gloo CPU ranks (one thread each): the slowest rank's median. *auto* is the "
              "cost model's choice from the group's calibration; *best* the fastest measured method; "
              "pred/meas the range over all methods of the case.", "",
@@ -177,6 +177,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--calibration", default=None, help="calibration JSON cache (reused per world layout)")
     ap.add_argument("--plot", default=None, help="write the predicted-vs-measured plot (PNG) here")
+    ap.add_argument("--note", default="", help="a sentence printed under the command (e.g. the machine's load)")
     add_output_args(ap)
     args = ap.parse_args(argv)
     seqs = [int(s) for s in args.seq.split(",")]
@@ -192,7 +193,7 @@ def main(argv=None):
         rows += out["rows"]
     summary = summarize(rows)
     result = {"meta": run_meta("cp_auto.py", argv), "summary": summary, "rows": rows, "calibrations": calibrations}
-    table = markdown(rows, summary, args.kind, calibrations)
+    table = markdown(rows, summary, args.kind, calibrations, result["meta"], f" {args.note}" if args.note else "")
     if args.plot:
         table += f"\n\n![cp auto]({Path(args.plot).name})"
     publish(result, table, args, "cp_auto", "## CP method auto: cost model vs measured layer time")

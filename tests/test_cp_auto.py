@@ -12,7 +12,7 @@ import torch.distributed as dist
 from dist import run_distributed
 from layers.cp.auto import rank_candidates
 from layers.cp.calibration import fit_line
-from layers.cp.cost_model import (Calibration, Candidate, DeltaLayerShape, KernelFit, LinearFit, MLALayerShape,
+from layers.cp.cost_model import (Calibration, Candidate, DeltaLayerShape, LinearFit, MLALayerShape,
                                   delta_candidates, mla_candidates, predict_delta, state_exchange_seconds)
 
 
@@ -21,7 +21,7 @@ def synthetic(alpha, beta, *, gamma=1e12, op_rate=1e12, gemm_rate=1e12, a2a_alph
     fits for the shapes below."""
     fits = {c: LinearFit(alpha, beta) for c in ("all_gather", "send_recv")}
     fits["all_to_all"] = LinearFit(alpha if a2a_alpha is None else a2a_alpha, beta)
-    kern = {"op": KernelFit(0.0, op_rate), "gemm": KernelFit(0.0, gemm_rate)}
+    kern = {"op": LinearFit(0.0, op_rate), "gemm": LinearFit(0.0, gemm_rate)}
     return Calibration(collectives=fits, fold_flops=gamma, key="synthetic",
                        kernels={k: dict(kern) for k in ("gdn/eager/K128/V128/float32", "kda/eager/K64/V64/float32",
                                                          "mla/gemm/float32")})

@@ -174,7 +174,7 @@ def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerSha
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from layers.cp.calibration import _max_over_group, _median_seconds, fit_kernel, group_device
+    from layers.cp.calibration import _max_over_group, _median_seconds, fit_line, group_device
     from layers.cp.cost_model import delta_flops, projection_flops
 
     if shape.layer_key in calibration.kernels:
@@ -204,7 +204,7 @@ def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerSha
         t += gemm.seconds(projection_flops(shape, n))                      # the skipped weight gradients
         points.append((n, t - op.seconds(3 * delta_flops(n, shape.value_heads, shape.k_dim, shape.v_dim))))
     ts = _max_over_group([max(t, 1e-6) for _, t in points], group, group_device(group))
-    calibration.kernels[shape.layer_key] = {"rest": fit_kernel([n for n, _ in points], ts)}
+    calibration.kernels[shape.layer_key] = {"rest": fit_line([n for n, _ in points], ts)}
 
 
 def resolve_for_mixer(mixer, cp_group, seq_len: int, batch: int, cu_seqlens) -> tuple:
