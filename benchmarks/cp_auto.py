@@ -111,7 +111,8 @@ def summarize(rows) -> dict:
 
 
 def markdown(rows, summary, kind, calibrations, meta, note="") -> str:
-    lines = [f"`{meta['command']}` (torch {meta['torch']}, megatron-core {meta['megatron_core']}).{note}", "",f"{kind.upper()} layer (hidden {HIDDEN}, K = V = {HEAD_DIM}, batch 1, zigzag, fp32, eager) forward + "
+    lines = [f"`{meta['command']}` (torch {meta['torch']}, megatron-core {meta['megatron_core']}).{note}", "",
+             f"{kind.upper()} layer (hidden {HIDDEN}, K = V = {HEAD_DIM}, batch 1, zigzag, fp32, eager) forward + "
              "backward per rank on gloo CPU ranks (one thread each): the slowest rank's median. *auto* is the "
              "cost model's choice from the group's calibration; *best* the fastest measured method; "
              "pred/meas the range over all methods of the case.", "",
@@ -130,8 +131,8 @@ def markdown(rows, summary, kind, calibrations, meta, note="") -> str:
               f"{summary['predicted_over_measured_min']:.2f}..{summary['predicted_over_measured_max']:.2f}).", "",
               "Calibrations (alpha us/step, beta GB/s per rank; fold GFLOP/s):", ""]
     for P, c in calibrations.items():
-        fits = ", ".join(f"{n} {f['alpha'] * 1e6:.0f} us / {f['beta'] / 1e9:.2f} GB/s (resid {f['residual'] * 100:.0f}%)"
-                         for n, f in sorted(c["collectives"].items()))
+        fits = ", ".join(f"{n} {f['alpha'] * 1e6:.0f} us / {f['beta'] / 1e9:.2f} GB/s "
+                         f"(resid {f['residual'] * 100:.0f}%)" for n, f in sorted(c["collectives"].items()))
         lines.append(f"- P={P}: {fits}; fold {c['fold_flops'] / 1e9:.0f} GFLOP/s")
     return "\n".join(lines)
 

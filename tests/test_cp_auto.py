@@ -200,7 +200,8 @@ def _worker(rank, world_size, path):
     dims = dict(num_key_heads=4, num_value_heads=4, key_head_dim=8, value_head_dim=8, init_seed=5)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
-    idx = torch.tensor([t for c in (rank, 2 * P - 1 - rank) for t in range(c * SEQ // (2 * P), (c + 1) * SEQ // (2 * P))])
+    part = SEQ // (2 * P)
+    idx = torch.tensor([t for c in (rank, 2 * P - 1 - rank) for t in range(c * part, (c + 1) * part)])
     results = {}
     for label in ("auto", "chosen"):
         opts = {"cp_method": "auto", "cp_calibration": path} if label == "auto" else {}

@@ -161,9 +161,6 @@ def auto_context_kwargs(group, layer, layout: str, *, calibration=None, group_si
     return d.choice.context_kwargs()
 
 
-_SOLO: dict = {}
-
-
 def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerShape) -> None:
     """Add ``calibration.kernels[shape.layer_key] = {"rest": fit}``: the mixer's own forward + backward at CP = 1
     (a one-rank CP group passed through ``PackedSeqParams.cp_group``) on 128 and 512 tokens, minus the
@@ -177,12 +174,13 @@ def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerSha
     from layers.cp.calibration import _max_over_group, _median_seconds, fit_line, group_device
     from layers.cp.cost_model import delta_flops, projection_flops
 
+    from layers.cp.context import _subgroup
+
     if shape.layer_key in calibration.kernels:
         return
-    me = dist.get_rank()
-    if me not in _SOLO:
-        _SOLO[me] = dist.new_group([me], use_local_synchronization=True)
-    packed = PackedSeqParams(qkv_format="sbhd", cp_group=_SOLO[me])
+    packed = PackedSeqParams(qkv_format="sbhd", cp_group=_subgroup((dist.get_rank(),)))
+    # under sequence parallelism the input holds 1/tp of the tokens the mixer computes on
+    per_input_token = mixer.tp_size if getattr(mixer.config, "sequence_parallel", False) else 1
     weight = mixer.in_proj.weight
     params = [p for p in mixer.parameters() if p.requires_grad]
     op, gemm = calibration.kernels[shape.kernel]["op"], calibration.kernels[shape.kernel]["gemm"]
@@ -201,8 +199,9 @@ def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerSha
         finally:
             for p in params:
                 p.requires_grad_(True)
-        t += gemm.seconds(projection_flops(shape, n))                      # the skipped weight gradients
-        points.append((n, t - op.seconds(3 * delta_flops(n, shape.value_heads, shape.k_dim, shape.v_dim))))
+        tokens = n * per_input_token
+        t += gemm.seconds(projection_flops(shape, tokens))                 # the skipped weight gradients
+        points.append((tokens, t - op.seconds(3 * delta_flops(tokens, shape.value_heads, shape.k_dim, shape.v_dim))))
     ts = _max_over_group([max(t, 1e-6) for _, t in points], group, group_device(group))
     calibration.kernels[shape.layer_key] = {"rest": fit_line([n for n, _ in points], ts)}
 

@@ -246,8 +246,8 @@ def predict_delta(shape: DeltaLayerShape, world_size: int, cand: Candidate, cali
 
     Compute = the slowest state rank's chunk-padded local pass (and, for state methods, its summary pass with
     values [v | 0_K]) at the calibrated kernel rates, plus the rest of the layer on the local tokens (the
-    measured ``layer_key`` fit when the calibration has one, else the projections' FLOPs); comm = the state scan forward and
-    backward, and for Ulysses two all-to-all rounds per pass (5 tensors in, the output back).
+    measured ``layer_key`` fit when the calibration has one, else the projections' FLOPs); comm = the state
+    scan forward and backward, and for Ulysses two all-to-all rounds per pass (5 tensors in, the output back).
     """
     P = world_size
     U = P if cand.method == "ulysses" else (cand.ulysses_degree or 1)
