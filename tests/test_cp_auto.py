@@ -186,6 +186,17 @@ def _worker(rank, world_size, path):
     out["fits"] = {k: (v.alpha, v.beta) for k, v in cal.collectives.items()}
     _CACHE.clear()
     out["reload"] = load_or_calibrate(None, path)[1]
+    bad = path + ".bad"
+    if rank == 0:
+        with open(bad, "w") as f:
+            f.write("{not json")
+    dist.barrier()
+    _CACHE.clear()
+    try:                           # rank 0 reads the file: its error must reach every rank (no rank left waiting)
+        load_or_calibrate(None, bad)
+        out["bad_file"] = None
+    except ValueError as err:
+        out["bad_file"] = type(err).__name__
     # rank-dependent calibrations: rank 0's decision must still win everywhere
     skew = synthetic(1e-6 if rank == 0 else 1.0, 1e13, op_rate=1e11)
     shape = DeltaLayerShape(kind="kda", batch=1, seq_len=1024, heads=4, value_heads=4, k_dim=64, v_dim=64)
@@ -261,6 +272,7 @@ def test_calibration_measures_then_reuses_the_file(ranks):
     results, path = ranks
     assert results[0]["source"].startswith("measured in")
     assert all(r["reload"] == f"loaded from {path}" for r in results)
+    assert all(r["bad_file"] == "JSONDecodeError" for r in results)
     assert all(r["fits"] == results[0]["fits"] for r in results)       # max-reduced: one fit for all ranks
     for alpha, beta in results[0]["fits"].values():
         assert 0 <= alpha < 1.0 and 1e6 < beta and math.isfinite(alpha)

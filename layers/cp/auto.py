@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from layers.cp.collectives import global_rank, group_rank, group_size
+from layers.cp.collectives import group_size
 from layers.cp.cost_model import (Calibration, Candidate, DeltaLayerShape, MLALayerShape, delta_candidates,
                                   mla_candidates, predict_delta, predict_mla)
 
@@ -120,7 +120,7 @@ def decide(group, shape, *, calibration: Calibration | None = None, calibration_
     """The decision for ``shape`` on ``group`` (None = WORLD), identical on every rank (collective, except
     when cached). ``calibration``: use this one instead of loading/measuring the group's (``calibration_path``
     or a fresh measurement)."""
-    from layers.cp.calibration import persist
+    from layers.cp.calibration import broadcast_from_rank0, persist
 
     group = dist.GroupMember.WORLD if group is None else group
     key = (tuple(dist.get_process_group_ranks(group)), shape,
@@ -133,9 +133,7 @@ def decide(group, shape, *, calibration: Calibration | None = None, calibration_
             persist(calibration, group, calibration_path)
     else:
         _ensure_kernel(calibration, group, shape)
-    box = [rank_candidates(shape, group_size(group), calibration) if group_rank(group) == 0 else None]
-    dist.broadcast_object_list(box, src=global_rank(group, 0), group=group)
-    decision = box[0]
+    decision = broadcast_from_rank0(lambda: rank_candidates(shape, group_size(group), calibration), group)
     _DECISIONS[key] = decision
     _log(decision.log_line())
     return decision

@@ -237,13 +237,9 @@ def load_or_calibrate(group=None, path: str | None = None) -> tuple[Calibration,
     key = layout_key(group)
     if key in _CACHE:
         return _CACHE[key], "cached"
-    loaded = [None]
-    if group_rank(group) == 0:
-        entry = _read(path).get(key) if path else None
-        loaded[0] = entry
-    dist.broadcast_object_list(loaded, src=global_rank(group, 0), group=group)
-    if loaded[0] is not None:
-        cal, source = Calibration.from_json(loaded[0]), f"loaded from {path}"
+    entry = broadcast_from_rank0(lambda: _read(path).get(key) if path else None, group)
+    if entry is not None:
+        cal, source = Calibration.from_json(entry), f"loaded from {path}"
     else:
         t0 = time.perf_counter()
         cal = calibrate(group, key=key)
@@ -251,6 +247,22 @@ def load_or_calibrate(group=None, path: str | None = None) -> tuple[Calibration,
         persist(cal, group, path)
     _CACHE[key] = cal
     return cal, source
+
+
+def broadcast_from_rank0(fn, group):
+    """``fn()`` evaluated on group rank 0 and broadcast to every rank (collective). An exception on rank 0 is
+    broadcast too and re-raised on every rank, so no rank is left waiting."""
+    box = [None]
+    if group_rank(group) == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as err:   # noqa: BLE001 (re-raised below on every rank)
+            box[0] = ("error", err)
+    dist.broadcast_object_list(box, src=global_rank(group, 0), group=group)
+    status, value = box[0]
+    if status == "error":
+        raise value
+    return value
 
 
 def persist(calibration: Calibration, group, path: str | None) -> None:
