@@ -4,8 +4,9 @@ For each CP size P (spawned gloo CPU ranks, one thread each), the ranks calibrat
 (``layers.cp.calibration``, or reuse ``--calibration PATH``), then for every sequence length and head
 configuration build a real ``layers.GatedDeltaNet`` (or KDA) per valid candidate of ``layers.cp.cost_model.
 delta_candidates`` (every state method, grouped with each group size, each Ulysses degree dividing the heads,
-the hybrids), time its forward + backward on this rank's zigzag shard (``--warmup`` untimed runs, median of
-``--repeats``, the slowest rank's time), and compare with the model's prediction and with auto's choice.
+the hybrids), time its forward + backward on this rank's zigzag shard (``--warmup`` untimed runs, then
+``--repeats`` rounds that run every method once; the median, the slowest rank's time), and compare with the
+model's prediction and with auto's choice.
 
 Pass criteria of issue 15 (printed per case): auto's measured time within 10 % of the fastest measured method,
 every predicted time within a factor of 2 of its measurement.
@@ -36,25 +37,29 @@ def _heads(text):
     return int(h), int(hv)
 
 
-def _time_layer(layer, x_local, repeats, warmup):
+def _time_layers(layers, x_local, repeats, warmup) -> list:
+    """Median forward + backward seconds of each layer (the slowest rank's), timed round-robin: repeat r runs
+    every layer once, so a load change on the machine hits all methods alike."""
     import torch.distributed as dist
 
-    def step():
+    def step(layer):
         xl = x_local.clone().requires_grad_(True)
         y, _ = layer(xl)
         y.square().sum().backward()
 
-    for _ in range(warmup):
-        step()
-    times = []
+    for layer in layers:
+        for _ in range(warmup):
+            step(layer)
+    times = [[] for _ in layers]
     for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        for i, layer in enumerate(layers):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(layer)
+            times[i].append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(ts) for ts in times], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return t.tolist()
 
 
 def _worker(rank, P, cases, kind, repeats, warmup, calibration_path):
@@ -89,11 +94,10 @@ def _worker(rank, P, cases, kind, repeats, warmup, calibration_path):
         part = T // (2 * P)
         idx = torch.cat([torch.arange(c * part, (c + 1) * part) for c in (rank, 2 * P - 1 - rank)])
         x = torch.randn(T, 1, HIDDEN, generator=torch.Generator().manual_seed(T))[idx]
-        measured = {}
-        for cand, pred in decision.ranking:
-            measured[cand.label] = {"measured_s": _time_layer(build(cand), x, repeats, warmup),
-                                    "predicted_s": pred["total"], "predicted_comm_s": pred["comm"],
-                                    "predicted_compute_s": pred["compute"]}
+        seconds = _time_layers([build(cand) for cand, _ in decision.ranking], x, repeats, warmup)
+        measured = {cand.label: {"measured_s": t, "predicted_s": pred["total"], "predicted_comm_s": pred["comm"],
+                                 "predicted_compute_s": pred["compute"]}
+                    for (cand, pred), t in zip(decision.ranking, seconds)}
         best = min(measured, key=lambda k: measured[k]["measured_s"])
         auto = decision.choice.label
         rows.append({"P": P, "T": T, "H": H, "HV": HV, "auto": auto, "best_measured": best,
