@@ -159,6 +159,9 @@ def auto_context_kwargs(group, layer, layout: str, *, calibration=None, group_si
     return d.choice.context_kwargs()
 
 
+_SOLO: dict = {}                   # one-rank groups of calibrate_mixer (layers.cp.context imports this module)
+
+
 def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerShape) -> None:
     """Add ``calibration.kernels[shape.layer_key] = {"rest": fit}``: the mixer's own forward + backward at CP = 1
     (a one-rank CP group passed through ``PackedSeqParams.cp_group``) on 128 and 512 tokens, minus the
@@ -172,11 +175,12 @@ def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerSha
     from layers.cp.calibration import _max_over_group, _median_seconds, fit_line, group_device
     from layers.cp.cost_model import delta_flops, projection_flops
 
-    from layers.cp.context import _subgroup
-
     if shape.layer_key in calibration.kernels:
         return
-    packed = PackedSeqParams(qkv_format="sbhd", cp_group=_subgroup((dist.get_rank(),)))
+    key = (id(dist.GroupMember.WORLD), dist.get_rank())      # a re-initialized world gets its own group
+    if key not in _SOLO:
+        _SOLO[key] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    packed = PackedSeqParams(qkv_format="sbhd", cp_group=_SOLO[key])
     # under sequence parallelism the input holds 1/tp of the tokens the mixer computes on
     per_input_token = mixer.tp_size if getattr(mixer.config, "sequence_parallel", False) else 1
     weight = mixer.in_proj.weight
