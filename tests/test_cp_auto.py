@@ -104,6 +104,22 @@ def test_layout_imbalance_of_packed_documents():
     assert b > a                                # three 1-token documents each pad a chunk on rank 0
 
 
+def test_zigzag_packed_documents_count_every_piece():
+    """Zigzag THD cuts every document into 2P parts: 16 documents of 256 tokens give each of P=4 ranks 32 pieces
+    of 32 tokens, each padded to a 64-token chunk, twice the work of one 4096-token row; Ulysses keeps whole
+    documents (no padding)."""
+    cal = synthetic(1e-6, 1e12, op_rate=1e10)
+    kw = dict(kind="kda", batch=1, seq_len=4096, heads=4, value_heads=4, k_dim=64, v_dim=64)
+    docs = DeltaLayerShape(cu_seqlens=tuple(range(0, 4097, 256)), **kw)
+    row = DeltaLayerShape(**kw)
+    for cand in (Candidate("p2p"), Candidate("allgather")):
+        ratio = predict_delta(docs, 4, cand, cal)["compute"] / predict_delta(row, 4, cand, cal)["compute"]
+        assert ratio == pytest.approx(2.0, rel=1e-6)
+    assert predict_delta(docs, 4, Candidate("ulysses"), cal)["compute"] == pytest.approx(
+        predict_delta(row, 4, Candidate("ulysses"), cal)["compute"])
+    assert rank_candidates(docs, 4, cal).choice == Candidate("ulysses")
+
+
 def test_mla_strategies():
     shape = MLALayerShape(batch=1, seq_len=32768, heads=8, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
                           kv_lora_rank=512)
