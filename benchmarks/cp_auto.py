@@ -4,8 +4,9 @@ For each CP size P (spawned gloo CPU ranks, one thread each), the ranks calibrat
 (``layers.cp.calibration``, or reuse ``--calibration PATH``), then for every sequence length and head
 configuration build a real ``layers.GatedDeltaNet`` (or KDA) per valid candidate of ``layers.cp.cost_model.
 delta_candidates`` (every state method, grouped with each group size, each Ulysses degree dividing the heads,
-the hybrids), time its forward + backward on this rank's zigzag shard (``--warmup`` untimed runs, median of
-``--repeats``, the slowest rank's time), and compare with the model's prediction and with auto's choice.
+the hybrids), time its forward + backward on this rank's zigzag shard (``--warmup`` untimed runs, then
+``--repeats`` rounds that run every method once; the median, the slowest rank's time), and compare with the
+model's prediction and with auto's choice.
 
 Pass criteria of issue 15 (printed per case): auto's measured time within 10 % of the fastest measured method,
 every predicted time within a factor of 2 of its measurement.
@@ -36,25 +37,29 @@ def _heads(text):
     return int(h), int(hv)
 
 
-def _time_layer(layer, x_local, repeats, warmup):
+def _time_layers(layers, x_local, repeats, warmup) -> list:
+    """Median forward + backward seconds of each layer (the slowest rank's), timed round-robin: repeat r runs
+    every layer once, so a load change on the machine hits all methods alike."""
     import torch.distributed as dist
 
-    def step():
+    def step(layer):
         xl = x_local.clone().requires_grad_(True)
         y, _ = layer(xl)
         y.square().sum().backward()
 
-    for _ in range(warmup):
-        step()
-    times = []
+    for layer in layers:
+        for _ in range(warmup):
+            step(layer)
+    times = [[] for _ in layers]
     for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        for i, layer in enumerate(layers):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(layer)
+            times[i].append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(ts) for ts in times], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return t.tolist()
 
 
 def _worker(rank, P, cases, kind, repeats, warmup, calibration_path):
@@ -89,11 +94,10 @@ def _worker(rank, P, cases, kind, repeats, warmup, calibration_path):
         part = T // (2 * P)
         idx = torch.cat([torch.arange(c * part, (c + 1) * part) for c in (rank, 2 * P - 1 - rank)])
         x = torch.randn(T, 1, HIDDEN, generator=torch.Generator().manual_seed(T))[idx]
-        measured = {}
-        for cand, pred in decision.ranking:
-            measured[cand.label] = {"measured_s": _time_layer(build(cand), x, repeats, warmup),
-                                    "predicted_s": pred["total"], "predicted_comm_s": pred["comm"],
-                                    "predicted_compute_s": pred["compute"]}
+        seconds = _time_layers([build(cand) for cand, _ in decision.ranking], x, repeats, warmup)
+        measured = {cand.label: {"measured_s": t, "predicted_s": pred["total"], "predicted_comm_s": pred["comm"],
+                                 "predicted_compute_s": pred["compute"]}
+                    for (cand, pred), t in zip(decision.ranking, seconds)}
         best = min(measured, key=lambda k: measured[k]["measured_s"])
         auto = decision.choice.label
         rows.append({"P": P, "T": T, "H": H, "HV": HV, "auto": auto, "best_measured": best,
@@ -110,8 +114,9 @@ def summarize(rows) -> dict:
             "predictions_within_2x": sum(0.5 <= q <= 2.0 for q in ratios), "predictions": len(ratios)}
 
 
-def markdown(rows, summary, kind, calibrations) -> str:
-    lines = [f"{kind.upper()} layer (hidden {HIDDEN}, K = V = {HEAD_DIM}, batch 1, zigzag, fp32, eager) forward + "
+def markdown(rows, summary, kind, calibrations, meta, note="") -> str:
+    lines = [f"`{meta['command']}` (torch {meta['torch']}, megatron-core {meta['megatron_core']}).{note}", "",
+             f"{kind.upper()} layer (hidden {HIDDEN}, K = V = {HEAD_DIM}, batch 1, zigzag, fp32, eager) forward + "
              "backward per rank on gloo CPU ranks (one thread each): the slowest rank's median. *auto* is the "
              "cost model's choice from the group's calibration; *best* the fastest measured method; "
              "pred/meas the range over all methods of the case.", "",
@@ -130,8 +135,8 @@ def markdown(rows, summary, kind, calibrations) -> str:
               f"{summary['predicted_over_measured_min']:.2f}..{summary['predicted_over_measured_max']:.2f}).", "",
               "Calibrations (alpha us/step, beta GB/s per rank; fold GFLOP/s):", ""]
     for P, c in calibrations.items():
-        fits = ", ".join(f"{n} {f['alpha'] * 1e6:.0f} us / {f['beta'] / 1e9:.2f} GB/s (resid {f['residual'] * 100:.0f}%)"
-                         for n, f in sorted(c["collectives"].items()))
+        fits = ", ".join(f"{n} {f['alpha'] * 1e6:.0f} us / {f['beta'] / 1e9:.2f} GB/s "
+                         f"(resid {f['residual'] * 100:.0f}%)" for n, f in sorted(c["collectives"].items()))
         lines.append(f"- P={P}: {fits}; fold {c['fold_flops'] / 1e9:.0f} GFLOP/s")
     return "\n".join(lines)
 
@@ -177,6 +182,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--calibration", default=None, help="calibration JSON cache (reused per world layout)")
     ap.add_argument("--plot", default=None, help="write the predicted-vs-measured plot (PNG) here")
+    ap.add_argument("--note", default="", help="a sentence printed under the command (e.g. the machine's load)")
     add_output_args(ap)
     args = ap.parse_args(argv)
     seqs = [int(s) for s in args.seq.split(",")]
@@ -192,7 +198,7 @@ def main(argv=None):
         rows += out["rows"]
     summary = summarize(rows)
     result = {"meta": run_meta("cp_auto.py", argv), "summary": summary, "rows": rows, "calibrations": calibrations}
-    table = markdown(rows, summary, args.kind, calibrations)
+    table = markdown(rows, summary, args.kind, calibrations, result["meta"], f" {args.note}" if args.note else "")
     if args.plot:
         table += f"\n\n![cp auto]({Path(args.plot).name})"
     publish(result, table, args, "cp_auto", "## CP method auto: cost model vs measured layer time")

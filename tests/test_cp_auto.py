@@ -12,7 +12,7 @@ import torch.distributed as dist
 from dist import run_distributed
 from layers.cp.auto import rank_candidates
 from layers.cp.calibration import fit_line
-from layers.cp.cost_model import (Calibration, Candidate, DeltaLayerShape, KernelFit, LinearFit, MLALayerShape,
+from layers.cp.cost_model import (Calibration, Candidate, DeltaLayerShape, LinearFit, MLALayerShape,
                                   delta_candidates, mla_candidates, predict_delta, state_exchange_seconds)
 
 
@@ -21,7 +21,7 @@ def synthetic(alpha, beta, *, gamma=1e12, op_rate=1e12, gemm_rate=1e12, a2a_alph
     fits for the shapes below."""
     fits = {c: LinearFit(alpha, beta) for c in ("all_gather", "send_recv")}
     fits["all_to_all"] = LinearFit(alpha if a2a_alpha is None else a2a_alpha, beta)
-    kern = {"op": KernelFit(0.0, op_rate), "gemm": KernelFit(0.0, gemm_rate)}
+    kern = {"op": LinearFit(0.0, op_rate), "gemm": LinearFit(0.0, gemm_rate)}
     return Calibration(collectives=fits, fold_flops=gamma, key="synthetic",
                        kernels={k: dict(kern) for k in ("gdn/eager/K128/V128/float32", "kda/eager/K64/V64/float32",
                                                          "mla/gemm/float32")})
@@ -102,6 +102,22 @@ def test_layout_imbalance_of_packed_documents():
     a = predict_delta(even, 4, Candidate("allgather"), cal)["compute"]
     b = predict_delta(ragged, 4, Candidate("allgather"), cal)["compute"]
     assert b > a                                # three 1-token documents each pad a chunk on rank 0
+
+
+def test_zigzag_packed_documents_count_every_piece():
+    """Zigzag THD cuts every document into 2P parts: 16 documents of 256 tokens give each of P=4 ranks 32 pieces
+    of 32 tokens, each padded to a 64-token chunk, twice the work of one 4096-token row; Ulysses keeps whole
+    documents (no padding)."""
+    cal = synthetic(1e-6, 1e12, op_rate=1e10)
+    kw = dict(kind="kda", batch=1, seq_len=4096, heads=4, value_heads=4, k_dim=64, v_dim=64)
+    docs = DeltaLayerShape(cu_seqlens=tuple(range(0, 4097, 256)), **kw)
+    row = DeltaLayerShape(**kw)
+    for cand in (Candidate("p2p"), Candidate("allgather")):
+        ratio = predict_delta(docs, 4, cand, cal)["compute"] / predict_delta(row, 4, cand, cal)["compute"]
+        assert ratio == pytest.approx(2.0, rel=1e-6)
+    assert predict_delta(docs, 4, Candidate("ulysses"), cal)["compute"] == pytest.approx(
+        predict_delta(row, 4, Candidate("ulysses"), cal)["compute"])
+    assert rank_candidates(docs, 4, cal).choice == Candidate("ulysses")
 
 
 def test_mla_strategies():
@@ -186,6 +202,17 @@ def _worker(rank, world_size, path):
     out["fits"] = {k: (v.alpha, v.beta) for k, v in cal.collectives.items()}
     _CACHE.clear()
     out["reload"] = load_or_calibrate(None, path)[1]
+    bad = path + ".bad"
+    if rank == 0:
+        with open(bad, "w") as f:
+            f.write("{not json")
+    dist.barrier()
+    _CACHE.clear()
+    try:                           # rank 0 reads the file: its error must reach every rank (no rank left waiting)
+        load_or_calibrate(None, bad)
+        out["bad_file"] = None
+    except ValueError as err:
+        out["bad_file"] = type(err).__name__
     # rank-dependent calibrations: rank 0's decision must still win everywhere
     skew = synthetic(1e-6 if rank == 0 else 1.0, 1e13, op_rate=1e11)
     shape = DeltaLayerShape(kind="kda", batch=1, seq_len=1024, heads=4, value_heads=4, k_dim=64, v_dim=64)
@@ -200,7 +227,8 @@ def _worker(rank, world_size, path):
     dims = dict(num_key_heads=4, num_value_heads=4, key_head_dim=8, value_head_dim=8, init_seed=5)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
-    idx = torch.tensor([t for c in (rank, 2 * P - 1 - rank) for t in range(c * SEQ // (2 * P), (c + 1) * SEQ // (2 * P))])
+    part = SEQ // (2 * P)
+    idx = torch.tensor([t for c in (rank, 2 * P - 1 - rank) for t in range(c * part, (c + 1) * part)])
     results = {}
     for label in ("auto", "chosen"):
         opts = {"cp_method": "auto", "cp_calibration": path} if label == "auto" else {}
@@ -260,6 +288,7 @@ def test_calibration_measures_then_reuses_the_file(ranks):
     results, path = ranks
     assert results[0]["source"].startswith("measured in")
     assert all(r["reload"] == f"loaded from {path}" for r in results)
+    assert all(r["bad_file"] == "JSONDecodeError" for r in results)
     assert all(r["fits"] == results[0]["fits"] for r in results)       # max-reduced: one fit for all ranks
     for alpha, beta in results[0]["fits"].values():
         assert 0 <= alpha < 1.0 and 1e6 < beta and math.isfinite(alpha)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from layers.cp.collectives import global_rank, group_rank, group_size
+from layers.cp.collectives import group_size
 from layers.cp.cost_model import (Calibration, Candidate, DeltaLayerShape, MLALayerShape, delta_candidates,
                                   mla_candidates, predict_delta, predict_mla)
 
@@ -120,7 +120,7 @@ def decide(group, shape, *, calibration: Calibration | None = None, calibration_
     """The decision for ``shape`` on ``group`` (None = WORLD), identical on every rank (collective, except
     when cached). ``calibration``: use this one instead of loading/measuring the group's (``calibration_path``
     or a fresh measurement)."""
-    from layers.cp.calibration import persist
+    from layers.cp.calibration import broadcast_from_rank0, persist
 
     group = dist.GroupMember.WORLD if group is None else group
     key = (tuple(dist.get_process_group_ranks(group)), shape,
@@ -133,9 +133,7 @@ def decide(group, shape, *, calibration: Calibration | None = None, calibration_
             persist(calibration, group, calibration_path)
     else:
         _ensure_kernel(calibration, group, shape)
-    box = [rank_candidates(shape, group_size(group), calibration) if group_rank(group) == 0 else None]
-    dist.broadcast_object_list(box, src=global_rank(group, 0), group=group)
-    decision = box[0]
+    decision = broadcast_from_rank0(lambda: rank_candidates(shape, group_size(group), calibration), group)
     _DECISIONS[key] = decision
     _log(decision.log_line())
     return decision
@@ -161,7 +159,7 @@ def auto_context_kwargs(group, layer, layout: str, *, calibration=None, group_si
     return d.choice.context_kwargs()
 
 
-_SOLO: dict = {}
+_SOLO: dict = {}                   # one-rank groups of calibrate_mixer (layers.cp.context imports this module)
 
 
 def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerShape) -> None:
@@ -174,15 +172,17 @@ def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerSha
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from layers.cp.calibration import _max_over_group, _median_seconds, fit_kernel, group_device
+    from layers.cp.calibration import _max_over_group, _median_seconds, fit_line, group_device
     from layers.cp.cost_model import delta_flops, projection_flops
 
     if shape.layer_key in calibration.kernels:
         return
-    me = dist.get_rank()
-    if me not in _SOLO:
-        _SOLO[me] = dist.new_group([me], use_local_synchronization=True)
-    packed = PackedSeqParams(qkv_format="sbhd", cp_group=_SOLO[me])
+    key = (id(dist.GroupMember.WORLD), dist.get_rank())      # a re-initialized world gets its own group
+    if key not in _SOLO:
+        _SOLO[key] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    packed = PackedSeqParams(qkv_format="sbhd", cp_group=_SOLO[key])
+    # under sequence parallelism the input holds 1/tp of the tokens the mixer computes on
+    per_input_token = mixer.tp_size if getattr(mixer.config, "sequence_parallel", False) else 1
     weight = mixer.in_proj.weight
     params = [p for p in mixer.parameters() if p.requires_grad]
     op, gemm = calibration.kernels[shape.kernel]["op"], calibration.kernels[shape.kernel]["gemm"]
@@ -201,10 +201,11 @@ def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerSha
         finally:
             for p in params:
                 p.requires_grad_(True)
-        t += gemm.seconds(projection_flops(shape, n))                      # the skipped weight gradients
-        points.append((n, t - op.seconds(3 * delta_flops(n, shape.value_heads, shape.k_dim, shape.v_dim))))
+        tokens = n * per_input_token
+        t += gemm.seconds(projection_flops(shape, tokens))                 # the skipped weight gradients
+        points.append((tokens, t - op.seconds(3 * delta_flops(tokens, shape.value_heads, shape.k_dim, shape.v_dim))))
     ts = _max_over_group([max(t, 1e-6) for _, t in points], group, group_device(group))
-    calibration.kernels[shape.layer_key] = {"rest": fit_kernel([n for n, _ in points], ts)}
+    calibration.kernels[shape.layer_key] = {"rest": fit_line([n for n, _ in points], ts)}
 
 
 def resolve_for_mixer(mixer, cp_group, seq_len: int, batch: int, cu_seqlens) -> tuple:

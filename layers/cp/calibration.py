@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from layers.cp.collectives import all_gather_raw, all_to_all_raw, exchange, global_rank, group_rank, group_size
-from layers.cp.cost_model import Calibration, KernelFit, LinearFit
+from layers.cp.cost_model import Calibration, LinearFit
 
 MESSAGE_BYTES = (16 << 10, 256 << 10, 2 << 20)       # per-rank payload of each timed collective
 REPEATS = 9
@@ -81,12 +81,6 @@ def fit_line(xs, ts, steps: float = 1.0) -> LinearFit:
     return LinearFit(alpha=a / steps, beta=1.0 / b, residual=residual)
 
 
-def fit_kernel(flops, ts) -> KernelFit:
-    """t = overhead + flops / rate, fitted like ``fit_line``."""
-    line = fit_line(flops, ts)
-    return KernelFit(overhead=line.alpha, rate=line.beta, residual=line.residual)
-
-
 def layout_key(group) -> str:
     """World layout and hardware of the group: P, hosts x ranks per host, process-group backend, device names,
     torch version. Collective over the group (an all-gather of each rank's host and device)."""
@@ -135,8 +129,8 @@ def calibrate(group=None, *, message_bytes=MESSAGE_BYTES, repeats: int = REPEATS
                   "all_to_all": [(P - 1) * b / P for b in points]}
     steps = {"all_gather": math.ceil(math.log2(P)) if P > 1 else 1, "send_recv": 1, "all_to_all": 1}
     fits = {c: fit_line(recv_bytes[c], by_type[c], steps[c]) for c in by_type}
-    fold_fit = fit_kernel([f for f, _ in fold], times[3 * len(points):])
-    return Calibration(collectives=fits, fold_flops=fold_fit.rate, key=key)
+    fold_fit = fit_line([f for f, _ in fold], times[3 * len(points):])
+    return Calibration(collectives=fits, fold_flops=fold_fit.beta, key=key)
 
 
 def _delta_inputs(kind, tokens, heads, K, V, dtype, device, gen):
@@ -194,9 +188,9 @@ def calibrate_kernel(calibration: Calibration, group, *, kind: str, backend: str
                                _median_seconds(run_summary, device, 3)))
     gemm_points = _gemm_points(device, dtype, hidden)
     ts = _max_over_group([t for _, t in op_points + summary_points + gemm_points], group, device)
-    fits = {"op": fit_kernel([f for f, _ in op_points], ts[:2]),
-            "summary": fit_kernel([f for f, _ in summary_points], ts[2:4]),
-            "gemm": fit_kernel([f for f, _ in gemm_points], ts[4:])}
+    fits = {"op": fit_line([f for f, _ in op_points], ts[:2]),
+            "summary": fit_line([f for f, _ in summary_points], ts[2:4]),
+            "gemm": fit_line([f for f, _ in gemm_points], ts[4:])}
     calibration.kernels[key] = fits
     return fits
 
@@ -209,7 +203,7 @@ def calibrate_gemm(calibration: Calibration, group, key: str, dtype: torch.dtype
     device = group_device(group)
     points = _gemm_points(device, dtype, hidden)
     ts = _max_over_group([t for _, t in points], group, device)
-    calibration.kernels[key] = {"gemm": fit_kernel([f for f, _ in points], ts)}
+    calibration.kernels[key] = {"gemm": fit_line([f for f, _ in points], ts)}
     return calibration.kernels[key]
 
 
@@ -243,13 +237,9 @@ def load_or_calibrate(group=None, path: str | None = None) -> tuple[Calibration,
     key = layout_key(group)
     if key in _CACHE:
         return _CACHE[key], "cached"
-    loaded = [None]
-    if group_rank(group) == 0:
-        entry = _read(path).get(key) if path else None
-        loaded[0] = entry
-    dist.broadcast_object_list(loaded, src=global_rank(group, 0), group=group)
-    if loaded[0] is not None:
-        cal, source = Calibration.from_json(loaded[0]), f"loaded from {path}"
+    entry = broadcast_from_rank0(lambda: _read(path).get(key) if path else None, group)
+    if entry is not None:
+        cal, source = Calibration.from_json(entry), f"loaded from {path}"
     else:
         t0 = time.perf_counter()
         cal = calibrate(group, key=key)
@@ -257,6 +247,22 @@ def load_or_calibrate(group=None, path: str | None = None) -> tuple[Calibration,
         persist(cal, group, path)
     _CACHE[key] = cal
     return cal, source
+
+
+def broadcast_from_rank0(fn, group):
+    """``fn()`` evaluated on group rank 0 and broadcast to every rank (collective). An exception on rank 0 is
+    broadcast too and re-raised on every rank, so no rank is left waiting."""
+    box = [None]
+    if group_rank(group) == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as err:   # noqa: BLE001 (re-raised below on every rank)
+            box[0] = ("error", err)
+    dist.broadcast_object_list(box, src=global_rank(group, 0), group=group)
+    status, value = box[0]
+    if status == "error":
+        raise value
+    return value
 
 
 def persist(calibration: Calibration, group, path: str | None) -> None:

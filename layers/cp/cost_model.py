@@ -3,7 +3,7 @@
 A ``Calibration`` holds, per collective type (``all_gather``, ``send_recv``, ``all_to_all``), a fitted line
 t = alpha * steps + bytes / beta (alpha in s per sequential step, beta in bytes/s per rank, ``bytes`` received
 per rank), the FLOP/s of the fp32 fold matmuls (gamma) and, per kernel shape, the fitted time of the delta-rule
-op and of the dense projections (``KernelFit``). ``layers.cp.calibration`` measures one on a CP group.
+op and of the dense projections (also ``LinearFit``s). ``layers.cp.calibration`` measures one on a CP group.
 
 ``delta_candidates`` lists every valid CP configuration of a GDN/KDA layer (each state method, grouped with
 each group size, each Ulysses degree dividing the heads, the hybrids); ``predict_delta`` gives the forward +
@@ -26,26 +26,16 @@ CHUNK = 64                            # chunk length of the delta-rule kernels (
 
 @dataclass(frozen=True)
 class LinearFit:
-    """t = alpha * steps + bytes / beta, fitted on measured times; ``residual`` = RMS relative error."""
+    """t = alpha * steps + x / beta, fitted on measured times; ``residual`` = RMS relative error. Collectives:
+    alpha s per sequential step, x bytes received per rank, beta bytes/s; kernels: alpha s per call, x FLOPs
+    (or tokens for the rest of a layer), beta FLOP/s (tokens/s)."""
 
     alpha: float
     beta: float
     residual: float = 0.0
 
-    def seconds(self, nbytes: float, steps: float = 1.0) -> float:
-        return self.alpha * steps + nbytes / self.beta
-
-
-@dataclass(frozen=True)
-class KernelFit:
-    """Forward + backward time of a kernel: t = overhead + flops / rate (``residual`` as in LinearFit)."""
-
-    overhead: float
-    rate: float
-    residual: float = 0.0
-
-    def seconds(self, flops: float, calls: int = 1) -> float:
-        return self.overhead * calls + flops / self.rate
+    def seconds(self, amount: float, steps: float = 1.0) -> float:
+        return self.alpha * steps + amount / self.beta
 
 
 @dataclass
@@ -72,7 +62,7 @@ class Calibration:
     def from_json(cls, d: dict) -> "Calibration":
         return cls(collectives={k: LinearFit(**v) for k, v in d["collectives"].items()},
                    fold_flops=float(d["fold_flops"]), key=d.get("key", ""),
-                   kernels={k: {n: KernelFit(**f) for n, f in v.items()} for k, v in d.get("kernels", {}).items()})
+                   kernels={k: {n: LinearFit(**f) for n, f in v.items()} for k, v in d.get("kernels", {}).items()})
 
 
 def kernel_key(kind: str, backend: str, k_dim: int, v_dim: int, dtype: str) -> str:
@@ -256,8 +246,8 @@ def predict_delta(shape: DeltaLayerShape, world_size: int, cand: Candidate, cali
 
     Compute = the slowest state rank's chunk-padded local pass (and, for state methods, its summary pass with
     values [v | 0_K]) at the calibrated kernel rates, plus the rest of the layer on the local tokens (the
-    measured ``layer_key`` fit when the calibration has one, else the projections' FLOPs); comm = the state scan forward and
-    backward, and for Ulysses two all-to-all rounds per pass (5 tensors in, the output back).
+    measured ``layer_key`` fit when the calibration has one, else the projections' FLOPs); comm = the state
+    scan forward and backward, and for Ulysses two all-to-all rounds per pass (5 tensors in, the output back).
     """
     P = world_size
     U = P if cand.method == "ulysses" else (cand.ulysses_degree or 1)
