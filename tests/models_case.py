@@ -6,12 +6,36 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 
+import pytest
 import torch
+import torch.distributed as dist
 
 from helpers import use_transformers_torch_path
 
 VOCAB, HIDDEN, SEQ, BATCH = 64, 32, 12, 2
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    """A one-rank gloo group and megatron-core's parallel state (TP=PP=CP=EP=1), with the CPU shims."""
+    from megatron.core import parallel_state
+
+    from hp_megatron.platform import apply_cpu_shims
+
+    created = False
+    if not dist.is_initialized():
+        store = tempfile.NamedTemporaryFile(delete=False)
+        dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
+        created = True
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    apply_cpu_shims(0)
+    yield
+    if created:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
 
 
 def _qwen3_next():
@@ -130,10 +154,9 @@ def token_batch(seed: int = 0):
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
-def hf_logits_and_loss(model, ids, targets):
-    """transformers' logits [B, S, V] and mean next-token loss (its labels are the inputs, shifted inside)."""
+def hf_logits_and_loss(model, ids):
+    """transformers' logits [B, S, V] and mean next-token loss over positions 0..S-2 (it shifts the labels)."""
     out = model(input_ids=ids, labels=ids)
-    # transformers scores positions 0..S-2 against ids[1:]; targets add one token beyond, which it never sees
     return out.logits, out.loss
 
 

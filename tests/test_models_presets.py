@@ -8,7 +8,8 @@ import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
+
+from models_case import single_rank  # noqa: F401  (fixture)
 
 QWEN3_NEXT = {"model_type": "qwen3_next", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -62,26 +63,6 @@ def test_hf_config_flag_sets_megatron_args_and_config():
         config = apply_hp_config(TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4), args)
     assert (config.linear_num_value_heads, config.linear_value_head_dim) == (4, 8)
     assert config.gated_norm_zero_centered_gamma is False and config.hp_layer_pattern == preset.pattern
-
-
-@pytest.fixture(scope="module")
-def single_rank():
-    from megatron.core import parallel_state
-
-    from hp_megatron.platform import apply_cpu_shims
-
-    created = False
-    if not dist.is_initialized():
-        store = tempfile.NamedTemporaryFile(delete=False)
-        dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
-        created = True
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-    apply_cpu_shims(0)
-    yield
-    if created:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def _block(spec, **moe):

@@ -9,33 +9,12 @@ import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dist import rel_err
-from models_case import (hf_logits_and_loss, mcore_logits_and_loss, read_checkpoint, tiny_hf_model, to_hf,
-                         to_mcore, token_batch)
+from models_case import (hf_logits_and_loss, mcore_logits_and_loss, read_checkpoint, single_rank,  # noqa: F401
+                         tiny_hf_model, to_hf, to_mcore, token_batch)
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def single_rank():
-    from megatron.core import parallel_state
-
-    from hp_megatron.platform import apply_cpu_shims
-
-    created = False
-    if not dist.is_initialized():
-        store = tempfile.NamedTemporaryFile(delete=False)
-        dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
-        created = True
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-    apply_cpu_shims(0)
-    yield
-    if created:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def _ours(hf_config, hf_state):
@@ -83,7 +62,7 @@ def test_matches_transformers_and_round_trips(single_rank, arch):
     model, rules = _ours(hf_config, hf_state)
     ids, targets = token_batch()
 
-    ref_logits, ref_loss = hf_logits_and_loss(hf_model, ids, targets)
+    ref_logits, ref_loss = hf_logits_and_loss(hf_model, ids)
     logits, loss = mcore_logits_and_loss(model, ids, targets)
     assert rel_err(logits, ref_logits) <= TOL
     assert abs(loss.item() - ref_loss.item()) <= TOL * abs(ref_loss.item())
