@@ -341,22 +341,17 @@ class MultiLatentAttention(MegatronModule):
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        """megatron dist_checkpointing state: TP-sharded projections (replicated over CP); the latent norms
-        under TE's fused names when ``checkpoint_norm_names == "te"``."""
+        """megatron dist_checkpointing state: TP-sharded projections (replicated over CP); the latent norms'
+        checkpoint keys are TE's fused names when ``checkpoint_norm_names == "te"`` (the dict keys stay this
+        module's state-dict keys, as megatron's convention has it)."""
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         if self.checkpoint_norm_names != "te":
             return sharded
-        renamed = {}
         for key, value in sharded.items():
             local = key[len(prefix):] if key.startswith(prefix) else key
-            if local in TE_NORM_NAMES:
-                new_key = prefix + TE_NORM_NAMES[local]
-                if hasattr(value, "key"):
-                    value.key = value.key[: len(value.key) - len(local)] + TE_NORM_NAMES[local]
-                renamed[new_key] = value
-            else:
-                renamed[key] = value
-        return renamed
+            if local in TE_NORM_NAMES and hasattr(value, "key"):
+                value.key = value.key[: len(value.key) - len(local)] + TE_NORM_NAMES[local]
+        return sharded
 
     def _accept_te_norm_names(self, state_dict, prefix, *args, **kwargs):
         for ours, te in TE_NORM_NAMES.items():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 
 import pytest
@@ -123,14 +122,9 @@ def tiny_hf_model(arch: str, directory: str, seed: int = 0, save: bool = True):
 
 
 def read_checkpoint(directory: str) -> dict:
-    """The saved tensors. transformers saves Kimi Linear's dense MLPs under Moonshot's MoE name
-    (``block_sparse_moe.gate_proj``: it reverses its load-time rename ``block_sparse_moe -> mlp`` on every MLP);
-    Moonshot's checkpoints, and our rules, name them ``mlp.gate_proj``, which transformers loads as well."""
     from safetensors.torch import load_file
 
-    state = load_file(os.path.join(directory, "model.safetensors"))
-    dense = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.((gate|up|down)_proj\.weight)")
-    return {dense.sub(r"\1mlp.\2", k): v for k, v in state.items()}
+    return load_file(os.path.join(directory, "model.safetensors"))
 
 
 def to_mcore(rules, hf_state: dict) -> dict:

@@ -273,8 +273,9 @@ def test_checkpoint_names_and_conversion_roundtrip(world):
     assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items())
     sharded = layer.sharded_state_dict(prefix="decoder.layers.0.self_attention.",
                                      metadata={"dp_cp_group": world})
-    assert "decoder.layers.0.self_attention.linear_kv_up_proj.layer_norm_weight" in sharded
-    assert sharded["decoder.layers.0.self_attention.linear_q_up_proj.layer_norm_weight"].key == \
+    assert sharded["decoder.layers.0.self_attention.kv_layernorm.weight"].key == \
+        "decoder.layers.0.self_attention.linear_kv_up_proj.layer_norm_weight"
+    assert sharded["decoder.layers.0.self_attention.q_layernorm.weight"].key == \
         "decoder.layers.0.self_attention.linear_q_up_proj.layer_norm_weight"
     assert sharded["decoder.layers.0.self_attention.linear_q_up_proj.weight"].global_shape == (48, 16)
     te_named = {TE: v for TE, v in ((k.replace("q_layernorm.weight", "linear_q_up_proj.layer_norm_weight")

@@ -3,13 +3,16 @@ keywords) and checkpoint conversion rules, one module per HF ``model_type``.
 
 ``get_architecture(model_type)`` returns the module; each has ``megatron_config(hf_config: dict) -> ModelPreset``
 and ``conversion_rules(hf_config: dict) -> list[TensorRule]``. ``preset_from_hf(path_or_dict)`` reads a
-``config.json`` (or a directory holding one) and dispatches on its ``model_type``.
+``config.json`` (or a directory holding one) and dispatches on its ``model_type``. Importing this package registers
+every architecture with the checkpoint converter (``hp_megatron.convert.registry``: rules and :func:`build_model`).
 """
 from __future__ import annotations
 
 import importlib
 import json
 import os
+
+import torch
 
 from hp_megatron.models.common import ModelPreset
 
@@ -54,5 +57,29 @@ def conversion_rules_from_hf(path_or_dict) -> list:
     return get_architecture(_model_type(hf)).conversion_rules(hf)
 
 
-__all__ = ["ARCHITECTURES", "ModelPreset", "conversion_rules_from_hf", "get_architecture", "load_hf_config",
-           "preset_from_hf"]
+def build_model(hf_config, **config_overrides):
+    """The ``GPTModel`` of an HF config for this pipeline stage of the current megatron parallel state (fp32, CPU
+    initialization unless ``config_overrides``, ``TransformerConfig`` fields, say otherwise)."""
+    from megatron.core import parallel_state
+
+    hf = load_hf_config(hf_config)
+    preset = preset_from_hf(hf)
+    fields = dict(use_cpu_initialization=True, params_dtype=torch.float32, gradient_accumulation_fusion=False,
+                  bias_dropout_fusion=False)
+    config = preset.transformer_config(**{**fields, **config_overrides})
+    return preset.gpt_model(config, max_sequence_length=hf.get("max_position_embeddings") or 4096,
+                            pre_process=parallel_state.is_pipeline_first_stage(),
+                            post_process=parallel_state.is_pipeline_last_stage())
+
+
+def _register_with_converter() -> None:
+    from hp_megatron.convert.registry import register_architecture
+
+    for model_type in ARCHITECTURES:
+        register_architecture(model_type, get_architecture(model_type).conversion_rules, build_model)
+
+
+_register_with_converter()
+
+__all__ = ["ARCHITECTURES", "ModelPreset", "build_model", "conversion_rules_from_hf", "get_architecture",
+           "load_hf_config", "preset_from_hf"]

@@ -6,7 +6,10 @@ config.json comes in two shapes, both read here as ``KimiLinearConfig`` reads th
 (``linear_attn_config: {kda_layers, full_attn_layers (1-based), head_dim, num_heads, short_conv_kernel_size}``,
 ``first_k_dense_replace``) and transformers' (``layer_types``, ``mlp_layer_types``, ``linear_*``). Checkpoint keys
 are Moonshot's, which transformers also writes: ``block_sparse_moe.experts.<e>.w1/w2/w3`` (gate/down/up),
-``self_attn.{q,k,v}_conv1d``, ``f_a_proj``/``f_b_proj``/``A_log [1, 1, H, 1]``; dense layers ``mlp.*_proj``.
+``self_attn.{q,k,v}_conv1d``, ``f_a_proj``/``f_b_proj``/``A_log [1, 1, H, 1]``. Dense layers are ``mlp.*_proj`` in
+Moonshot's checkpoints; transformers' ``save_pretrained`` writes them as ``block_sparse_moe.*_proj`` (it reverses its
+load-time rename ``block_sparse_moe -> mlp`` on every MLP) and writes ``mlp_layer_types`` into config.json, which
+Moonshot's config lacks: that field picks the dense name (transformers loads both).
 """
 from __future__ import annotations
 
@@ -143,6 +146,7 @@ def conversion_rules(hf: dict) -> list[TensorRule]:
     kda, heads = _kda_dims(hf), preset.config["num_attention_heads"]
     experts = preset.config.get("num_moe_experts", 0)
     shared = bool(preset.config.get("moe_shared_expert_intermediate_size"))
+    dense = "block_sparse_moe." if "mlp_layer_types" in hf else "mlp."  # written by transformers / by Moonshot
     rules = model_rules(preset.gpt["share_embeddings_and_output_weights"])
     for i, (symbol, is_moe) in enumerate(zip(preset.pattern, moe_layers(hf))):
         mcore, theirs = layer_prefix(i), f"model.layers.{i}."
@@ -155,5 +159,5 @@ def conversion_rules(hf: dict) -> list[TensorRule]:
         if is_moe:
             rules += _moe_rules(mcore + "mlp.", theirs + "block_sparse_moe.", experts, shared)
         else:
-            rules += mlp_rules(mcore + "mlp.", theirs + "mlp.")
+            rules += mlp_rules(mcore + "mlp.", theirs + dense)
     return rules
