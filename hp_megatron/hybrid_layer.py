@@ -13,10 +13,10 @@ MLP: with ``config.num_moe_experts`` set (Megatron's ``--num-experts``), the lay
 DeepSeek-V3's first dense layers) get :attr:`HybridLayerSubmodules.moe_mlp` (megatron-core's ``MoELayer``)
 instead of the dense MLP; a spec without ``moe_mlp`` refuses a MoE config rather than build dense layers.
 
-Checkpoints: mixers of different types have different parameter names, so they cannot be stacked along
-megatron's layer axis. :meth:`HybridLayer.sharded_state_dict` always writes per-layer keys
+Checkpoints: mixers of different types (and dense and MoE MLPs) have different parameter names, so they cannot
+be stacked along megatron's layer axis. :meth:`HybridLayer.sharded_state_dict` then writes per-layer keys
 ``decoder.layers.<global index>.…`` (megatron's "non-homogeneous" naming), which stay valid under any
-pipeline / virtual-pipeline split.
+pipeline / virtual-pipeline split; a model of one mixer with uniform MLPs keeps megatron's stacked keys.
 """
 from __future__ import annotations
 
@@ -142,6 +142,7 @@ class HybridLayer(TransformerLayer):
         self.layer_symbol = symbol_for_layer(pattern, layer_number + offset)
         self.layer_pattern = pattern
         self.drops_rotary = self.layer_symbol in submodules.own_positions
+        self.homogeneous = len(set(pattern)) == 1 and len(set(moe_layer_flags(config))) == 1
         layer = with_layer_mlp(config, submodules.layer_types[self.layer_symbol], submodules.moe_mlp,
                                layer_number + offset)
         _check_qk_layernorm(config, layer)
@@ -155,8 +156,10 @@ class HybridLayer(TransformerLayer):
         return super().forward(*args, **kwargs)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
-        """Per-layer checkpoint keys (``<prefix><global index>.``) instead of the stacked layer axis."""
-        if not sharded_offsets:  # the block already asked for per-layer keys
+        """Per-layer checkpoint keys (``<prefix><global index>.``) instead of the stacked layer axis, unless every
+        layer of the model has the same structure (one symbol, all MLPs dense or all MoE): then megatron's stacked
+        keys, as a plain ``TransformerLayer`` stack writes them."""
+        if not sharded_offsets or self.homogeneous:  # the block already asked for per-layer keys / stacked
             return super().sharded_state_dict(prefix, sharded_offsets, metadata)
         if len(sharded_offsets) != 1 or sharded_offsets[0][0] != 0:
             raise ValueError(f"HybridLayer expects only megatron's layer-axis offset, got {sharded_offsets}")
