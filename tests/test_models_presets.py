@@ -57,7 +57,8 @@ def test_hf_config_flag_sets_megatron_args_and_config():
         parser = add_hp_arguments(argparse.ArgumentParser())
         args = parser.parse_args(["--hp-hf-config", directory])
         preset = apply_hf_config_to_args(args)
-        assert (args.num_experts, args.moe_router_topk, args.apply_layernorm_1p, args.swiglu) == (4, 2, True, True)
+        assert (args.num_experts, args.moe_router_topk, args.layernorm_zero_centered_gamma, args.swiglu) == \
+            (4, 2, True, True)
         assert (args.num_query_groups, args.group_query_attention, args.kv_channels) == (2, True, 16)
         assert args.untie_embeddings_and_output_weights and args.hp_layer_pattern == "GGGA"
         config = apply_hp_config(TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4), args)

@@ -11,9 +11,9 @@ import torch
 
 from hp_megatron.models.common import ModelPreset
 
-# TransformerConfig field -> Megatron-LM argument (fields not listed keep their name)
-ARG_NAMES = {"num_moe_experts": "num_experts", "layernorm_epsilon": "norm_epsilon",
-             "layernorm_zero_centered_gamma": "apply_layernorm_1p"}
+# TransformerConfig field -> Megatron-LM argument: Megatron-LM (core_v0.16) generates its arguments from the
+# TransformerConfig fields under their own names, except these
+ARG_NAMES = {"num_moe_experts": "num_experts"}
 _NOT_ARGS = ("activation_func", "gated_linear_unit")  # --swiglu sets both
 
 
