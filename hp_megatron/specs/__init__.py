@@ -11,6 +11,9 @@ and does not call it); each exists for the three backends (suffix ``_triton`` / 
   ``kimi_linear_spec``  pattern KKKM     ``qwen3_next_spec``  pattern GGGA
   ``gdn_spec`` ``kda_spec`` ``mla_spec`` ``attn_spec``  one mixer in every layer
   ``hybrid_spec``  the pattern of ``--hp-layer-pattern`` (``config.hp_layer_pattern``), read at build time
+
+Every spec builds megatron-core MoE layers where ``--num-experts`` / ``--moe-layer-freq`` ask for them
+(``hp_megatron.hybrid_layer``); real architectures from HF config.json files: ``hp_megatron.models``.
 """
 from hp_megatron.hybrid_layer import HybridLayer, HybridLayerSubmodules
 from hp_megatron.specs.attention import ContextParallelDotProductAttention
