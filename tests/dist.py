@@ -14,6 +14,7 @@ case's tests (and those never reached) fail, each with the spawn's message.
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_module
 import socket
 import time
@@ -24,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("HP_TEST_CASE_TIMEOUT", "900"))
+STARTUP_S = 300.0  # start-up (imports, process group) before a worker's first case, times the load factor
 POLL_S = 1.0
 _QUEUE = None  # the parent's queue, in a spawned worker
 _RANK = None
@@ -45,16 +47,22 @@ def load_factor() -> float:
         return 1.0
 
 
+def _send(queue, rank, kind, payload):
+    # pickled to bytes here: torch.multiprocessing would share tensors through file descriptors that
+    # vanish when this worker exits before the parent reads them
+    queue.put((rank, kind, pickle.dumps(payload)))
+
+
 def case_started(name: str) -> None:
     """In a worker: this rank starts case ``name``; its deadline restarts."""
     if _QUEUE is not None:
-        _QUEUE.put((_RANK, "case", name))
+        _send(_QUEUE, _RANK, "case", name)
 
 
 def case_result(key, value) -> None:
     """In a worker: send one case's result to the parent now (kept if the spawn fails later)."""
     if _QUEUE is not None:
-        _QUEUE.put((_RANK, "result", (key, value)))
+        _send(_QUEUE, _RANK, "result", (key, value))
 
 
 def _free_port() -> int:
@@ -72,9 +80,9 @@ def _entry(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        _send(queue, rank, "ok", result)
     except BaseException:  # report every failure to the parent, then exit non-zero
-        queue.put((rank, "error", traceback.format_exc()))
+        _send(queue, rank, "error", traceback.format_exc())
         raise
     finally:
         if dist.is_initialized():
@@ -100,16 +108,19 @@ class _Ranks:
 
     def overdue(self):
         """(rank, limit) of a running rank past its deadline, else None."""
-        limit = self.timeout * load_factor()
-        now = time.monotonic()
-        late = [r for r in self.running() if now - self.since[r] > limit]
-        return (late[0], limit) if late else None
+        factor, now = load_factor(), time.monotonic()
+        for r in self.running():
+            limit = factor * (max(self.timeout, STARTUP_S) if self.case[r] == "start-up" else self.timeout)
+            if now - self.since[r] > limit:
+                return r, limit
+        return None
 
 
 def _drain(queue, ranks, wait_s=1.0):
     while True:
         try:
             rank, kind, payload = queue.get(timeout=wait_s)
+            payload = pickle.loads(payload)
         except queue_module.Empty:
             return
         if kind == "result":
@@ -136,6 +147,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT
     while failure is None and ranks.running():
         try:
             rank, kind, payload = queue.get(timeout=POLL_S)
+            payload = pickle.loads(payload)
         except queue_module.Empty:
             dead = [r for r in ranks.running() if procs[r].exitcode not in (None, 0)]
             late = ranks.overdue()
@@ -145,8 +157,8 @@ def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT
             elif late:
                 rank, limit = late
                 failure = (f"timed out: rank {rank} spent more than {limit:.0f} s in case {ranks.case[rank]!r} "
-                           f"(per-case limit {timeout:.0f} s x load factor {limit / timeout:.1f}); "
-                           f"{ranks.describe(ranks.running())}")
+                           f"(per-case limit {timeout:.0f} s, start-up {max(timeout, STARTUP_S):.0f} s, times load "
+                           f"factor {load_factor():.1f}); {ranks.describe(ranks.running())}")
             continue
         if kind == "case":
             ranks.case[rank], ranks.since[rank] = payload, time.monotonic()
