@@ -34,24 +34,48 @@ METHODS = CP_METHODS
 _SUBGROUPS: dict = {}
 
 
-def _subgroup(global_ranks: tuple):
-    """The process group of ``global_ranks`` (sorted), created once per world and cached.
+def _partition(ranks: tuple, U: int, group_size: int | None) -> list:
+    """Every sub-group (sorted global ranks) the layout needs, for ALL members of the CP group ``ranks``, in one
+    order: the Ulysses groups (1 < U < P), the state groups (U > 1), the all-gather groups (1 < g < P/U)."""
+    P = len(ranks)
+    Q = P // U
+    out = []
+    if 1 < U < P:
+        out += [tuple(ranks[q * U:(q + 1) * U]) for q in range(Q)]
+    states = [tuple(ranks[q * U + u] for q in range(Q)) for u in range(U)] if U > 1 else [ranks]
+    if U > 1:
+        out += [tuple(sorted(s)) for s in states]
+    if group_size is not None and 1 < group_size < Q:
+        out += [tuple(sorted(s[lo:lo + group_size])) for s in states for lo in range(0, Q, group_size)]
+    return out
 
-    Created with ``use_local_synchronization=True``: only the member ranks call into ``new_group`` (every
-    member creates its sub-groups in the same order: Ulysses group, state group, gather group), so a
-    context can be built on any group without the rest of the world taking part.
+
+def _create_subgroups(ranks: tuple, U: int, group_size: int | None) -> dict:
+    """{sorted global ranks: process group} for the sub-groups this rank belongs to (cached).
+
+    When the CP group is the whole world, every rank creates every sub-group of the partition, in one order,
+    collectively (``new_group`` without local synchronization): their names come from torch's world-wide group
+    counter, so ranks that joined different groups before (other layouts, per-batch CP groups, local groups of
+    other libraries) still agree and nothing can hang. A CP group that is a part of the world cannot create
+    world-collective groups without every other rank taking part, so there the members alone create their own
+    sub-groups (``use_local_synchronization=True``; torch then names a group by its ranks and the number of
+    groups each member joined before, so members must have created the same groups before, as SPMD training
+    does).
     """
     world = dist.GroupMember.WORLD
-    if len(global_ranks) == dist.get_world_size() and tuple(global_ranks) == tuple(range(len(global_ranks))):
-        return world
-    key = (id(world), tuple(global_ranks))
-    pg = _SUBGROUPS.get(key)
-    if pg is not None and not process_group_alive(pg):
-        pg = None                                 # destroyed (e.g. the world was re-initialized)
-    if pg is None:
-        pg = dist.new_group(list(global_ranks), use_local_synchronization=True)
-        _SUBGROUPS[key] = pg
-    return pg
+    collective = ranks == tuple(range(dist.get_world_size()))
+    wanted = _partition(ranks, U, group_size)
+    me = dist.get_rank()
+    key = lambda r: (id(world), collective, r)   # noqa: E731
+    cached = [_SUBGROUPS.get(key(r)) for r in wanted]
+    if any(pg is None or (pg is not dist.GroupMember.NON_GROUP_MEMBER and not process_group_alive(pg))
+           for r, pg in zip(wanted, cached) if not collective and me in r or collective):
+        for r in wanted:
+            if collective:
+                _SUBGROUPS[key(r)] = dist.new_group(list(r))    # every rank, every group, one order
+            elif me in r:
+                _SUBGROUPS[key(r)] = dist.new_group(list(r), use_local_synchronization=True)
+    return {r: _SUBGROUPS[key(r)] for r in wanted if me in r}
 
 
 @dataclass(eq=False)
@@ -194,25 +218,26 @@ def build_cp_context(group=None, *, method: str, layout: str, cu_seqlens=None, g
     if cu is not None:
         check_divisibility(P, layout, int(cu[-1]), cu)
 
-    # sub-groups (global ranks), created in the same order on every member
+    # sub-groups (global ranks): the whole partition, one order (see _create_subgroups)
     ranks = tuple(dist.get_process_group_ranks(group))
     if list(ranks) != sorted(ranks):
         # sub-groups order their members by global rank; the rank arithmetic assumes the group does too
         raise ValueError(f"the CP group must order its global ranks increasingly, got {list(ranks)}")
     u_idx, q_idx = rank % U, rank // U
-    ulysses_group = _subgroup(tuple(sorted(ranks[q_idx * U:(q_idx + 1) * U]))) if 1 < U < P else (
+    subgroups = _create_subgroups(ranks, U, group_size if method == "grouped_allgather_p2p" else None)
+    ulysses_group = subgroups[tuple(sorted(ranks[q_idx * U:(q_idx + 1) * U]))] if 1 < U < P else (
         group if U == P else None)
     if U == 1:
         state_ranks = ranks
         state_group = group
     else:
         state_ranks = tuple(ranks[q * U + u_idx] for q in range(Q))
-        state_group = _subgroup(tuple(sorted(state_ranks)))
+        state_group = subgroups[tuple(sorted(state_ranks))]
     gather_group = None
     if method == "grouped_allgather_p2p" and group_size > 1:
         lo = (q_idx // group_size) * group_size
         gather_ranks = state_ranks[lo:lo + group_size]
-        gather_group = state_group if group_size == Q else _subgroup(tuple(sorted(gather_ranks)))
+        gather_group = state_group if group_size == Q else subgroups[tuple(sorted(gather_ranks))]
     state_method = "p2p" if method == "ulysses" else method
     return CPContext(group=group, world_size=P, rank=rank, method=method, state_method=state_method,
                      layout=layout, inner_layout=layout if Q > 1 else "contiguous", cu_seqlens=cu,
