@@ -137,7 +137,7 @@ def main(argv=None):
     table = "\n".join([f"| layer | 1 rank (ms) | CP={args.cp} (ms) | CP / 1 rank |", "|---|---|---|---|"]
                       + [f"| {r['kind'].upper()} | {r['single_ms']:.1f} | {r['cp_ms']:.1f} | "
                          f"{r['cp_over_single']:.2f}x |" for r in rows])
-    publish(result, table, args, "layer_calls",
+    publish(result, table, args, "layer_calls_thd" if args.thd else "layer_calls",
             f"### Per-layer-call time (fwd+bwd, hidden {args.hidden}, T={args.seq}{', THD' if args.thd else ''}, "
             f"eager, CPU)")
 

@@ -58,4 +58,4 @@ def test_one_definition_of_each_choice():
     assert LAYOUTS is choices.CP_LAYOUTS and STRATEGIES is choices.MLA_CP_STRATEGIES
     assert BACKENDS is choices.BACKENDS
     assert arguments.CP_METHODS is choices.CP_METHOD_CHOICES and arguments.CP_LAYOUTS is choices.CP_LAYOUTS
-    assert arguments.BACKENDS is choices.BACKENDS and arguments.MLA_CP_METHODS is choices.MLA_CP_STRATEGIES
+    assert arguments.BACKENDS is choices.BACKENDS and arguments.MLA_CP_METHODS is choices.MLA_CP_STRATEGY_CHOICES

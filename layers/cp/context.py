@@ -115,7 +115,7 @@ class CPContext:
     chain_comm: ChainComm
     conv_kernel_size: int | None = None
     stats: CommStats = field(default_factory=CommStats)
-    _plans: dict = field(default_factory=dict, repr=False)   # memo of plan_for / state_plan_for
+    _plans: dict = field(default_factory=dict, repr=False)   # memo of ``cached``
 
     # -- shapes and plans ------------------------------------------------------------------------------
     def global_len(self, local_len: int) -> int:
@@ -126,27 +126,27 @@ class CPContext:
                              f"token count cu_seqlens[-1]={int(self.cu_seqlens[-1])}")
         return T
 
-    def plan_for(self, batch: int, local_len: int):
-        """ChainPlan of this rank in the P-rank ``layout`` (the layout of the op's local input); memoized on the
-        context, so the layers sharing a micro-batch's context validate and key the boundaries once."""
-        key = ("outer", batch, local_len)
+    def cached(self, key, build):
+        """``build()`` once per ``key`` for this context: the plans and patterns every layer sharing the
+        micro-batch's context needs are validated and keyed once, not per layer and call."""
         if key not in self._plans:
-            T = self.global_len(local_len)
-            self._plans[key] = build_chain_plan(self.world_size, self.rank, self.layout, batch=batch, seq_len=T,
-                                                cu_seqlens=self.cu_seqlens)
+            self._plans[key] = build()
         return self._plans[key]
+
+    def plan_for(self, batch: int, local_len: int):
+        """ChainPlan of this rank in the P-rank ``layout`` (the layout of the op's local input); memoized."""
+        return self.cached(("outer", batch, local_len), lambda: build_chain_plan(
+            self.world_size, self.rank, self.layout, batch=batch, seq_len=self.global_len(local_len),
+            cu_seqlens=self.cu_seqlens))
 
     def state_plan_for(self, batch: int, local_len: int):
         """ChainPlan of this rank's state rank among Q in ``inner_layout`` (after Ulysses; = plan_for when
         U == 1). ``local_len`` is the length of the op's local input (before Ulysses)."""
         if self.ulysses_degree == 1:
             return self.plan_for(batch, local_len)
-        key = ("state", batch, local_len)
-        if key not in self._plans:
-            T = self.global_len(local_len)
-            self._plans[key] = build_chain_plan(self.state_world_size, self.state_rank, self.inner_layout,
-                                                batch=batch, seq_len=T, cu_seqlens=self.cu_seqlens)
-        return self._plans[key]
+        return self.cached(("state", batch, local_len), lambda: build_chain_plan(
+            self.state_world_size, self.state_rank, self.inner_layout, batch=batch,
+            seq_len=self.global_len(local_len), cu_seqlens=self.cu_seqlens))
 
     # -- what the public ops run under this context (``layers.ops`` calls these; it never imports ``layers.cp``)
     def delta_rule(self, kind: str, backend: str, q, k, v, g, beta, **kw):

@@ -203,7 +203,7 @@ def causal_conv1d_with_cp(impl, ctx, x: torch.Tensor, weight: torch.Tensor, *, b
         raise ValueError(f"the CP context was built for conv_kernel_size={expected}, got weight of kernel size "
                          f"W={W} (shape {tuple(weight.shape)})")
     plan = ctx.plan_for(B, T_local)
-    pattern = halo_pattern(plan, ctx.cu_seqlens, W)
+    pattern = ctx.cached(("halo", B, T_local, W), lambda: halo_pattern(plan, ctx.cu_seqlens, W))
     x_flat = x.reshape(B * T_local, D)
     if pattern.communicates:
         stats = getattr(ctx, "stats", None)
