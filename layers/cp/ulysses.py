@@ -16,33 +16,25 @@ import torch
 from layers.cp.collectives import all_to_all_raw
 from layers.cp.plan import build_chain_plan
 
-_PERMS: dict = {}
-_PERMS_MAX = 64   # bounded: packed batches bring new boundaries every step
-
-
 def _permutation(ctx, B: int, T_loc: int):
-    """(perm, inverse): inner[k] = gathered[perm[k]], gathered[j] = inner[inverse[j]] (flat B*T tokens)."""
+    """(perm, inverse): inner[k] = gathered[perm[k]], gathered[j] = inner[inverse[j]] (flat B*T tokens);
+    memoized on the context (one per micro-batch shape)."""
+    return ctx.cached(("ulysses_permutation", B, T_loc), lambda: _build_permutation(ctx, B, T_loc))
+
+
+def _build_permutation(ctx, B: int, T_loc: int):
     T = ctx.global_len(T_loc)
-    cu = ctx.cu_seqlens
-    key = (ctx.world_size, ctx.ulysses_degree, ctx.rank // ctx.ulysses_degree, ctx.layout, ctx.inner_layout, B,
-           T, None if cu is None else tuple(cu.tolist()))
-    hit = _PERMS.get(key)
-    if hit is None:
-        U, q = ctx.ulysses_degree, ctx.rank // ctx.ulysses_degree
-        gathered_ids = torch.cat([build_chain_plan(ctx.world_size, q * U + v, ctx.layout, batch=B, seq_len=T,
-                                                   cu_seqlens=cu).local_token_ids for v in range(U)])
-        inner_ids = ctx.state_plan_for(B, T_loc).local_token_ids
-        order = torch.argsort(gathered_ids)
-        perm = order[torch.searchsorted(gathered_ids[order], inner_ids)]
-        if not torch.equal(gathered_ids[perm], inner_ids):
-            raise AssertionError("Ulysses token sets of the outer and inner layouts differ (internal error)")
-        inverse = torch.empty_like(perm)
-        inverse[perm] = torch.arange(perm.numel())
-        hit = (perm, inverse)
-        if len(_PERMS) >= _PERMS_MAX:
-            _PERMS.pop(next(iter(_PERMS)))
-        _PERMS[key] = hit
-    return hit
+    U, q = ctx.ulysses_degree, ctx.rank // ctx.ulysses_degree
+    gathered_ids = torch.cat([build_chain_plan(ctx.world_size, q * U + v, ctx.layout, batch=B, seq_len=T,
+                                               cu_seqlens=ctx.cu_seqlens).local_token_ids for v in range(U)])
+    inner_ids = ctx.state_plan_for(B, T_loc).local_token_ids
+    order = torch.argsort(gathered_ids)
+    perm = order[torch.searchsorted(gathered_ids[order], inner_ids)]
+    if not torch.equal(gathered_ids[perm], inner_ids):
+        raise AssertionError("Ulysses token sets of the outer and inner layouts differ (internal error)")
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel())
+    return perm, inverse
 
 
 def _check(x, head_dim, what):
