@@ -51,7 +51,6 @@ CASES = [(P, layout, fmt, seed) for P in (2, 3, 4) for layout in ("zigzag", "con
 @pytest.mark.parametrize("P,layout,fmt,seed", CASES)
 def test_slicer_is_the_plan(P, layout, fmt, seed):
     from hp_megatron.data import get_batch_on_this_cp_rank
-    from layers.cp.context import CPContext  # noqa: F401  (the mixers' context uses the same plan module)
     from layers.cp.plan import build_chain_plan
     from layers.cp.sequence import plan_for_batch
 
