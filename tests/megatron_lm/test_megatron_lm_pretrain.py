@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -60,8 +61,7 @@ SEQ, GBS, ITERS, LR = 32, 2, 3, 1e-2
 def run_script(pattern, workdir, sites_dir, env_vars, extra):
     """One launch of the pattern's script; returns (per-iteration records, log text)."""
     script, dims, _ = PATTERNS[pattern]
-    record_dir = os.path.join(workdir, "record")
-    os.makedirs(record_dir, exist_ok=True)
+    record_dir = tempfile.mkdtemp(prefix="record", dir=workdir)  # one per run; runs may share a checkpoint
     env = dict(os.environ, PYTHONPATH=f"{HERE}/site:{REPO}", MEGATRON_LM_PATH=MEGATRON_LM, PET_STANDALONE="1",
                OMP_NUM_THREADS="1", HP_MEGATRON_LM_SITES_DIR=sites_dir, HP_MEGATRON_LM_RECORD_DIR=record_dir,
                GPUS="1", TP="1", CP="1", BACKEND="eager", DTYPE="fp32", SEQ=str(SEQ), GBS=str(GBS),
