@@ -42,8 +42,8 @@ CPU_FLAGS = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--
              "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-masked-softmax-fusion",
              "--no-persist-layer-norm"]
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
-        "--norm-epsilon", "1e-6", "--hp-linear-num-key-heads", "4", "--hp-linear-key-head-dim", "8",
-        "--hp-linear-value-head-dim", "8"]
+        "--hp-linear-num-key-heads", "4", "--hp-linear-key-head-dim", "8", "--hp-linear-value-head-dim", "8"]
+NORM_EPS = ["--norm-epsilon", "1e-6"]  # pretrain_hybrid.py's fixed RMSNorm epsilon (Megatron-LM's default: 1e-5)
 PATTERNS = {
     "KKKM": ("train_kimi_linear_like.sh",
              ["--hp-mla-kv-lora-rank", "16", "--hp-mla-qk-head-dim", "8", "--hp-mla-qk-pos-emb-head-dim", "8",
@@ -69,8 +69,8 @@ def run_script(pattern, workdir, sites_dir, env_vars, extra):
     env.pop("MEGATRON_LM", None)
     env.update(env_vars)
     env["GPUS"] = str(int(env["TP"]) * int(env["CP"]))
-    done = subprocess.run(["bash", os.path.join(SCRIPTS, script), *CPU_FLAGS, *TINY, *dims, *extra], env=env,
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    argv = ["bash", os.path.join(SCRIPTS, script), *CPU_FLAGS, *TINY, *NORM_EPS, *dims, *extra]
+    done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-6000:]
     with open(os.path.join(record_dir, "train.jsonl"), encoding="utf-8") as f:
@@ -130,7 +130,7 @@ def _pretrain_hybrid(pattern, data):
             "--global-batch-size", str(GBS), "--train-iters", str(ITERS), "--exit-interval", "1", "--lr", str(LR),
             "--lr-warmup-iters", "0", "--split", "99,1,0", "--data-path", data["DATA"], "--tokenizer",
             tokenizer_json, "--no-progress", "--hp-linear-conv-kernel-dim", "4",
-            *[a for a in TINY if a != "--norm-epsilon" and a != "1e-6"], *hybrid_flags]
+            *TINY, *hybrid_flags]
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PET_STANDALONE="1")
     done = subprocess.run(["torchrun", "--nproc-per-node", "1",
                            os.path.join(REPO, "examples", "pretrain", "pretrain_hybrid.py"), *argv],
