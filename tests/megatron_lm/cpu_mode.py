@@ -67,6 +67,14 @@ SITES = (
     ("megatron/training/utils.py", 542, "Tensor.cuda", 'data["position_ids"].cuda('),
     ("megatron/training/utils.py", 561, "torch.cuda.current_device", "torch.cuda.current_device()"),
     ("megatron/training/utils.py", 605, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    # batches of TP ranks > 0 (get_batch_on_this_tp_rank receives them)
+    ("megatron/training/utils.py", 634, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/training/utils.py", 639, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/training/utils.py", 644, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/training/utils.py", 651, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/training/utils.py", 658, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/training/utils.py", 683, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/training/utils.py", 731, "torch.cuda.current_device", "torch.cuda.current_device()"),
     ("megatron/training/checkpointing.py", 315, "torch.tensor", "device='cuda'"),  # loading
     ("megatron/training/checkpointing.py", 343, "torch.cuda.get_rng_state", "torch.cuda.get_rng_state()"),
     # megatron-core: timers, grad buffers, optimizer, gradient clipping, checkpoint saving
@@ -89,6 +97,14 @@ SITES = (
     ("megatron/core/dist_checkpointing/strategies/filesystem_async.py", 230, "torch.cuda.synchronize",
      "torch.cuda.synchronize()"),
     ("megatron/core/dist_checkpointing/strategies/state_dict_saver.py", 252, "torch.cuda.current_device",
+     "torch.cuda.current_device()"),
+    # megatron-core model code under TP/SP and RoPE
+    ("megatron/core/tensor_parallel/mappings.py", 91, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/core/tensor_parallel/mappings.py", 141, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/core/tensor_parallel/mappings.py", 181, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/core/tensor_parallel/layers.py", 552, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/core/utils.py", 631, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/core/models/common/embeddings/rotary_pos_embedding.py", 162, "torch.cuda.current_device",
      "torch.cuda.current_device()"),
     # served by hp_megatron.platform's module-level torch of the schedules (not seen by the recorder)
     ("megatron/core/pipeline_parallel/schedules.py", 596, "platform:schedules.torch", 'device="cuda"'),

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -41,8 +42,8 @@ CPU_FLAGS = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--
              "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-masked-softmax-fusion",
              "--no-persist-layer-norm"]
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
-        "--norm-epsilon", "1e-6", "--hp-linear-num-key-heads", "4", "--hp-linear-key-head-dim", "8",
-        "--hp-linear-value-head-dim", "8"]
+        "--hp-linear-num-key-heads", "4", "--hp-linear-key-head-dim", "8", "--hp-linear-value-head-dim", "8"]
+NORM_EPS = ["--norm-epsilon", "1e-6"]  # pretrain_hybrid.py's fixed RMSNorm epsilon (Megatron-LM's default: 1e-5)
 PATTERNS = {
     "KKKM": ("train_kimi_linear_like.sh",
              ["--hp-mla-kv-lora-rank", "16", "--hp-mla-qk-head-dim", "8", "--hp-mla-qk-pos-emb-head-dim", "8",
@@ -60,8 +61,7 @@ SEQ, GBS, ITERS, LR = 32, 2, 3, 1e-2
 def run_script(pattern, workdir, sites_dir, env_vars, extra):
     """One launch of the pattern's script; returns (per-iteration records, log text)."""
     script, dims, _ = PATTERNS[pattern]
-    record_dir = os.path.join(workdir, "record")
-    os.makedirs(record_dir, exist_ok=True)
+    record_dir = tempfile.mkdtemp(prefix="record", dir=workdir)  # one per run; runs may share a checkpoint
     env = dict(os.environ, PYTHONPATH=f"{HERE}/site:{REPO}", MEGATRON_LM_PATH=MEGATRON_LM, PET_STANDALONE="1",
                OMP_NUM_THREADS="1", HP_MEGATRON_LM_SITES_DIR=sites_dir, HP_MEGATRON_LM_RECORD_DIR=record_dir,
                GPUS="1", TP="1", CP="1", BACKEND="eager", DTYPE="fp32", SEQ=str(SEQ), GBS=str(GBS),
@@ -69,8 +69,8 @@ def run_script(pattern, workdir, sites_dir, env_vars, extra):
     env.pop("MEGATRON_LM", None)
     env.update(env_vars)
     env["GPUS"] = str(int(env["TP"]) * int(env["CP"]))
-    done = subprocess.run(["bash", os.path.join(SCRIPTS, script), *CPU_FLAGS, *TINY, *dims, *extra], env=env,
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    argv = ["bash", os.path.join(SCRIPTS, script), *CPU_FLAGS, *TINY, *NORM_EPS, *dims, *extra]
+    done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-6000:]
     with open(os.path.join(record_dir, "train.jsonl"), encoding="utf-8") as f:
@@ -101,7 +101,13 @@ def runs(data, sites_dir, tmp_path_factory):
     """``runs(pattern)``: every run of that pattern, launched once per module."""
     def get(pattern):
         if pattern not in _RUNS:
-            _RUNS[pattern] = _launch_all(pattern, data, sites_dir, tmp_path_factory)
+            try:
+                _RUNS[pattern] = _launch_all(pattern, data, sites_dir, tmp_path_factory)
+            except Exception as err:  # launch once: later tests of the pattern fail without relaunching
+                _RUNS[pattern] = err
+                raise
+        if isinstance(_RUNS[pattern], Exception):
+            pytest.fail(f"the runs of {pattern} failed in an earlier test: {str(_RUNS[pattern])[:300]}")
         return _RUNS[pattern]
     return get
 
@@ -123,14 +129,14 @@ def _launch_all(pattern, data, sites_dir, tmp_path_factory):
 
 
 def _pretrain_hybrid(pattern, data):
-    """examples/pretrain/pretrain_hybrid.py's first iteration on the same dims, data and split."""
+    """examples/pretrain/pretrain_hybrid.py's first iteration on the same dims, data, split and iterations."""
     _, _, hybrid_flags = PATTERNS[pattern]
     tokenizer_json = os.path.join(os.path.dirname(data["DATA"]), "tokenizer.json")
     argv = ["--hp-layer-pattern", pattern, "--seq-length", str(SEQ), "--micro-batch-size", "1",
-            "--global-batch-size", str(GBS), "--train-iters", str(ITERS), "--exit-interval", "1", "--lr", str(LR),
-            "--lr-warmup-iters", "0", "--split", "99,1,0", "--data-path", data["DATA"], "--tokenizer",
-            tokenizer_json, "--no-progress", "--hp-linear-conv-kernel-dim", "4",
-            *[a for a in TINY if a != "--norm-epsilon" and a != "1e-6"], *hybrid_flags]
+            "--global-batch-size", str(GBS), "--train-iters", str(ITERS), "--eval-interval", "100",
+            "--eval-iters", "1", "--lr", str(LR), "--lr-warmup-iters", "0", "--split", "99,1,0",
+            "--data-path", data["DATA"], "--tokenizer", tokenizer_json, "--no-progress",
+            "--hp-linear-conv-kernel-dim", "4", *TINY, *hybrid_flags]
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PET_STANDALONE="1")
     done = subprocess.run(["torchrun", "--nproc-per-node", "1",
                            os.path.join(REPO, "examples", "pretrain", "pretrain_hybrid.py"), *argv],
