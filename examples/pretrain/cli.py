@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep megatron-core's start-up warnings (Apex/TE fallbacks, deprecations)")
     g = parser.add_argument_group("evaluation (Megatron-LM names)")
     g.add_argument("--eval-interval", type=int, default=None,
-                   help="evaluate every this many iterations and at the end (None: no evaluation)")
+                   help="evaluate every this many iterations and at the end (None: only at the end, when --split has a "
+                        "validation part)")
     g.add_argument("--eval-iters", type=int, default=10, help="global batches of the validation split per evaluation")
     g = parser.add_argument_group("data and checkpoints (Megatron-LM names)")
     g.add_argument("--data-path", default=None, help="indexed-dataset prefix; None: build the pydoc dataset")

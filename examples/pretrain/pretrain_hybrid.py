@@ -310,7 +310,7 @@ def train(args):
             print(log_line(iteration, args.train_iters, consumed, elapsed, lr, args.global_batch_size,
                            lm_loss, grad_norm, tokens / elapsed), flush=True)
         last = iteration == args.train_iters or bool(args.exit_interval and iteration % args.exit_interval == 0)
-        if valid_loader is not None and (iteration % args.eval_interval == 0 or last):
+        if valid_loader is not None and (last or (args.eval_interval and iteration % args.eval_interval == 0)):
             progress.start(iteration)
             valid_loss = evaluate(args, model, valid_loader, step_func, num_micro, device)
             progress.stop()
