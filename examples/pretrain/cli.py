@@ -112,6 +112,7 @@ def parse_args(argv=None, parser=None):
     """Parse and check the flags; fills the derived defaults (FFN size, decay iters, layer pattern)."""
     parser = parser or build_parser()
     args = parser.parse_args(argv)
+    args.hp_preset = apply_hf_preset(parser, args, sys.argv[1:] if argv is None else argv)
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 64 * math.ceil(8 * args.hidden_size / 3 / 64)
     if args.lr_decay_iters is None:
@@ -120,6 +121,52 @@ def parse_args(argv=None, parser=None):
         args.hp_layer_pattern = "KKKM"
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     return args
+
+
+# --hp-hf-config: the example's model flags -> the preset's Megatron argument (hp_megatron.models.args) or the
+# layer attribute it sets on the config (ModelPreset.extra)
+PRESET_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+               "rotary_base", "hp_layer_pattern")
+PRESET_LAYER_ATTRS = {
+    "hp_linear_num_key_heads": "linear_num_key_heads", "hp_linear_num_value_heads": "linear_num_value_heads",
+    "hp_linear_key_head_dim": "linear_key_head_dim", "hp_linear_value_head_dim": "linear_value_head_dim",
+    "hp_linear_conv_kernel_dim": "linear_conv_kernel_dim", "hp_kda_lower_bound": "kda_lower_bound",
+    "hp_kda_gate_low_rank_dim": "kda_gate_low_rank_dim", "hp_kda_safe_gate": "kda_safe_gate",
+    "hp_mla_q_lora_rank": "q_lora_rank", "hp_mla_kv_lora_rank": "kv_lora_rank", "hp_mla_qk_head_dim": "qk_head_dim",
+    "hp_mla_qk_pos_emb_head_dim": "qk_pos_emb_head_dim", "hp_mla_v_head_dim": "v_head_dim",
+    "hp_mla_rope_type": "rope_type", "hp_mla_cp": "mla_cp_strategy"}
+
+
+def _given_on_command_line(parser, argv, dest: str) -> bool:
+    """Whether the flag of ``dest`` is on ``argv`` (``--flag V`` or ``--flag=V``; abbreviations are off)."""
+    strings = next(a.option_strings for a in parser._actions if a.dest == dest)
+    return any(arg == s or arg.startswith(s + "=") for s in strings for arg in argv)
+
+
+def apply_hf_preset(parser, args, argv):
+    """With ``--hp-hf-config PATH``: the model flags from that HF config (``apply_hf_config_to_args``); returns
+    the ``ModelPreset`` (None without the flag). A model flag given on the command line with another value than
+    the preset's is refused (ValueError naming both)."""
+    if args.hp_hf_config is None:
+        return None
+    from hp_megatron.models import preset_from_hf
+    from hp_megatron.models.args import apply_hf_config_to_args, megatron_args
+
+    preset = preset_from_hf(args.hp_hf_config)
+    wanted = megatron_args(preset)
+    source = f"--hp-hf-config {args.hp_hf_config}"
+    for dest in PRESET_ARGS:
+        value = wanted.get(dest, None)
+        if dest == "num_query_groups" and value is None:
+            value = wanted["num_attention_heads"]
+        if _given_on_command_line(parser, argv, dest) and getattr(args, dest) != value:
+            raise ValueError(f"--{dest.replace('_', '-')} {getattr(args, dest)} conflicts with {source} "
+                             f"({preset.model_type}: {dest} {value})")
+    for dest, attr in PRESET_LAYER_ATTRS.items():
+        if _given_on_command_line(parser, argv, dest) and getattr(args, dest) != preset.extra.get(attr):
+            raise ValueError(f"--{dest.replace('_', '-')} {getattr(args, dest)} conflicts with {source} "
+                             f"({preset.model_type}: {attr} {preset.extra.get(attr)})")
+    return apply_hf_config_to_args(args)
 
 
 def _split_weights(split: str):

@@ -67,6 +67,16 @@ def build_config(args, vocab_size):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
+    if args.hp_preset is not None:  # --hp-hf-config: the architecture's fields, this run's parallelism and dtype
+        config = args.hp_preset.transformer_config(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            context_parallel_size=args.context_parallel_size, sequence_parallel=args.sequence_parallel,
+            init_method_std=args.init_method_std, use_cpu_initialization=True, params_dtype=dtype,
+            pipeline_dtype=dtype, bf16=args.bf16, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
+            masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+            variable_seq_lengths=False)
+        return apply_hp_config(config, args)
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
@@ -84,7 +94,6 @@ def build_config(args, vocab_size):
 
 def build_model(args, config, vocab_size):
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
 
     from hp_megatron.specs import get_hybrid_layer_spec
@@ -92,6 +101,12 @@ def build_model(args, config, vocab_size):
     import megatron.core.transformer.transformer_block as transformer_block
     from layers.norm import RMSNorm
 
+    if args.hp_preset is not None:  # exactly the model the conversion rules of --hp-hf-config target
+        model = args.hp_preset.gpt_model(
+            config, args.hp_backend, max_sequence_length=args.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+            linear=args.hp_linear, cp_layout=args.hp_cp_layout)
+        return wrap_model(config, model)
     # The block's final norm for a layer-spec is megatron's module-level LayerNormImpl (TE, apex or
     # WrappedTorchNorm, which refuses sequence parallelism); use our RMSNorm, as every layer does.
     transformer_block.LayerNormImpl = RMSNorm
@@ -103,6 +118,13 @@ def build_model(args, config, vocab_size):
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope" if uses_rope else "none", rotary_base=args.rotary_base)
+    return wrap_model(config, model)
+
+
+def wrap_model(config, model):
+    """megatron-core DDP around ``model`` (moved to the GPU when there is one)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -173,11 +195,28 @@ def pad_vocab(vocab_size, tp, multiple=128):
     return ((vocab_size + step - 1) // step) * step
 
 
+def model_vocab_size(args, tokenizer_vocab: int) -> int:
+    """The embedding rows: the tokenizer's vocabulary padded to 128 x TP, or with ``--hp-hf-config`` the HF
+    config's ``vocab_size`` (the converted checkpoint's rows; it must hold the tokenizer's ids and split over TP)."""
+    tp = args.tensor_model_parallel_size
+    if args.hp_preset is None:
+        return pad_vocab(tokenizer_vocab, tp)
+    vocab = args.hp_preset.gpt["vocab_size"]
+    if vocab < tokenizer_vocab:
+        raise ValueError(f"--hp-hf-config {args.hp_hf_config} has vocab_size {vocab}, fewer than the "
+                         f"{tokenizer_vocab} ids of --tokenizer {args.tokenizer}: the data must use the model's tokenizer")
+    if vocab % tp:
+        raise ValueError(f"--hp-hf-config {args.hp_hf_config}: vocab_size {vocab} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    return vocab
+
+
 def describe_model(args, vocab_size, n_params, device) -> str:
     """The header: layer layout, sizes, parallel layout and, for the layers present, backend and CP methods."""
     pattern = args.hp_layer_pattern
     layout = "".join(pattern[i % len(pattern)] for i in range(args.num_layers))
-    parts = [f"hybrid GPT: {args.num_layers} layers {layout} (pattern {pattern}), hidden {args.hidden_size}, "
+    source = f"{args.hp_preset.model_type} from {args.hp_hf_config}, " if args.hp_preset is not None else ""
+    parts = [f"hybrid GPT: {source}{args.num_layers} layers {layout} (pattern {pattern}), hidden {args.hidden_size}, "
              f"vocab {vocab_size}, {n_params} parameters on this rank",
              f"TP={args.tensor_model_parallel_size} CP={args.context_parallel_size} "
              f"PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}"
@@ -230,7 +269,7 @@ def setup(args):
     device = initialize(args)
     prepare_default_data(args)
     tokenizer = BPETokenizer(args.tokenizer)
-    vocab_size = pad_vocab(tokenizer.vocab_size, args.tensor_model_parallel_size)
+    vocab_size = model_vocab_size(args, tokenizer.vocab_size)
     config = build_config(args, vocab_size)
     model = build_model(args, config, vocab_size)
     optimizer = build_optimizer(args, model)
