@@ -46,13 +46,13 @@ def _use_torch_path():
     use_transformers_torch_path(modeling_kimi_linear)
 
 
-def tiny_hf_model(arch: str, directory: str, seed: int = 0, save: bool = True):
+def tiny_hf_model(arch: str, directory: str, seed: int = 0, save: bool = True, vocab_size: int = VOCAB):
     """(model, config.json as a dict): ``hp_megatron.models.tiny``'s tiny random transformers model of ``arch``
     saved to ``directory`` (``save=False``: (model, None), another process saves the same model there)."""
     from hp_megatron.models.tiny import build_tiny_hf_model
 
     _use_torch_path()
-    model = build_tiny_hf_model(arch, seed, vocab_size=VOCAB)
+    model = build_tiny_hf_model(arch, seed, vocab_size=vocab_size)
     if save:
         model.save_pretrained(directory)
         with open(os.path.join(directory, "config.json")) as f:
