@@ -7,7 +7,9 @@ Launch with torchrun; gloo on CPU, NCCL on GPU. Flags follow Megatron-LM's names
 Without ``--data-path`` the default dataset (CPython's documentation text, BPE tokenizer trained
 offline, Megatron indexed format; see prepare_data.py) is built under ``out/data/pydoc`` on first use.
 Parallelism: TP, SP, CP (our mixers' CP methods), PP (megatron-core's schedules, also on gloo). Model:
-megatron-core ``GPTModel`` with ``hp_megatron.specs.get_hybrid_layer_spec(--hp-layer-pattern)``. Data:
+megatron-core ``GPTModel`` with ``hp_megatron.specs.get_hybrid_layer_spec(--hp-layer-pattern)``, or with
+``--hp-hf-config HF_DIR`` the preset's model of a Qwen3-Next / Kimi Linear / DeepSeek-V3 config.json (start it from
+``python -m hp_megatron.convert hf-to-mcore`` output with ``--load``; docs/models.md). Data:
 megatron-core ``GPTDataset``. Gradients: megatron-core DDP over the data-parallel x CP group. Optimizer:
 megatron-core's on GPU; on CPU (its grad scaler allocates CUDA) torch's AdamW over DDP's main grads,
 with megatron's gradient-norm clipping semantics. Checkpoints: ``dist_checkpointing`` (model, optimizer,
