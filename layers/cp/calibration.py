@@ -6,8 +6,8 @@ windows last at least ``MIN_WINDOW_S`` (back-to-back calls), so on a host with m
 anything else sharing the device) the fits see the time slicing the layer run suffers; timing one rank while
 the others idle, or short unsynchronized calls, measures a core a rank never gets in a layer run.
 
-``calibrate(group)`` times the all-gather, the send/recv ring shift and the all-to-all of
-``layers.cp.collectives`` at three message sizes, and the fp32 fold matmul at two sizes, and fits a line
+``calibrate(group)`` times the all-gather, the send/recv ring shift, the relay (sequential hand-overs) and the
+all-to-all of ``layers.cp.collectives`` at three message sizes, and the fp32 fold matmul at two sizes, and fits a line
 t = alpha * steps + bytes / beta per collective (least squares, residual = RMS relative error).
 ``calibrate_kernel`` adds the fit of one delta-rule op shape (forward + backward) and of the dense projections.
 ``load_or_calibrate(group, path)`` reuses a saved calibration from the JSON file ``path`` (keyed by the world
@@ -71,19 +71,21 @@ def time_concurrently(fns, group, device, repeats: int = COMPUTE_REPEATS, min_wi
     """Seconds per call of each of ``fns`` with every rank of ``group`` running the same call at the same time.
 
     Per fn: an untimed warm-up call (allocations, connections), one synchronized call that sizes the window
-    (n calls, so that n x the slowest rank's call >= ``min_window``), then ``repeats`` windows, each started
-    at a group barrier and timed on every rank; the result is the median over the windows of the slowest
-    rank's window / n. Collective; every rank gets the same numbers (one all-reduce per phase).
+    (n calls, so that n x the slowest rank's call >= ``min_window``; n = 1 without a ``min_window``), then
+    ``repeats`` windows, each started at a group barrier and timed on every rank; the result is the median
+    over the windows of the slowest rank's window / n. Collective; every rank gets the same numbers.
     """
     for fn in fns:
         fn()
     _sync(device)
-    sizing = []
-    for fn in fns:
-        dist.barrier(group=group)
-        sizing.append(_timed(fn, device))
-    sizing = _max_over_group(sizing, group, device)
-    calls = [max(1, math.ceil(min_window / max(t, 1e-9))) for t in sizing]
+    calls = [1] * len(fns)
+    if min_window > 0:
+        sizing = []
+        for fn in fns:
+            dist.barrier(group=group)
+            sizing.append(_timed(fn, device))
+        sizing = _max_over_group(sizing, group, device)
+        calls = [max(1, math.ceil(min_window / max(t, 1e-9))) for t in sizing]
     windows = []
     for fn, n in zip(fns, calls):
         for _ in range(repeats):
