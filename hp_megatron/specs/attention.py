@@ -47,7 +47,7 @@ class ContextParallelDotProductAttention(nn.Module):
         self.config = config
         self.layer_number = layer_number
         self.backend = backend
-        self.layout = layout or getattr(config, "delta_cp_layout", None) or "zigzag"
+        self.layout = layout or getattr(config, "hp_cp_layout", None) or "zigzag"
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim ** -0.5
         groups = pg_collection if pg_collection is not None else model_comm_pgs
