@@ -100,32 +100,30 @@ class HybridFields:
 
 _CHOICES = {"hp_cp_layout": CP_LAYOUTS, "delta_backend": BACKENDS, "delta_cp_method": CP_METHOD_CHOICES,
             "mla_cp_strategy": MLA_CP_STRATEGY_CHOICES, "rope_type": ROPE_TYPES}
+_UNSET_ALLOWED = ("delta_cp_method", "mla_cp_strategy")  # None: chosen from megatron's cp_comm_type
 _POSITIVE_INTS = ("delta_cp_group_size", "delta_cp_ulysses_degree", "kda_gate_low_rank_dim")
-_BOOLS = ("linear_conv_bias", "kda_safe_gate", "kda_output_gate_bias")
+_BOOLS = ("linear_conv_bias", "kda_safe_gate", "kda_output_gate_bias", "gated_norm_zero_centered_gamma")
+_OPTIONAL_BOOLS = ("gated_norm_zero_centered_gamma",)
 
 
 def check_hybrid_fields(config) -> None:
     """ValueError naming the field and its value when one of our fields (or ``rope_type``) is out of range."""
+    owner = type(config).__name__
     for name, allowed in _CHOICES.items():
-        value = getattr(config, name)
-        optional = HybridFields.__dataclass_fields__.get(name) is not None and \
-            HybridFields.__dataclass_fields__[name].default is None
+        value, optional = getattr(config, name), name in _UNSET_ALLOWED
         if value not in allowed and not (optional and value is None):
-            raise ValueError(f"{type(config).__name__}.{name} must be one of {allowed}"
-                             f"{' or None' if optional else ''}, got {value!r}")
+            raise ValueError(f"{owner}.{name} must be one of {allowed}{' or None' if optional else ''}, got {value!r}")
     for name in _POSITIVE_INTS:
         value = getattr(config, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ValueError(f"{type(config).__name__}.{name} must be a positive int or None, got {value!r}")
+            raise ValueError(f"{owner}.{name} must be a positive int or None, got {value!r}")
     for name in _BOOLS:
-        if not isinstance(getattr(config, name), bool):
-            raise ValueError(f"{type(config).__name__}.{name} must be a bool, got {getattr(config, name)!r}")
-    if config.gated_norm_zero_centered_gamma not in (None, True, False):
-        raise ValueError(f"{type(config).__name__}.gated_norm_zero_centered_gamma must be a bool or None, got "
-                         f"{config.gated_norm_zero_centered_gamma!r}")
+        value, optional = getattr(config, name), name in _OPTIONAL_BOOLS
+        if not isinstance(value, bool) and not (optional and value is None):
+            raise ValueError(f"{owner}.{name} must be a bool{' or None' if optional else ''}, got {value!r}")
     bound = config.kda_lower_bound
     if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or bound >= 0):
-        raise ValueError(f"{type(config).__name__}.kda_lower_bound must be a negative number or None, got {bound!r}")
+        raise ValueError(f"{owner}.kda_lower_bound must be a negative number or None, got {bound!r}")
     if config.hp_layer_pattern is not None:
         from hp_megatron.hybrid_layer import validate_pattern
         from hp_megatron.specs.layer_specs import SYMBOLS
@@ -133,7 +131,7 @@ def check_hybrid_fields(config) -> None:
         try:
             validate_pattern(config.hp_layer_pattern, SYMBOLS)
         except ValueError as err:
-            raise ValueError(f"{type(config).__name__}.hp_layer_pattern {config.hp_layer_pattern!r}: {err}") from None
+            raise ValueError(f"{owner}.hp_layer_pattern {config.hp_layer_pattern!r}: {err}") from None
 
 
 @dataclass

@@ -93,7 +93,7 @@ def test_class_choice_and_declared_fields():
 BAD_VALUES = [("hp_cp_layout", "zz"), ("delta_backend", "cuda"), ("delta_cp_method", "ring"),
               ("mla_cp_strategy", "ulysses"), ("rope_type", "nope"), ("delta_cp_group_size", 0),
               ("delta_cp_ulysses_degree", 1.5), ("kda_gate_low_rank_dim", True), ("kda_lower_bound", 0.0),
-              ("kda_safe_gate", "yes"), ("linear_conv_bias", 1), ("gated_norm_zero_centered_gamma", "no"),
+              ("kda_safe_gate", "yes"), ("linear_conv_bias", 1), ("gated_norm_zero_centered_gamma", 0),
               ("hp_layer_pattern", "GXA"), ("hp_layer_pattern", "")]
 
 
