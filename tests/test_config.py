@@ -137,6 +137,7 @@ def test_example_configs_keep_megatron_fields(monkeypatch, tmp_path):
         assert config.hp_layer_pattern == preset.pattern
         assert all(getattr(config, k) == v for k, v in preset.extra.items()), arch
         assert all(getattr(config, k) == v for k, v in preset.config.items() if k != "num_layers"), arch
+        assert config.rotary_base == preset.gpt.get("rotary_base", preset.extra.get("rotary_base")), arch
 
 
 def test_megatron_lm_configs_keep_megatron_fields(monkeypatch):
@@ -192,6 +193,7 @@ def test_every_mixer_reads_the_shared_layout_field(single_rank):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from hp_megatron.config import HybridTransformerConfig
+    from hp_megatron.specs.attention import ContextParallelDotProductAttention
 
     shape = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, use_cpu_initialization=True,
                  add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, linear_num_key_heads=2,
@@ -201,3 +203,5 @@ def test_every_mixer_reads_the_shared_layout_field(single_rank):
     assert _layouts(config) == ["contiguous"] * 4
     assert _layouts(TransformerConfig(**{**shape, "num_layers": 3}), cp_layout="contiguous") == ["contiguous"] * 3
     assert _layouts(TransformerConfig(**{**shape, "num_layers": 3})) == ["zigzag"] * 3
+    with pytest.raises(ValueError, match="layout must be one of.*'zz'"):
+        ContextParallelDotProductAttention(config, 1, layout="zz")

@@ -38,7 +38,10 @@ class ModelPreset:
         ``overrides`` (parallel sizes, dtypes...) win over it."""
         from hp_megatron.config import HybridTransformerConfig
 
-        return HybridTransformerConfig(**{**self.config, **self.extra, "hp_layer_pattern": self.pattern, **overrides})
+        # GPTModel records config.rotary_base (a declared MLA field) as its own: the preset's RoPE base where it has one
+        rotary = {"rotary_base": self.gpt["rotary_base"]} if "rotary_base" in self.gpt else {}
+        return HybridTransformerConfig(**{**self.config, **rotary, **self.extra, "hp_layer_pattern": self.pattern,
+                                          **overrides})
 
     def layer_spec(self, backend="eager", **kwargs):
         """The ``HybridLayer`` spec of this preset (``kwargs``: ``linear``, ``cp_layout``)."""
