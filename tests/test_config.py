@@ -176,13 +176,13 @@ def test_usage_doc_lists_every_field():
     assert set(HYBRID_FIELD_NAMES) <= rows, sorted(set(HYBRID_FIELD_NAMES) - rows)
 
 
-def _layouts(config, **spec_kwargs):
+def _layouts(config, pattern, **spec_kwargs):
+    """The CP layout each layer's mixer (GDN/KDA/MLA ``cp_layout``, attention core ``layout``) was built with."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from hp_megatron.specs import get_hybrid_layer_spec
 
-    block = TransformerBlock(config, get_hybrid_layer_spec(config.hp_layer_pattern if hasattr(config, "hp_layer_pattern")
-                                                           else "GKA", "eager", **spec_kwargs), post_process=False)
+    block = TransformerBlock(config, get_hybrid_layer_spec(pattern, "eager", **spec_kwargs), post_process=False)
     return [getattr(layer.self_attention, "cp_layout", None) or layer.self_attention.core_attention.layout
             for layer in block.layers]
 
@@ -200,8 +200,9 @@ def test_every_mixer_reads_the_shared_layout_field(single_rank):
                  linear_key_head_dim=8)
     config = HybridTransformerConfig(**shape, q_lora_rank=None, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
                                      v_head_dim=8, hp_layer_pattern="GKMA", hp_cp_layout="contiguous")
-    assert _layouts(config) == ["contiguous"] * 4
-    assert _layouts(TransformerConfig(**{**shape, "num_layers": 3}), cp_layout="contiguous") == ["contiguous"] * 3
-    assert _layouts(TransformerConfig(**{**shape, "num_layers": 3})) == ["zigzag"] * 3
+    assert _layouts(config, "GKMA") == ["contiguous"] * 4
+    plain = TransformerConfig(**{**shape, "num_layers": 3})
+    assert _layouts(plain, "GKA", cp_layout="contiguous") == ["contiguous"] * 3
+    assert _layouts(plain, "GKA") == ["zigzag"] * 3
     with pytest.raises(ValueError, match="layout must be one of.*'zz'"):
         ContextParallelDotProductAttention(config, 1, layout="zz")
