@@ -1,15 +1,17 @@
 """Command-line flags for hp_megatron's layers and the config fields they become.
 
 Megatron-LM: ``pretrain(..., extra_args_provider=add_hp_arguments)`` adds the flags; then
-``apply_hp_config(config, args)`` copies them onto the ``TransformerConfig`` the model is built from
-(our layers read ``config.hp_*``; megatron-core ignores unknown attributes). The example
-``examples/pretrain/pretrain_hybrid.py`` uses the same two functions.
+``config = apply_hp_config(config, args)`` turns the ``TransformerConfig`` Megatron-LM built from its own flags
+into the declared :class:`hp_megatron.config.HybridTransformerConfig` (or ``HybridMLATransformerConfig`` for an
+``MLATransformerConfig``) holding these flags' fields (``hp_layer_pattern``, ``hp_cp_layout``, ``delta_*``,
+``kda_*``, ``mla_cp_strategy``, megatron's ``linear_*`` and the MLA fields; the table is in docs/usage.md). The
+example ``examples/pretrain/pretrain_hybrid.py`` uses the same two functions.
 """
 from __future__ import annotations
 
 import argparse
 
-from layers.choices import BACKENDS, CP_LAYOUTS
+from layers.choices import BACKENDS, CP_LAYOUTS, ROPE_TYPES
 from layers.choices import CP_METHOD_CHOICES as CP_METHODS
 from layers.choices import MLA_CP_STRATEGY_CHOICES as MLA_CP_METHODS
 
@@ -69,16 +71,17 @@ def add_hp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="Hugging Face config.json (or a checkpoint directory holding one) of a supported architecture "
                         "(qwen3_next, deepseek_v3, kimi_linear): the model flags come from it "
                         "(hp_megatron.models.args.apply_hf_config_to_args; docs/models.md)")
-    g.add_argument("--hp-mla-rope-type", choices=("rope", "yarn", "none"), default="rope",
+    g.add_argument("--hp-mla-rope-type", choices=ROPE_TYPES, default="rope",
                    help="MLA rotary embedding (none = NoPE, as Kimi Linear's MLA layers)")
     return parser
 
 
 def hp_config_from_args(args) -> dict:
-    """``{config attribute: value}`` that our layers read, from parsed args (defaults from the model size).
+    """``{config field: value}`` that our layers read, from parsed args (defaults from the model size).
 
     GDN/KDA read megatron-core 0.16's ``linear_*`` names and our ``delta_*`` / ``kda_*`` names; MLA reads
-    ``MLATransformerConfig``'s names and ``mla_cp_strategy``; ``HybridLayer`` reads ``hp_layer_pattern``.
+    ``MLATransformerConfig``'s names and ``mla_cp_strategy``; every mixer reads ``hp_cp_layout``;
+    ``HybridLayer`` reads ``hp_layer_pattern``. All are fields of ``hp_megatron.config``'s classes.
     """
     heads, hidden = args.num_attention_heads, args.hidden_size
     key_heads = args.hp_linear_num_key_heads or heads
@@ -101,7 +104,7 @@ def hp_config_from_args(args) -> dict:
         "linear_conv_kernel_dim": args.hp_linear_conv_kernel_dim,
         "delta_backend": args.hp_backend,
         "delta_cp_method": args.hp_cp_method,
-        "delta_cp_layout": args.hp_cp_layout,
+        "hp_cp_layout": args.hp_cp_layout,
         "delta_cp_group_size": args.hp_cp_group_size,
         "delta_cp_ulysses_degree": args.hp_ulysses_degree,
         "delta_cp_calibration": calibration,
@@ -176,30 +179,24 @@ def validate_hp_args(args) -> None:
 
 
 def apply_hp_config(config, args):
-    """Set :func:`hp_config_from_args`'s attributes on a megatron ``TransformerConfig``; returns it.
+    """``config`` as its declared class (``hp_megatron.config``) with :func:`hp_config_from_args`'s fields.
 
-    MLA's remaining ``MLATransformerConfig`` fields (rotary scaling, mscale, ...) get that class's defaults
-    when the config lacks them; an ``MLATransformerConfig`` built by Megatron-LM keeps its MLA values.
+    Returns a new :class:`~hp_megatron.config.HybridMLATransformerConfig` when ``config`` is an
+    ``MLATransformerConfig`` (Megatron-LM's ``--multi-latent-attention``: its MLA fields keep their flags'
+    values), else a :class:`~hp_megatron.config.HybridTransformerConfig`; every megatron field of ``config`` is
+    carried over. With ``--hp-hf-config`` the architecture's own fields (``ModelPreset.extra``) and layer
+    pattern win over the flags. Raises ValueError naming a field whose value is out of range.
     """
-    from dataclasses import MISSING, fields
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+    from hp_megatron.config import MLA_FIELD_NAMES, hybrid_config
 
-    # with Megatron-LM's own --multi-latent-attention the MLA-only fields already come from its flags
-    mla_only = set(MLATransformerConfig.__dataclass_fields__) - set(TransformerConfig.__dataclass_fields__)
-    is_mla_config = isinstance(config, MLATransformerConfig)
-    for name, value in hp_config_from_args(args).items():
-        if is_mla_config and name in mla_only:
-            continue
-        setattr(config, name, value)
-    if getattr(args, "hp_hf_config", None) is not None:  # the architecture's own layer attributes
+    ours = hp_config_from_args(args)
+    if isinstance(config, MLATransformerConfig):
+        ours = {name: value for name, value in ours.items() if name not in MLA_FIELD_NAMES}
+    if getattr(args, "hp_hf_config", None) is not None:
         from hp_megatron.models import preset_from_hf
 
         preset = preset_from_hf(args.hp_hf_config)
-        for name, value in preset.extra.items():
-            setattr(config, name, value)
-        config.hp_layer_pattern = preset.pattern
-    for f in fields(MLATransformerConfig):
-        if not hasattr(config, f.name) and f.default is not MISSING:
-            setattr(config, f.name, f.default)
-    return config
+        ours.update(preset.extra, hp_layer_pattern=preset.pattern)
+    return hybrid_config(config, **ours)

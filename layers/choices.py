@@ -1,4 +1,5 @@
-"""The one definition of every named choice: kernel backends, CP methods and layouts, MLA CP strategies.
+"""The one definition of every named choice: kernel backends, CP methods and layouts, MLA CP strategies and
+rotary types.
 
 A leaf module (no imports): ``layers.ops``, ``layers.cp``, the mixers, the specs and ``hp_megatron.arguments``
 all read these tuples, so a new method or layout is added in one place.
@@ -12,3 +13,4 @@ CP_METHOD_CHOICES = STATE_METHODS + ("ulysses", "auto")       # what a layer / -
 CP_LAYOUTS = ("zigzag", "contiguous")                         # token layouts over CP ranks
 MLA_CP_STRATEGIES = ("expanded_ulysses", "latent_ulysses", "latent")
 MLA_CP_STRATEGY_CHOICES = MLA_CP_STRATEGIES + ("auto",)       # what an MLA layer / --hp-mla-cp accepts
+ROPE_TYPES = ("rope", "yarn", "none")                         # MLA rotary embeddings ("none": NoPE, Kimi Linear)

@@ -17,9 +17,10 @@ of every logical part; checkpoints store the parts separately (``in_proj.weight.
 Initialization draws every *global* logical tensor from a generator seeded by ``(init_seed, layer_number,
 tensor name)`` and keeps this rank's slice, so the weights do not depend on the TP/CP layout.
 
-Options come, in this order of precedence, from constructor keywords (``ModuleSpec.params``), from attributes
-of the config (megatron-core 0.16's ``linear_*`` fields, or our own ``delta_*`` / ``kda_*`` fields on any
-config object) and from defaults; see :data:`COMMON_OPTIONS` and ``docs/layers.md``.
+Options come, in this order of precedence, from constructor keywords (``ModuleSpec.params``), from fields
+of the config (megatron-core 0.16's ``linear_*`` fields, or our own ``hp_cp_layout`` / ``delta_*`` / ``kda_*``
+fields, declared by ``hp_megatron.config.HybridTransformerConfig``; read with ``getattr``, so a plain
+``TransformerConfig`` works too) and from defaults; see :data:`COMMON_OPTIONS` and ``docs/layers.md``.
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ COMMON_OPTIONS = {
     "norm_eps": Option((), None),  # None -> config.layernorm_epsilon
     "backend": Option(("delta_backend",), "eager"),
     "cp_method": Option(("delta_cp_method",), None),  # None -> cp_comm_type mapping, else DEFAULT_CP_METHOD
-    "cp_layout": Option(("delta_cp_layout",), "zigzag"),
+    "cp_layout": Option(("hp_cp_layout",), "zigzag"),
     "cp_group_size": Option(("delta_cp_group_size",), None),
     "cp_ulysses_degree": Option(("delta_cp_ulysses_degree",), None),
     "cp_calibration": Option(("delta_cp_calibration",), None),  # cp_method="auto": calibration JSON cache path

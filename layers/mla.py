@@ -109,9 +109,10 @@ class MultiLatentAttention(MegatronModule):
 
     Args beyond megatron's: ``cp_strategy`` (``"latent"`` default, or ``"latent_ulysses"``,
     ``"expanded_ulysses"``; also read from ``config.mla_cp_strategy``), ``cp_layout`` (``"zigzag"``,
-    Megatron's, or ``"contiguous"``), ``rope_type`` (overrides ``config.rope_type``; ``"none"`` = NoPE as in
-    Kimi Linear), ``checkpoint_norm_names`` (``"te"`` or ``"local"`` names of the latent norms in
-    ``sharded_state_dict``). ``comm_stats`` (a ``layers.cp.accounting.CommStats`` or None) records CP bytes.
+    Megatron's, or ``"contiguous"``; also read from ``config.hp_cp_layout``), ``rope_type`` (overrides
+    ``config.rope_type``; ``"none"`` = NoPE as in Kimi Linear), ``checkpoint_norm_names`` (``"te"`` or
+    ``"local"`` names of the latent norms in ``sharded_state_dict``). ``comm_stats`` (a
+    ``layers.cp.accounting.CommStats`` or None) records CP bytes.
     """
 
     def __init__(self, config, submodules: MLASelfAttentionSubmodules, layer_number: Optional[int] = None,
@@ -128,7 +129,7 @@ class MultiLatentAttention(MegatronModule):
         self.layer_number = layer_number
         self.tp_group, self.cp_group = _process_groups(pg_collection, model_comm_pgs)
         self.tp_size = _group_size(self.tp_group)
-        self.cp_layout = check_layout(cp_layout or getattr(config, "delta_cp_layout", None) or "zigzag")
+        self.cp_layout = check_layout(cp_layout or getattr(config, "hp_cp_layout", None) or "zigzag")
         self.cp_strategy = self._select_strategy(cp_strategy, cp_comm_type)
         self.checkpoint_norm_names = checkpoint_norm_names
         self.comm_stats = comm_stats

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-ROPE_TYPES = ("rope", "yarn", "none")
+from layers.choices import ROPE_TYPES
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:

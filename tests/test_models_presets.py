@@ -64,6 +64,7 @@ def test_hf_config_flag_sets_megatron_args_and_config():
         config = apply_hp_config(TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4), args)
     assert (config.linear_num_value_heads, config.linear_value_head_dim) == (4, 8)
     assert config.gated_norm_zero_centered_gamma is False and config.hp_layer_pattern == preset.pattern
+    assert type(config).__name__ == "HybridTransformerConfig" and not config.multi_latent_attention
 
 
 def _block(spec, **moe):

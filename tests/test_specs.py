@@ -189,12 +189,12 @@ def test_arguments_become_config_fields():
                               "--hp-mla-kv-lora-rank", "48", "--hp-mla-rope-type", "none"])
     fields = hp_config_from_args(args)
     assert fields["hp_layer_pattern"] == "KKKM" and fields["delta_backend"] == "triton"
-    assert fields["delta_cp_method"] == "p2p" and fields["delta_cp_layout"] == "zigzag"
+    assert fields["delta_cp_method"] == "p2p" and fields["hp_cp_layout"] == "zigzag"
     assert (fields["linear_num_key_heads"], fields["linear_num_value_heads"], fields["linear_key_head_dim"]) == (4, 8, 16)
     assert fields["kda_lower_bound"] == -5.0 and fields["kv_lora_rank"] == 48 and fields["rope_type"] == "none"
     config = apply_hp_config(TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4), args)
     assert config.delta_cp_method == "p2p" and config.kv_lora_rank == 48
-    assert config.rotary_scaling_factor == 40  # MLATransformerConfig default filled in
+    assert config.rotary_scaling_factor == 40  # HybridTransformerConfig's MLA field: MLATransformerConfig's default
     with pytest.raises(ValueError, match="multiple of the key heads 4"):
         hp_config_from_args(parser.parse_args(["--hp-linear-num-value-heads", "6"]))
     with pytest.raises(SystemExit):

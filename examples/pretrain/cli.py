@@ -124,7 +124,7 @@ def parse_args(argv=None, parser=None):
 
 
 # --hp-hf-config: the example's model flags -> the preset's Megatron argument (hp_megatron.models.args) or the
-# layer attribute it sets on the config (ModelPreset.extra)
+# config field of our layers it sets (ModelPreset.extra)
 PRESET_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                "rotary_base", "hp_layer_pattern")
 PRESET_LAYER_ATTRS = {

@@ -90,8 +90,7 @@ def build_config(args, vocab_size):
         use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, variable_seq_lengths=False)
-    apply_hp_config(config, args)
-    return config
+    return apply_hp_config(config, args)
 
 
 def build_model(args, config, vocab_size):

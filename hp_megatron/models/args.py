@@ -2,8 +2,9 @@
 build their ``TransformerConfig`` and ``GPTModel`` from, under Megatron-LM's argument names.
 
 ``apply_hf_config_to_args(args)`` sets them on parsed args (before the config is built; they replace the flags'
-values); ``hp_megatron.arguments.apply_hp_config`` then sets the preset's layer attributes (``linear_*``, MLA's
-fields, ``gated_norm_zero_centered_gamma``) on the config.
+values); ``hp_megatron.arguments.apply_hp_config`` then returns the config as a declared
+``hp_megatron.config`` class holding the preset's layer fields (``linear_*``, MLA's fields,
+``gated_norm_zero_centered_gamma``).
 """
 from __future__ import annotations
 

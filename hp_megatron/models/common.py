@@ -19,8 +19,9 @@ from hp_megatron.convert.rules import TensorRule, identity_rule
 class ModelPreset:
     """A megatron-core model equivalent to one HF ``config.json``.
 
-    ``config``: ``TransformerConfig`` fields; ``extra``: our layers' config attributes (``linear_*``, MLA's
-    ``q_lora_rank``..., ``gated_norm_zero_centered_gamma``) set on the config after construction; ``gpt``:
+    ``config``: megatron ``TransformerConfig`` fields; ``extra``: fields of our layers, declared by
+    ``hp_megatron.config.HybridTransformerConfig`` (megatron's ``linear_*``, MLA's ``q_lora_rank``...,
+    ``kda_gate_low_rank_dim``, ``mla_cp_strategy``, ``gated_norm_zero_centered_gamma``); ``gpt``:
     ``GPTModel`` keywords (vocab size, rotary embedding, tied embeddings); ``pattern``: one layer symbol per layer
     (``G`` GDN, ``K`` KDA, ``M`` MLA, ``A`` attention); ``qk_layernorm``: the spec option for ``A`` layers.
     """
@@ -33,14 +34,14 @@ class ModelPreset:
     qk_layernorm: bool = False
 
     def transformer_config(self, **overrides):
-        """A ``TransformerConfig`` of this preset; ``overrides`` (parallel sizes, dtypes...) win over it."""
-        from megatron.core.transformer.transformer_config import TransformerConfig
+        """A ``hp_megatron.config.HybridTransformerConfig`` of this preset (``config``, ``extra`` and ``pattern``);
+        ``overrides`` (parallel sizes, dtypes...) win over it."""
+        from hp_megatron.config import HybridTransformerConfig
 
-        config = TransformerConfig(**{**self.config, **overrides})
-        for name, value in self.extra.items():
-            setattr(config, name, value)
-        config.hp_layer_pattern = self.pattern
-        return config
+        # GPTModel records config.rotary_base (a declared MLA field) as its own: the preset's RoPE base where it has one
+        rotary = {"rotary_base": self.gpt["rotary_base"]} if "rotary_base" in self.gpt else {}
+        return HybridTransformerConfig(**{**self.config, **rotary, **self.extra, "hp_layer_pattern": self.pattern,
+                                          **overrides})
 
     def layer_spec(self, backend="eager", **kwargs):
         """The ``HybridLayer`` spec of this preset (``kwargs``: ``linear``, ``cp_layout``)."""

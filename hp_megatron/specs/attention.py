@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from layers.cp.plan import check_layout
 from layers.cp.sequence import gather_sequence, packed_cu_seqlens, plan_for_batch
 from layers.keywords import check_keywords, declared_keywords
 from layers.masks import check_causal_mask
@@ -47,7 +48,7 @@ class ContextParallelDotProductAttention(nn.Module):
         self.config = config
         self.layer_number = layer_number
         self.backend = backend
-        self.layout = layout or getattr(config, "delta_cp_layout", None) or "zigzag"
+        self.layout = check_layout(layout or getattr(config, "hp_cp_layout", None) or "zigzag")
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim ** -0.5
         groups = pg_collection if pg_collection is not None else model_comm_pgs

@@ -103,7 +103,7 @@ def get_mixer_spec(mixer: str, backend="eager", *, qk_layernorm: bool = False, l
     """The ``self_attention`` spec of one mixer (``gdn | kda | mla | attn``) for a backend or provider.
 
     ``cp_layout`` (``zigzag | contiguous``) is written into the mixer's params; None leaves the mixer's own
-    default (config ``delta_cp_layout``, set by ``--hp-cp-layout``; zigzag when unset)."""
+    default (config ``hp_cp_layout``, set by ``--hp-cp-layout``; zigzag when unset)."""
     if mixer not in MIXERS:
         raise ValueError(f"mixer must be one of {MIXERS}, got {mixer!r}")
     provider = get_spec_provider(backend, linear=linear)

@@ -4,9 +4,11 @@ Needs a Megatron-LM checkout on PYTHONPATH (``pretrain_gpt.py``, ``megatron/trai
 ``--spec hp_megatron.specs NAME`` exactly as with the unmodified script. Two things are added:
 
 * ``extra_args_provider=hp_megatron.arguments.add_hp_arguments`` (``--hp-*`` flags), and
-* the ``TransformerConfig`` that Megatron-LM builds from its args (``core_transformer_config_from_args``) gets
-  our fields through ``hp_megatron.arguments.apply_hp_config`` before the model is built (and, only where
-  neither Transformer Engine nor Apex is installed, the block-final RMSNorm is ours, for sequence parallelism).
+* the ``TransformerConfig`` that Megatron-LM builds from its args (``core_transformer_config_from_args``) becomes
+  the declared ``hp_megatron.config.HybridTransformerConfig`` (``HybridMLATransformerConfig`` with
+  ``--multi-latent-attention``) holding our fields, through ``hp_megatron.arguments.apply_hp_config``, before
+  the model is built (and, only where neither Transformer Engine nor Apex is installed, the block-final RMSNorm
+  is ours, for sequence parallelism).
 
 Everything else (data, schedules, optimizer, checkpoints, logging) is Megatron-LM's. Megatron and our package
 are imported in :func:`main` only: megatron-core's checkpoint writer starts a ``spawn`` process, which re-runs

@@ -1,0 +1,176 @@
+"""The declared config dataclasses of hp_megatron's layers, extending megatron-core's as its own subclasses do.
+
+* :class:`HybridTransformerConfig` (``TransformerConfig``): our fields (:class:`HybridFields`) and the MLA
+  layer's dimension / rotary fields (:class:`MLAFields`, taken from ``MLATransformerConfig``'s own field list)
+  without ``multi_latent_attention``, so ``GPTModel`` keeps the rotary embedding that ``A`` layers need.
+* :class:`HybridMLATransformerConfig` (``MLATransformerConfig``): our fields on megatron's MLA config
+  (Megatron-LM's ``--multi-latent-attention``).
+
+``__post_init__`` runs megatron's checks, then checks our fields against ``layers.choices`` (ValueError naming
+the field and the value). :func:`hybrid_config` turns a built megatron config into the matching declared class.
+The layers themselves read these fields with ``getattr``, so a plain ``TransformerConfig`` plus
+``ModuleSpec.params`` works too; ``docs/usage.md`` has the field table.
+"""
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass
+from typing import Optional
+
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+from layers.choices import BACKENDS, CP_LAYOUTS, CP_METHOD_CHOICES, MLA_CP_STRATEGY_CHOICES, ROPE_TYPES
+
+# MLATransformerConfig's own fields that the MLA layer reads; multi_latent_attention stays off (GPTModel would drop
+# its rotary embedding), cache_mla_latents is inference-only, normalization is a TransformerConfig field already
+_MLA_ONLY_FIELDS = tuple(f for f in fields(MLATransformerConfig)
+                         if f.name not in TransformerConfig.__dataclass_fields__
+                         and f.name not in ("multi_latent_attention", "cache_mla_latents"))
+
+MLAFields = make_dataclass(
+    "MLAFields", [(f.name, f.type, field(default=f.default)) for f in _MLA_ONLY_FIELDS])
+MLAFields.__module__ = __name__
+MLAFields.__doc__ = ("MLATransformerConfig's MLA fields (same names, types, defaults and meaning) on a config whose "
+                     "multi_latent_attention is off: " + ", ".join(f.name for f in _MLA_ONLY_FIELDS) + ".")
+MLA_FIELD_NAMES = tuple(f.name for f in _MLA_ONLY_FIELDS)
+
+
+@dataclass
+class HybridFields:
+    """hp_megatron's own config fields (a mixin of the two config classes; not usable alone).
+
+    ``None`` means "not set": the layer then uses its ``ModuleSpec.params`` keyword or its default. The GDN/KDA
+    shapes are megatron-core's own ``linear_*`` fields of ``TransformerConfig``.
+    """
+
+    hp_layer_pattern: Optional[str] = None
+    """Layer symbols repeated over the global layer numbers: G=GDN, K=KDA, M=MLA, A=softmax attention
+    (``--hp-layer-pattern``; read by ``HybridLayer`` specs without a pattern of their own)."""
+
+    hp_cp_layout: str = "zigzag"
+    """Token layout over the CP ranks of every mixer (GDN, KDA, MLA, attention) and the data path: ``zigzag``
+    (Megatron's load-balanced split) or ``contiguous`` (``--hp-cp-layout``)."""
+
+    delta_backend: str = "eager"
+    """GDN/KDA kernel backend: ``eager``, ``triton`` (flash-linear-attention) or ``ascendc`` (fla-npu)."""
+
+    delta_cp_method: Optional[str] = None
+    """GDN/KDA context-parallel method: ``p2p``, ``allgather``, ``grouped_allgather_p2p``, ``recursive_doubling``,
+    ``ulysses`` or ``auto`` (cost model); None: from megatron's ``cp_comm_type``, else ``allgather``."""
+
+    delta_cp_group_size: Optional[int] = None
+    """Ranks per all-gather group of ``grouped_allgather_p2p`` (divides the state-passing ranks)."""
+
+    delta_cp_ulysses_degree: Optional[int] = None
+    """Hybrid CP: all-to-all over this many ranks, state passing across the rest."""
+
+    delta_cp_calibration: Optional[str] = None
+    """With a CP method / MLA strategy ``auto``: JSON file caching the CP group's calibration."""
+
+    delta_init_seed: Optional[int] = None
+    """Base seed of the GDN/KDA layout-independent initialisation (None: ``torch.initial_seed()``)."""
+
+    linear_conv_bias: bool = False
+    """Bias in the GDN/KDA short convolution."""
+
+    kda_gate_low_rank_dim: Optional[int] = None
+    """KDA forget/output-gate low-rank dim (None: the value head dim, as Kimi Linear)."""
+
+    kda_lower_bound: Optional[float] = None
+    """KDA gate lower bound (negative): ``g = lower_bound * sigmoid(exp(A_log) (g + dt_bias))``; None: log-sigmoid
+    gate."""
+
+    kda_safe_gate: bool = False
+    """KDA safe gate (needs ``kda_lower_bound`` in [-5, 0))."""
+
+    kda_output_gate_bias: bool = False
+    """Bias of the KDA output-gate up-projection (Kimi Linear: False; FLA's layer: True)."""
+
+    gated_norm_zero_centered_gamma: Optional[bool] = None
+    """GDN/KDA output norm stores ``weight - 1`` (None: follow ``layernorm_zero_centered_gamma``; Qwen3-Next:
+    False, its GDN norm is plain while its other norms are zero-centred)."""
+
+    mla_cp_strategy: Optional[str] = None
+    """MLA context-parallel strategy: ``latent``, ``latent_ulysses``, ``expanded_ulysses`` or ``auto``; None: from
+    megatron's ``cp_comm_type``, else ``latent``."""
+
+    def __post_init__(self):
+        super().__post_init__()  # megatron-core's checks (the next class in the MRO)
+        check_hybrid_fields(self)
+
+
+_CHOICES = {"hp_cp_layout": CP_LAYOUTS, "delta_backend": BACKENDS, "delta_cp_method": CP_METHOD_CHOICES,
+            "mla_cp_strategy": MLA_CP_STRATEGY_CHOICES, "rope_type": ROPE_TYPES}
+_UNSET_ALLOWED = ("delta_cp_method", "mla_cp_strategy")  # None: chosen from megatron's cp_comm_type
+_POSITIVE_INTS = ("delta_cp_group_size", "delta_cp_ulysses_degree", "kda_gate_low_rank_dim")
+_BOOLS = ("linear_conv_bias", "kda_safe_gate", "kda_output_gate_bias", "gated_norm_zero_centered_gamma")
+_OPTIONAL_BOOLS = ("gated_norm_zero_centered_gamma",)
+
+
+def check_hybrid_fields(config) -> None:
+    """ValueError naming the field and its value when one of our fields (or ``rope_type``) is out of range."""
+    owner = type(config).__name__
+    for name, allowed in _CHOICES.items():
+        value, optional = getattr(config, name), name in _UNSET_ALLOWED
+        if value not in allowed and not (optional and value is None):
+            raise ValueError(f"{owner}.{name} must be one of {allowed}{' or None' if optional else ''}, got {value!r}")
+    for name in _POSITIVE_INTS:
+        value = getattr(config, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{owner}.{name} must be a positive int or None, got {value!r}")
+    for name in _BOOLS:
+        value, optional = getattr(config, name), name in _OPTIONAL_BOOLS
+        if not isinstance(value, bool) and not (optional and value is None):
+            raise ValueError(f"{owner}.{name} must be a bool{' or None' if optional else ''}, got {value!r}")
+    bound = config.kda_lower_bound
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or bound >= 0):
+        raise ValueError(f"{owner}.kda_lower_bound must be a negative number or None, got {bound!r}")
+    if config.hp_layer_pattern is not None:
+        from hp_megatron.hybrid_layer import validate_pattern
+        from hp_megatron.specs.layer_specs import SYMBOLS
+
+        try:
+            validate_pattern(config.hp_layer_pattern, SYMBOLS)
+        except ValueError as err:
+            raise ValueError(f"{owner}.hp_layer_pattern {config.hp_layer_pattern!r}: {err}") from None
+
+
+@dataclass
+class HybridTransformerConfig(HybridFields, MLAFields, TransformerConfig):
+    """megatron-core ``TransformerConfig`` with hp_megatron's fields and the MLA layer's fields (``MLAFields``;
+    ``multi_latent_attention`` stays False, so ``GPTModel`` builds the rotary embedding of ``A`` layers)."""
+
+
+@dataclass
+class HybridMLATransformerConfig(HybridFields, MLATransformerConfig):
+    """megatron-core ``MLATransformerConfig`` (``multi_latent_attention`` on) with hp_megatron's fields."""
+
+
+HYBRID_FIELD_NAMES = tuple(f.name for f in fields(HybridFields))
+
+
+def hybrid_config(config: TransformerConfig, **overrides):
+    """The declared class of ``config`` (:class:`HybridMLATransformerConfig` for an ``MLATransformerConfig``, else
+    :class:`HybridTransformerConfig`) holding every field of ``config``, then ``overrides``; the fields the
+    class adds start at their defaults.
+
+    A field-wise copy into the subclass, as ``copy.copy`` makes (megatron's ``__post_init__`` is not run again:
+    it is not idempotent, e.g. ``enable_cuda_graph`` sets ``cuda_graph_impl`` and then refuses it); only our
+    fields are checked (:func:`check_hybrid_fields`). An override or attribute that is no field of the class
+    raises TypeError naming it.
+    """
+    if not isinstance(config, TransformerConfig):
+        raise TypeError(f"hybrid_config needs a megatron TransformerConfig, got {type(config).__name__}")
+    cls = HybridMLATransformerConfig if isinstance(config, MLATransformerConfig) else HybridTransformerConfig
+    known = cls.__dataclass_fields__
+    carried = vars(config)
+    for what, names in (("override", overrides), (f"{type(config).__name__} attribute", carried)):
+        unknown = sorted(set(names) - set(known))
+        if unknown:
+            raise TypeError(f"{cls.__name__} has no field(s) {unknown} ({what})")
+    hybrid = cls.__new__(cls)
+    hybrid.__dict__.update({f.name: f.default if f.default is not MISSING else f.default_factory()
+                            for f in fields(cls) if f.name not in carried})
+    hybrid.__dict__.update(carried)
+    hybrid.__dict__.update(overrides)
+    check_hybrid_fields(hybrid)
+    return hybrid
