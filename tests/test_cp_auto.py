@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -11,16 +12,17 @@ import torch.distributed as dist
 
 from dist import run_distributed
 from layers.cp.auto import rank_candidates
-from layers.cp.calibration import fit_line
-from layers.cp.cost_model import (Calibration, Candidate, DeltaLayerShape, LinearFit, MLALayerShape,
+from layers.cp.calibration import FORMAT, fit_line
+from layers.cp.cost_model import (COLLECTIVES, Calibration, Candidate, DeltaLayerShape, LinearFit, MLALayerShape,
                                   delta_candidates, mla_candidates, predict_delta, state_exchange_seconds)
 
 
-def synthetic(alpha, beta, *, gamma=1e12, op_rate=1e12, gemm_rate=1e12, a2a_alpha=None):
-    """A calibration with one alpha/beta for every collective (all-to-all latency optionally apart) and kernel
-    fits for the shapes below."""
+def synthetic(alpha, beta, *, gamma=1e12, op_rate=1e12, gemm_rate=1e12, a2a_alpha=None, relay_alpha=None):
+    """A calibration with one alpha/beta for every collective (all-to-all and relay latency optionally apart)
+    and kernel fits for the shapes below."""
     fits = {c: LinearFit(alpha, beta) for c in ("all_gather", "send_recv")}
     fits["all_to_all"] = LinearFit(alpha if a2a_alpha is None else a2a_alpha, beta)
+    fits["relay"] = LinearFit(alpha if relay_alpha is None else relay_alpha, beta)
     kern = {"op": LinearFit(0.0, op_rate), "gemm": LinearFit(0.0, gemm_rate)}
     return Calibration(collectives=fits, fold_flops=gamma, key="synthetic",
                        kernels={k: dict(kern) for k in ("gdn/eager/K128/V128/float32", "kda/eager/K64/V64/float32",
@@ -50,14 +52,39 @@ def test_candidates_enumerate_every_valid_configuration():
 
 
 def test_state_exchange_follows_the_closed_forms():
-    cal = synthetic(1e-5, 4e10, gamma=5e13)
+    cal = synthetic(1e-5, 4e10, gamma=5e13, relay_alpha=3e-6)
     HV, K, V, P = 32, 128, 128, 8
     m, s = HV * K * (K + V) * 4, HV * K * V * 4
     apply_ = 2 * HV * K * K * V / 5e13
     got = state_exchange_seconds("allgather", "zigzag", P, num_chains=1, heads=HV, k_dim=K, v_dim=V, calibration=cal)
     assert got == pytest.approx(1e-5 * 3 + 2 * (P - 1) * m / 4e10 + (2 * P - 1) * apply_)
     got = state_exchange_seconds("p2p", "contiguous", P, num_chains=1, heads=HV, k_dim=K, v_dim=V, calibration=cal)
-    assert got == pytest.approx((P - 1) * (1e-5 + s / 4e10) + P * apply_)
+    assert got == pytest.approx((P - 1) * (3e-6 + s / 4e10) + P * apply_)       # hand-overs on the relay fit
+    compose = 2 * HV * K * K * (K + V) / 5e13
+    got = state_exchange_seconds("recursive_doubling", "contiguous", P, num_chains=1, heads=HV, k_dim=K, v_dim=V,
+                                 calibration=cal)
+    assert got == pytest.approx(3 * 1e-5 + 3 * m / 4e10 + 3 * compose)      # log2 P simultaneous rounds
+    got = state_exchange_seconds("grouped_allgather_p2p", "contiguous", P, num_chains=1, heads=HV, k_dim=K, v_dim=V,
+                                 calibration=cal, group_size=2)
+    assert got == pytest.approx(1e-5 + m / 4e10 + 3 * (3e-6 + s / 4e10) + (P - 1) * apply_)
+
+
+def test_oversubscribed_host_prices_relay_apart_from_simultaneous_exchange():
+    """More ranks than cores: a ring shift (every rank sending at once) waits for time slices, a relayed
+    hand-over (one pair active, the others idle) does not. The calibration measures both; p2p's walk is priced
+    on the relay, recursive doubling's rounds on the ring shift, so the cheap relay makes p2p the choice at
+    small P, and a slow relay (a high-latency chain) makes the log-round methods win again."""
+    shape = gdn(heads=3, value_heads=3, T=6144)
+    fast_relay = rank_candidates(shape, 3, synthetic(1.5e-3, 1e12, relay_alpha=2e-4))
+    assert fast_relay.choice == Candidate("p2p")
+    comm = {c.label: p["comm"] for c, p in fast_relay.ranking}
+    # zigzag P=3, chain owners 0 1 2 2 1 0: 4 hand-overs and 6 applied maps per scan, forward and backward;
+    # recursive doubling: ceil(log2 6) = 3 rounds
+    apply_ = 2 * 3 * 128 ** 3 / 1e12
+    assert comm["p2p"] == pytest.approx(2 * (4 * (2e-4 + 3 * 128 * 128 * 4 / 1e12) + 6 * apply_))
+    assert comm["recursive_doubling"] > 2 * 3 * 1.5e-3
+    slow_relay = rank_candidates(shape, 3, synthetic(1.5e-3, 1e12, relay_alpha=2e-3))
+    assert slow_relay.choice.method in ("allgather", "recursive_doubling")
 
 
 def test_high_latency_avoids_sequential_walks():
@@ -194,9 +221,15 @@ def _worker(rank, world_size, path):
     from layers import GatedDeltaNet
     from layers.cp import build_cp_context
     from layers.cp import auto as auto_mod
-    from layers.cp.calibration import _CACHE, load_or_calibrate
+    from layers.cp.calibration import _CACHE, calibrate, load_or_calibrate
 
-    out = {}
+    out = {"concurrent": _concurrent_timing(rank)}
+    solo = dist.new_group([rank], use_local_synchronization=True)
+    try:
+        calibrate(solo)
+        out["solo"] = None
+    except ValueError as err:
+        out["solo"] = str(err)
     cal, source = load_or_calibrate(None, path)
     out["source"] = source
     out["fits"] = {k: (v.alpha, v.beta) for k, v in cal.collectives.items()}
@@ -257,6 +290,22 @@ def _worker(rank, world_size, path):
     return out
 
 
+NAP_S, WINDOW_S = 0.005, 0.05
+
+
+def _concurrent_timing(rank):
+    """``time_concurrently`` on a nap of (rank + 1) x NAP_S: the wall-clock start of every call on this rank."""
+    from layers.cp.calibration import time_concurrently
+
+    starts = []
+
+    def nap():
+        starts.append(time.time())
+        time.sleep(NAP_S * (rank + 1))
+    (per_call,) = time_concurrently([nap], None, torch.device("cpu"), repeats=3, min_window=WINDOW_S)
+    return {"per_call": per_call, "starts": starts}
+
+
 def _mla_auto_vs_chosen(cp_group, path):
     """An MLA layer with cp_strategy="auto" against the same weights with the strategy it chose."""
     from test_mla import build_layer, make_config
@@ -290,14 +339,33 @@ def test_calibration_measures_then_reuses_the_file(ranks):
     assert all(r["reload"] == f"loaded from {path}" for r in results)
     assert all(r["bad_file"] == "JSONDecodeError" for r in results)
     assert all(r["fits"] == results[0]["fits"] for r in results)       # max-reduced: one fit for all ranks
+    assert sorted(results[0]["fits"]) == sorted(COLLECTIVES)
     for alpha, beta in results[0]["fits"].values():
         assert 0 <= alpha < 1.0 and 1e6 < beta and math.isfinite(alpha)
     data = json.loads(open(path).read())
     (key,) = data
-    assert key.startswith(f"P={P}|hosts=1x{P}|gloo|")
+    assert key.startswith(f"P={P}|hosts=1x{P}|gloo|") and key.endswith(f"|{FORMAT}")
     kernels = data[key]["kernels"]
     assert sorted(kernels["gdn/eager/K8/V8/float32"]) == ["gemm", "op", "summary"]
     assert list(kernels["gdn/eager/K8/V8/float32/H4/HV4/hidden32/layer"]) == ["rest"]
+
+
+def test_timing_runs_every_rank_at_once_and_takes_the_slowest(ranks):
+    """Calibration timings: each window starts at a group barrier on every rank (without it rank 0, napping
+    NAP_S against rank 3's 4 NAP_S, would run ahead by n x 3 NAP_S per window), holds the fewest calls n
+    that make it last WINDOW_S on the slowest rank, and the result, per call, is the slowest rank's, identical
+    everywhere."""
+    results, _ = ranks
+    runs = [r["concurrent"] for r in results]
+    assert len({len(c["starts"]) for c in runs}) == 1
+    n, rest = divmod(len(runs[0]["starts"]) - 2, 3)        # warm-up, sizing call, then 3 windows of n calls
+    assert rest == 0 and n >= 2 and (n - 1) * P * NAP_S < WINDOW_S
+    for w in range(3):
+        starts = [c["starts"][2 + w * n] for c in runs]
+        assert max(starts) - min(starts) < 0.02, (w, starts)
+    assert len({c["per_call"] for c in runs}) == 1
+    assert P * NAP_S <= runs[0]["per_call"] < 3 * P * NAP_S
+    assert all("at least 2 ranks, got P=1" in r["solo"] for r in results)
 
 
 def test_decision_is_rank_zeros_on_every_rank(ranks):

@@ -164,15 +164,16 @@ _SOLO: dict = {}                   # one-rank groups of calibrate_mixer (layers.
 
 def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerShape) -> None:
     """Add ``calibration.kernels[shape.layer_key] = {"rest": fit}``: the mixer's own forward + backward at CP = 1
-    (a one-rank CP group passed through ``PackedSeqParams.cp_group``) on 128 and 512 tokens, minus the
-    calibrated op time, per token; max over ``group`` (collective).
+    (a one-rank CP group passed through ``PackedSeqParams.cp_group``) on 128 and 512 tokens, run on every rank
+    of ``group`` at once (``time_concurrently``: the slowest rank's time), minus the calibrated op time, per
+    token (collective).
 
     The parameters are frozen meanwhile (``requires_grad`` off), so no gradient, main_grad or DDP hook sees
     the timing runs; the weight gradients it skips are added back from the projections' FLOPs at the gemm fit."""
     import torch
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from layers.cp.calibration import _max_over_group, _median_seconds, fit_line, group_device
+    from layers.cp.calibration import fit_line, group_device, time_concurrently
     from layers.cp.cost_model import delta_flops, projection_flops
 
     if shape.layer_key in calibration.kernels:
@@ -187,25 +188,28 @@ def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerSha
     params = [p for p in mixer.parameters() if p.requires_grad]
     op, gemm = calibration.kernels[shape.kernel]["op"], calibration.kernels[shape.kernel]["gemm"]
     gen = torch.Generator().manual_seed(0)
-    points = []
-    for n in (128, 512):
+    sizes, calls = (128, 512), []
+    for n in sizes:
         x = torch.randn(n, 1, shape.hidden, generator=gen).to(weight.device, weight.dtype)
 
-        def run():
+        def run(x=x):
             y, _ = mixer(x.clone().requires_grad_(True), packed_seq_params=packed)
             y.float().sum().backward()
+        calls.append(run)
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        times = time_concurrently(calls, group, group_device(group))
+    finally:
         for p in params:
-            p.requires_grad_(False)
-        try:
-            t = _median_seconds(run, group_device(group), 3)
-        finally:
-            for p in params:
-                p.requires_grad_(True)
+            p.requires_grad_(True)
+    points = []
+    for n, t in zip(sizes, times):
         tokens = n * per_input_token
         t += gemm.seconds(projection_flops(shape, tokens))                 # the skipped weight gradients
-        points.append((tokens, t - op.seconds(3 * delta_flops(tokens, shape.value_heads, shape.k_dim, shape.v_dim))))
-    ts = _max_over_group([max(t, 1e-6) for _, t in points], group, group_device(group))
-    calibration.kernels[shape.layer_key] = {"rest": fit_line([n for n, _ in points], ts)}
+        t -= op.seconds(3 * delta_flops(tokens, shape.value_heads, shape.k_dim, shape.v_dim))
+        points.append((tokens, max(t, 1e-6)))
+    calibration.kernels[shape.layer_key] = {"rest": fit_line([n for n, _ in points], [t for _, t in points])}
 
 
 def resolve_for_mixer(mixer, cp_group, seq_len: int, batch: int, cu_seqlens) -> tuple:

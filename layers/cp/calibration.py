@@ -1,12 +1,17 @@
 """Calibration of the CP cost model on a real CP group: time its collectives, the fold matmul and the kernels.
 
-``calibrate(group)`` times, on every rank of the group at once, the all-gather, the send/recv ring shift and the
-all-to-all of ``layers.cp.collectives`` at three message sizes, and the fp32 fold matmul at two sizes; the
-per-rank medians are max-reduced over the group (so every rank fits the same numbers), and a line
-t = alpha * steps + bytes / beta is fitted per collective (least squares, residual = RMS relative error).
+Every timing runs the same call on every rank of the group at the same time, as a layer run does
+(``time_concurrently``): each repeat starts at a group barrier and the slowest rank's time counts. Compute
+windows last at least ``MIN_WINDOW_S`` (back-to-back calls), so on a host with more ranks than cores (or
+anything else sharing the device) the fits see the time slicing the layer run suffers; timing one rank while
+the others idle, or short unsynchronized calls, measures a core a rank never gets in a layer run.
+
+``calibrate(group)`` times the all-gather, the send/recv ring shift, the relay (sequential hand-overs) and the
+all-to-all of ``layers.cp.collectives`` at three message sizes, and the fp32 fold matmul at two sizes, and fits a line
+t = alpha * steps + bytes / beta per collective (least squares, residual = RMS relative error).
 ``calibrate_kernel`` adds the fit of one delta-rule op shape (forward + backward) and of the dense projections.
 ``load_or_calibrate(group, path)`` reuses a saved calibration from the JSON file ``path`` (keyed by the world
-layout and hardware, ``layout_key``) or measures one and saves it there. A calibration takes about a second.
+layout and hardware, ``layout_key``) or measures one and saves it there. A calibration takes a few seconds.
 """
 from __future__ import annotations
 
@@ -21,10 +26,13 @@ import torch
 import torch.distributed as dist
 
 from layers.cp.collectives import all_gather_raw, all_to_all_raw, exchange, global_rank, group_rank, group_size
-from layers.cp.cost_model import Calibration, LinearFit
+from layers.cp.cost_model import COLLECTIVES, Calibration, LinearFit
 
 MESSAGE_BYTES = (16 << 10, 256 << 10, 2 << 20)       # per-rank payload of each timed collective
-REPEATS = 9
+REPEATS = 9                                            # timed repeats of a collective
+COMPUTE_REPEATS = 3                                    # timed windows of a compute point
+MIN_WINDOW_S = 0.04                                    # shortest compute window (several scheduler slices)
+FORMAT = "cal2"          # what is measured how (part of the layout key); cal2: concurrent windows, relay fit
 _CACHE: dict = {}                                      # layout key -> Calibration (this process)
 
 
@@ -45,22 +53,46 @@ def _sync(device):
         torch.npu.synchronize(device)
 
 
-def _median_seconds(fn, device, repeats=REPEATS) -> float:
-    fn()                                               # warm-up (connections, allocations)
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _max_over_group(values: list, group, device) -> list:
     t = torch.tensor(values, dtype=torch.float64, device=device if device.type != "cpu" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.cpu().tolist()
+
+
+def _timed(fn, device, calls: int = 1) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def time_concurrently(fns, group, device, repeats: int = COMPUTE_REPEATS, min_window: float = MIN_WINDOW_S) -> list:
+    """Seconds per call of each of ``fns`` with every rank of ``group`` running the same call at the same time.
+
+    Per fn: an untimed warm-up call (allocations, connections), one synchronized call that sizes the window
+    (n calls, so that n x the slowest rank's call >= ``min_window``; n = 1 without a ``min_window``), then
+    ``repeats`` windows, each started at a group barrier and timed on every rank; the result is the median
+    over the windows of the slowest rank's window / n. Collective; every rank gets the same numbers.
+    """
+    for fn in fns:
+        fn()
+    _sync(device)
+    calls = [1] * len(fns)
+    if min_window > 0:
+        sizing = []
+        for fn in fns:
+            dist.barrier(group=group)
+            sizing.append(_timed(fn, device))
+        sizing = _max_over_group(sizing, group, device)
+        calls = [max(1, math.ceil(min_window / max(t, 1e-9))) for t in sizing]
+    windows = []
+    for fn, n in zip(fns, calls):
+        for _ in range(repeats):
+            dist.barrier(group=group)
+            windows.append(_timed(fn, device, n) / n)
+    windows = _max_over_group(windows, group, device)
+    return [statistics.median(windows[i * repeats:(i + 1) * repeats]) for i in range(len(fns))]
 
 
 def fit_line(xs, ts, steps: float = 1.0) -> LinearFit:
@@ -83,7 +115,8 @@ def fit_line(xs, ts, steps: float = 1.0) -> LinearFit:
 
 def layout_key(group) -> str:
     """World layout and hardware of the group: P, hosts x ranks per host, process-group backend, device names,
-    torch version. Collective over the group (an all-gather of each rank's host and device)."""
+    torch version, and the calibration's ``FORMAT`` (a file from an older calibration is not reused).
+    Collective over the group (an all-gather of each rank's host and device)."""
     device = group_device(group)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -99,38 +132,52 @@ def layout_key(group) -> str:
         hosts[host] = hosts.get(host, 0) + 1
     per_host = sorted(set(hosts.values()))
     return (f"P={len(everyone)}|hosts={len(hosts)}x{'/'.join(map(str, per_host))}|{dist.get_backend(group)}|"
-            f"{'+'.join(sorted({n for _, n in everyone}))}|torch={torch.__version__.split('+')[0]}")
+            f"{'+'.join(sorted({n for _, n in everyone}))}|torch={torch.__version__.split('+')[0]}|{FORMAT}")
 
 
 def calibrate(group=None, *, message_bytes=MESSAGE_BYTES, repeats: int = REPEATS, key: str = "") -> Calibration:
-    """Measure the collective fits and the fold FLOP/s on ``group`` (collective: every member must call it)."""
+    """Measure the collective fits and the fold FLOP/s on ``group`` of P >= 2 ranks (collective: every member
+    must call it). ``send_recv`` is the ring shift (every rank sends and receives at once: recursive doubling's
+    rounds), ``relay`` one message handed along the ranks 0 -> 1 -> ... -> P-1 (the sequential hand-overs of
+    ``p2p``: one pair active, the others waiting), per hop."""
     group = dist.GroupMember.WORLD if group is None else group
     P, r = group_size(group), group_rank(group)
+    if P < 2:
+        raise ValueError(f"calibrate needs a CP group of at least 2 ranks, got P={P}")
     device = group_device(group)
-    times, points = [], []
+    nxt, prv = (r + 1) % P, (r - 1) % P
+
+    def relay(x, recv):
+        if r > 0:
+            exchange([], [(recv, prv)], group)
+        if r < P - 1:
+            exchange([(x, nxt)], [], group)
+    calls, points = [], []
     for nbytes in message_bytes:
         n = max(nbytes // 4 // P * P, P)
         x = torch.randn(n, device=device)
         recv = torch.empty_like(x)
-        nxt, prv = (r + 1) % P, (r - 1) % P
         a2a_in = x.view(P, -1)
-        times += [_median_seconds(lambda: all_gather_raw(x, group), device, repeats),
-                  _median_seconds(lambda: exchange([(x, nxt)], [(recv, prv)], group), device, repeats),
-                  _median_seconds(lambda: all_to_all_raw(a2a_in, group), device, repeats)]
+        calls += [lambda x=x: all_gather_raw(x, group),
+                  lambda x=x, recv=recv: exchange([(x, nxt)], [(recv, prv)], group),
+                  lambda a2a_in=a2a_in: all_to_all_raw(a2a_in, group),
+                  lambda x=x, recv=recv: relay(x, recv)]
         points.append(n * 4)
-    fold = []
+    times = time_concurrently(calls, group, device, repeats, min_window=0.0)
+    fold_flops, fold_calls = [], []
     for heads in (2, 16):
         K = 64
         M, E = torch.randn(heads, K, K, device=device), torch.randn(heads, K, 2 * K, device=device)
-        fold.append((2 * heads * K * K * 2 * K, _median_seconds(lambda: M @ E, device, repeats)))
-    times = _max_over_group(times + [t for _, t in fold], group, device)
-    by_type = {c: times[i:3 * len(points):3] for i, c in enumerate(("all_gather", "send_recv", "all_to_all"))}
+        fold_flops.append(2 * heads * K * K * 2 * K)
+        fold_calls.append(lambda M=M, E=E: M @ E)
+    fold_times = time_concurrently(fold_calls, group, device)
+    n_types = len(COLLECTIVES)
+    by_type = {c: times[i::n_types] for i, c in enumerate(COLLECTIVES)}
     recv_bytes = {"all_gather": [(P - 1) * b for b in points], "send_recv": list(points),
-                  "all_to_all": [(P - 1) * b / P for b in points]}
-    steps = {"all_gather": math.ceil(math.log2(P)) if P > 1 else 1, "send_recv": 1, "all_to_all": 1}
-    fits = {c: fit_line(recv_bytes[c], by_type[c], steps[c]) for c in by_type}
-    fold_fit = fit_line([f for f, _ in fold], times[3 * len(points):])
-    return Calibration(collectives=fits, fold_flops=fold_fit.beta, key=key)
+                  "all_to_all": [(P - 1) * b / P for b in points], "relay": [(P - 1) * b for b in points]}
+    steps = {"all_gather": math.ceil(math.log2(P)), "send_recv": 1, "all_to_all": 1, "relay": P - 1}
+    fits = {c: fit_line(recv_bytes[c], by_type[c], steps[c]) for c in COLLECTIVES}
+    return Calibration(collectives=fits, fold_flops=fit_line(fold_flops, fold_times).beta, key=key)
 
 
 def _delta_inputs(kind, tokens, heads, K, V, dtype, device, gen):
@@ -145,22 +192,23 @@ def _delta_inputs(kind, tokens, heads, K, V, dtype, device, gen):
     return [t.requires_grad_(True) for t in (q, k, v, g, beta)], flags
 
 
-def _gemm_points(device, dtype, hidden) -> list:
-    """(FLOPs, seconds) of a [tokens, hidden] x [hidden, hidden] matmul forward + backward at two sizes."""
-    points = []
+def _gemm_calls(device, dtype, hidden) -> tuple[list, list]:
+    """(FLOPs, calls) of a [tokens, hidden] x [hidden, hidden] matmul forward + backward at two sizes."""
+    flops, calls = [], []
     for tokens in (128, 512):
         x = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
         w = torch.randn(hidden, hidden, device=device, dtype=dtype, requires_grad=True)
-        points.append((3 * 2 * tokens * hidden * hidden,
-                       _median_seconds(lambda: (x @ w).float().sum().backward(), device, 3)))
-    return points
+        flops.append(3 * 2 * tokens * hidden * hidden)
+        calls.append(lambda x=x, w=w: (x @ w).float().sum().backward())
+    return flops, calls
 
 
 def calibrate_kernel(calibration: Calibration, group, *, kind: str, backend: str, k_dim: int, v_dim: int,
                      dtype: torch.dtype, hidden: int = 256) -> dict:
     """Add ``calibration.kernels[kernel_key]`` = {"op": the delta-rule op forward + backward with the mixers'
     in-kernel flags (FLOPs as ``cost_model.delta_flops`` x 3), "summary": the generic summary pass (values
-    [v | 0_K], FLOPs at width K + V), "gemm": a dense matmul forward + backward} (collective)."""
+    [v | 0_K], FLOPs at width K + V), "gemm": a dense matmul forward + backward}, each timed on all ranks at
+    once (``time_concurrently``; collective)."""
     from layers.cp.cost_model import delta_flops, kernel_key
     from layers.ops import chunk_gated_delta_rule, chunk_kda
     from layers.ops.summary import segment_summary
@@ -172,38 +220,38 @@ def calibrate_kernel(calibration: Calibration, group, *, kind: str, backend: str
         return calibration.kernels[key]
     fn = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
     gen = torch.Generator().manual_seed(0)
-    heads, op_points, summary_points = 2, [], []
+    heads, op_calls, summary_calls, op_flops, summary_flops = 2, [], [], [], []
     for tokens in (128, 512):
-        (q, k, v, g, beta), flags = _delta_inputs(kind, tokens, heads, k_dim, v_dim, dtype, device, gen)
+        inputs, flags = _delta_inputs(kind, tokens, heads, k_dim, v_dim, dtype, device, gen)
 
-        def run_op():
+        def run_op(q, k, v, g, beta):
             o, _ = fn(q, k, v, g, beta, backend=backend, **flags)
             o.float().sum().backward()
 
-        def run_summary():           # the generic CP path's extra pass: final states of [v | 0] from [0 | I]
+        def run_summary(q, k, v, g, beta):   # the generic CP path's extra pass: final states of [v | 0] from [0 | I]
             M, E = segment_summary(kind, k, v, g, beta, backend=backend, **flags)
             (M.sum() + E.sum()).backward()
-        op_points.append((3 * delta_flops(tokens, heads, k_dim, v_dim), _median_seconds(run_op, device, 3)))
-        summary_points.append((3 * delta_flops(tokens, heads, k_dim, k_dim + v_dim),
-                               _median_seconds(run_summary, device, 3)))
-    gemm_points = _gemm_points(device, dtype, hidden)
-    ts = _max_over_group([t for _, t in op_points + summary_points + gemm_points], group, device)
-    fits = {"op": fit_line([f for f, _ in op_points], ts[:2]),
-            "summary": fit_line([f for f, _ in summary_points], ts[2:4]),
-            "gemm": fit_line([f for f, _ in gemm_points], ts[4:])}
+        op_calls.append(lambda run=run_op, inputs=inputs: run(*inputs))
+        summary_calls.append(lambda run=run_summary, inputs=inputs: run(*inputs))
+        op_flops.append(3 * delta_flops(tokens, heads, k_dim, v_dim))
+        summary_flops.append(3 * delta_flops(tokens, heads, k_dim, k_dim + v_dim))
+    gemm_flops, gemm_calls = _gemm_calls(device, dtype, hidden)
+    ts = time_concurrently(op_calls + summary_calls + gemm_calls, group, device)
+    fits = {"op": fit_line(op_flops, ts[:2]), "summary": fit_line(summary_flops, ts[2:4]),
+            "gemm": fit_line(gemm_flops, ts[4:])}
     calibration.kernels[key] = fits
     return fits
 
 
 def calibrate_gemm(calibration: Calibration, group, key: str, dtype: torch.dtype, hidden: int = 256) -> dict:
-    """Add ``calibration.kernels[key] = {"gemm": ...}`` (dense matmul forward + backward; collective)."""
+    """Add ``calibration.kernels[key] = {"gemm": ...}`` (dense matmul forward + backward, all ranks at once;
+    collective)."""
     group = dist.GroupMember.WORLD if group is None else group
     if key in calibration.kernels:
         return calibration.kernels[key]
     device = group_device(group)
-    points = _gemm_points(device, dtype, hidden)
-    ts = _max_over_group([t for _, t in points], group, device)
-    calibration.kernels[key] = {"gemm": fit_line([f for f, _ in points], ts)}
+    flops, calls = _gemm_calls(device, dtype, hidden)
+    calibration.kernels[key] = {"gemm": fit_line(flops, time_concurrently(calls, group, device))}
     return calibration.kernels[key]
 
 

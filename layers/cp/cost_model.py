@@ -1,6 +1,7 @@
 """Cost model of the CP methods: alpha-beta-gamma times from the closed forms of docs/cp.md.
 
-A ``Calibration`` holds, per collective type (``all_gather``, ``send_recv``, ``all_to_all``), a fitted line
+A ``Calibration`` holds, per collective type (``all_gather``, ``send_recv``: every rank exchanging at once,
+``all_to_all``, ``relay``: one hand-over between two ranks while the others wait), a fitted line
 t = alpha * steps + bytes / beta (alpha in s per sequential step, beta in bytes/s per rank, ``bytes`` received
 per rank), the FLOP/s of the fp32 fold matmuls (gamma) and, per kernel shape, the fitted time of the delta-rule
 op and of the dense projections (also ``LinearFit``s). ``layers.cp.calibration`` measures one on a CP group.
@@ -19,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 from layers.cp.accounting import state_scan_comm
 
-COLLECTIVES = ("all_gather", "send_recv", "all_to_all")
+COLLECTIVES = ("all_gather", "send_recv", "all_to_all", "relay")
 STATE_SCAN_METHODS = ("p2p", "allgather", "grouped_allgather_p2p", "recursive_doubling")
 CHUNK = 64                            # chunk length of the delta-rule kernels (pieces are padded to it)
 
@@ -165,10 +166,11 @@ def state_exchange_seconds(method: str, layout: str, P: int, *, num_chains: int,
                            v_dim: int, calibration: Calibration, group_size: int | None = None) -> float:
     """Forward time of one state scan on P ranks (the backward is the same scan reversed: same time).
 
-    p2p: every hand-over is a send/recv of one state, and the walk applies all L maps; allgather: one
-    all-gather of the maps (ceil(log2 P) steps) and up to L - 1 folds; grouped: the all-gather over g ranks,
-    the hand-overs between groups and L - 1 folds; recursive doubling: ceil(log2 L) pairwise rounds, each
-    composing n maps.
+    p2p: every hand-over is one message of one state while the other ranks wait (the ``relay`` fit), and the
+    walk applies all L maps; allgather: one all-gather of the maps (ceil(log2 P) steps) and up to L - 1 folds;
+    grouped: the all-gather over g ranks, the relayed hand-overs between groups and L - 1 folds; recursive
+    doubling: ceil(log2 L) rounds in which every rank exchanges with a partner at once (the ``send_recv``
+    fit), each composing n maps.
     """
     if P == 1:
         return 0.0
@@ -181,16 +183,16 @@ def state_exchange_seconds(method: str, layout: str, P: int, *, num_chains: int,
     f_apply = 2 * D * HV * K * K * V / calibration.fold_flops          # X <- M X + E, one position
     f_compose = 2 * D * HV * K * K * (K + V) / calibration.fold_flops  # (M2 M1, M2 E1 + E2)
     s = D * HV * K * V * 4
-    ag, sr = calibration.fit("all_gather"), calibration.fit("send_recv")
+    ag, sr, relay = calibration.fit("all_gather"), calibration.fit("send_recv"), calibration.fit("relay")
     if method == "p2p":
-        return steps * sr.seconds(s) + L * f_apply
+        return steps * relay.seconds(s) + L * f_apply
     if method == "allgather":
         return ag.seconds(recv, math.ceil(math.log2(P))) + (L - 1) * f_apply
     if method == "grouped_allgather_p2p":
         g = group_size
         gather = (g - 1) * n * D * HV * K * (K + V) * 4
         hops = steps - (g > 1)                  # sequential state hand-overs between groups
-        t = hops * sr.seconds(s) + (L - 1) * f_apply
+        t = hops * relay.seconds(s) + (L - 1) * f_apply
         return t + (ag.seconds(gather, math.ceil(math.log2(g))) if g > 1 else 0.0)
     if method == "recursive_doubling":
         return sr.seconds(recv, steps) + steps * n * f_compose
