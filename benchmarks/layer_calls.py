@@ -47,7 +47,8 @@ def _build(kind, hidden, cp_group, solo):
 
     config = TransformerConfig(num_attention_heads=4, **common)
     cls = GatedDeltaNet if kind == "gdn" else KimiDeltaAttention
-    return cls(config, None, layer_number=1, pg_collection=pgs, num_key_heads=4, key_head_dim=8)
+    return cls(config, None, layer_number=1, pg_collection=pgs, num_key_heads=4, key_head_dim=8,
+               num_value_heads=4, value_head_dim=8)
 
 
 def _packed(seq, thd):

@@ -2,7 +2,10 @@
 
 megatron-core assumes CUDA in a few places (RNG tracker, current_device, synchronize). On a CPU-only
 machine (tests, the gloo example) :func:`apply_cpu_shims` redirects those to CPU; on GPU/NPU it does
-nothing. Nothing here changes numerics.
+nothing. It also flushes denormal floats to zero on this thread and the threads it starts later
+(``torch.set_flush_denormal``): the delta-rule kernels multiply strongly decayed terms whose products fall below
+1.2e-38, and x86 CPUs compute with such operands up to 300x slower (a [32,64,64] batched matmul: 0.12 ms vs
+37 ms); GPUs run them at full speed. This changes results by less than 1.2e-38 absolute (2.2e-308 in fp64).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ def apply_cpu_shims(seed: int | None = None) -> bool:
         torch.cuda.current_device = lambda: torch.device("cpu")
         torch.cuda.synchronize = lambda *args, **kwargs: None
         _applied = True
+    torch.set_flush_denormal(True)
     from megatron.core.tensor_parallel import random as tp_random
 
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)

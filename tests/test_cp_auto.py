@@ -133,17 +133,23 @@ def test_layout_imbalance_of_packed_documents():
 
 def test_zigzag_packed_documents_count_every_piece():
     """Zigzag THD cuts every document into 2P parts: 16 documents of 256 tokens give each of P=4 ranks 32 pieces
-    of 32 tokens, each padded to a 64-token chunk, twice the work of one 4096-token row; Ulysses keeps whole
-    documents (no padding)."""
+    of 32 tokens. With FLA's 64-token chunks (native summaries) each is padded to a chunk, twice the work of one
+    4096-token row; the eager kernels chunk them by 32 (no padding, smaller intra-chunk products). Ulysses keeps
+    whole documents (no padding)."""
     cal = synthetic(1e-6, 1e12, op_rate=1e10)
-    kw = dict(kind="kda", batch=1, seq_len=4096, heads=4, value_heads=4, k_dim=64, v_dim=64)
-    docs = DeltaLayerShape(cu_seqlens=tuple(range(0, 4097, 256)), **kw)
-    row = DeltaLayerShape(**kw)
-    for cand in (Candidate("p2p"), Candidate("allgather")):
-        ratio = predict_delta(docs, 4, cand, cal)["compute"] / predict_delta(row, 4, cand, cal)["compute"]
-        assert ratio == pytest.approx(2.0, rel=1e-6)
-    assert predict_delta(docs, 4, Candidate("ulysses"), cal)["compute"] == pytest.approx(
-        predict_delta(row, 4, Candidate("ulysses"), cal)["compute"])
+    for native in (True, False):
+        kw = dict(kind="kda", batch=1, seq_len=4096, heads=4, value_heads=4, k_dim=64, v_dim=64,
+                  native_summaries=native)
+        docs = DeltaLayerShape(cu_seqlens=tuple(range(0, 4097, 256)), **kw)
+        row = DeltaLayerShape(**kw)
+        width = 64 if native else 128                     # the generic path's one pass is V + K wide
+        expected = 2.0 if native else (2 * 32 * (3 * 64 + width) + 6 * 64 * width) / (
+            2 * 64 * (3 * 64 + width) + 6 * 64 * width)
+        for cand in (Candidate("p2p"), Candidate("allgather")):
+            ratio = predict_delta(docs, 4, cand, cal)["compute"] / predict_delta(row, 4, cand, cal)["compute"]
+            assert ratio == pytest.approx(expected, rel=1e-6), native
+        assert predict_delta(docs, 4, Candidate("ulysses"), cal)["compute"] == pytest.approx(
+            predict_delta(row, 4, Candidate("ulysses"), cal)["compute"])
     assert rank_candidates(docs, 4, cal).choice == Candidate("ulysses")
 
 
@@ -346,7 +352,7 @@ def test_calibration_measures_then_reuses_the_file(ranks):
     (key,) = data
     assert key.startswith(f"P={P}|hosts=1x{P}|gloo|") and key.endswith(f"|{FORMAT}")
     kernels = data[key]["kernels"]
-    assert sorted(kernels["gdn/eager/K8/V8/float32"]) == ["gemm", "op", "summary"]
+    assert sorted(kernels["gdn/eager/K8/V8/float32"]) == ["gemm", "op"]   # eager: no native summaries
     assert list(kernels["gdn/eager/K8/V8/float32/H4/HV4/hidden32/layer"]) == ["rest"]
 
 

@@ -206,10 +206,12 @@ def _gemm_calls(device, dtype, hidden) -> tuple[list, list]:
 def calibrate_kernel(calibration: Calibration, group, *, kind: str, backend: str, k_dim: int, v_dim: int,
                      dtype: torch.dtype, hidden: int = 256) -> dict:
     """Add ``calibration.kernels[kernel_key]`` = {"op": the delta-rule op forward + backward with the mixers'
-    in-kernel flags (FLOPs as ``cost_model.delta_flops`` x 3), "summary": the generic summary pass (values
-    [v | 0_K], FLOPs at width K + V), "gemm": a dense matmul forward + backward}, each timed on all ranks at
-    once (``time_concurrently``; collective)."""
+    in-kernel flags (FLOPs as ``cost_model.delta_flops`` x 3), "summary" (backends with native CP summaries,
+    ``NATIVE_CP``): the summary pass (values [v | 0_K], FLOPs at width K + V), "gemm": a dense matmul forward +
+    backward}, each timed on all ranks at once (``time_concurrently``; collective). The generic CP path is an
+    op pass at width K + V, priced on the "op" fit."""
     from layers.cp.cost_model import delta_flops, kernel_key
+    from layers.cp.state_parallel import NATIVE_CP
     from layers.ops import chunk_gated_delta_rule, chunk_kda
     from layers.ops.summary import segment_summary
 
@@ -228,17 +230,20 @@ def calibrate_kernel(calibration: Calibration, group, *, kind: str, backend: str
             o, _ = fn(q, k, v, g, beta, backend=backend, **flags)
             o.float().sum().backward()
 
-        def run_summary(q, k, v, g, beta):   # the generic CP path's extra pass: final states of [v | 0] from [0 | I]
+        def run_summary(q, k, v, g, beta):   # final states of [v | 0] from [0 | I]
             M, E = segment_summary(kind, k, v, g, beta, backend=backend, **flags)
             (M.sum() + E.sum()).backward()
         op_calls.append(lambda run=run_op, inputs=inputs: run(*inputs))
-        summary_calls.append(lambda run=run_summary, inputs=inputs: run(*inputs))
         op_flops.append(3 * delta_flops(tokens, heads, k_dim, v_dim))
-        summary_flops.append(3 * delta_flops(tokens, heads, k_dim, k_dim + v_dim))
+        if backend in NATIVE_CP:
+            summary_calls.append(lambda run=run_summary, inputs=inputs: run(*inputs))
+            summary_flops.append(3 * delta_flops(tokens, heads, k_dim, k_dim + v_dim))
     gemm_flops, gemm_calls = _gemm_calls(device, dtype, hidden)
     ts = time_concurrently(op_calls + summary_calls + gemm_calls, group, device)
-    fits = {"op": fit_line(op_flops, ts[:2]), "summary": fit_line(summary_flops, ts[2:4]),
-            "gemm": fit_line(gemm_flops, ts[4:])}
+    n_sum = len(summary_calls)
+    fits = {"op": fit_line(op_flops, ts[:2]), "gemm": fit_line(gemm_flops, ts[2 + n_sum:])}
+    if n_sum:
+        fits["summary"] = fit_line(summary_flops, ts[2:2 + n_sum])
     calibration.kernels[key] = fits
     return fits
 

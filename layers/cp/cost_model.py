@@ -10,8 +10,8 @@ op and of the dense projections (also ``LinearFit``s). ``layers.cp.calibration``
 each group size, each Ulysses degree dividing the heads, the hybrids); ``predict_delta`` gives the forward +
 backward time of one layer per rank under a configuration: the exchange (from ``state_scan_comm``), the
 sequential folds, the Ulysses all-to-alls and the compute of the slowest rank in the layout (its chunk-padded
-local pieces, plus the summary pass of the state methods). ``mla_candidates`` / ``predict_mla`` do the same
-for the MLA strategies. ``benchmarks/cp_comm.py`` evaluates ``state_exchange_seconds`` with fixed constants.
+local pieces; for the state methods the generic path's V+K-wide pass, or the native summary pass).
+``mla_candidates`` / ``predict_mla`` do the same for the MLA strategies. ``benchmarks/cp_comm.py`` evaluates ``state_exchange_seconds`` with fixed constants.
 """
 from __future__ import annotations
 
@@ -210,6 +210,12 @@ def _padded(pieces, chunk: int = CHUNK) -> int:
     return sum(-(-int(p) // chunk) * chunk for p in pieces if p > 0)
 
 
+def _eager_chunk(pieces) -> int:
+    """The eager kernels' chunk for these pieces (layers/ops/eager/chunking.py)."""
+    longest = max((int(p) for p in pieces), default=1)
+    return min(CHUNK, 1 << max(longest - 1, 0).bit_length())
+
+
 def _rank_pieces(shape: DeltaLayerShape, Q: int, layout: str) -> list:
     """Lengths of the local pieces of each of the Q state ranks (a list per rank, chunk padding not applied)."""
     import torch
@@ -246,8 +252,9 @@ def projection_flops(shape: DeltaLayerShape, tokens: float) -> float:
 def predict_delta(shape: DeltaLayerShape, world_size: int, cand: Candidate, calibration: Calibration) -> dict:
     """Predicted forward + backward seconds of one layer per rank: ``{"total", "comm", "compute"}``.
 
-    Compute = the slowest state rank's chunk-padded local pass (and, for state methods, its summary pass with
-    values [v | 0_K]) at the calibrated kernel rates, plus the rest of the layer on the local tokens (the
+    Compute = the slowest state rank's chunk-padded local pass at the calibrated kernel rates (for state methods
+    on the generic path one pass with values [v | 0_K]; with native summaries the pass plus half a summary
+    pass), plus the rest of the layer on the local tokens (the
     measured ``layer_key`` fit when the calibration has one, else the projections' FLOPs); comm = the state
     scan forward and backward, and for Ulysses two all-to-all rounds per pass (5 tensors in, the output back).
     """
@@ -261,15 +268,21 @@ def predict_delta(shape: DeltaLayerShape, world_size: int, cand: Candidate, cali
         raise ValueError(f"calibration has no kernel fit for {shape.kernel}; calibrate it first "
                          "(layers.cp.calibration.calibrate_kernel)")
     op, gemm = fits["op"], fits["gemm"]
-    summary = fits.get("summary", op)
     pieces = _rank_pieces(shape, Q, inner)
-    worst = max(_padded(p) for p in pieces)
-    flops = 3 * delta_flops(worst, HVu, shape.k_dim, shape.v_dim)                  # forward + backward
-    compute = op.seconds(flops)
-    if Q > 1:
-        width = shape.v_dim + shape.k_dim                                          # values [v | 0_K]
-        sfl = 3 * delta_flops(worst, HVu, shape.k_dim, width)
-        compute += summary.seconds(sfl / (2 if shape.native_summaries else 1))
+    native = shape.native_summaries
+
+    def worst_flops(width):   # forward FLOPs of the slowest rank's pass at value width ``width``
+        # the eager kernels chunk by the smallest power of two that holds the longest piece (at most CHUNK)
+        chunks = [CHUNK if native else _eager_chunk(p) for p in pieces]
+        return max(delta_flops(_padded(p, c), HVu, shape.k_dim, width, chunk=c) for p, c in zip(pieces, chunks))
+
+    width = shape.v_dim + shape.k_dim                                              # values [v | 0_K]
+    if Q > 1 and not native:                   # the generic path: one op pass of width V+K gives both
+        compute = op.seconds(3 * worst_flops(width))                               # forward + backward
+    else:
+        compute = op.seconds(3 * worst_flops(shape.v_dim))
+        if Q > 1:                              # native summaries: about half a pass of width V+K
+            compute += fits.get("summary", op).seconds(3 * worst_flops(width) / 2)
     tokens_local = shape.batch * shape.seq_len / P
     rest = calibration.kernels.get(shape.layer_key)
     if rest is not None:                    # measured: the layer at CP = 1 minus its op, per token

@@ -52,6 +52,10 @@ class ChainPlan:
         exit_has_transition: bool [D, n_own]; False where a document starts inside the segment after its
             first token, so the state leaving the segment does not depend on the state entering it (M = 0).
         segment_bounds: int64 [D, n_own, 2]; [start, end) of each own segment in flattened local tokens.
+        entry_tokens: int64 [n_ch, C]; the entry pieces' tokens (flattened local ids) in chunks of C tokens, a chunk
+            never spanning two pieces; padding slots hold B * T_local. entry_segment: int64 [n_ch]; the own
+            segment (flattened ``[D, n_own]`` index) of each chunk. entry_valid: int64 [n_valid], the non-padding
+            slots of ``entry_tokens.reshape(-1)``, or None without padding. Where the incoming state is applied.
         local_token_ids: int64 [B * T_local]; the global flat token id of every local token in local order
             (``b * T + t`` for BSHD, ``t`` for THD).
         seq_index: int64 [T_local]; indices along the sequence dimension of a global tensor that give this
@@ -74,6 +78,9 @@ class ChainPlan:
     exit_piece: torch.Tensor
     exit_has_transition: torch.Tensor
     segment_bounds: torch.Tensor
+    entry_tokens: torch.Tensor
+    entry_segment: torch.Tensor
+    entry_valid: torch.Tensor | None
     local_token_ids: torch.Tensor
     seq_index: torch.Tensor
     batch: int
@@ -217,6 +224,22 @@ def build_chain_plan(world_size: int, rank: int, layout: str, *, batch: int, seq
     return _build_cached(world_size, rank, layout, batch, seq_len, None if cu is None else tuple(cu.tolist()))
 
 
+def _entry_chunks(local_cu: torch.Tensor, entry: torch.Tensor, num_tokens: int, max_chunk: int = 64):
+    """(tokens [n_ch, C], segment [n_ch], valid slots or None) of the pieces ``entry`` (one per segment) cut into
+    chunks of C = min(max_chunk, longest piece) tokens; padding slots hold ``num_tokens``."""
+    starts = local_cu[entry]
+    lengths = local_cu[entry + 1] - starts
+    C = max(1, min(max_chunk, int(lengths.max())))
+    per_piece = (lengths + C - 1) // C
+    segment = torch.repeat_interleave(torch.arange(entry.numel()), per_piece)
+    first = torch.cumsum(per_piece, 0) - per_piece
+    offset = (torch.arange(segment.numel()) - first[segment])[:, None] * C + torch.arange(C)
+    inside = offset < lengths[segment][:, None]
+    tokens = torch.where(inside, starts[segment][:, None] + offset, num_tokens)
+    valid = None if bool(inside.all()) else inside.reshape(-1).nonzero().squeeze(1)
+    return tokens, segment, valid
+
+
 @lru_cache(maxsize=256)
 def _build_cached(P, r, layout, B, T, cu_key) -> ChainPlan:
     owners = chain_owners(P, layout)
@@ -272,8 +295,10 @@ def _build_cached(P, r, layout, B, T, cu_key) -> ChainPlan:
         link[0, :-1] = ~starts_doc
     seg_lo = local_cu[entry]
     seg_hi = local_cu[exit_ + 1]
+    entry_tokens, entry_segment, entry_valid = _entry_chunks(local_cu, entry.reshape(-1), B * T_loc)
     return ChainPlan(world_size=P, rank=r, layout=layout, num_chains=D, chain_length=L, owners=owners,
                      own_positions=own, owner_slot=tuple(slot), link_mask=link, local_cu_seqlens=local_cu,
                      entry_piece=entry, exit_piece=exit_, exit_has_transition=has_tr,
-                     segment_bounds=torch.stack([seg_lo, seg_hi], dim=-1), local_token_ids=local_token_ids,
+                     segment_bounds=torch.stack([seg_lo, seg_hi], dim=-1), entry_tokens=entry_tokens,
+                     entry_segment=entry_segment, entry_valid=entry_valid, local_token_ids=local_token_ids,
                      seq_index=seq_index, batch=B, seq_len=T, local_len=T_loc)

@@ -1,23 +1,26 @@
 """Context parallelism for GDN/KDA ops: Ulysses head exchange and/or state passing on affine summaries.
 
 For a rank's shard (in the layout's local order) the state methods run three steps, all differentiable:
-1. summaries: the backend op over the local pieces with values [v | 0_K] and initial state [0 | I_K]
-   gives, per piece, the final state [E | M] (S_out = M S_in + E); the exit piece of each own chain
-   position supplies that position's summary (M := 0 where a document starts inside the segment, and both
-   are zeroed where the chain link to the next position is cut);
+1. one pass of the backend op over the local pieces with values [v | 0_K] and initial state [0 | I_K] gives,
+   per piece, the final state [E | M] (S_out = M S_in + E) and the outputs o_aug = [o_0 | o_M]; the exit piece
+   of each own chain position supplies that position's summary (M := 0 where a document starts inside the
+   segment, and both are zeroed where the chain link to the next position is cut);
 2. exchange: ``ChainScan`` folds the summaries of all earlier positions (any method) into S_in per own
    position; its backward sends (M^T, dS_in) the other way;
-3. the local op with initial_state = S_in at each entry piece (zero elsewhere).
+3. outputs are linear in the initial state: o = o_0 + o_M S_in on the tokens of each entry piece (o_0
+   elsewhere), in fp32 (``apply_entry_states``).
 Ulysses (alone or as the outer level of the hybrid) exchanges sequence for heads first and back after.
 """
 from __future__ import annotations
 
 import importlib
 
+import torch
+
 from layers.cp.chain import chain_scan
 from layers.cp.ulysses import heads_to_seq, seq_to_heads
 from layers.ops.backends import get_backend
-from layers.ops.summary import augmented_final_states
+from layers.ops.summary import augmented_pass
 
 # backends whose kernels write CP summaries natively run their own decomposition (module, function ``state_passing_cp``)
 NATIVE_CP = {"triton": "layers.cp.triton", "ascendc": "layers.cp.ascendc"}
@@ -39,14 +42,31 @@ def _state_passing(kind, backend, ctx, plan, q, k, v, g, beta, scale, flags):
     HV, V = v.shape[2], v.shape[3]
     flat = lambda x: x.reshape(1, B * T, *x.shape[2:])   # noqa: E731  pieces index flattened tokens
     q1, k1, v1, g1, b1 = map(flat, (q, k, v, g, beta))
-    cu = plan.local_cu_seqlens
-    final = augmented_final_states(kind, impl, k1, v1, g1, b1, cu, flags)                 # [n_pieces, HV, K, V+K]
-    M, E = plan.own_summaries(final)
-    init = plan.entry_states(chain_scan(M, E, ctx, plan))
-    fn = impl.chunk_gated_delta_rule if kind == "gdn" else impl.chunk_kda
-    o, _ = fn(q1, k1, v1, g1, b1, scale=scale, initial_state=init, output_final_state=False, cu_seqlens=cu,
-              **flags)
+    o_aug, final = augmented_pass(kind, impl, q1, k1, v1, g1, b1, plan.local_cu_seqlens, scale, flags)
+    M, E = plan.own_summaries(final)                                   # final [n_pieces, HV, K, V+K]
+    o = apply_entry_states(o_aug[0], chain_scan(M, E, ctx, plan), plan)
     return o.view(B, T, HV, V)
+
+
+def apply_entry_states(o_aug: torch.Tensor, S_in: torch.Tensor, plan) -> torch.Tensor:
+    """o [n_tok, HV, V] = o_aug[..., :V] + o_aug[..., V:] @ S_in of the token's segment on the tokens of the entry
+    pieces (``plan.entry_tokens``), o_aug[..., :V] elsewhere; summed in S_in's dtype, returned in o_aug's.
+
+    o_aug: [n_tok, HV, V+K] from ``augmented_pass``; S_in: [D, n_own, HV, K, V] from the chain scan.
+    """
+    n_tok, HV, _ = o_aug.shape
+    K, V = S_in.shape[-2:]
+    tokens = plan.entry_tokens.to(o_aug.device)
+    C = tokens.shape[1]
+    slots = tokens.reshape(-1)
+    o_m = torch.cat([o_aug[:, :, V:], o_aug.new_zeros(1, HV, K)]).index_select(0, slots)
+    o_m = o_m.view(-1, C, HV, K).transpose(1, 2).to(S_in.dtype)                        # [n_ch, HV, C, K]
+    S = S_in.reshape(-1, HV, K, V).index_select(0, plan.entry_segment.to(S_in.device))  # [n_ch, HV, K, V]
+    carried = (o_m @ S).transpose(1, 2).reshape(-1, HV, V)
+    if plan.entry_valid is not None:
+        valid = plan.entry_valid.to(o_aug.device)
+        slots, carried = slots.index_select(0, valid), carried.index_select(0, valid)
+    return o_aug[:, :, :V].to(S_in.dtype).index_add(0, slots, carried).to(o_aug.dtype)
 
 
 def delta_rule_with_cp(kind, backend, ctx, q, k, v, g, beta, *, scale, **flags):

@@ -37,13 +37,16 @@ class ChunkLayout:
 
 
 @lru_cache(maxsize=64)
-def _build(batch: int, seq_len: int, cu_key: tuple | None, chunk_size: int) -> ChunkLayout:
+def _build(batch: int, seq_len: int, cu_key: tuple | None, max_chunk: int) -> ChunkLayout:
     if cu_key is None:
         starts = torch.arange(batch, dtype=torch.int64) * seq_len
         lengths = torch.full((batch,), seq_len, dtype=torch.int64)
     else:
         cu = torch.tensor(cu_key, dtype=torch.int64)
         starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+    # sequences all shorter than max_chunk take the smallest power of two that holds the longest: less padding
+    longest = int(lengths.max()) if len(lengths) else 1
+    chunk_size = min(max_chunk, 1 << max(longest - 1, 0).bit_length())
     num_tokens = batch * seq_len
     chunks = (lengths + chunk_size - 1) // chunk_size
     order = torch.argsort(-chunks, stable=True)
@@ -68,17 +71,20 @@ def _build(batch: int, seq_len: int, cu_key: tuple | None, chunk_size: int) -> C
                        tuple(offsets.tolist()), tuple(counts.tolist()), cu_key is None)
 
 
-def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, chunk_size: int,
+def chunk_layout(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, max_chunk: int,
                  device) -> ChunkLayout:
-    """Layout for [B, T] input (or [1, T] with CPU ``cu_seqlens``), cached per shape and boundaries."""
+    """Layout for [B, T] input (or [1, T] with CPU ``cu_seqlens``), cached per shape and boundaries.
+
+    Chunks hold ``max_chunk`` tokens, or the smallest power of two that holds the longest sequence when that is
+    shorter (a CP rank's pieces of short documents are not padded to a whole chunk)."""
     key = None if cu_seqlens is None else tuple(cu_seqlens.tolist())
-    return _on_device(batch, seq_len, key, chunk_size, str(torch.device(device)))
+    return _on_device(batch, seq_len, key, max_chunk, str(torch.device(device)))
 
 
 @lru_cache(maxsize=64)
-def _on_device(batch, seq_len, cu_key, chunk_size, device: str) -> ChunkLayout:
+def _on_device(batch, seq_len, cu_key, max_chunk, device: str) -> ChunkLayout:
     """The cached layout with its index tensors on ``device`` (copied once, not per call)."""
-    return _build(batch, seq_len, cu_key, chunk_size).to(device)
+    return _build(batch, seq_len, cu_key, max_chunk).to(device)
 
 
 def to_chunks(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
