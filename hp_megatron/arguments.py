@@ -95,7 +95,7 @@ def hp_config_from_args(args) -> dict:
                          f"(got {args.hp_cp_method!r} / {args.hp_mla_cp!r})")
     if args.hp_kda_lower_bound is not None and args.hp_kda_lower_bound >= 0:
         raise ValueError(f"--hp-kda-lower-bound must be negative, got {args.hp_kda_lower_bound}")
-    return {
+    fields = {
         "hp_layer_pattern": args.hp_layer_pattern,
         "linear_num_key_heads": key_heads,
         "linear_num_value_heads": value_heads,
@@ -119,6 +119,9 @@ def hp_config_from_args(args) -> dict:
         "v_head_dim": args.hp_mla_v_head_dim or hidden // heads,
         "rope_type": args.hp_mla_rope_type,
     }
+    if getattr(args, "rotary_base", None) is not None:   # --rotary-base: the MLA layers' RoPE base too
+        fields["rotary_base"] = float(args.rotary_base)
+    return fields
 
 
 def validate_hp_args(args) -> None:

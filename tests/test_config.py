@@ -127,6 +127,9 @@ def test_example_configs_keep_megatron_fields(monkeypatch, tmp_path):
     config = pretrain_hybrid.build_config(args, 64)
     assert_megatron_fields_kept(seen[-1], config, hp_config_from_args(args))
     assert (config.hp_layer_pattern, config.rope_type, config.kv_lora_rank) == ("GKMA", "none", 16)
+    assert config.rotary_base == 10000.0
+    args = pretrain_hybrid.parse_args([*tiny, "--hp-layer-pattern", "KKKM", "--rotary-base", "50000"])
+    assert pretrain_hybrid.build_config(args, 64).rotary_base == 50000.0   # the MLA layers' RoPE base too
     for arch in sorted(TINY_ARCHITECTURES):
         _, hf = tiny_hf_config(arch)
         hf.save_pretrained(tmp_path / arch)
