@@ -5,12 +5,15 @@ CP groups of 4 in a world of 8, both of megatron's shapes: blocks {0..3}, {4..7}
 4-5 and 1-3 local groups of the very ranks of later sub-groups, ranks 4-7 build a context on their block first.
 torch names a local group (``use_local_synchronization=True``) from its ranks and how many groups the process
 holds, so sub-groups made by their members alone (the code before ``register_cp_subgroups``) hang here. Now:
-an unregistered hybrid context on a smaller-than-world CP group raises on every member; after one collective
-``register_cp_subgroups`` (the ranks asking for different configurations) every hybrid Ulysses x state,
+an unregistered hybrid context on a smaller-than-world CP group raises on every member; after the collective
+``register_cp_subgroups_from_args`` (the ``--hp-*`` flags) and ``register_cp_subgroups`` (the ranks asking for
+different configurations) every hybrid Ulysses x state,
 grouped all-gather and Ulysses context on every CP group works (an all_reduce over each sub-group); on the whole
 world the sub-groups are created on demand by every rank, also while only some ranks use another CP group.
 """
 from __future__ import annotations
+
+from argparse import Namespace
 
 import pytest
 import torch
@@ -45,6 +48,7 @@ def _contexts(cp_group) -> dict:
 
 
 def _worker(rank, world_size):
+    from hp_megatron.cp_subgroups import register_cp_subgroups_from_args
     from layers.cp import build_cp_context, register_cp_subgroups
 
     out = {}
@@ -69,6 +73,9 @@ def _worker(rank, world_size):
         out["unregistered"] = str(err)
 
     case_started("register")
+    flags = Namespace(hp_cp_method="grouped_allgather_p2p", hp_cp_group_size=2, hp_ulysses_degree=None,
+                      context_parallel_size=4)
+    out["registered_flags"] = register_cp_subgroups_from_args(flags, cp_groups=[block])
     if rank < 4:   # the ranks ask for different things; the union is registered on every rank
         made = register_cp_subgroups([block, stride], method="auto")
     else:
@@ -111,14 +118,18 @@ def test_unregistered_smaller_cp_group_raises_on_every_member(results):
 
 
 def test_registration_is_the_union_and_the_same_on_every_rank(results):
-    made = results[0]["registered"]
-    assert all(out["registered"] == made for out in results)
+    flags, made = results[0]["registered_flags"], results[0]["registered"]
+    assert all(out["registered_flags"] == flags and out["registered"] == made for out in results)
     assert all(out["registered_again"] == [] for out in results)
-    members = {tuple(r) for r in made}
+    # --hp-cp-method grouped_allgather_p2p --hp-cp-group-size 2 on both blocks: their all-gather pairs
+    assert flags == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    members = set(made)
+    assert not members & set(flags) and len(members) == len(made)   # nothing twice
     # ranks 4-7 asked only for U=2 on their block; ranks 0-3 for "auto" on {0..3} and both interleaved groups
-    assert {(4, 5), (6, 7), (4, 6), (5, 7)} <= members and {(0, 1), (2, 3), (0, 2), (1, 3)} <= members
+    assert {(4, 6), (5, 7), (0, 2), (1, 3)} <= members           # block U=2 state groups
     assert {(0, 4), (2, 6), (1, 5), (3, 7)} <= members          # interleaved U=2 state groups
-    assert not any(len(r) < 2 for r in members) and len(members) == len(made)
+    assert not any(len(r) < 2 for r in members)
+    assert (0, 1, 2, 3) not in members and (4, 5, 6, 7) not in members   # no sub-group is the CP group itself
 
 
 @pytest.mark.parametrize("layout", ["block", "interleaved"])
