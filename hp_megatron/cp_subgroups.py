@@ -7,19 +7,20 @@ provider): without it, a hybrid Ulysses or grouped all-gather context on a CP gr
 """
 from __future__ import annotations
 
+import math
+
 
 def _model_cp_groups(args) -> list:
     """This rank's CP groups: megatron's, and with ``--hybrid-context-parallel`` the DP x CP groups of every
-    size a micro-batch's ``PackedSeqParams.cp_group`` may be (megatron makes powers of two up to DP x CP)."""
+    size a micro-batch's ``PackedSeqParams.cp_group`` may be."""
     from megatron.core import parallel_state
 
     groups = [parallel_state.get_context_parallel_group()]
     if getattr(args, "hybrid_context_parallel", False):
         dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-        size = 2
-        while size <= dp_cp:
+        # megatron's sizes (parallel_state.create_hybrid_dp_cp_groups): 2 .. 2**(floor(log2 n) - 1), and n itself
+        for size in [2 ** i for i in range(1, int(math.log2(dp_cp)))] + [dp_cp]:
             groups.append(parallel_state.get_hybrid_data_context_parallel_groups(group_size=size))
-            size *= 2
     return groups
 
 

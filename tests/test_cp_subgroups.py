@@ -82,6 +82,11 @@ def _worker(rank, world_size):
         made = register_cp_subgroups(block, method="p2p", ulysses_degree=2)
     out["registered"] = made
     out["registered_again"] = register_cp_subgroups([block, stride], method="auto")
+    for name, bad in (("bad_method", dict(method="zigzag")), ("bad_degree", dict(method="p2p", ulysses_degree=3))):
+        try:                                       # checked before any communication: no rank is left waiting
+            register_cp_subgroups(block, **bad)
+        except ValueError as err:
+            out[name] = str(err)
 
     for name, group in (("block", block), ("interleaved", stride)):
         case_started(name)
@@ -144,3 +149,9 @@ def test_world_subgroups_created_on_demand_meet(results):
     for rank, out in enumerate(results):
         assert out["world"] == _expected(list(range(WORLD)), rank), (rank, out["world"])
         assert out.get("pair") == (2 if rank < 2 else None)
+
+
+def test_registration_rejects_bad_configurations(results):
+    for out in results:
+        assert "method must be one of" in out["bad_method"] and "'zigzag'" in out["bad_method"], out
+        assert out["bad_degree"] == "ulysses_degree U=3 must divide the CP size P=4", out

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from layers.choices import CP_METHODS
+from layers.choices import CP_METHOD_CHOICES, CP_METHODS
 from layers.compat import process_group_alive
 
 
@@ -74,6 +74,8 @@ def partition(ranks: tuple, U: int, group_size: int | None) -> list:
 def _configurations(P: int, method: str, ulysses_degree: int | None, group_size: int | None) -> list:
     """``[(U, g or None)]`` that contexts of ``method`` on P ranks may build; ``"auto"``: every candidate of the
     cost model for any head count (U | P; the heads are checked when the context is built)."""
+    if method not in CP_METHOD_CHOICES:
+        raise ValueError(f"method must be one of {CP_METHOD_CHOICES}, got {method!r}")
     if method != "auto":
         U = hybrid_degrees(P, method, group_size, ulysses_degree)
         return [(U, group_size if method == "grouped_allgather_p2p" else None)]
