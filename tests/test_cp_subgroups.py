@@ -82,8 +82,10 @@ def _worker(rank, world_size):
         made = register_cp_subgroups(block, method="p2p", ulysses_degree=2)
     out["registered"] = made
     out["registered_again"] = register_cp_subgroups([block, stride], method="auto")
-    for name, bad in (("bad_method", dict(method="zigzag")), ("bad_degree", dict(method="p2p", ulysses_degree=3))):
-        try:                                       # checked before any communication: no rank is left waiting
+    somewhere = dict(method="p2p", ulysses_degree=3 if rank >= 4 else 2)     # invalid on ranks 4-7 only
+    for name, bad in (("bad_method", dict(method="zigzag")), ("bad_degree", dict(method="p2p", ulysses_degree=3)),
+                      ("bad_somewhere", somewhere)):
+        try:                                       # every rank raises: none is left waiting
             register_cp_subgroups(block, **bad)
         except ValueError as err:
             out[name] = str(err)
@@ -155,3 +157,7 @@ def test_registration_rejects_bad_configurations(results):
     for out in results:
         assert "method must be one of" in out["bad_method"] and "'zigzag'" in out["bad_method"], out
         assert out["bad_degree"] == "ulysses_degree U=3 must divide the CP size P=4", out
+    for rank, out in enumerate(results):
+        assert out["bad_somewhere"] == ("ulysses_degree U=3 must divide the CP size P=4" if rank >= 4 else
+                                        "register_cp_subgroups failed on rank 4: ulysses_degree U=3 must divide "
+                                        "the CP size P=4"), (rank, out["bad_somewhere"])

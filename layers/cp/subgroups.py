@@ -143,19 +143,30 @@ def register_cp_subgroups(groups=None, *, method: str, ulysses_degree: int | Non
     group_size: as ``build_cp_context``; ``method="auto"`` registers every configuration auto may choose.
     Ranks may name different groups and configurations: one ``all_gather_object`` over the world joins them and
     every rank creates the sub-groups of all of them (sorted, so in one order). Already registered ones are
-    skipped, so calling it again (e.g. once per virtual pipeline stage) creates nothing new.
+    skipped, so calling it again (e.g. once per virtual pipeline stage) creates nothing new. A configuration
+    that is invalid on any rank (ValueError/TypeError) raises on every rank, naming that rank.
     Returns the member ranks of the sub-groups created by this call (the same list on every rank).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("register_cp_subgroups needs an initialized torch.distributed process group")
     groups = groups if isinstance(groups, (list, tuple)) else [groups]
-    mine = set()
-    for group in groups:
-        ranks = cp_group_ranks(group)
-        # g = 0 for "not grouped": the requests are sorted, and None does not order against ints
-        mine.update((ranks, U, g or 0) for U, g in _configurations(len(ranks), method, ulysses_degree, group_size))
+    try:
+        mine = set()
+        for group in groups:
+            ranks = cp_group_ranks(group)
+            # g = 0 for "not grouped": the requests are sorted, and None does not order against ints
+            mine.update((ranks, U, g or 0)
+                        for U, g in _configurations(len(ranks), method, ulysses_degree, group_size))
+        request = sorted(mine)
+    except (TypeError, ValueError) as err:      # sent too: every rank raises, none waits in a later collective
+        request = err
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(mine))
+    dist.all_gather_object(everyone, request)
+    if isinstance(request, Exception):
+        raise request
+    failed = [(r, e) for r, e in enumerate(everyone) if isinstance(e, Exception)]
+    if failed:
+        raise ValueError(f"register_cp_subgroups failed on rank {failed[0][0]}: {failed[0][1]}")
     wanted = {}                                  # ordered set of rank tuples, first use first
     for ranks, U, g in sorted(set().union(*map(set, everyone))):
         wanted.update((r, None) for r in partition(ranks, U, g or None) if len(r) > 1)
