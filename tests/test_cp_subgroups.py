@@ -82,6 +82,8 @@ def _worker(rank, world_size):
         made = register_cp_subgroups(block, method="p2p", ulysses_degree=2)
     out["registered"] = made
     out["registered_again"] = register_cp_subgroups([block, stride], method="auto")
+    solo = {r: dist.new_group([r]) for r in range(world_size)}[rank]     # e.g. megatron's CP group at CP = 1
+    out["registered_solo"] = register_cp_subgroups(solo, method="p2p", ulysses_degree=2)
     somewhere = dict(method="p2p", ulysses_degree=3 if rank >= 4 else 2)     # invalid on ranks 4-7 only
     for name, bad in (("bad_method", dict(method="zigzag")), ("bad_degree", dict(method="p2p", ulysses_degree=3)),
                       ("bad_somewhere", somewhere)):
@@ -127,7 +129,7 @@ def test_unregistered_smaller_cp_group_raises_on_every_member(results):
 def test_registration_is_the_union_and_the_same_on_every_rank(results):
     flags, made = results[0]["registered_flags"], results[0]["registered"]
     assert all(out["registered_flags"] == flags and out["registered"] == made for out in results)
-    assert all(out["registered_again"] == [] for out in results)
+    assert all(out["registered_again"] == [] and out["registered_solo"] == [] for out in results)
     # --hp-cp-method grouped_allgather_p2p --hp-cp-group-size 2 on both blocks: their all-gather pairs
     assert flags == [(0, 1), (2, 3), (4, 5), (6, 7)]
     members = set(made)

@@ -139,7 +139,8 @@ def register_cp_subgroups(groups=None, *, method: str, ulysses_degree: int | Non
     group needs none.
 
     groups: the CP group(s) this rank may run contexts on (a process group or a list of them, e.g. megatron's CP
-    group and the per-batch ``PackedSeqParams.cp_group`` candidates; None = WORLD). method, ulysses_degree,
+    group and the per-batch ``PackedSeqParams.cp_group`` candidates; None = WORLD; one-rank groups are skipped).
+    method, ulysses_degree,
     group_size: as ``build_cp_context``; ``method="auto"`` registers every configuration auto may choose.
     Ranks may name different groups and configurations: one ``all_gather_object`` over the world joins them and
     every rank creates the sub-groups of all of them (sorted, so in one order). Already registered ones are
@@ -154,6 +155,8 @@ def register_cp_subgroups(groups=None, *, method: str, ulysses_degree: int | Non
         mine = set()
         for group in groups:
             ranks = cp_group_ranks(group)
+            if len(ranks) == 1:                  # a one-rank CP group runs no CP context: nothing to create
+                continue
             # g = 0 for "not grouped": the requests are sorted, and None does not order against ints
             mine.update((ranks, U, g or 0)
                         for U, g in _configurations(len(ranks), method, ulysses_degree, group_size))
