@@ -35,6 +35,7 @@ if HERE not in sys.path:
 from checkpointing import TRACKER, find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from cli import parse_args, quiet_known_warnings, run_reporting_errors, same_on_every_rank  # noqa: E402,F401 (parse_args: API)
 from hp_megatron.arguments import apply_hp_config  # noqa: E402
+from hp_megatron.cp_subgroups import register_cp_subgroups_from_args  # noqa: E402
 from hp_megatron.platform import apply_cpu_training_shims  # noqa: E402
 from training import (BatchLoader, ProgressDisplay, TorchOptimizer, build_datasets, describe_data,  # noqa: E402
                       log_line, reduce_lm_loss, validation_log_lines)
@@ -43,7 +44,7 @@ DEFAULT_DATA_DIR = os.path.join(REPO, "out", "data", "pydoc")
 
 
 def initialize(args):
-    """Process group, megatron parallel state, seeds. Returns the device."""
+    """Process group, megatron parallel state, the CP sub-groups, seeds. Returns the device."""
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -58,6 +59,7 @@ def initialize(args):
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size)
     args.data_parallel_size = parallel_state.get_data_parallel_world_size()
+    register_cp_subgroups_from_args(args)   # every rank, here: CP groups smaller than the world need it
     if on_gpu:
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     torch.manual_seed(args.seed)

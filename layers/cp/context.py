@@ -1,7 +1,8 @@
 """CP contexts: one object that carries the group, method, layout, sub-groups, plans and comm accounting.
 
 ``build_cp_context(group, method=..., layout=..., cu_seqlens=None, group_size=None, ulysses_degree=None)``
-validates the configuration, creates (once, cached) the sub-groups the method needs and returns a
+validates the configuration, takes the sub-groups the method needs (``layers.cp.subgroups``: registered
+with ``register_cp_subgroups``, or created by every rank when the CP group is the world) and returns a
 ``CPContext`` that the ops take as ``cp_context=``. ``shard`` / ``unshard`` map global tensors to this rank's
 local order (Megatron's) and back.
 
@@ -19,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from layers.choices import CP_METHODS
-from layers.compat import process_group_alive
 from layers.cp.accounting import CommStats
 from layers.cp.chain import STATE_METHODS, ChainComm
 from layers.cp.collectives import all_gather, group_rank
@@ -28,55 +28,9 @@ from layers.cp.halo import causal_conv1d_with_cp
 from layers.cp.plan import build_chain_plan, check_divisibility, check_layout, normalize_global_cu_seqlens
 from layers.cp.sequence import sequence_plan
 from layers.cp.state_parallel import delta_rule_with_cp
+from layers.cp.subgroups import cp_group_ranks, cp_subgroups, hybrid_degrees
 
 METHODS = CP_METHODS
-
-_SUBGROUPS: dict = {}
-
-
-def _partition(ranks: tuple, U: int, group_size: int | None) -> list:
-    """Every sub-group (sorted global ranks) the layout needs, for ALL members of the CP group ``ranks``, in one
-    order: the Ulysses groups (1 < U < P), the state groups (U > 1), the all-gather groups (1 < g < P/U)."""
-    P = len(ranks)
-    Q = P // U
-    out = []
-    if 1 < U < P:
-        out += [tuple(ranks[q * U:(q + 1) * U]) for q in range(Q)]
-    states = [tuple(ranks[q * U + u] for q in range(Q)) for u in range(U)] if U > 1 else [ranks]
-    if U > 1:
-        out += [tuple(sorted(s)) for s in states]
-    if group_size is not None and 1 < group_size < Q:
-        out += [tuple(sorted(s[lo:lo + group_size])) for s in states for lo in range(0, Q, group_size)]
-    return out
-
-
-def _create_subgroups(ranks: tuple, U: int, group_size: int | None) -> dict:
-    """{sorted global ranks: process group} for the sub-groups this rank belongs to (cached).
-
-    When the CP group is the whole world, every rank creates every sub-group of the partition, in one order,
-    collectively (``new_group`` without local synchronization): their names come from torch's world-wide group
-    counter, so ranks that joined different groups before (other layouts, per-batch CP groups, local groups of
-    other libraries) still agree and nothing can hang. A CP group that is a part of the world cannot create
-    world-collective groups without every other rank taking part, so there the members alone create their own
-    sub-groups (``use_local_synchronization=True``; torch then names a group by its ranks and the number of
-    groups each member joined before, so members must have created the same groups before, as SPMD training
-    does).
-    """
-    world = dist.GroupMember.WORLD
-    collective = ranks == tuple(range(dist.get_world_size()))
-    wanted = _partition(ranks, U, group_size)
-    me = dist.get_rank()
-    key = lambda r: (id(world), collective, r)   # noqa: E731
-    cached = [_SUBGROUPS.get(key(r)) for r in wanted]
-    if any(pg is None or (pg is not dist.GroupMember.NON_GROUP_MEMBER and not process_group_alive(pg))
-           for r, pg in zip(wanted, cached) if not collective and me in r or collective):
-        for r in wanted:
-            if collective:
-                _SUBGROUPS[key(r)] = dist.new_group(list(r))    # every rank, every group, one order
-            elif me in r:
-                _SUBGROUPS[key(r)] = dist.new_group(list(r), use_local_synchronization=True)
-    return {r: _SUBGROUPS[key(r)] for r in wanted if me in r}
-
 
 @dataclass(eq=False)
 class CPContext:
@@ -169,7 +123,10 @@ class CPContext:
 def build_cp_context(group=None, *, method: str, layout: str, cu_seqlens=None, group_size: int | None = None,
                      ulysses_degree: int | None = None, conv_kernel_size: int | None = None,
                      stats: CommStats | None = None, auto_layer=None, calibration=None) -> CPContext:
-    """Validate a CP configuration and build its context (sub-groups created once and cached).
+    """Validate a CP configuration and build its context. Its sub-groups (Ulysses, state, gather) come from
+    ``layers.cp.subgroups``: on a CP group smaller than the world they must have been registered with
+    ``register_cp_subgroups`` (RuntimeError otherwise); on the whole world missing ones are created here, by
+    every rank (build the context on every rank).
 
     group: any torch.distributed process group (None = WORLD). method: one of ``METHODS``. layout:
     ``"zigzag" | "contiguous"``. cu_seqlens: GLOBAL packed boundaries when inputs are packed (THD).
@@ -187,44 +144,22 @@ def build_cp_context(group=None, *, method: str, layout: str, cu_seqlens=None, g
         chosen = auto_context_kwargs(group, auto_layer, layout, calibration=calibration, group_size=group_size,
                                      ulysses_degree=ulysses_degree)
         method, group_size, ulysses_degree = chosen["method"], chosen["group_size"], chosen["ulysses_degree"]
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     check_layout(layout)
+    if conv_kernel_size is not None and (not isinstance(conv_kernel_size, int) or isinstance(conv_kernel_size, bool)
+                                         or conv_kernel_size < 1):
+        raise ValueError(f"conv_kernel_size must be a positive int or None, got {conv_kernel_size!r}")
     group = dist.GroupMember.WORLD if group is None else group
     P, rank = _pg_size(group), group_rank(group)
-    for name, val in (("group_size", group_size), ("ulysses_degree", ulysses_degree),
-                      ("conv_kernel_size", conv_kernel_size)):
-        if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < 1):
-            raise ValueError(f"{name} must be a positive int or None, got {val!r}")
-    if method == "ulysses":
-        if ulysses_degree not in (None, P):
-            raise ValueError(f"method='ulysses' uses all P={P} ranks for Ulysses; ulysses_degree must be None "
-                             f"or {P}, got {ulysses_degree}")
-        U = P
-    else:
-        U = ulysses_degree or 1
-        if P % U != 0:
-            raise ValueError(f"ulysses_degree U={U} must divide the CP size P={P}")
+    U = hybrid_degrees(P, method, group_size, ulysses_degree)
     Q = P // U
-    if method == "grouped_allgather_p2p":
-        if group_size is None:
-            raise ValueError("method='grouped_allgather_p2p' needs group_size (ranks per all-gather group)")
-        if Q % group_size != 0:
-            raise ValueError(f"group_size={group_size} must divide the number of state ranks P/U={Q} "
-                             f"(P={P}, U={U})")
-    elif group_size is not None:
-        raise ValueError(f"group_size is only used by method='grouped_allgather_p2p', got it with {method!r}")
     cu = normalize_global_cu_seqlens(cu_seqlens)
     if cu is not None:
         check_divisibility(P, layout, int(cu[-1]), cu)
 
-    # sub-groups (global ranks): the whole partition, one order (see _create_subgroups)
-    ranks = tuple(dist.get_process_group_ranks(group))
-    if list(ranks) != sorted(ranks):
-        # sub-groups order their members by global rank; the rank arithmetic assumes the group does too
-        raise ValueError(f"the CP group must order its global ranks increasingly, got {list(ranks)}")
+    # sub-groups (global ranks): registered or created by every rank of the world (layers/cp/subgroups.py)
+    ranks = cp_group_ranks(group)
     u_idx, q_idx = rank % U, rank // U
-    subgroups = _create_subgroups(ranks, U, group_size if method == "grouped_allgather_p2p" else None)
+    subgroups = cp_subgroups(ranks, U, group_size if method == "grouped_allgather_p2p" else None)
     ulysses_group = subgroups[tuple(sorted(ranks[q_idx * U:(q_idx + 1) * U]))] if 1 < U < P else (
         group if U == P else None)
     if U == 1:

@@ -1,14 +1,16 @@
 """Megatron-LM's ``pretrain_gpt.py`` with hp_megatron's flags (``extra_args_provider``) and config fields.
 
 Needs a Megatron-LM checkout on PYTHONPATH (``pretrain_gpt.py``, ``megatron/training``); the model comes from
-``--spec hp_megatron.specs NAME`` exactly as with the unmodified script. Two things are added:
+``--spec hp_megatron.specs NAME`` exactly as with the unmodified script. Three things are added:
 
-* ``extra_args_provider=hp_megatron.arguments.add_hp_arguments`` (``--hp-*`` flags), and
+* ``extra_args_provider=hp_megatron.arguments.add_hp_arguments`` (``--hp-*`` flags),
 * the ``TransformerConfig`` that Megatron-LM builds from its args (``core_transformer_config_from_args``) becomes
   the declared ``hp_megatron.config.HybridTransformerConfig`` (``HybridMLATransformerConfig`` with
   ``--multi-latent-attention``) holding our fields, through ``hp_megatron.arguments.apply_hp_config``, before
   the model is built (and, only where neither Transformer Engine nor Apex is installed, the block-final RMSNorm
-  is ours, for sequence parallelism).
+  is ours, for sequence parallelism), and
+* the model provider first registers the CP sub-groups of the ``--hp-*`` CP flags on every rank
+  (``hp_megatron.cp_subgroups.register_cp_subgroups_from_args``).
 
 Everything else (data, schedules, optimizer, checkpoints, logging) is Megatron-LM's. Megatron and our package
 are imported in :func:`main` only: megatron-core's checkpoint writer starts a ``spawn`` process, which re-runs
@@ -112,8 +114,20 @@ def _patch_config_builders(pretrain_gpt):
 
 def _model_provider(pretrain_gpt):
     if hasattr(pretrain_gpt, "gpt_builder"):  # 0.15+: model_provider(model_builder, pre_process, ...)
-        return functools.partial(pretrain_gpt.model_provider, pretrain_gpt.gpt_builder)
-    return pretrain_gpt.model_provider
+        provider = functools.partial(pretrain_gpt.model_provider, pretrain_gpt.gpt_builder)
+    else:
+        provider = pretrain_gpt.model_provider
+
+    def with_cp_subgroups(*args, **kwargs):
+        """Every rank runs the model provider at the same point (once per virtual pipeline stage; the repeats
+        create nothing): where our CP sub-groups are registered, collectively over the world."""
+        from megatron.training import get_args
+
+        from hp_megatron.cp_subgroups import register_cp_subgroups_from_args
+
+        register_cp_subgroups_from_args(get_args())
+        return provider(*args, **kwargs)
+    return with_cp_subgroups
 
 
 def main():
