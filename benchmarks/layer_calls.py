@@ -1,11 +1,15 @@
 """Per-layer-call time at tiny dims, where fixed per-call costs (plans, contexts, validation, bookkeeping) dominate.
 
 Rows: GDN, KDA, MLA layer forward + backward (hidden ``--hidden``, ``--seq`` global tokens, batch 1, eager, fp32,
-CPU), single rank and CP = ``--cp`` on gloo ranks (each rank holds ``seq / cp`` tokens; the CP time is the
+CPU; GDN/KDA with 4 key heads of dim 8 and ``--value-heads`` value heads of dim ``--value-dim``, MLA with 4 heads),
+single rank and CP = ``--cp`` on gloo ranks (each rank holds ``seq / cp`` tokens; the CP time is the
 slowest rank's median). Every call brings a fresh PackedSeqParams (``--thd``: three documents), as every
 micro-batch does. Time: ``--warmup`` untimed calls, then the median of ``--repeats`` calls (wall clock).
 
-Usage: ``python benchmarks/layer_calls.py [--hidden 32] [--seq 64] [--cp 2] [--thd] [--repeats 50] [--write-docs]``
+Usage: ``python benchmarks/layer_calls.py [--hidden 32] [--seq 64] [--cp 2] [--thd] [--value-heads 4] [--value-dim 8]
+[--repeats 50] [--write-docs]``. ``--value-heads 32 --value-dim 128`` are megatron-core 0.16's
+``TransformerConfig`` defaults (``linear_num_value_heads``, ``linear_value_head_dim``), which a layer built with
+only key heads and key dim as ModuleSpec params reads from the config.
 """
 from __future__ import annotations
 
@@ -27,13 +31,13 @@ from benchmarks._common import add_output_args, publish, run_meta  # noqa: E402
 KINDS = ("gdn", "kda", "mla")
 
 
-def _build(kind, hidden, cp_group, solo):
+def _build(kind, args, cp_group, solo):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     pgs = ProcessGroupCollection(tp=solo, cp=cp_group)
-    common = dict(num_layers=1, hidden_size=hidden, use_cpu_initialization=True, params_dtype=torch.float32,
+    common = dict(num_layers=1, hidden_size=args.hidden, use_cpu_initialization=True, params_dtype=torch.float32,
                   gradient_accumulation_fusion=False, bias_dropout_fusion=False, add_bias_linear=False)
     torch.manual_seed(0)
     if kind == "mla":
@@ -48,7 +52,7 @@ def _build(kind, hidden, cp_group, solo):
     config = TransformerConfig(num_attention_heads=4, **common)
     cls = GatedDeltaNet if kind == "gdn" else KimiDeltaAttention
     return cls(config, None, layer_number=1, pg_collection=pgs, num_key_heads=4, key_head_dim=8,
-               num_value_heads=4, value_head_dim=8)
+               num_value_heads=args.value_heads, value_head_dim=args.value_dim)
 
 
 def _packed(seq, thd):
@@ -65,7 +69,7 @@ def time_calls(kind, args, cp_group, solo, cp_size) -> float:
     """Median seconds of one layer forward + backward on this rank's ``seq / cp_size`` tokens."""
     import torch.distributed as dist
 
-    layer = _build(kind, args.hidden, cp_group, solo)
+    layer = _build(kind, args, cp_group, solo)
     local = args.seq // cp_size
     x = torch.randn(local, 1, args.hidden, requires_grad=True)
     dy = torch.randn(local, 1, args.hidden)
@@ -122,6 +126,8 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--thd", action="store_true", help="packed documents (PackedSeqParams) on every call")
+    parser.add_argument("--value-heads", type=int, default=4, help="GDN/KDA value heads (a multiple of the 4 key heads)")
+    parser.add_argument("--value-dim", type=int, default=8, help="GDN/KDA value head dim")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=50)
@@ -134,13 +140,15 @@ def main(argv=None):
     rows = [dict(kind=k, single_ms=1e3 * single[k], cp_ms=1e3 * cp[k], cp_over_single=cp[k] / single[k])
             for k in args.kinds]
     result = dict(meta=run_meta("layer_calls.py", argv), hidden=args.hidden, seq=args.seq, cp=args.cp, thd=args.thd,
-                  rows=rows)
+                  value_heads=args.value_heads, value_dim=args.value_dim, rows=rows)
     table = "\n".join([f"| layer | 1 rank (ms) | CP={args.cp} (ms) | CP / 1 rank |", "|---|---|---|---|"]
                       + [f"| {r['kind'].upper()} | {r['single_ms']:.1f} | {r['cp_ms']:.1f} | "
                          f"{r['cp_over_single']:.2f}x |" for r in rows])
-    publish(result, table, args, "layer_calls_thd" if args.thd else "layer_calls",
+    tiny = (args.value_heads, args.value_dim) == (4, 8)
+    name = "layer_calls" + ("_thd" if args.thd else "") + ("" if tiny else f"_hv{args.value_heads}x{args.value_dim}")
+    publish(result, table, args, name,
             f"### Per-layer-call time (fwd+bwd, hidden {args.hidden}, T={args.seq}{', THD' if args.thd else ''}, "
-            f"eager, CPU)")
+            f"GDN/KDA value heads {args.value_heads} x dim {args.value_dim}, eager, CPU)")
 
 
 if __name__ == "__main__":
