@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from helpers import single_rank_world, use_transformers_torch_path
+from helpers import use_transformers_torch_path
+from hp_megatron.platform import single_rank_megatron
 
 VOCAB, HIDDEN, SEQ, BATCH = 64, 32, 12, 2
 
@@ -17,7 +18,7 @@ VOCAB, HIDDEN, SEQ, BATCH = 64, 32, 12, 2
 @pytest.fixture(scope="module")
 def single_rank():
     """One rank: gloo, megatron-core's parallel state (TP=PP=CP=EP=1) and the CPU shims (seed 0)."""
-    with single_rank_world(0):
+    with single_rank_megatron(0):
         yield
 
 

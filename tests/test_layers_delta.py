@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dist import rel_err
-from helpers import single_rank_world, use_transformers_torch_path
+from helpers import use_transformers_torch_path
+from hp_megatron.platform import single_rank_megatron
 
 HIDDEN = 32
 GDN_DIMS = dict(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=16)
@@ -21,7 +22,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def megatron_single_rank():
     """One rank: gloo, megatron-core's parallel state (TP=1, CP=1) and the CPU shims (seed 1234)."""
-    with single_rank_world(1234):
+    with single_rank_megatron(1234):
         yield
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dist import rel_err
-from helpers import single_rank_world
+from hp_megatron.platform import single_rank_megatron
 
 warnings.filterwarnings("ignore", category=UserWarning)
 
@@ -57,7 +57,7 @@ def plain_attention(q, k, v, scale, doc_of=None):
 @pytest.fixture(scope="module")
 def world():
     """A one-rank gloo group (yielded) and megatron's CPU shims (seed 0); no megatron parallel state."""
-    with single_rank_world(0, model_parallel=False) as group:
+    with single_rank_megatron(0, model_parallel=False) as group:
         yield group
 
 
