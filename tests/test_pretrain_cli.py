@@ -6,8 +6,9 @@
 * Checkpoint checks (in process, on a checkpoint the runs below wrote): a truncated shard, a missing
   metadata file and a tracker naming a missing iteration are each named in the error.
 * ``torchrun`` runs on 2 gloo ranks (tiny model): a configuration error and a usage error are one line,
-  printed once, with a non-zero exit; a first ``--save X --load X`` run (CP2, packed documents, evaluation)
-  starts from scratch and prints the header, data line, Megatron's validation line and a summary; a resume
+  printed once, with a non-zero exit, also when rank 0 is the last rank to fail (it starts late); a first
+  ``--save X --load X`` run (CP2, packed documents, evaluation) starts from scratch and prints the header,
+  data line, Megatron's validation line and a summary; a resume
   with another ``--train-iters`` warns about the schedule and continues at the next iteration; a resume
   with nothing left to train says so and exits 0.
 """
