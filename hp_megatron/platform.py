@@ -9,6 +9,8 @@ nothing. It also flushes denormal floats to zero on this thread and the threads 
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 _applied = False
@@ -34,6 +36,38 @@ def apply_cpu_shims(seed: int | None = None) -> bool:
     if seed is not None:
         torch.manual_seed(seed)
     return True
+
+
+@contextlib.contextmanager
+def single_rank_megatron(seed: int | None = None, *, model_parallel: bool = True):
+    """One process as a whole megatron-core world for the duration: a one-rank gloo group (created unless one
+    exists; yields ``torch.distributed.group.WORLD``), :func:`apply_cpu_shims` (``seed``: torch's RNG seeded; on
+    CUDA megatron's CUDA RNG tracker seeded instead) and, with ``model_parallel``, megatron-core's parallel state
+    at TP=PP=CP=EP=1. Tears down only what it created. RuntimeError if an existing group has several ranks."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    created_group = not dist.is_initialized()
+    if created_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    elif dist.get_world_size() != 1:
+        raise RuntimeError(f"single_rank_megatron runs in one process; torch.distributed has world size "
+                           f"{dist.get_world_size()}")
+    created_state = model_parallel and not parallel_state.model_parallel_is_initialized()
+    if created_state:
+        parallel_state.initialize_model_parallel(1, 1)
+    apply_cpu_shims(seed)
+    if seed is not None and cuda_available():  # megatron's GPU init draws from its CUDA RNG tracker
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0)
+    try:
+        yield dist.group.WORLD
+    finally:
+        if created_state:
+            parallel_state.destroy_model_parallel()
+        if created_group:
+            dist.destroy_process_group()
 
 
 class _CpuDeviceTorch:

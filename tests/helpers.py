@@ -30,3 +30,4 @@ def use_transformers_torch_path(module):
         if fn is not None and hasattr(fn, "__wrapped__"):
             setattr(module, name, fn.__wrapped__)
     return module
+

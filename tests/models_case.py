@@ -5,36 +5,21 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from helpers import use_transformers_torch_path
+from hp_megatron.platform import single_rank_megatron
 
 VOCAB, HIDDEN, SEQ, BATCH = 64, 32, 12, 2
 
 
 @pytest.fixture(scope="module")
 def single_rank():
-    """A one-rank gloo group and megatron-core's parallel state (TP=PP=CP=EP=1), with the CPU shims."""
-    from megatron.core import parallel_state
-
-    from hp_megatron.platform import apply_cpu_shims
-
-    created = False
-    if not dist.is_initialized():
-        store = tempfile.NamedTemporaryFile(delete=False)
-        dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
-        created = True
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-    apply_cpu_shims(0)
-    yield
-    if created:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+    """One rank: gloo, megatron-core's parallel state (TP=PP=CP=EP=1) and the CPU shims (seed 0)."""
+    with single_rank_megatron(0):
+        yield
 
 
 def _use_torch_path():

@@ -18,7 +18,7 @@ def test_architecture_round_trip_through_torch_dist(tmp_path, arch):
     from safetensors.torch import save_file
 
     from hp_megatron.convert import get_architecture, hf_to_mcore, mcore_to_hf
-    from hp_megatron.convert.engine import _single_rank_model_parallel
+    from hp_megatron.platform import single_rank_megatron
     from test_convert_load import hf_tensors
 
     hf_dir = str(tmp_path / "hf")
@@ -36,7 +36,7 @@ def test_architecture_round_trip_through_torch_dist(tmp_path, arch):
 
     arch_entry = get_architecture(hf_config["model_type"])
     expected = to_mcore(arch_entry.conversion_rules(hf_config), state)
-    with _single_rank_model_parallel():
+    with single_rank_megatron():
         model = arch_entry.build_model(hf_config, params_dtype=torch.float32)
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(tmp_path / "mcore" / "release"))
         model.load_state_dict(loaded["model"])

@@ -6,14 +6,12 @@ for batched rows and for packed documents (THD, compared with the reference run 
 """
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from dist import rel_err
 from helpers import use_transformers_torch_path
+from hp_megatron.platform import single_rank_megatron
 
 HIDDEN = 32
 GDN_DIMS = dict(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=16)
@@ -23,28 +21,9 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def megatron_single_rank():
-    """A one-rank gloo group and megatron-core's parallel state (TP=1, CP=1), with the CPU shims."""
-    from megatron.core import parallel_state
-
-    from hp_megatron.platform import apply_cpu_shims
-
-    torch.set_num_threads(1)
-    created = False
-    if not dist.is_initialized():
-        store = tempfile.NamedTemporaryFile(delete=False)
-        dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
-        created = True
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-    apply_cpu_shims(1234)
-    if torch.cuda.is_available():  # megatron's GPU init draws from its CUDA RNG tracker
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(1234)
-    yield
-    if created:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+    """One rank: gloo, megatron-core's parallel state (TP=1, CP=1) and the CPU shims (seed 1234)."""
+    with single_rank_megatron(1234):
+        yield
 
 
 def _config(**overrides):

@@ -4,15 +4,14 @@ THD documents; checkpoint names and conversions; the Ascend adapter's call contr
 from __future__ import annotations
 
 import sys
-import tempfile
 import types
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dist import rel_err
+from hp_megatron.platform import single_rank_megatron
 
 warnings.filterwarnings("ignore", category=UserWarning)
 
@@ -57,18 +56,9 @@ def plain_attention(q, k, v, scale, doc_of=None):
 # -- fixtures ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def world():
-    """A one-rank gloo group (created here unless one exists) and megatron's CPU shims."""
-    created = False
-    if not dist.is_initialized():
-        store = tempfile.NamedTemporaryFile(delete=False)
-        dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
-        created = True
-    from hp_megatron.platform import apply_cpu_shims
-
-    apply_cpu_shims(0)
-    yield dist.group.WORLD
-    if created:
-        dist.destroy_process_group()
+    """A one-rank gloo group (yielded) and megatron's CPU shims (seed 0); no megatron parallel state."""
+    with single_rank_megatron(0, model_parallel=False) as group:
+        yield group
 
 
 def _hf_deepseek(q_lora_rank, rope_interleave, rope):

@@ -6,8 +6,9 @@
 * Checkpoint checks (in process, on a checkpoint the runs below wrote): a truncated shard, a missing
   metadata file and a tracker naming a missing iteration are each named in the error.
 * ``torchrun`` runs on 2 gloo ranks (tiny model): a configuration error and a usage error are one line,
-  printed once, with a non-zero exit; a first ``--save X --load X`` run (CP2, packed documents, evaluation)
-  starts from scratch and prints the header, data line, Megatron's validation line and a summary; a resume
+  printed once, with a non-zero exit, also when rank 0 is the last rank to fail (it starts late); a first
+  ``--save X --load X`` run (CP2, packed documents, evaluation) starts from scratch and prints the header,
+  data line, Megatron's validation line and a summary; a resume
   with another ``--train-iters`` warns about the schedule and continues at the next iteration; a resume
   with nothing left to train says so and exits 0.
 """
@@ -102,13 +103,36 @@ def test_save_without_psutil_is_refused_before_training(monkeypatch):
         parse_args(["--save", "/tmp/unused"])
 
 
-def _torchrun(args, nproc=2, timeout=600):
+def test_other_ranks_leave_the_report_to_rank_zero(monkeypatch, capsys):
+    """Under torchrun a rank other than 0 waits (to be stopped once rank 0 has reported) and reports only if no
+    stop comes; without torchrun it returns at once, silent."""
+    import cli
+
+    slept = []
+    monkeypatch.setattr(cli.time, "sleep", slept.append)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    cli.leave_report_to_rank_zero("error (rank 1): x\n")
+    assert slept == [] and capsys.readouterr().err == ""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    cli.leave_report_to_rank_zero("error (rank 1): x\n")
+    assert slept == [cli.REPORT_WAIT_S] and capsys.readouterr().err == "error (rank 1): x\n"
+
+
+def _torchrun(args, nproc=2, timeout=600, rank0_late_s=None):
+    """(exit status, stdout, stderr) of the example under torchrun; ``rank0_late_s``: rank 0 starts that late
+    (tests/rank0_late.py), so the other ranks reach an error first."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(EXAMPLE, "pretrain_hybrid.py"), *args]
+    script = [os.path.join(EXAMPLE, "pretrain_hybrid.py")]
+    if rank0_late_s is not None:
+        script = [os.path.join(HERE, "rank0_late.py"), str(rank0_late_s), *script]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script,
+           *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr
+
+
+RANK0_LATE_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +141,10 @@ def runs(data_dir, tmp_path_factory):
     common = TINY + _data(data_dir) + ["--context-parallel-size", "2", "--hp-layer-pattern", "KM",
                                        "--save", ckpt, "--load", ckpt]
     out = {"ckpt": ckpt}
-    out["config_error"] = _torchrun(TINY + _data(data_dir) + ["--context-parallel-size", "2", "--seq-length", "30"])
-    out["usage_error"] = _torchrun(TINY + ["--hp-cp-method", "nope"])
+    # rank 0 last to fail: the other rank must not get it stopped before it reports (cli.leave_report_to_rank_zero)
+    out["config_error"] = _torchrun(TINY + _data(data_dir) + ["--context-parallel-size", "2", "--seq-length", "30"],
+                                    rank0_late_s=RANK0_LATE_S)
+    out["usage_error"] = _torchrun(TINY + ["--hp-cp-method", "nope"], rank0_late_s=RANK0_LATE_S)
     out["first"] = _torchrun(common + ["--train-iters", "2", "--split", "80,20,0", "--eval-interval", "1",
                                        "--eval-iters", "1", "--reset-position-ids", "--reset-attention-mask",
                                        "--eod-mask-loss"])

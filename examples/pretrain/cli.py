@@ -10,6 +10,7 @@ import argparse
 import math
 import os
 import sys
+import time
 import warnings
 from contextlib import contextmanager
 
@@ -23,6 +24,26 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+# How long a rank other than 0 waits under torchrun for the agent to stop it once rank 0 has reported an error
+# every rank raised alike (see leave_report_to_rank_zero).
+REPORT_WAIT_S = 60.0
+
+
+def leave_report_to_rank_zero(message: str) -> None:
+    """On a rank other than 0, for an error every rank raises alike: return once rank 0 can have reported it.
+
+    torchrun's agent stops every worker (SIGTERM) as soon as one exits with an error, so a rank that exits
+    first can get rank 0 killed before it writes its line, and the user sees no error at all. Under torchrun
+    (``TORCHELASTIC_RUN_ID`` set) this rank therefore waits for the agent to stop it after rank 0 has reported
+    and exited; if no stop comes within :data:`REPORT_WAIT_S` (rank 0 did not fail alike), it writes
+    ``message`` itself. Without torchrun it returns at once (the launcher does not stop the other ranks)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    time.sleep(REPORT_WAIT_S)
+    sys.stderr.write(message)
+    sys.stderr.flush()
+
+
 class RankZeroArgumentParser(argparse.ArgumentParser):
     """``--help`` and usage errors printed by rank 0 only; an error is one line (``prog: error: ...``)."""
 
@@ -31,8 +52,11 @@ class RankZeroArgumentParser(argparse.ArgumentParser):
             super()._print_message(message, file)
 
     def error(self, message):
-        if launch_rank() == 0:
+        rank = launch_rank()
+        if rank == 0:
             sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        else:
+            leave_report_to_rank_zero(f"{self.prog}: error (rank {rank}): {message} (see --help)\n")
         sys.exit(2)
 
 
@@ -295,8 +319,9 @@ def run_reporting_errors(main, argv=None, verbose=False) -> int:
     """``main(argv)`` with Megatron-style error reporting; returns the exit status.
 
     A configuration, data or checkpoint error becomes one ``error: ...`` line on stderr and status 1: from
-    rank 0 alone when it was raised inside :func:`same_on_every_rank`, else from each failing rank
-    (``error (rank k): ...``). ``verbose`` (``--verbose``) keeps the traceback instead.
+    rank 0 alone when it was raised inside :func:`same_on_every_rank` (the other ranks wait for it:
+    :func:`leave_report_to_rank_zero`), else from each failing rank (``error (rank k): ...``). ``verbose``
+    (``--verbose``) keeps the traceback instead.
     """
     try:
         return main(argv) or 0
@@ -304,9 +329,12 @@ def run_reporting_errors(main, argv=None, verbose=False) -> int:
         if verbose:
             raise
         rank = launch_rank()
+        line = f"error: {exc}\n" if rank == 0 else f"error (rank {rank}): {exc}\n"
         if rank == 0 or not getattr(exc, "same_on_every_rank", False):
-            sys.stderr.write(f"error: {exc}\n" if rank == 0 else f"error (rank {rank}): {exc}\n")
+            sys.stderr.write(line)
             sys.stderr.flush()
+        else:
+            leave_report_to_rank_zero(line)
         _close_process_group()
         return 1
 

@@ -31,6 +31,7 @@ from hp_megatron.convert.registry import get_architecture
 from hp_megatron.convert.rules import TensorRule
 from hp_megatron.convert.safetensors_io import (CONFIG_NAME, CheckpointError, HFCheckpoint, ShardedSafetensorsWriter,
                                                 parse_size)
+from hp_megatron.platform import single_rank_megatron
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
@@ -59,37 +60,10 @@ class ConversionReport:
 
 
 # ------------------------------------------------------------------------------------------ model layout
-@contextlib.contextmanager
-def _single_rank_model_parallel():
-    """A 1-rank process group and TP=PP=EP=CP=1 megatron parallel state for the duration (restored after)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from hp_megatron.platform import apply_cpu_shims
-
-    created_group = not dist.is_initialized()
-    if created_group:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    elif dist.get_world_size() != 1:
-        raise RuntimeError(f"the converter runs in one process; torch.distributed has world size "
-                           f"{dist.get_world_size()}")
-    had_state = parallel_state.model_parallel_is_initialized()
-    if not had_state:
-        parallel_state.initialize_model_parallel(1, 1)
-    apply_cpu_shims()
-    try:
-        yield
-    finally:
-        if not had_state:
-            parallel_state.destroy_model_parallel()
-        if created_group:
-            dist.destroy_process_group()
-
-
 def build_layout(build_model, hf_config: dict, metadata: dict | None = None) -> CheckpointLayout:
     """The checkpoint layout of ``build_model(hf_config)`` built at TP=PP=EP=1 on the ``meta`` device (no
     weights are allocated; parameters a module places on an explicit device stay small)."""
-    with _single_rank_model_parallel(), torch.device("meta"):
+    with single_rank_megatron(), torch.device("meta"):
         model = build_model(hf_config, perform_initialization=False, use_cpu_initialization=True)
         layout = checkpoint_layout(model, metadata)
     layout.check_pieces_tile()

@@ -102,6 +102,16 @@ def swiglu_config(hf: dict, model_type: str) -> dict:
     return dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False)
 
 
+def decoder_config(hf: dict, model_type: str, eps_default: float) -> dict:
+    """TransformerConfig fields every supported model shares: layers, sizes and heads, RMSNorm with ``rms_norm_eps``
+    (``eps_default``, the transformers class's default, where config.json leaves it out), no dropout, SwiGLU."""
+    heads = field_of(hf, model_type, "num_attention_heads")
+    return dict(num_layers=hf["num_hidden_layers"], hidden_size=field_of(hf, model_type, "hidden_size"),
+                ffn_hidden_size=field_of(hf, model_type, "intermediate_size"), num_attention_heads=heads,
+                normalization="RMSNorm", layernorm_epsilon=hf.get("rms_norm_eps", eps_default), hidden_dropout=0.0,
+                attention_dropout=0.0, **swiglu_config(hf, model_type))
+
+
 def moe_router_config(model_type: str, *, num_experts: int, topk: int, norm_topk_prob: bool,
                       score_function: str, scaling_factor, expert_bias: bool, num_groups=None, group_topk=None) -> dict:
     """megatron-core router fields reproducing an HF router (no auxiliary loss: transformers' CausalLM loss has

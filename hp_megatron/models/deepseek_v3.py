@@ -8,9 +8,9 @@ checkpoint tensors (``model.layers.<num_hidden_layers + i>.``) have no rule here
 from __future__ import annotations
 
 from hp_megatron.convert.rules import TensorRule
-from hp_megatron.models.common import (ModelPreset, field_of, layer_mlp_rules, layer_norm_rules, layer_prefix,
-                                       mla_fields, mla_rules, model_rules, moe_router_config, refuse, require,
-                                       rope_parameters, swiglu_config)
+from hp_megatron.models.common import (ModelPreset, decoder_config, field_of, layer_mlp_rules, layer_norm_rules,
+                                       layer_prefix, mla_fields, mla_rules, model_rules, moe_router_config, refuse,
+                                       require, rope_parameters)
 
 MODEL_TYPE = "deepseek_v3"
 
@@ -33,13 +33,8 @@ def megatron_config(hf: dict) -> ModelPreset:
     rope_type = {"default": "rope", "yarn": "yarn"}.get(rope["rope_type"])
     if rope_type is None:
         refuse(MODEL_TYPE, "rope_parameters.rope_type", rope["rope_type"], ["default", "yarn"])
-    heads = field_of(hf, MODEL_TYPE, "num_attention_heads")
     flags = moe_layers(hf)
-    config = dict(
-        num_layers=hf["num_hidden_layers"], hidden_size=field_of(hf, MODEL_TYPE, "hidden_size"),
-        ffn_hidden_size=field_of(hf, MODEL_TYPE, "intermediate_size"), num_attention_heads=heads,
-        normalization="RMSNorm", layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), hidden_dropout=0.0,
-        attention_dropout=0.0, **swiglu_config(hf, MODEL_TYPE))
+    config = decoder_config(hf, MODEL_TYPE, 1e-6)
     if any(flags):
         experts = field_of(hf, MODEL_TYPE, "n_routed_experts")
         config.update(moe_router_config(MODEL_TYPE, num_experts=experts,

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from hp_megatron.convert.rules import TensorRule, identity_rule
-from hp_megatron.models.common import (ModelPreset, field_of, layer_norm_rules, layer_prefix, mla_fields, mla_rules,
-                                       mlp_rules, model_rules, moe_router_config, refuse, require, swiglu_config,
-                                       swiglu_fc1_rule)
+from hp_megatron.models.common import (ModelPreset, decoder_config, field_of, layer_norm_rules, layer_prefix,
+                                       mla_fields, mla_rules, mlp_rules, model_rules, moe_router_config, refuse,
+                                       require, swiglu_fc1_rule)
 
 MODEL_TYPE = "kimi_linear"
 LAYER_SYMBOLS = {"linear_attention": "K", "full_attention": "M"}
@@ -80,13 +80,8 @@ def megatron_config(hf: dict) -> ModelPreset:
     require(hf, MODEL_TYPE, "moe_router_activation_func", ("sigmoid",), "sigmoid")
     require(hf, MODEL_TYPE, "mla_use_nope", (True,), True)
     require(hf, MODEL_TYPE, "moe_layer_freq", (1,), 1)
-    heads = field_of(hf, MODEL_TYPE, "num_attention_heads")
     types, flags = layer_types(hf), moe_layers(hf)
-    config = dict(
-        num_layers=hf["num_hidden_layers"], hidden_size=field_of(hf, MODEL_TYPE, "hidden_size"),
-        ffn_hidden_size=field_of(hf, MODEL_TYPE, "intermediate_size"), num_attention_heads=heads,
-        normalization="RMSNorm", layernorm_epsilon=hf.get("rms_norm_eps", 1e-5), hidden_dropout=0.0,
-        attention_dropout=0.0, **swiglu_config(hf, MODEL_TYPE))
+    config = decoder_config(hf, MODEL_TYPE, 1e-5)
     if any(flags):
         config.update(moe_router_config(MODEL_TYPE, num_experts=_get(hf, "num_experts", "num_local_experts"),
                                         topk=_get(hf, "num_experts_per_token", "num_experts_per_tok"),

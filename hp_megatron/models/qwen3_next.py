@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 
 from hp_megatron.convert.rules import TensorRule, identity_rule
-from hp_megatron.models.common import (ModelPreset, field_of, layer_mlp_rules, layer_norm_rules, layer_prefix,
-                                       model_rules, moe_router_config, refuse, require, rope_parameters,
-                                       swiglu_config)
+from hp_megatron.models.common import (ModelPreset, decoder_config, field_of, layer_mlp_rules, layer_norm_rules,
+                                       layer_prefix, model_rules, moe_router_config, refuse, require, rope_parameters)
 from layers.convert import GDN_IN_PROJ_PARTS, join_qwen3_next_in_proj, split_qwen3_next_in_proj
 
 MODEL_TYPE = "qwen3_next"
@@ -54,15 +53,11 @@ def megatron_config(hf: dict) -> ModelPreset:
     if rope["rope_type"] != "default":
         refuse(MODEL_TYPE, "rope_parameters.rope_type", rope["rope_type"], ["default"])
     types, flags = _layer_types(hf), moe_layers(hf)
-    heads = field_of(hf, MODEL_TYPE, "num_attention_heads")
-    config = dict(
-        num_layers=hf["num_hidden_layers"], hidden_size=field_of(hf, MODEL_TYPE, "hidden_size"),
-        ffn_hidden_size=field_of(hf, MODEL_TYPE, "intermediate_size"), num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads", heads),
-        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
-        normalization="RMSNorm", layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), layernorm_zero_centered_gamma=True,
-        qk_layernorm=True, attention_output_gate=True, hidden_dropout=0.0, attention_dropout=0.0,
-        **swiglu_config(hf, MODEL_TYPE))
+    config = decoder_config(hf, MODEL_TYPE, 1e-6)
+    heads = config["num_attention_heads"]
+    config.update(num_query_groups=hf.get("num_key_value_heads", heads),
+                  kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads, layernorm_zero_centered_gamma=True,
+                  qk_layernorm=True, attention_output_gate=True)
     if any(flags):
         require(hf, MODEL_TYPE, "output_router_logits", (False,), False)
         shared = field_of(hf, MODEL_TYPE, "shared_expert_intermediate_size")

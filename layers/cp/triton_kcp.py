@@ -183,11 +183,37 @@ def _state_pass(fi, k, w, u, init, cu, idx, **gate):
     return h, v_new
 
 
+def _cp_state_pass(fi, meta, k, w, u, **gate):
+    """The forward exchange around FLA's state pass: ``[E | M]`` of every local piece, the engine's fold into the
+    entry pieces' initial states, FLA's state pass from them -> (M, initial states, h per chunk, v_new)."""
+    plan, cu = meta["plan"], meta["cu"]
+    hm = _summaries(fi, k, w, u, cu, plan.num_pieces, **gate)
+    M, init = initial_states(meta["ctx"], plan, hm)
+    h, v_new = _state_pass(fi, k, w, u, init, cu, meta["chunk_indices"], **gate)
+    return M, init, h, v_new
+
+
+def _cp_terminal_gradients(fi, meta, saved, q, k, w, do, dv, **gate):
+    """The backward exchange: dS_loc of the entry pieces, the engine's reverse fold -> ``dht`` of every piece."""
+    plan, cu = meta["plan"], meta["cu"]
+    dS_loc = _reverse_summaries(fi, plan, cu, q, k, w, do, dv, meta["scale"], **gate)
+    return terminal_gradients(meta["ctx"], plan, saved["M"], dS_loc, saved["init"].shape[0], do.device)
+
+
+def _save_forward(ctx, meta, raw, prologue, M, init, **factors):
+    """Saves what backward reads: the raw inputs ``(v, g, beta, A_log, dt_bias)``, the prologue's outputs, the CP
+    states ``M`` / ``init``, the kind's intra-chunk ``factors``, and ``meta``."""
+    v, g, beta, A_log, dt_bias = raw
+    qn, q_rstd, kn, k_rstd, b, g_cum = prologue
+    _save(ctx, q=qn, q_rstd=q_rstd, k=kn, k_rstd=k_rstd, v=v, g_cum=g_cum, g_raw=g, beta_raw=beta, beta=b,
+          init=init, M=M, A_log=A_log, dt_bias=dt_bias, **factors)
+    ctx.meta = meta
+
+
 def _unpack(ctx):
-    """Backward's view of the forward: (meta, saved tensors, internals, plan, CP context, cu, chunk indices, scale)."""
+    """Backward's view of the forward: (meta, saved tensors, internals, cu, chunk indices, scale)."""
     meta = ctx.meta
-    return (meta, _saved(ctx), meta["fi"], meta["plan"], meta["ctx"], meta["cu"], meta["chunk_indices"],
-            meta["scale"])
+    return meta, _saved(ctx), meta["fi"], meta["cu"], meta["chunk_indices"], meta["scale"]
 
 
 def _save(ctx, **tensors):
@@ -202,31 +228,27 @@ def _saved(ctx) -> dict:
 class _GDNNativeCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, meta):
-        fi, plan, cp, cu, idx = meta["fi"], meta["plan"], meta["ctx"], meta["cu"], meta["chunk_indices"]
-        qn, q_rstd, kn, k_rstd, b, g_cum = _prologue("gdn", q, k, g, beta, A_log, dt_bias, meta)
+        fi, cu, idx = meta["fi"], meta["cu"], meta["chunk_indices"]
+        prologue = _prologue("gdn", q, k, g, beta, A_log, dt_bias, meta)
+        qn, _, kn, _, b, g_cum = prologue
         w, u, A = fi.chunk_gated_delta_rule_fwd_intra(k=kn, v=v, g=g_cum, beta=b, cu_seqlens=cu, chunk_indices=idx,
                                                       chunk_size=CHUNK)
-        hm = _summaries(fi, kn, w, u, cu, plan.num_pieces, g=g_cum)
-        M, init = initial_states(cp, plan, hm)
-        h, v_new = _state_pass(fi, kn, w, u, init, cu, idx, g=g_cum)
+        M, init, h, v_new = _cp_state_pass(fi, meta, kn, w, u, g=g_cum)
         o = fi.chunk_fwd_o(q=qn, k=kn, v=v_new, h=h, g=g_cum, scale=meta["scale"], cu_seqlens=cu,
                            chunk_indices=idx, chunk_size=CHUNK)
-        _save(ctx, q=qn, q_rstd=q_rstd, k=kn, k_rstd=k_rstd, v=v, g_cum=g_cum, g_raw=g, beta_raw=beta, beta=b, A=A,
-              init=init, M=M, A_log=A_log, dt_bias=dt_bias)
-        ctx.meta = meta
+        _save_forward(ctx, meta, (v, g, beta, A_log, dt_bias), prologue, M, init, A=A)
         return o.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
-        meta, s, fi, plan, cp, cu, idx, scale = _unpack(ctx)
+        meta, s, fi, cu, idx, scale = _unpack(ctx)
         do = do.contiguous()
         q, k, v, g_cum, b, A = s["q"], s["k"], s["v"], s["g_cum"], s["beta"], s["A"]
         w, u = fi.recompute_w_u_fwd(k=k, v=v, beta=b, A=A, g=g_cum, cu_seqlens=cu, chunk_indices=idx)
         h, v_new = _state_pass(fi, k, w, u, s["init"], cu, idx, g=g_cum)
         dv = fi.chunk_bwd_dv_local(q=q, k=k, g=g_cum, do=do, scale=scale, cu_seqlens=cu, chunk_indices=idx,
                                    chunk_size=CHUNK)
-        dS_loc = _reverse_summaries(fi, plan, cu, q, k, w, do, dv, scale, g=g_cum)
-        dht = terminal_gradients(cp, plan, s["M"], dS_loc, s["init"].shape[0], do.device)
+        dht = _cp_terminal_gradients(fi, meta, s, q, k, w, do, dv, g=g_cum)
         dh, _, dv = fi.chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, g=g_cum, h0=s["init"], dht=dht, do=do, dv=dv,
                                                       scale=scale, cu_seqlens=cu, chunk_indices=idx,
                                                       chunk_size=CHUNK)
@@ -246,24 +268,21 @@ class _GDNNativeCP(torch.autograd.Function):
 class _KDANativeCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, meta):
-        fi, plan, cp, cu, idx = meta["fi"], meta["plan"], meta["ctx"], meta["cu"], meta["chunk_indices"]
-        qn, q_rstd, kn, k_rstd, b, g_cum = _prologue("kda", q, k, g, beta, A_log, dt_bias, meta)
+        fi, cu, idx = meta["fi"], meta["cu"], meta["chunk_indices"]
+        prologue = _prologue("kda", q, k, g, beta, A_log, dt_bias, meta)
+        qn, _, kn, _, b, g_cum = prologue
         w, u, _, kg, Aqk, Akk = fi.chunk_kda_fwd_intra(q=qn, k=kn, v=v, gk=g_cum, beta=b, scale=meta["scale"],
                                                        cu_seqlens=cu, chunk_size=CHUNK, chunk_indices=idx,
                                                        safe_gate=meta["safe_gate"], disable_recompute=False)
-        hm = _summaries(fi, kg, w, u, cu, plan.num_pieces, gk=g_cum)
-        M, init = initial_states(cp, plan, hm)
-        h, v_new = _state_pass(fi, kg, w, u, init, cu, idx, gk=g_cum)
+        M, init, h, v_new = _cp_state_pass(fi, meta, kg, w, u, gk=g_cum)
         o = fi.chunk_gla_fwd_o_gk(q=qn, v=v_new, g=g_cum, A=Aqk, h=h, scale=meta["scale"], cu_seqlens=cu,
                                   chunk_size=CHUNK, chunk_indices=idx)
-        _save(ctx, q=qn, q_rstd=q_rstd, k=kn, k_rstd=k_rstd, v=v, g_cum=g_cum, g_raw=g, beta_raw=beta, beta=b,
-              Aqk=Aqk, Akk=Akk, init=init, M=M, A_log=A_log, dt_bias=dt_bias)
-        ctx.meta = meta
+        _save_forward(ctx, meta, (v, g, beta, A_log, dt_bias), prologue, M, init, Aqk=Aqk, Akk=Akk)
         return o.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
-        meta, s, fi, plan, cp, cu, idx, scale = _unpack(ctx)
+        meta, s, fi, cu, idx, scale = _unpack(ctx)
         do = do.contiguous()
         q, k, v, g_cum, b = s["q"], s["k"], s["v"], s["g_cum"], s["beta"]
         w, u, qg, kg = fi.kda_recompute_w_u(q=q, k=k, v=v, beta=b, A=s["Akk"], gk=g_cum, cu_seqlens=cu,
@@ -271,8 +290,7 @@ class _KDANativeCP(torch.autograd.Function):
         h, v_new = _state_pass(fi, kg, w, u, s["init"], cu, idx, gk=g_cum)
         _, dv = fi.chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=s["Aqk"], scale=scale, cu_seqlens=cu,
                                      chunk_size=CHUNK, chunk_indices=idx)
-        dS_loc = _reverse_summaries(fi, plan, cu, qg, kg, w, do, dv, scale, gk=g_cum)
-        dht = terminal_gradients(cp, plan, s["M"], dS_loc, s["init"].shape[0], do.device)
+        dht = _cp_terminal_gradients(fi, meta, s, qg, kg, w, do, dv, gk=g_cum)
         dq, dk, dv, db, dg, _, dA_log, ddt_bias = fi.chunk_kda_bwd(
             q=q, k=k, v=v, beta=b, Aqk=s["Aqk"], Akk=s["Akk"], scale=scale, initial_state=s["init"], do=do,
             dht=dht, g=g_cum, g_org=s["g_raw"] if meta["gate"] else None, cu_seqlens=cu, chunk_indices=idx,

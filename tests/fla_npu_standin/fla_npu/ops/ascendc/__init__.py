@@ -607,6 +607,19 @@ def chunk_kda_bwd_finalize(q, k, v, gk, raw_g, beta, a_log, dt_bias, akk, v_new,
 
 
 # ------------------------------------------------------------------------------------------- CP ops
+def _summary_inputs(op, k, w, u, g, gk, chunk_size):
+    """The CP summary kernels' checks (chunk 64, B = 1, K = V = 128) and inputs: (C, k, w, u as [1, N, T, D] fp32,
+    the base-2 gate)."""
+    _check_chunk(op, chunk_size)
+    C = int(chunk_size)
+    _, k4, w4, u4, gate4 = _fwd_h_inputs(op, k, w, u, g, gk, True, None, C)
+    B, _, _, K = w4.shape
+    if B != 1:
+        raise RuntimeError(f"{op}: batch must be 1, got {B}")
+    _check_dims(op, K, u4.shape[-1])
+    return C, k4, w4, u4, gate4
+
+
 def pre_process_fwd_kernel_merged(k, w, u, g=None, *, gk=None, bg=None, v=None, cu_seqlens=None, chunk_size=64):
     """Forward affine summaries of token windows: hm [Nseq, HV, K, V+K] fp32 = [E | M] per window, with
     S_out = M S_in + E. BNSD inputs with B = 1 and K = V = 128; g (scalar, k ungated) or gk (per channel,
@@ -619,14 +632,9 @@ def pre_process_fwd_kernel_merged(k, w, u, g=None, *, gk=None, bg=None, v=None, 
     cu = _host_list(op, cu_seqlens)
     if cu is None:
         raise RuntimeError(f"{op}: cu_seqlens (host list) is required")
-    _check_chunk(op, chunk_size)
-    C = int(chunk_size)
-    _, k4, w4, u4, gate4 = _fwd_h_inputs(op, k, w, u, g, gk, True, None, C)
-    B, HV, T, K = w4.shape
+    C, k4, w4, u4, gate4 = _summary_inputs(op, k, w, u, g, gk, chunk_size)
+    _, HV, T, K = w4.shape
     V = u4.shape[-1]
-    if B != 1:
-        raise RuntimeError(f"{op}: batch must be 1, got {B}")
-    _check_dims(op, K, V)
     if cu[0] < 0 or cu[-1] > T:
         raise RuntimeError(f"{op}: cu_seqlens must lie in [0, {T}], got {cu}")
     hm = w4.new_zeros(len(cu) - 1, HV, K, V + K)
@@ -648,14 +656,8 @@ def pre_process_bwd_kernel_merged(q, k, w, d_o, dv, g=None, gk=None, cu_seqlens=
     cu = _host_list(op, cu_seqlens)
     if cu is None or len(cu) != 2:
         raise RuntimeError(f"{op}: cu_seqlens must be one window [start, end], got {cu}")
-    _check_chunk(op, chunk_size)
-    C = int(chunk_size)
-    _, k4, w4, dv4, gate4 = _fwd_h_inputs(op, k, w, dv, g, gk, True, None, C)
-    B, HV, T, K = w4.shape
-    V = dv4.shape[-1]
-    if B != 1:
-        raise RuntimeError(f"{op}: batch must be 1, got {B}")
-    _check_dims(op, K, V)
+    C, k4, w4, dv4, gate4 = _summary_inputs(op, k, w, dv, g, gk, chunk_size)
+    HV = w4.shape[1]
     s, e = cu
     kg, decay = _segment_kg_decay(k4[0, :, s:e], gate4[0, :, s:e], gk is not None, HV, C)
     qg = m.expand_heads(q.float()[0, :, s:e], HV)
