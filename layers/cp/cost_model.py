@@ -256,7 +256,7 @@ def predict_delta(shape: DeltaLayerShape, world_size: int, cand: Candidate, cali
     on the generic path one pass with values [v | 0_K]; with native summaries the pass plus half a summary
     pass), plus the rest of the layer on the local tokens (the
     measured ``layer_key`` fit when the calibration has one, else the projections' FLOPs); comm = the state
-    scan forward and backward, and for Ulysses two all-to-all rounds per pass (5 tensors in, the output back).
+    scan forward and backward, and for Ulysses two all-to-all rounds per pass (the 5 inputs packed, the output).
     """
     P = world_size
     U = P if cand.method == "ulysses" else (cand.ulysses_degree or 1)
@@ -300,7 +300,7 @@ def predict_delta(shape: DeltaLayerShape, world_size: int, cand: Candidate, cali
         width_out = HVu * U * shape.v_dim
         a2a = calibration.fit("all_to_all")
         per = (U - 1) / U * tokens_local * shape.act_bytes
-        one_pass = a2a.seconds(per * width_in, 5) + a2a.seconds(per * width_out, 1)
+        one_pass = a2a.seconds(per * width_in, 1) + a2a.seconds(per * width_out, 1)   # inputs packed: one
         comm += 2 * one_pass
     return {"total": comm + compute, "comm": comm, "compute": compute}
 

@@ -18,7 +18,7 @@ import importlib
 import torch
 
 from layers.cp.chain import chain_scan
-from layers.cp.ulysses import heads_to_seq, seq_to_heads
+from layers.cp.ulysses import heads_to_seq, seq_to_heads_packed
 from layers.ops.backends import get_backend
 from layers.ops.summary import augmented_pass
 
@@ -82,7 +82,7 @@ def delta_rule_with_cp(kind, backend, ctx, q, k, v, g, beta, *, scale, **flags):
         if flags.get("dt_bias") is not None:
             db = flags["dt_bias"]
             flags["dt_bias"] = db[heads] if kind == "gdn" else db.view(HV, -1)[heads].reshape(-1)
-        q, k, v, g, beta = (seq_to_heads(x, ctx, head_dim=2) for x in (q, k, v, g, beta))
+        q, k, v, g, beta = seq_to_heads_packed((q, k, v, g, beta), ctx)      # one all-to-all
     if ctx.state_world_size > 1:
         o = _state_passing(kind, backend, ctx, ctx.state_plan_for(B, T_loc), q, k, v, g, beta, scale, flags)
     else:   # pure Ulysses: every rank now holds whole sequences (natural order) for its heads

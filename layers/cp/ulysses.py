@@ -116,6 +116,30 @@ def seq_to_heads(x: torch.Tensor, ctx, head_dim: int = 2) -> torch.Tensor:
     return _UlyssesExchange.apply(x, ctx, hd, "seq_to_heads")
 
 
+def seq_to_heads_packed(tensors, ctx) -> list:
+    """``seq_to_heads`` of several ``[B, T_local, H_i, ...]`` tensors (heads at dim 2) in one all-to-all per dtype:
+    each is viewed as ``[B, T_local, U, F_i]`` (its U head groups), the groups are concatenated along F, exchanged,
+    and split back to ``[B, U*T_local, H_i/U, ...]``. Differentiable (the backward is one exchange per dtype too).
+    """
+    U = ctx.ulysses_degree
+    if U == 1:
+        return list(tensors)
+    for x in tensors:
+        _check(x, 2, "seq_to_heads")
+        if x.shape[2] % U:
+            raise ValueError(f"Ulysses needs the head dim (dim 2, size {x.shape[2]}) divisible by the Ulysses "
+                             f"degree U={U}")
+    out = [None] * len(tensors)
+    for dtype in dict.fromkeys(x.dtype for x in tensors):
+        members = [i for i, x in enumerate(tensors) if x.dtype == dtype]
+        flat = [tensors[i].reshape(*tensors[i].shape[:2], U, -1) for i in members]
+        moved = seq_to_heads(torch.cat(flat, dim=-1), ctx, head_dim=2)      # [B, U*T_local, 1, sum F_i]
+        for i, part in zip(members, moved.split([f.shape[-1] for f in flat], dim=-1)):
+            x = tensors[i]
+            out[i] = part.reshape(x.shape[0], U * x.shape[1], x.shape[2] // U, *x.shape[3:])
+    return out
+
+
 def heads_to_seq(x: torch.Tensor, ctx, head_dim: int = 2) -> torch.Tensor:
     """Inverse of ``seq_to_heads``: [B, U*T_local, ..., H/U, ...] -> [B, T_local, ..., H, ...]."""
     if ctx.ulysses_degree == 1:
