@@ -11,7 +11,8 @@ each group size, each Ulysses degree dividing the heads, the hybrids); ``predict
 backward time of one layer per rank under a configuration: the exchange (from ``state_scan_comm``), the
 sequential folds, the Ulysses all-to-alls and the compute of the slowest rank in the layout (its chunk-padded
 local pieces; for the state methods the generic path's V+K-wide pass, or the native summary pass).
-``mla_candidates`` / ``predict_mla`` do the same for the MLA strategies. ``benchmarks/cp_comm.py`` evaluates ``state_exchange_seconds`` with fixed constants.
+``mla_candidates`` / ``predict_mla`` do the same for the MLA strategies. ``benchmarks/cp_comm.py`` evaluates
+``state_exchange_seconds`` with fixed constants.
 """
 from __future__ import annotations
 
@@ -211,9 +212,10 @@ def _padded(pieces, chunk: int = CHUNK) -> int:
 
 
 def _eager_chunk(pieces) -> int:
-    """The eager kernels' chunk for these pieces (layers/ops/eager/chunking.py)."""
-    longest = max((int(p) for p in pieces), default=1)
-    return min(CHUNK, 1 << max(longest - 1, 0).bit_length())
+    """The eager kernels' chunk for these pieces."""
+    from layers.ops.eager.chunking import chunk_size_for
+
+    return chunk_size_for(max((int(p) for p in pieces), default=1), CHUNK)
 
 
 def _rank_pieces(shape: DeltaLayerShape, Q: int, layout: str) -> list:
@@ -254,9 +256,9 @@ def predict_delta(shape: DeltaLayerShape, world_size: int, cand: Candidate, cali
 
     Compute = the slowest state rank's chunk-padded local pass at the calibrated kernel rates (for state methods
     on the generic path one pass with values [v | 0_K]; with native summaries the pass plus half a summary
-    pass), plus the rest of the layer on the local tokens (the
-    measured ``layer_key`` fit when the calibration has one, else the projections' FLOPs); comm = the state
-    scan forward and backward, and for Ulysses two all-to-all rounds per pass (the 5 inputs packed, the output).
+    pass), plus the rest of the layer on the local tokens (the measured ``layer_key`` fit when the calibration has
+    one, else the projections' FLOPs); comm = the state scan forward and backward, and for Ulysses two all-to-all
+    rounds per pass (the 5 inputs packed, the output).
     """
     P = world_size
     U = P if cand.method == "ulysses" else (cand.ulysses_degree or 1)

@@ -36,6 +36,12 @@ class ChunkLayout:
                            self.step_offsets, self.step_counts, self.dense)
 
 
+def chunk_size_for(longest: int, max_chunk: int) -> int:
+    """``max_chunk``, or the smallest power of two that holds ``longest`` tokens when that is shorter: sequences all
+    shorter than a chunk are not padded to a whole one."""
+    return min(max_chunk, 1 << max(longest - 1, 0).bit_length())
+
+
 @lru_cache(maxsize=64)
 def _build(batch: int, seq_len: int, cu_key: tuple | None, max_chunk: int) -> ChunkLayout:
     if cu_key is None:
@@ -44,9 +50,7 @@ def _build(batch: int, seq_len: int, cu_key: tuple | None, max_chunk: int) -> Ch
     else:
         cu = torch.tensor(cu_key, dtype=torch.int64)
         starts, lengths = cu[:-1], cu[1:] - cu[:-1]
-    # sequences all shorter than max_chunk take the smallest power of two that holds the longest: less padding
-    longest = int(lengths.max()) if len(lengths) else 1
-    chunk_size = min(max_chunk, 1 << max(longest - 1, 0).bit_length())
+    chunk_size = chunk_size_for(int(lengths.max()) if len(lengths) else 1, max_chunk)
     num_tokens = batch * seq_len
     chunks = (lengths + chunk_size - 1) // chunk_size
     order = torch.argsort(-chunks, stable=True)
