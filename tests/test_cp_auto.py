@@ -23,7 +23,8 @@ def synthetic(alpha, beta, *, gamma=1e12, op_rate=1e12, gemm_rate=1e12, a2a_alph
     fits = {c: LinearFit(alpha, beta) for c in ("all_gather", "send_recv")}
     fits["all_to_all"] = LinearFit(alpha if a2a_alpha is None else a2a_alpha, beta)
     fits["relay"] = LinearFit(alpha if relay_alpha is None else relay_alpha, beta)
-    kern = {"op": LinearFit(0.0, op_rate), "gemm": LinearFit(0.0, gemm_rate)}
+    kern = {"op": LinearFit(0.0, op_rate), "augmented": LinearFit(0.0, op_rate), "summary": LinearFit(0.0, op_rate),
+            "gemm": LinearFit(0.0, gemm_rate)}
     return Calibration(collectives=fits, fold_flops=gamma, key="synthetic",
                        kernels={k: dict(kern) for k in ("gdn/eager/K128/V128/float32", "kda/eager/K64/V64/float32",
                                                          "mla/gemm/float32")})
@@ -354,7 +355,7 @@ def test_calibration_measures_then_reuses_the_file(ranks):
     (key,) = data
     assert key.startswith(f"P={P}|hosts=1x{P}|gloo|") and key.endswith(f"|{FORMAT}")
     kernels = data[key]["kernels"]
-    assert sorted(kernels["gdn/eager/K8/V8/float32"]) == ["gemm", "op"]   # eager: no native summaries
+    assert sorted(kernels["gdn/eager/K8/V8/float32"]) == ["augmented", "gemm", "op"]   # eager: the generic pass
     assert list(kernels["gdn/eager/K8/V8/float32/H4/HV4/hidden32/layer"]) == ["rest"]
 
 

@@ -8,7 +8,8 @@ the others idle, or short unsynchronized calls, measures a core a rank never get
 
 ``calibrate(group)`` times the all-gather, the send/recv ring shift, the relay (sequential hand-overs) and the
 all-to-all of ``layers.cp.collectives`` at three message sizes, and the fp32 fold matmul at two sizes, and fits a line
-t = alpha * steps + bytes / beta per collective (least squares, residual = RMS relative error).
+t = alpha * steps + bytes / beta per collective (least squares, residual = RMS relative error); and the straggler
+cost of a synchronization after a compute phase (``calibrate_sync``).
 ``calibrate_kernel`` adds the fit of one delta-rule op shape (forward + backward) and of the dense projections.
 ``load_or_calibrate(group, path)`` reuses a saved calibration from the JSON file ``path`` (keyed by the world
 layout and hardware, ``layout_key``) or measures one and saves it there. A calibration takes a few seconds.
@@ -32,7 +33,9 @@ MESSAGE_BYTES = (16 << 10, 256 << 10, 2 << 20)       # per-rank payload of each 
 REPEATS = 9                                            # timed repeats of a collective
 COMPUTE_REPEATS = 3                                    # timed windows of a compute point
 MIN_WINDOW_S = 0.04                                    # shortest compute window (several scheduler slices)
-FORMAT = "cal2"          # what is measured how (part of the layout key); cal2: concurrent windows, relay fit
+SYNC_PHASES_S = (0.002, 0.01)                          # compute phases before a synchronization (``sync`` fit)
+FORMAT = "cal3"  # what is measured how (part of the layout key); cal3: concurrent windows, relay fit,
+                 # the generic CP pass timed apart, op points up to 2048 tokens
 _CACHE: dict = {}                                      # layout key -> Calibration (this process)
 
 
@@ -177,7 +180,37 @@ def calibrate(group=None, *, message_bytes=MESSAGE_BYTES, repeats: int = REPEATS
                   "all_to_all": [(P - 1) * b / P for b in points], "relay": [(P - 1) * b for b in points]}
     steps = {"all_gather": math.ceil(math.log2(P)), "send_recv": 1, "all_to_all": 1, "relay": P - 1}
     fits = {c: fit_line(recv_bytes[c], by_type[c], steps[c]) for c in COLLECTIVES}
-    return Calibration(collectives=fits, fold_flops=fit_line(fold_flops, fold_times).beta, key=key)
+    return Calibration(collectives=fits, fold_flops=fit_line(fold_flops, fold_times).beta, key=key,
+                       sync=calibrate_sync(group, device))
+
+
+def calibrate_sync(group, device, phases_s=SYNC_PHASES_S) -> LinearFit:
+    """The straggler cost of one synchronization after a compute phase (collective).
+
+    Every rank runs compute phases of about c seconds (a matmul loop) back to back, once with a one-element
+    all-reduce after each phase and once without; sync(c) = the difference per phase, the slowest rank's
+    (``time_concurrently``). A layer's collective waits for the slowest rank of the compute before it, and
+    ranks drift apart within a phase (time slicing, clocks, noise). Fit: sync(c) = alpha + c / beta, with x =
+    the phase's measured seconds (alpha: the wake-up and latency of a synchronization; 1 / beta: the fraction
+    of a phase the slowest rank lags)."""
+    a = torch.randn(128, 128, device=device)
+    flag = torch.zeros(1, device=device)
+    (matmul,) = _max_over_group([_timed(lambda: a @ a, device, 20) / 20], group, device)
+    calls = []
+    for c in phases_s:
+        n = max(1, round(c / matmul))
+
+        def phase(n=n):
+            for _ in range(n):
+                a @ a
+
+        def synced(phase=phase):
+            phase()
+            dist.all_reduce(flag, group=group)
+        calls += [phase, synced]
+    ts = time_concurrently(calls, group, device)
+    lengths = ts[0::2]
+    return fit_line(lengths, [max(s - c, 1e-7) for c, s in zip(lengths, ts[1::2])])
 
 
 def _delta_inputs(kind, tokens, heads, K, V, dtype, device, gen):
@@ -203,17 +236,28 @@ def _gemm_calls(device, dtype, hidden) -> tuple[list, list]:
     return flops, calls
 
 
+OP_POINTS = ((128, 2), (512, 4), (2048, 4))  # (tokens, heads) at which a delta-rule op is timed
+
+
 def calibrate_kernel(calibration: Calibration, group, *, kind: str, backend: str, k_dim: int, v_dim: int,
                      dtype: torch.dtype, hidden: int = 256) -> dict:
-    """Add ``calibration.kernels[kernel_key]`` = {"op": the delta-rule op forward + backward with the mixers'
-    in-kernel flags (FLOPs as ``cost_model.delta_flops`` x 3), "summary" (backends with native CP summaries,
-    ``NATIVE_CP``): the summary pass (values [v | 0_K], FLOPs at width K + V), "gemm": a dense matmul forward +
-    backward}, each timed on all ranks at once (``time_concurrently``; collective). The generic CP path is an
-    op pass at width K + V, priced on the "op" fit."""
+    """Add ``calibration.kernels[kernel_key]``, each fit timed on all ranks at once (``time_concurrently``;
+    collective) at the ``OP_POINTS`` (FLOPs as ``cost_model.delta_flops`` x 3 at the pass's value width):
+
+    - "op": the delta-rule op forward + backward with the mixers' in-kernel flags (values V wide);
+    - "augmented" (generic backends): the generic CP path's one pass (``layers.ops.summary.augmented_pass``:
+      values [v | 0_K], initial states [0 | I_K], two pieces as ``cu_seqlens`` like a zigzag rank's);
+    - "summary" (backends with native CP summaries, ``NATIVE_CP``): their summary pass (width K + V);
+    - "gemm": a dense matmul forward + backward.
+
+    The augmented pass has its own fit because its cost is not the op's at K + V FLOPs: on the eager CPU
+    kernels the value width costs far less than the FLOP count says (+5-18 % for 2x the width).
+    """
     from layers.cp.cost_model import delta_flops, kernel_key
     from layers.cp.state_parallel import NATIVE_CP
     from layers.ops import chunk_gated_delta_rule, chunk_kda
-    from layers.ops.summary import segment_summary
+    from layers.ops.backends import get_backend
+    from layers.ops.summary import augmented_pass, segment_summary
 
     group = dist.GroupMember.WORLD if group is None else group
     device = group_device(group)
@@ -222,28 +266,35 @@ def calibrate_kernel(calibration: Calibration, group, *, kind: str, backend: str
         return calibration.kernels[key]
     fn = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
     gen = torch.Generator().manual_seed(0)
-    heads, op_calls, summary_calls, op_flops, summary_flops = 2, [], [], [], []
-    for tokens in (128, 512):
+    native = backend in NATIVE_CP
+
+    def run_op(q, k, v, g, beta, flags):
+        o, _ = fn(q, k, v, g, beta, backend=backend, **flags)
+        o.float().sum().backward()
+
+    def run_augmented(q, k, v, g, beta, flags):          # two pieces, as on a zigzag rank
+        n = q.shape[1]
+        cu = torch.tensor([0, n // 2, n], dtype=torch.int32, device=q.device)
+        o, final = augmented_pass(kind, get_backend(backend), q, k, v, g, beta, cu, k_dim ** -0.5, flags)
+        (o.float().sum() + final.float().sum()).backward()
+
+    def run_summary(q, k, v, g, beta, flags):            # final states of [v | 0] from [0 | I]
+        M, E = segment_summary(kind, k, v, g, beta, backend=backend, **flags)
+        (M.sum() + E.sum()).backward()
+
+    second = ("summary", run_summary) if native else ("augmented", run_augmented)
+    names, calls, flops = [], [], []
+    for tokens, heads in OP_POINTS:
         inputs, flags = _delta_inputs(kind, tokens, heads, k_dim, v_dim, dtype, device, gen)
-
-        def run_op(q, k, v, g, beta):
-            o, _ = fn(q, k, v, g, beta, backend=backend, **flags)
-            o.float().sum().backward()
-
-        def run_summary(q, k, v, g, beta):   # final states of [v | 0] from [0 | I]
-            M, E = segment_summary(kind, k, v, g, beta, backend=backend, **flags)
-            (M.sum() + E.sum()).backward()
-        op_calls.append(lambda run=run_op, inputs=inputs: run(*inputs))
-        op_flops.append(3 * delta_flops(tokens, heads, k_dim, v_dim))
-        if backend in NATIVE_CP:
-            summary_calls.append(lambda run=run_summary, inputs=inputs: run(*inputs))
-            summary_flops.append(3 * delta_flops(tokens, heads, k_dim, k_dim + v_dim))
+        for name, run, width in (("op", run_op, v_dim), (*second, k_dim + v_dim)):
+            names.append(name)
+            calls.append(lambda run=run, inputs=inputs, flags=flags: run(*inputs, flags))
+            flops.append(3 * delta_flops(tokens, heads, k_dim, width))
     gemm_flops, gemm_calls = _gemm_calls(device, dtype, hidden)
-    ts = time_concurrently(op_calls + summary_calls + gemm_calls, group, device)
-    n_sum = len(summary_calls)
-    fits = {"op": fit_line(op_flops, ts[:2]), "gemm": fit_line(gemm_flops, ts[2 + n_sum:])}
-    if n_sum:
-        fits["summary"] = fit_line(summary_flops, ts[2:2 + n_sum])
+    ts = time_concurrently(calls + gemm_calls, group, device)
+    fits = {name: fit_line([f for f, n in zip(flops, names) if n == name],
+                           [t for t, n in zip(ts, names) if n == name]) for name in ("op", second[0])}
+    fits["gemm"] = fit_line(gemm_flops, ts[len(calls):])
     calibration.kernels[key] = fits
     return fits
 

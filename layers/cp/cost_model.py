@@ -4,7 +4,8 @@ A ``Calibration`` holds, per collective type (``all_gather``, ``send_recv``: eve
 ``all_to_all``, ``relay``: one hand-over between two ranks while the others wait), a fitted line
 t = alpha * steps + bytes / beta (alpha in s per sequential step, beta in bytes/s per rank, ``bytes`` received
 per rank), the FLOP/s of the fp32 fold matmuls (gamma) and, per kernel shape, the fitted time of the delta-rule
-op and of the dense projections (also ``LinearFit``s). ``layers.cp.calibration`` measures one on a CP group.
+op, of the generic CP path's augmented pass (or a native summary pass) and of the dense projections (also
+``LinearFit``s). ``layers.cp.calibration`` measures one on a CP group.
 
 ``delta_candidates`` lists every valid CP configuration of a GDN/KDA layer (each state method, grouped with
 each group size, each Ulysses degree dividing the heads, the hybrids); ``predict_delta`` gives the forward +
@@ -49,6 +50,7 @@ class Calibration:
     fold_flops: float
     key: str = ""
     kernels: dict = field(default_factory=dict)
+    sync: LinearFit | None = None     # straggler cost of a synchronization after x s of compute; None: priced 0
 
     def fit(self, collective: str) -> LinearFit:
         if collective not in self.collectives:
@@ -58,13 +60,21 @@ class Calibration:
     def to_json(self) -> dict:
         return {"key": self.key, "fold_flops": self.fold_flops,
                 "collectives": {k: asdict(v) for k, v in self.collectives.items()},
-                "kernels": {k: {n: asdict(f) for n, f in v.items()} for k, v in self.kernels.items()}}
+                "kernels": {k: {n: asdict(f) for n, f in v.items()} for k, v in self.kernels.items()},
+                "sync": None if self.sync is None else asdict(self.sync)}
 
     @classmethod
     def from_json(cls, d: dict) -> "Calibration":
         return cls(collectives={k: LinearFit(**v) for k, v in d["collectives"].items()},
                    fold_flops=float(d["fold_flops"]), key=d.get("key", ""),
-                   kernels={k: {n: LinearFit(**f) for n, f in v.items()} for k, v in d.get("kernels", {}).items()})
+                   kernels={k: {n: LinearFit(**f) for n, f in v.items()} for k, v in d.get("kernels", {}).items()},
+                   sync=None if d.get("sync") is None else LinearFit(**d["sync"]))
+
+    def sync_seconds(self, syncs: int, compute: float) -> float:
+        """Straggler cost of ``syncs`` synchronizations that split ``compute`` seconds into syncs + 1 phases."""
+        if self.sync is None or syncs == 0:
+            return 0.0
+        return syncs * self.sync.seconds(compute / (syncs + 1))
 
 
 def kernel_key(kind: str, backend: str, k_dim: int, v_dim: int, dtype: str) -> str:
@@ -251,14 +261,22 @@ def projection_flops(shape: DeltaLayerShape, tokens: float) -> float:
     return 2 * tokens * shape.hidden * (width + HV * V)
 
 
+def _kernel_fit(fits: dict, name: str, shape) -> LinearFit:
+    if name not in fits:
+        raise ValueError(f"calibration of {shape.kernel} has no {name!r} fit (it has {sorted(fits)}); "
+                         "calibrate it with layers.cp.calibration.calibrate_kernel")
+    return fits[name]
+
+
 def predict_delta(shape: DeltaLayerShape, world_size: int, cand: Candidate, calibration: Calibration) -> dict:
     """Predicted forward + backward seconds of one layer per rank: ``{"total", "comm", "compute"}``.
 
     Compute = the slowest state rank's chunk-padded local pass at the calibrated kernel rates (for state methods
-    on the generic path one pass with values [v | 0_K]; with native summaries the pass plus half a summary
-    pass), plus the rest of the layer on the local tokens (the measured ``layer_key`` fit when the calibration has
-    one, else the projections' FLOPs); comm = the state scan forward and backward, and for Ulysses two all-to-all
-    rounds per pass (the 5 inputs packed, the output).
+    on the generic path one pass with values [v | 0_K] on the "augmented" fit; with native summaries the op
+    pass plus half a summary pass), plus the rest of the layer on the local tokens (the measured ``layer_key`` fit when the calibration has
+    one, else the projections' FLOPs); comm = the state scan forward and backward, for Ulysses two all-to-all
+    rounds per pass (the 5 inputs packed, the output), and the straggler cost of every synchronization
+    (``Calibration.sync_seconds``: conv halo, state scan, all-to-alls; the compute split evenly between them).
     """
     P = world_size
     U = P if cand.method == "ulysses" else (cand.ulysses_degree or 1)
@@ -280,11 +298,11 @@ def predict_delta(shape: DeltaLayerShape, world_size: int, cand: Candidate, cali
 
     width = shape.v_dim + shape.k_dim                                              # values [v | 0_K]
     if Q > 1 and not native:                   # the generic path: one op pass of width V+K gives both
-        compute = op.seconds(3 * worst_flops(width))                               # forward + backward
+        compute = _kernel_fit(fits, "augmented", shape).seconds(3 * worst_flops(width))   # forward + backward
     else:
         compute = op.seconds(3 * worst_flops(shape.v_dim))
         if Q > 1:                              # native summaries: about half a pass of width V+K
-            compute += fits.get("summary", op).seconds(3 * worst_flops(width) / 2)
+            compute += _kernel_fit(fits, "summary", shape).seconds(3 * worst_flops(width) / 2)
     tokens_local = shape.batch * shape.seq_len / P
     rest = calibration.kernels.get(shape.layer_key)
     if rest is not None:                    # measured: the layer at CP = 1 minus its op, per token
@@ -304,6 +322,8 @@ def predict_delta(shape: DeltaLayerShape, world_size: int, cand: Candidate, cali
         per = (U - 1) / U * tokens_local * shape.act_bytes
         one_pass = a2a.seconds(per * width_in, 1) + a2a.seconds(per * width_out, 1)   # inputs packed: one
         comm += 2 * one_pass
+    # synchronizations, forward + backward: the conv halo, the state scan, Ulysses' two all-to-alls
+    comm += calibration.sync_seconds(2 + 2 * (Q > 1) + 4 * (U > 1), compute)
     return {"total": comm + compute, "comm": comm, "compute": compute}
 
 
@@ -343,7 +363,8 @@ def mla_candidates(world_size: int, heads: int) -> list:
 def predict_mla(shape: MLALayerShape, world_size: int, cand: Candidate, calibration: Calibration) -> dict:
     """Forward + backward seconds per rank: the K/V expansion each strategy repeats, causal attention of the
     slowest rank (contiguous ``latent`` ranks are unbalanced: the last one sees (2P-1)/P of the mean keys),
-    and the exchange of ``layers.cp.mla.mla_comm_bytes`` (all-gather of the latent, all-to-alls of heads)."""
+    and the exchange of ``layers.cp.mla.mla_comm_bytes`` (all-gather of the latent, all-to-alls of heads), plus
+    the straggler cost of each collective (``Calibration.sync_seconds``)."""
     from layers.cp.mla import mla_comm_bytes
 
     P, B, T, H = world_size, shape.batch, shape.seq_len, shape.heads
@@ -371,4 +392,6 @@ def predict_mla(shape: MLALayerShape, world_size: int, cand: Candidate, calibrat
         comm = 2 * (ag.seconds(latent, steps) + a2a.seconds(total_bytes["forward"] - latent, 2))
     else:
         comm = 2 * a2a.seconds(total_bytes["forward"], 4)
+    syncs = {"latent": 1, "latent_ulysses": 3, "expanded_ulysses": 4}[cand.method]     # collectives per pass
+    comm += calibration.sync_seconds(2 * syncs, compute)
     return {"total": comm + compute, "comm": comm, "compute": compute}
