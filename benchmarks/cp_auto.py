@@ -2,11 +2,12 @@
 
 For each CP size P (spawned gloo CPU ranks, one thread each), the ranks calibrate the group
 (``layers.cp.calibration``, or reuse ``--calibration PATH``), then for every sequence length and head
-configuration build a real ``layers.GatedDeltaNet`` (or KDA) per valid candidate of ``layers.cp.cost_model.
-delta_candidates`` (every state method, grouped with each group size, each Ulysses degree dividing the heads,
-the hybrids), time its forward + backward on this rank's zigzag shard (``--warmup`` untimed runs, then
-``--repeats`` rounds that run every method once; the median, the slowest rank's time), and compare with the
-model's prediction and with auto's choice.
+configuration build a real ``layers.GatedDeltaNet`` (or KDA) with ``cp_method="auto"`` and run it once (its
+choice: the model's ranking, its 3 best timed on the layer), then one per valid candidate of
+``layers.cp.cost_model.delta_candidates`` (every state method, grouped with each group size, each Ulysses degree
+dividing the heads, the hybrids), time their forward + backward on this rank's zigzag shard (``--warmup``
+untimed runs, then ``--repeats`` rounds that run every method once; the median, the slowest rank's time), and
+compare with the model's predictions, the model's own choice and auto's choice.
 
 Pass criteria of issue 15 (printed per case): auto's measured time within 10 % of the fastest measured method,
 every predicted time within a factor of 2 of its measurement.
@@ -68,6 +69,7 @@ def _worker(rank, P, cases, kind, repeats, warmup, calibration_path):
 
     from hp_megatron.platform import apply_cpu_shims
     from layers import GatedDeltaNet, KimiDeltaAttention
+    from layers.cp import auto as auto_log
     from layers.cp.auto import calibrate_mixer, rank_candidates
     from layers.cp.calibration import calibrate_kernel, load_or_calibrate, persist
     from layers.cp.cost_model import Candidate, DeltaLayerShape
@@ -94,14 +96,20 @@ def _worker(rank, P, cases, kind, repeats, warmup, calibration_path):
         part = T // (2 * P)
         idx = torch.cat([torch.arange(c * part, (c + 1) * part) for c in (rank, 2 * P - 1 - rank)])
         x = torch.randn(T, 1, HIDDEN, generator=torch.Generator().manual_seed(T))[idx]
+        auto_layer = build(Candidate("auto"))        # the real thing: model, then its best few timed on the layer
+        auto_layer(x.clone())
+        auto = Candidate(*auto_layer._cp_auto_choice).label
+        auto_line = auto_log.LOG[-1]
         seconds = _time_layers([build(cand) for cand, _ in decision.ranking], x, repeats, warmup)
         measured = {cand.label: {"measured_s": t, "predicted_s": pred["total"], "predicted_comm_s": pred["comm"],
                                  "predicted_compute_s": pred["compute"]}
                     for (cand, pred), t in zip(decision.ranking, seconds)}
         best = min(measured, key=lambda k: measured[k]["measured_s"])
-        auto = decision.choice.label
-        rows.append({"P": P, "T": T, "H": H, "HV": HV, "auto": auto, "best_measured": best,
+        model = decision.choice.label
+        rows.append({"P": P, "T": T, "H": H, "HV": HV, "auto": auto, "model": model, "best_measured": best,
+                     "auto_log": auto_line,
                      "auto_over_best": measured[auto]["measured_s"] / measured[best]["measured_s"],
+                     "model_over_best": measured[model]["measured_s"] / measured[best]["measured_s"],
                      "methods": measured})
     return {"calibration": cal.to_json(), "source": source, "rows": rows}
 
@@ -110,6 +118,8 @@ def summarize(rows) -> dict:
     ratios = [m["predicted_s"] / m["measured_s"] for r in rows for m in r["methods"].values()]
     return {"cases": len(rows), "auto_within_10pct": sum(r["auto_over_best"] <= 1.10 for r in rows),
             "worst_auto_over_best": max(r["auto_over_best"] for r in rows),
+            "model_within_10pct": sum(r["model_over_best"] <= 1.10 for r in rows),
+            "worst_model_over_best": max(r["model_over_best"] for r in rows),
             "predicted_over_measured_min": min(ratios), "predicted_over_measured_max": max(ratios),
             "predictions_within_2x": sum(0.5 <= q <= 2.0 for q in ratios), "predictions": len(ratios)}
 
@@ -117,27 +127,35 @@ def summarize(rows) -> dict:
 def markdown(rows, summary, kind, calibrations, meta, note="") -> str:
     lines = [f"`{meta['command']}` (torch {meta['torch']}, megatron-core {meta['megatron_core']}).{note}", "",
              f"{kind.upper()} layer (hidden {HIDDEN}, K = V = {HEAD_DIM}, batch 1, zigzag, fp32, eager) forward + "
-             "backward per rank on gloo CPU ranks (one thread each): the slowest rank's median. *auto* is the "
-             "cost model's choice from the group's calibration; *best* the fastest measured method; "
-             "pred/meas the range over all methods of the case.", "",
-             "| P | T | H/HV | methods | auto | auto ms | best | best ms | auto/best | pred/meas (min..max) |",
-             "|---:|---:|---|---:|---|---:|---|---:|---:|---|"]
+             "backward per rank on gloo CPU ranks (one thread each): the slowest rank's median. *model* is the "
+             "cost model's fastest prediction from the group's calibration; *auto* what `cp_method=\"auto\"` "
+             "chose in a layer (the model's 3 fastest timed on the layer, the default); *best* the fastest "
+             "method measured afterwards, all methods round-robin; pred/meas the range over all methods of the "
+             "case.", "",
+             "| P | T | H/HV | methods | model | model/best | auto | auto ms | best | best ms | auto/best | "
+             "pred/meas (min..max) |",
+             "|---:|---:|---|---:|---|---:|---|---:|---|---:|---:|---|"]
     for r in rows:
         m = r["methods"]
         q = [v["predicted_s"] / v["measured_s"] for v in m.values()]
-        lines.append(f"| {r['P']} | {r['T']} | {r['H']}/{r['HV']} | {len(m)} | {r['auto']} | "
+        lines.append(f"| {r['P']} | {r['T']} | {r['H']}/{r['HV']} | {len(m)} | {r['model']} | "
+                     f"{r['model_over_best']:.2f} | {r['auto']} | "
                      f"{m[r['auto']]['measured_s'] * 1e3:.1f} | {r['best_measured']} | "
                      f"{m[r['best_measured']]['measured_s'] * 1e3:.1f} | {r['auto_over_best']:.2f} | "
                      f"{min(q):.2f}..{max(q):.2f} |")
     lines += ["", f"auto within 10 % of the best in {summary['auto_within_10pct']} of {summary['cases']} cases "
-              f"(worst {summary['worst_auto_over_best']:.2f}x); predictions within 2x of the measurement: "
+              f"(worst {summary['worst_auto_over_best']:.2f}x); the model alone in {summary['model_within_10pct']} "
+              f"(worst {summary['worst_model_over_best']:.2f}x); predictions within 2x of the measurement: "
               f"{summary['predictions_within_2x']} of {summary['predictions']} (ratio "
               f"{summary['predicted_over_measured_min']:.2f}..{summary['predicted_over_measured_max']:.2f}).", "",
-              "Calibrations (alpha us/step, beta GB/s per rank; fold GFLOP/s):", ""]
+              "Calibrations (alpha us/step, beta GB/s per rank; fold GFLOP/s; sync: straggler cost of one "
+              "synchronization after a compute phase):", ""]
     for P, c in calibrations.items():
         fits = ", ".join(f"{n} {f['alpha'] * 1e6:.0f} us / {f['beta'] / 1e9:.2f} GB/s "
                          f"(resid {f['residual'] * 100:.0f}%)" for n, f in sorted(c["collectives"].items()))
-        lines.append(f"- P={P}: {fits}; fold {c['fold_flops'] / 1e9:.0f} GFLOP/s")
+        sync = c["sync"]
+        lines.append(f"- P={P}: {fits}; fold {c['fold_flops'] / 1e9:.0f} GFLOP/s; sync {sync['alpha'] * 1e6:.0f} us + "
+                     f"{100 / sync['beta']:.1f}% of the phase")
     return "\n".join(lines)
 
 
@@ -178,7 +196,7 @@ def main(argv=None):
     ap.add_argument("--seq", default="768,3072", help="global sequence lengths (multiples of 2P and of 64)")
     ap.add_argument("--heads", default="4x4,3x6", help="H x HV head configurations")
     ap.add_argument("--kind", choices=("gdn", "kda"), default="gdn")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--calibration", default=None, help="calibration JSON cache (reused per world layout)")
     ap.add_argument("--plot", default=None, help="write the predicted-vs-measured plot (PNG) here")

@@ -14,12 +14,20 @@ import argparse
 from layers.choices import BACKENDS, CP_LAYOUTS, ROPE_TYPES
 from layers.choices import CP_METHOD_CHOICES as CP_METHODS
 from layers.choices import MLA_CP_STRATEGY_CHOICES as MLA_CP_METHODS
+from layers.cp.auto import MEASURE_TOP
 
 
 def _positive(text):
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _non_negative(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
     return value
 
 
@@ -40,6 +48,9 @@ def add_hp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--hp-cp-calibration", default=None, metavar="PATH",
                    help="with --hp-cp-method auto: JSON file caching the CP group's calibration (keyed by world "
                         "layout and hardware); reused when it holds this layout, else measured and saved there")
+    g.add_argument("--hp-cp-auto-measure", type=_non_negative, default=MEASURE_TOP, metavar="N",
+                   help="with --hp-cp-method auto: time the cost model's N fastest candidates on each GDN/KDA layer "
+                        "shape at its first forward and take the fastest (0: the model decides alone)")
     g.add_argument("--hp-cp-layout", choices=CP_LAYOUTS, default="zigzag",
                    help="token layout over CP ranks: zigzag (Megatron's load-balanced split) or contiguous")
     g.add_argument("--hp-cp-group-size", type=_positive, default=None,
@@ -108,6 +119,7 @@ def hp_config_from_args(args) -> dict:
         "delta_cp_group_size": args.hp_cp_group_size,
         "delta_cp_ulysses_degree": args.hp_ulysses_degree,
         "delta_cp_calibration": calibration,
+        "delta_cp_auto_measure": args.hp_cp_auto_measure,
         "kda_lower_bound": args.hp_kda_lower_bound,
         "kda_gate_low_rank_dim": args.hp_kda_gate_low_rank_dim,
         "kda_safe_gate": args.hp_kda_safe_gate,

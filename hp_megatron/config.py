@@ -19,6 +19,7 @@ from typing import Optional
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from layers.choices import BACKENDS, CP_LAYOUTS, CP_METHOD_CHOICES, MLA_CP_STRATEGY_CHOICES, ROPE_TYPES
+from layers.cp.auto import MEASURE_TOP
 
 # MLATransformerConfig's own fields that the MLA layer reads; multi_latent_attention stays off (GPTModel would drop
 # its rotary embedding), cache_mla_latents is inference-only, normalization is a TransformerConfig field already
@@ -78,6 +79,10 @@ class HybridFields:
     delta_cp_calibration: Optional[str] = None
     """With a CP method / MLA strategy ``auto``: JSON file caching the CP group's calibration."""
 
+    delta_cp_auto_measure: int = MEASURE_TOP
+    """With the CP method ``auto``: how many of the cost model's fastest candidates a GDN/KDA layer times on
+    itself before choosing (0: the model decides alone)."""
+
     delta_init_seed: Optional[int] = None
     """Base seed of the GDN/KDA layout-independent initialisation (None: ``torch.initial_seed()``)."""
 
@@ -114,6 +119,7 @@ _CHOICES = {"hp_cp_layout": CP_LAYOUTS, "delta_backend": BACKENDS, "delta_cp_met
             "mla_cp_strategy": MLA_CP_STRATEGY_CHOICES, "rope_type": ROPE_TYPES}
 _UNSET_ALLOWED = ("delta_cp_method", "mla_cp_strategy")  # None: chosen from megatron's cp_comm_type
 _POSITIVE_INTS = ("delta_cp_group_size", "delta_cp_ulysses_degree", "kda_gate_low_rank_dim")
+_NON_NEGATIVE_INTS = ("delta_cp_auto_measure",)
 _BOOLS = ("linear_conv_bias", "kda_safe_gate", "kda_output_gate_bias", "gated_norm_zero_centered_gamma")
 _OPTIONAL_BOOLS = ("gated_norm_zero_centered_gamma",)
 
@@ -129,6 +135,10 @@ def check_hybrid_fields(config) -> None:
         value = getattr(config, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise ValueError(f"{owner}.{name} must be a positive int or None, got {value!r}")
+    for name in _NON_NEGATIVE_INTS:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{owner}.{name} must be an int >= 0, got {value!r}")
     for name in _BOOLS:
         value, optional = getattr(config, name), name in _OPTIONAL_BOOLS
         if not isinstance(value, bool) and not (optional and value is None):

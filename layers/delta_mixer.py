@@ -43,6 +43,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from layers.choices import CP_LAYOUTS
 from layers.choices import CP_METHOD_CHOICES as CP_METHODS
 from layers.cp import CommStats, build_cp_context
+from layers.cp.auto import MEASURE_TOP
 from layers.cp.sequence import micro_batch_cache, packed_cu_seqlens
 from layers.keywords import check_keywords, declared_keywords
 from layers.masks import check_causal_mask
@@ -81,6 +82,7 @@ COMMON_OPTIONS = {
     "cp_group_size": Option(("delta_cp_group_size",), None),
     "cp_ulysses_degree": Option(("delta_cp_ulysses_degree",), None),
     "cp_calibration": Option(("delta_cp_calibration",), None),  # cp_method="auto": calibration JSON cache path
+    "cp_auto_measure": Option(("delta_cp_auto_measure",), MEASURE_TOP),  # auto: best candidates timed on the layer
     "init_seed": Option(("delta_init_seed",), None),  # None -> torch.initial_seed()
 }
 
@@ -344,6 +346,10 @@ class DeltaMixer(MegatronModule):
             raise ValueError(f"{name}: cp_method='grouped_allgather_p2p' needs cp_group_size (ranks per "
                              "all-gather group; must divide the CP size)")
         self.init_seed = opts["init_seed"]
+        measure_top = opts["cp_auto_measure"]
+        if isinstance(measure_top, bool) or not isinstance(measure_top, int) or measure_top < 0:
+            raise ValueError(f"{name}: cp_auto_measure must be an int >= 0 (candidates timed on the layer; 0: the "
+                             f"cost model alone), got {measure_top!r}")
         self.options = opts
         self.comm_stats = None   # a layers.cp.CommStats turns communication accounting on for this layer
         self._cp_contexts = {}   # BSHD CP contexts per (group, configuration); THD ones live on the micro-batch
@@ -554,7 +560,8 @@ class DeltaMixer(MegatronModule):
 
         projected, _ = self.in_proj(hidden_states)  # [s, b, D_local]
         seq, batch = projected.shape[:2]
-        cu_seqlens, cp_context = self._sequence_context(packed_seq_params, cu_global, cp_group, cp_size, seq, batch)
+        cu_seqlens, cp_context = self._sequence_context(packed_seq_params, cu_global, cp_group, cp_size, seq, batch,
+                                                        hidden_states)
         x = projected.transpose(0, 1)  # [b, s, D_local]
         sizes = [rows // self.tp_size for _, rows in self._in_parts]
         parts = dict(zip((n for n, _ in self._in_parts), torch.split(x, sizes, dim=-1)))
@@ -581,7 +588,7 @@ class DeltaMixer(MegatronModule):
         group = getattr(packed_seq_params, "cp_group", None) if packed_seq_params is not None else None
         return group if group is not None else self.cp_group
 
-    def _sequence_context(self, packed_seq_params, cu, cp_group, cp_size, seq, batch):
+    def _sequence_context(self, packed_seq_params, cu, cp_group, cp_size, seq, batch, hidden_states):
         """(cu_seqlens for the local op, CP context): under CP the context holds the global boundaries.
 
         The context is built once per micro-batch (THD: cached on ``packed_seq_params``, shared by every layer
@@ -601,7 +608,8 @@ class DeltaMixer(MegatronModule):
         if method == "auto":   # decided at the first CP forward, then kept (layers.cp.auto)
             from layers.cp.auto import resolve_for_mixer
 
-            method, group_size, degree = resolve_for_mixer(self, cp_group, seq * cp_size, batch, cu)
+            method, group_size, degree = resolve_for_mixer(self, cp_group, seq * cp_size, batch, cu, hidden_states,
+                                                           packed_seq_params)
         key = ("cp_context", cp_group, method, self.cp_layout, group_size, degree, self.conv_kernel_dim,
                id(self.comm_stats))
         cache = micro_batch_cache(packed_seq_params) if cu is not None else self._cp_contexts

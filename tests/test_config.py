@@ -94,7 +94,8 @@ BAD_VALUES = [("hp_cp_layout", "zz"), ("delta_backend", "cuda"), ("delta_cp_meth
               ("mla_cp_strategy", "ulysses"), ("rope_type", "nope"), ("delta_cp_group_size", 0),
               ("delta_cp_ulysses_degree", 1.5), ("kda_gate_low_rank_dim", True), ("kda_lower_bound", 0.0),
               ("kda_safe_gate", "yes"), ("linear_conv_bias", 1), ("gated_norm_zero_centered_gamma", 0),
-              ("hp_layer_pattern", "GXA"), ("hp_layer_pattern", "")]
+              ("hp_layer_pattern", "GXA"), ("hp_layer_pattern", ""), ("delta_cp_auto_measure", -1),
+              ("delta_cp_auto_measure", None)]
 
 
 @pytest.mark.parametrize("name,value", BAD_VALUES)

@@ -106,6 +106,54 @@ def test_high_bandwidth_many_heads_picks_ulysses():
     assert d.runner_up[1]["total"] > d.predicted["total"]
 
 
+def test_straggler_cost_is_charged_per_synchronization():
+    """A calibrated straggler cost per synchronization: every candidate pays it for the conv halo (2), the state
+    scan (2) and Ulysses' all-to-alls (4), forward + backward. Ulysses, cheaper on compute, has two
+    synchronizations more than a state method and loses once each costs more than half its lead."""
+    import dataclasses
+
+    shape = gdn(heads=4, value_heads=4, T=4096)
+    plain = synthetic(1e-6, 1e13, op_rate=1e11)
+    before = {c.label: p["total"] for c, p in rank_candidates(shape, 4, plain).ranking}
+    assert rank_candidates(shape, 4, plain).choice == Candidate("ulysses")
+    lead = min(t for label, t in before.items() if label != "ulysses") - before["ulysses"]
+    stalled = dataclasses.replace(plain, sync=LinearFit(lead, 1e30))          # per synchronization: the lead
+    after = {c.label: p["total"] for c, p in rank_candidates(shape, 4, stalled).ranking}
+    syncs = {"p2p": 4, "allgather": 4, "grouped_allgather_p2p(g=2)": 4, "recursive_doubling": 4, "ulysses": 6,
+             "ulysses2 x p2p": 8, "ulysses2 x allgather": 8, "ulysses2 x recursive_doubling": 8}
+    assert sorted(after) == sorted(syncs)
+    for label, n in syncs.items():
+        assert after[label] - before[label] == pytest.approx(n * lead, rel=1e-9), label
+    assert rank_candidates(shape, 4, stalled).choice.method != "ulysses"
+    # a share of the phase before each synchronization: 10 % of the compute split into n + 1 phases
+    share = dataclasses.replace(plain, sync=LinearFit(0.0, 10.0))
+    p2p = predict_delta(shape, 4, Candidate("p2p"), share)
+    base = predict_delta(shape, 4, Candidate("p2p"), plain)
+    assert p2p["comm"] - base["comm"] == pytest.approx(4 * 0.1 * base["compute"] / 5)
+
+
+def test_measured_candidates_decide_and_are_logged():
+    """The model's ranking stays; the choice is the fastest of the timed candidates, and the log says so."""
+    d = rank_candidates(gdn(heads=4, value_heads=4, T=4096), 4, synthetic(1e-6, 1e13, op_rate=1e11))
+    top = [c for c, _ in d.ranking[:3]]
+    m = d.with_measurements(zip(top, (0.030, 0.020, 0.025)))
+    assert m.choice == top[1] and m.ranking == d.ranking and m.predicted == d.ranking[1][1]
+    line = m.log_line()
+    assert line.startswith(d.log_line()) and line.endswith(
+        f"; timed on the layer: {top[0].label} 30.0, {top[1].label} 20.0, {top[2].label} 25.0 ms -> {top[1].label}")
+
+
+def test_measure_count_is_validated():
+    from megatron.core.transformer import TransformerConfig
+
+    from layers import GatedDeltaNet
+
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
+    with pytest.raises(ValueError, match="cp_auto_measure must be an int >= 0"):
+        GatedDeltaNet(config, None, layer_number=1, num_key_heads=4, key_head_dim=8, cp_method="auto",
+                      cp_auto_measure=-1)
+
+
 def test_heads_not_divisible_never_chooses_ulysses_over_p():
     cal = synthetic(1e-6, 1e13, op_rate=1e11)
     d = rank_candidates(gdn(heads=6, value_heads=6), 4, cal)
@@ -188,7 +236,10 @@ def test_calibration_json_round_trip(tmp_path):
     data = json.loads(path.read_text())
     assert sorted(data) == ["P=2|test", "P=4|test"]
     back = Calibration.from_json(_read(str(path))["P=4|test"])
-    assert back.collectives == cal.collectives and back.kernels == cal.kernels
+    assert back.collectives == cal.collectives and back.kernels == cal.kernels and back.sync is None
+    cal.sync = LinearFit(1e-3, 20.0, 0.05)
+    save(cal, str(path))
+    assert Calibration.from_json(_read(str(path))["P=4|test"]).sync == cal.sync
 
 
 def test_auto_rejects_explicit_group_size():
@@ -242,6 +293,8 @@ def _worker(rank, world_size, path):
     cal, source = load_or_calibrate(None, path)
     out["source"] = source
     out["fits"] = {k: (v.alpha, v.beta) for k, v in cal.collectives.items()}
+    out["sync"] = (cal.sync.alpha, cal.sync.beta)
+    out["calibration_line"] = auto_mod.calibration_line(cal, source)
     _CACHE.clear()
     out["reload"] = load_or_calibrate(None, path)[1]
     bad = path + ".bad"
@@ -288,6 +341,10 @@ def _worker(rank, world_size, path):
         results[label] = {"y": y.detach(), "dx": xl.grad, "method": method,
                           "hook_calls": len(hook_calls) / len(list(layer.parameters())),
                           "grads": {n: p.grad.clone() for n, p in layer.named_parameters()}}
+    model_only = GatedDeltaNet(config, None, layer_number=1, **dims, cp_method="auto", cp_calibration=path,
+                               cp_auto_measure=0)
+    model_only(x[idx].clone())
+    out["model_only"] = model_only._cp_auto_choice
     out["layer"] = {"method": results["auto"]["method"], "hook_calls": results["auto"]["hook_calls"],
                     "dy": (results["auto"]["y"] - results["chosen"]["y"]).abs().max().item(),
                     "ddx": (results["auto"]["dx"] - results["chosen"]["dx"]).abs().max().item(),
@@ -351,6 +408,10 @@ def test_calibration_measures_then_reuses_the_file(ranks):
     assert sorted(results[0]["fits"]) == sorted(COLLECTIVES)
     for alpha, beta in results[0]["fits"].values():
         assert 0 <= alpha < 1.0 and 1e6 < beta and math.isfinite(alpha)
+    assert all(r["sync"] == results[0]["sync"] for r in results)
+    alpha, beta = results[0]["sync"]                  # straggler cost: s per synchronization, 1 / share of a phase
+    assert 0 <= alpha < 0.1 and beta > 1.0
+    assert " sync " in results[0]["calibration_line"] and "of the phase before it" in results[0]["calibration_line"]
     data = json.loads(open(path).read())
     (key,) = data
     assert key.startswith(f"P={P}|hosts=1x{P}|gloo|") and key.endswith(f"|{FORMAT}")
@@ -393,7 +454,18 @@ def test_layer_with_auto_equals_the_chosen_method(ranks):
         assert r["layer"]["dy"] == 0 and r["layer"]["ddx"] == 0 and r["layer"]["dgrad"] == 0
         assert r["layer"]["hook_calls"] == 1          # the calibration runs touched no parameter gradient
     lines = [l for l in results[0]["log"] if l.startswith("[hp_megatron cp auto] GDN")]
-    assert len(lines) == 1 and "runner-up" in lines[0] and "ms fwd+bwd" in lines[0]
+    assert len(lines) == 2 and all("runner-up" in l and "ms fwd+bwd" in l for l in lines)
+    measured, model_only = lines                     # the default times the model's 3 best on the layer
+    timed = measured.split("; timed on the layer: ")[1]
+    assert len(timed.split(", ")) == 3 and timed.endswith(f"ms -> {_label(results[0]['layer']['method'])}")
+    assert "timed on the layer" not in model_only    # cp_auto_measure=0: the model's best
+    model_best = model_only.split(", P=4: ")[1].split(" ")[0]
+    assert _label(results[0]["model_only"]) == model_best and len({r["model_only"] for r in results}) == 1
+
+
+def _label(choice):
+    method, group_size, degree = choice
+    return Candidate(method, group_size, degree).label
 
 
 def test_mla_with_auto_equals_the_chosen_strategy(ranks):

@@ -10,6 +10,16 @@ per (CP group, shape, calibration file): layers of the same shape decide once, a
     [hp_megatron cp auto] GDN B=1 T=4096 H=4 HV=4 K=64 V=64 zigzag, P=4: ulysses 12.3 ms fwd+bwd
     (comm 1.1 + compute 11.2); runner-up allgather 14.0 ms (+14%); 9 candidates
 
+A GDN/KDA mixer (``resolve_for_mixer``) then times the model's ``measure_top`` fastest candidates (default
+``MEASURE_TOP``, option ``cp_auto_measure``, ``--hp-cp-auto-measure``; 0: the model decides alone) on itself:
+forward + backward on a random input of the micro-batch's shape, every rank at once, the slowest rank's median,
+and takes the fastest. The model prices every configuration from its parts and is within 10-30 % of a
+measured layer; measuring settles the near-ties among its best few, where that error decides. The log line then
+adds the measured times::
+
+    ...; runner-up p2p 38.90 ms (+0%); 8 candidates; timed on the layer: ulysses 47.3, p2p 55.7, allgather
+    54.1 ms -> ulysses
+
 ``rank_candidates`` is the pure choice (no communication), used by the tests on synthetic calibrations.
 """
 from __future__ import annotations
@@ -23,6 +33,8 @@ from layers.cp.cost_model import (Calibration, Candidate, DeltaLayerShape, MLALa
                                   mla_candidates, predict_delta, predict_mla)
 
 LOG_PREFIX = "[hp_megatron cp auto]"
+MEASURE_TOP = 3                    # candidates a mixer times on itself (the model's fastest); 0: model only
+MEASURE_REPEATS = 7                # timed forward + backward calls per measured candidate (round-robin)
 _DECISIONS: dict = {}
 LOG: list = []                     # every log line this process printed (or would print on global rank 0)
 
@@ -36,20 +48,33 @@ class Decision:
     choice: Candidate
     predicted: dict
     ranking: tuple
+    measured: tuple = ()           # ((candidate, seconds), ...): the model's best few timed on the layer
 
     @property
     def runner_up(self):
         return self.ranking[1] if len(self.ranking) > 1 else None
 
     def log_line(self) -> str:
-        p = self.predicted
-        line = (f"{LOG_PREFIX} {self.shape.describe()}, P={self.world_size}: {self.choice.label} "
+        best, p = self.ranking[0]
+        line = (f"{LOG_PREFIX} {self.shape.describe()}, P={self.world_size}: {best.label} "
                 f"{p['total'] * 1e3:.2f} ms fwd+bwd (comm {p['comm'] * 1e3:.2f} + compute {p['compute'] * 1e3:.2f})")
         if self.runner_up is None:
             return line + "; the only valid candidate"
         cand, pred = self.runner_up
-        return (line + f"; runner-up {cand.label} {pred['total'] * 1e3:.2f} ms "
-                f"(+{100 * (pred['total'] / p['total'] - 1):.0f}%); {len(self.ranking)} candidates")
+        line += (f"; runner-up {cand.label} {pred['total'] * 1e3:.2f} ms "
+                 f"(+{100 * (pred['total'] / p['total'] - 1):.0f}%); {len(self.ranking)} candidates")
+        if self.measured:
+            times = ", ".join(f"{c.label} {t * 1e3:.1f}" for c, t in self.measured)
+            line += f"; timed on the layer: {times} ms -> {self.choice.label}"
+        return line
+
+    def with_measurements(self, measured) -> "Decision":
+        """This decision with ``measured`` = [(candidate, seconds)] and the fastest of them as the choice."""
+        measured = tuple(measured)
+        choice = min(measured, key=lambda ct: ct[1])[0]
+        predicted = next(pred for cand, pred in self.ranking if cand == choice)
+        return Decision(shape=self.shape, world_size=self.world_size, choice=choice, predicted=predicted,
+                        ranking=self.ranking, measured=measured)
 
 
 def rank_candidates(shape, world_size: int, calibration: Calibration) -> Decision:
@@ -72,8 +97,11 @@ def rank_candidates(shape, world_size: int, calibration: Calibration) -> Decisio
 def calibration_line(calibration: Calibration, source: str) -> str:
     fits = ", ".join(f"{name} alpha={f.alpha * 1e6:.1f} us/step beta={f.beta / 1e9:.2f} GB/s "
                      f"(resid {100 * f.residual:.0f}%)" for name, f in calibration.collectives.items())
+    sync = calibration.sync
+    sync = "" if sync is None else (f"; sync {sync.alpha * 1e6:.0f} us + {100 / sync.beta:.1f}% of the phase "
+                                    f"before it (resid {100 * sync.residual:.0f}%)")
     return (f"{LOG_PREFIX} calibration [{calibration.key}] {source}: {fits}; fold gamma="
-            f"{calibration.fold_flops / 1e9:.1f} GFLOP/s")
+            f"{calibration.fold_flops / 1e9:.1f} GFLOP/s{sync}")
 
 
 def _log(line: str) -> None:
@@ -115,16 +143,18 @@ def _ensure_layer(calibration, group, mixer, shape) -> bool:
     return True
 
 
-def decide(group, shape, *, calibration: Calibration | None = None, calibration_path: str | None = None
-           ) -> Decision:
+def decide(group, shape, *, calibration: Calibration | None = None, calibration_path: str | None = None,
+           measure=None, measure_top: int = 0) -> Decision:
     """The decision for ``shape`` on ``group`` (None = WORLD), identical on every rank (collective, except
     when cached). ``calibration``: use this one instead of loading/measuring the group's (``calibration_path``
-    or a fresh measurement)."""
+    or a fresh measurement). ``measure(candidates) -> seconds`` (collective, the same numbers on every rank):
+    the ``measure_top`` fastest predicted candidates are timed with it and the fastest measured is chosen."""
     from layers.cp.calibration import broadcast_from_rank0, persist
 
     group = dist.GroupMember.WORLD if group is None else group
+    measure_top = measure_top if measure is not None else 0
     key = (tuple(dist.get_process_group_ranks(group)), shape,
-           calibration_path if calibration is None else id(calibration))
+           calibration_path if calibration is None else id(calibration), measure_top)
     if key in _DECISIONS:
         return _DECISIONS[key]
     if calibration is None:
@@ -134,6 +164,11 @@ def decide(group, shape, *, calibration: Calibration | None = None, calibration_
     else:
         _ensure_kernel(calibration, group, shape)
     decision = broadcast_from_rank0(lambda: rank_candidates(shape, group_size(group), calibration), group)
+    if measure_top > 0 and len(decision.ranking) > 1:
+        # a fixed count (not a margin): every CP group of this size times as many layer calls, so collectives
+        # outside the CP group (TP all-gathers inside the mixer) stay matched across groups
+        top = [cand for cand, _ in decision.ranking[:measure_top]]
+        decision = decision.with_measurements(zip(top, measure(top)))
     _DECISIONS[key] = decision
     _log(decision.log_line())
     return decision
@@ -212,10 +247,46 @@ def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerSha
     calibration.kernels[shape.layer_key] = {"rest": fit_line([n for n, _ in points], [t for _, t in points])}
 
 
-def resolve_for_mixer(mixer, cp_group, seq_len: int, batch: int, cu_seqlens) -> tuple:
+def measure_on_mixer(mixer, cp_group, hidden_states, packed_seq_params, repeats: int = MEASURE_REPEATS):
+    """``measure(candidates) -> seconds`` for ``decide``: the mixer's own forward + backward under each candidate on
+    a random input shaped like ``hidden_states`` with the micro-batch's ``packed_seq_params``, every rank of
+    ``cp_group`` at once (``time_concurrently``: a warm-up, then ``repeats`` barrier-started calls, the slowest
+    rank's median). Parameters are frozen and communication accounting is off meanwhile (no gradient, hook or
+    ``comm_stats`` sees the timing runs)."""
+    import torch
+
+    from layers.cp.calibration import group_device, time_concurrently
+
+    def measure(candidates):
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(hidden_states.shape, generator=gen).to(hidden_states.device, hidden_states.dtype)
+
+        def run(cand):
+            mixer._cp_auto_choice = (cand.method, cand.group_size, cand.ulysses_degree)
+            y, _ = mixer(x.clone().requires_grad_(True), packed_seq_params=packed_seq_params)
+            y.float().sum().backward()
+        params = [p for p in mixer.parameters() if p.requires_grad]
+        stats, mixer.comm_stats = mixer.comm_stats, None
+        for p in params:
+            p.requires_grad_(False)
+        try:
+            return time_concurrently([lambda c=c: run(c) for c in candidates], cp_group, group_device(cp_group),
+                                     repeats=repeats, min_window=0.0)
+        finally:
+            for p in params:
+                p.requires_grad_(True)
+            mixer.comm_stats = stats
+            mixer._cp_auto_choice = None
+    return measure
+
+
+def resolve_for_mixer(mixer, cp_group, seq_len: int, batch: int, cu_seqlens, hidden_states=None,
+                      packed_seq_params=None) -> tuple:
     """(method, group_size, ulysses_degree) for a GDN/KDA mixer with ``cp_method="auto"``, decided at its first
     CP forward (global ``seq_len`` per row, or total packed tokens with ``cu_seqlens``) and kept for the life of
-    the module: later micro-batches reuse it without communication."""
+    the module: later micro-batches reuse it without communication. With ``hidden_states`` (the forward's
+    input) and the mixer option ``cp_auto_measure`` > 0, the model's best few are timed on the mixer itself
+    (``measure_on_mixer``)."""
     chosen = getattr(mixer, "_cp_auto_choice", None)
     if chosen is not None:
         return chosen
@@ -235,8 +306,10 @@ def resolve_for_mixer(mixer, cp_group, seq_len: int, batch: int, cu_seqlens) -> 
     calibration = _group_calibration(cp_group, path)
     if _ensure_kernel(calibration, cp_group, shape) | _ensure_layer(calibration, cp_group, mixer, shape):
         persist(calibration, cp_group, path)
-    kwargs = auto_context_kwargs(cp_group, shape, mixer.cp_layout, calibration=calibration)
-    mixer._cp_auto_choice = (kwargs["method"], kwargs["group_size"], kwargs["ulysses_degree"])
+    top = mixer.options.get("cp_auto_measure", MEASURE_TOP)
+    measure = None if hidden_states is None else measure_on_mixer(mixer, cp_group, hidden_states, packed_seq_params)
+    choice = decide(cp_group, shape, calibration=calibration, measure=measure, measure_top=top).choice
+    mixer._cp_auto_choice = (choice.method, choice.group_size, choice.ulysses_degree)
     return mixer._cp_auto_choice
 
 

@@ -76,7 +76,8 @@ def time_concurrently(fns, group, device, repeats: int = COMPUTE_REPEATS, min_wi
     Per fn: an untimed warm-up call (allocations, connections), one synchronized call that sizes the window
     (n calls, so that n x the slowest rank's call >= ``min_window``; n = 1 without a ``min_window``), then
     ``repeats`` windows, each started at a group barrier and timed on every rank; the result is the median
-    over the windows of the slowest rank's window / n. Collective; every rank gets the same numbers.
+    over the windows of the slowest rank's window / n. The windows run round-robin (repeat r times every fn
+    once), so a change of load on the host hits every fn alike. Collective; every rank gets the same numbers.
     """
     for fn in fns:
         fn()
@@ -90,12 +91,12 @@ def time_concurrently(fns, group, device, repeats: int = COMPUTE_REPEATS, min_wi
         sizing = _max_over_group(sizing, group, device)
         calls = [max(1, math.ceil(min_window / max(t, 1e-9))) for t in sizing]
     windows = []
-    for fn, n in zip(fns, calls):
-        for _ in range(repeats):
+    for _ in range(repeats):
+        for fn, n in zip(fns, calls):
             dist.barrier(group=group)
             windows.append(_timed(fn, device, n) / n)
     windows = _max_over_group(windows, group, device)
-    return [statistics.median(windows[i * repeats:(i + 1) * repeats]) for i in range(len(fns))]
+    return [statistics.median(windows[i::len(fns)]) for i in range(len(fns))]
 
 
 def fit_line(xs, ts, steps: float = 1.0) -> LinearFit:
