@@ -54,7 +54,8 @@ PATTERNS = {
              ["--num-query-groups", "2", "--rotary-base", "10000000", "--hp-linear-num-value-heads", "8"]),
 }
 PARALLEL = {"cp2_allgather": {"CP": "2", "CP_METHOD": "allgather"}, "cp2_p2p": {"CP": "2", "CP_METHOD": "p2p"},
-            "cp2_ulysses": {"CP": "2", "CP_METHOD": "ulysses"}, "tp2": {"TP": "2"}}
+            "cp2_ulysses": {"CP": "2", "CP_METHOD": "ulysses"}, "cp2_auto": {"CP": "2", "CP_METHOD": "auto"},
+            "tp2": {"TP": "2"}}
 SEQ, GBS, ITERS, LR = 32, 2, 3, 1e-2
 
 
@@ -161,6 +162,18 @@ def test_parallel_first_iteration_matches_single_rank(runs, pattern, name):
     assert _rel(got[0]["grad_norm"], ref[0]["grad_norm"]) <= 1e-5, (got[0], ref[0])
     size = "context-parallel size: 2" if name.startswith("cp2") else "tensor-model-parallel size: 2"
     assert size in log
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_auto_calibrates_and_logs_its_choice_through_megatron_lm(runs, pattern):
+    """``CP_METHOD=auto``: one calibration line, and one decision line per GDN/KDA layer shape with the model's
+    ranking and the candidates timed on the layer (the loss equals the single rank's in the test above)."""
+    _, log = runs(pattern)["cp2_auto"]
+    assert len(re.findall(r"\[hp_megatron cp auto\] calibration \[P=2\|", log)) == 1, log[-3000:]
+    kind = {"KKKM": "KDA", "GGGA": "GDN"}[pattern]
+    decisions = re.findall(rf"\[hp_megatron cp auto\] {kind} B=1 T={SEQ} .*", log)
+    assert len(decisions) == 1 and "runner-up" in decisions[0], log[-3000:]
+    assert re.search(r"; timed on the layer: \S+ [0-9.]+, \S+ [0-9.]+, \S+ [0-9.]+ ms -> \S+$", decisions[0])
 
 
 @pytest.mark.parametrize("pattern", list(PATTERNS))
