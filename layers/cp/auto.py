@@ -168,7 +168,8 @@ def decide(group, shape, *, calibration: Calibration | None = None, calibration_
         # a fixed count (not a margin): every CP group of this size times as many layer calls, so collectives
         # outside the CP group (TP all-gathers inside the mixer) stay matched across groups
         top = [cand for cand, _ in decision.ranking[:measure_top]]
-        decision = decision.with_measurements(zip(top, measure(top)))
+        seconds = measure(top)
+        decision = broadcast_from_rank0(lambda: decision.with_measurements(zip(top, seconds)), group)
     _DECISIONS[key] = decision
     _log(decision.log_line())
     return decision
@@ -194,9 +195,6 @@ def auto_context_kwargs(group, layer, layout: str, *, calibration=None, group_si
     return d.choice.context_kwargs()
 
 
-_SOLO: dict = {}                   # one-rank groups of calibrate_mixer (layers.cp.context imports this module)
-
-
 def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerShape) -> None:
     """Add ``calibration.kernels[shape.layer_key] = {"rest": fit}``: the mixer's own forward + backward at CP = 1
     (a one-rank CP group passed through ``PackedSeqParams.cp_group``) on 128 and 512 tokens, run on every rank
@@ -210,13 +208,11 @@ def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerSha
 
     from layers.cp.calibration import fit_line, group_device, time_concurrently
     from layers.cp.cost_model import delta_flops, projection_flops
+    from layers.cp.subgroups import solo_group
 
     if shape.layer_key in calibration.kernels:
         return
-    key = (id(dist.GroupMember.WORLD), dist.get_rank())      # a re-initialized world gets its own group
-    if key not in _SOLO:
-        _SOLO[key] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    packed = PackedSeqParams(qkv_format="sbhd", cp_group=_SOLO[key])
+    packed = PackedSeqParams(qkv_format="sbhd", cp_group=solo_group())
     # under sequence parallelism the input holds 1/tp of the tokens the mixer computes on
     per_input_token = mixer.tp_size if getattr(mixer.config, "sequence_parallel", False) else 1
     weight = mixer.in_proj.weight

@@ -122,6 +122,11 @@ class _Registry:
 _REGISTRY = _Registry()
 
 
+def solo_group():
+    """This rank's one-rank process group of the current world (made by this rank alone, once per world)."""
+    return _REGISTRY.current().solo_group()
+
+
 def cp_group_ranks(group) -> tuple:
     """The global ranks of ``group`` (None = WORLD); ValueError unless they increase."""
     group = dist.GroupMember.WORLD if group is None else group
