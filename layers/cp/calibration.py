@@ -10,7 +10,8 @@ the others idle, or short unsynchronized calls, measures a core a rank never get
 all-to-all of ``layers.cp.collectives`` at three message sizes, and the fp32 fold matmul at two sizes, and fits a line
 t = alpha * steps + bytes / beta per collective (least squares, residual = RMS relative error); and the straggler
 cost of a synchronization after a compute phase (``calibrate_sync``).
-``calibrate_kernel`` adds the fit of one delta-rule op shape (forward + backward) and of the dense projections.
+``calibrate_kernel`` adds the fits of one delta-rule op shape (forward + backward; the generic CP pass or the
+native summary pass) and of the dense projections.
 ``load_or_calibrate(group, path)`` reuses a saved calibration from the JSON file ``path`` (keyed by the world
 layout and hardware, ``layout_key``) or measures one and saves it there. A calibration takes a few seconds.
 """
@@ -34,6 +35,7 @@ REPEATS = 9                                            # timed repeats of a coll
 COMPUTE_REPEATS = 3                                    # timed windows of a compute point
 MIN_WINDOW_S = 0.04                                    # shortest compute window (several scheduler slices)
 SYNC_PHASES_S = (0.002, 0.01)                          # compute phases before a synchronization (``sync`` fit)
+OP_POINTS = ((128, 2), (512, 4), (2048, 4))            # (tokens, heads) at which a delta-rule op is timed
 FORMAT = "cal3"  # what is measured how (part of the layout key); cal3: concurrent windows, relay fit,
                  # the generic CP pass timed apart, op points up to 2048 tokens
 _CACHE: dict = {}                                      # layout key -> Calibration (this process)
@@ -235,9 +237,6 @@ def _gemm_calls(device, dtype, hidden) -> tuple[list, list]:
         flops.append(3 * 2 * tokens * hidden * hidden)
         calls.append(lambda x=x, w=w: (x @ w).float().sum().backward())
     return flops, calls
-
-
-OP_POINTS = ((128, 2), (512, 4), (2048, 4))  # (tokens, heads) at which a delta-rule op is timed
 
 
 def calibrate_kernel(calibration: Calibration, group, *, kind: str, backend: str, k_dim: int, v_dim: int,
