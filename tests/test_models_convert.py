@@ -39,3 +39,47 @@ def test_engine_round_trip_and_load(single_rank, arch, tmp_path):
     with torch.no_grad():
         logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
         assert rel_err(logits, hf_model(input_ids=ids).logits) <= 1e-4
+
+
+def test_deepseek_mtp_tensors_stop_the_conversion_unless_dropped(single_rank, tmp_path, capsys):
+    """A DeepSeek-V3 checkpoint with a multi-token-prediction layer (``num_nextn_predict_layers=1``, tensors
+    ``model.layers.<L>.*``), which the megatron model does not build: the conversion names them and stops;
+    ``--drop-unmodeled`` converts the rest, bit-exact to the checkpoint without them; any other stray tensor
+    stops it even then."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from hp_megatron.convert.__main__ import main
+    from hp_megatron.convert.engine import hf_to_mcore
+    from hp_megatron.convert.safetensors_io import CheckpointError
+
+    hf_dir = tmp_path / "hf"
+    _, hf_config = tiny_hf_model("deepseek_v3", str(hf_dir))
+    layers, hidden = hf_config["num_hidden_layers"], hf_config["hidden_size"]
+    (hf_dir / "config.json").write_text(json.dumps({**hf_config, "num_nextn_predict_layers": 1}))
+    state = read_checkpoint(str(hf_dir))
+    mtp = {f"model.layers.{layers}.{name}": torch.randn(shape) for name, shape in (
+        ("eh_proj.weight", (hidden, 2 * hidden)), ("enorm.weight", (hidden,)), ("hnorm.weight", (hidden,)),
+        ("shared_head.norm.weight", (hidden,)))}
+    save_file({**state, **mtp}, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+
+    with pytest.raises(CheckpointError, match=r"4 tensors of parts the megatron model does not build: \['DeepSeek-V3 "
+                       r"multi-token-prediction layer 0 \(num_nextn_predict_layers=1\)'\].*--drop-unmodeled"):
+        hf_to_mcore(str(hf_dir), str(tmp_path / "refused"))
+    assert not (tmp_path / "refused").exists()
+
+    ckpt, back = str(tmp_path / "mcore"), str(tmp_path / "back")
+    assert main(["hf-to-mcore", "--load", str(hf_dir), "--save", ckpt, "--drop-unmodeled"]) == 0
+    assert f"left out 4 tensors of parts the model does not build (--drop-unmodeled), e.g. model.layers.{layers}." \
+        in capsys.readouterr().out
+    assert main(["mcore-to-hf", "--load", ckpt, "--save", back]) == 0
+    converted = {}
+    for path in glob.glob(os.path.join(back, "*.safetensors")):
+        converted.update(load_file(path))
+    assert set(converted) == set(state) and all(torch.equal(converted[k], state[k]) for k in state)
+
+    save_file({**state, **mtp, "model.stray.weight": torch.ones(1)}, str(hf_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="unexpected tensor model.stray.weight"):
+        hf_to_mcore(str(hf_dir), str(tmp_path / "stray"), drop_unmodeled=True)

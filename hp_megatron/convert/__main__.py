@@ -20,6 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore = sub.add_parser("hf-to-mcore", help="HF directory -> megatron-core torch_dist checkpoint")
     to_mcore.add_argument("--load", required=True, help="HF directory (config.json + safetensors shards)")
     to_mcore.add_argument("--save", required=True, help="checkpoint root to create")
+    to_mcore.add_argument("--drop-unmodeled", action="store_true",
+                          help="leave out tensors of parts the megatron model does not build (DeepSeek-V3's "
+                               "multi-token-prediction layers); without it their presence is an error")
     to_mcore.add_argument("--ckpt-iteration", type=int, default=None,
                           help="write iter_XXXXXXX with this iteration instead of a 'release' checkpoint")
     to_hf = sub.add_parser("mcore-to-hf", help="megatron-core checkpoint -> HF directory")
@@ -55,6 +58,9 @@ def main(argv=None) -> int:
     print(f"{args.direction}: {report.tensors} tensors, {report.bytes / 1e6:.1f} MB in {report.seconds:.2f} s "
           f"({report.mb_per_s:.1f} MB/s; setup {report.setup_seconds:.2f} s, tensors {report.data_mb_per_s:.1f} MB/s)"
           f" -> {report.output}", flush=True)
+    if report.dropped:
+        print(f"left out {len(report.dropped)} tensors of parts the model does not build (--drop-unmodeled), e.g. "
+              f"{report.dropped[0]}", flush=True)
     return 0
 
 
@@ -69,7 +75,8 @@ def _convert(args):
 
         rules = rules_fn(read_config(args.load)) if rules_fn else None
         return hf_to_mcore(args.load, args.save, rules=rules, build_model=build_model,
-                           iteration=args.ckpt_iteration, overwrite=args.overwrite)
+                           iteration=args.ckpt_iteration, overwrite=args.overwrite,
+                           drop_unmodeled=args.drop_unmodeled)
     hf_config = _read_config(args.hf_config) if args.hf_config else None
     rules = None
     if rules_fn:

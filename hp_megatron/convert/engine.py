@@ -48,6 +48,7 @@ class ConversionReport:
     seconds: float
     setup_seconds: float
     output: str
+    dropped: tuple = ()      # HF tensors left out (``drop_unmodeled``): parts the megatron model does not build
 
     @property
     def mb_per_s(self) -> float:
@@ -152,14 +153,27 @@ def checkpoint_directory(path: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ HF -> mcore
+def _unmodeled(hf_config: dict) -> dict:
+    """The registered architecture's ``unmodeled_tensors`` of this config ({} for an unregistered model_type)."""
+    try:
+        arch = get_architecture(hf_config.get("model_type"))
+    except ValueError:
+        return {}
+    return arch.unmodeled_tensors(hf_config) if arch.unmodeled_tensors else {}
+
+
 def hf_to_mcore(hf_dir: str, save: str, *, rules=None, build_model=None, iteration: int | None = None,
-                metadata: dict | None = None, overwrite: bool = False) -> ConversionReport:
+                metadata: dict | None = None, overwrite: bool = False,
+                drop_unmodeled: bool = False) -> ConversionReport:
     """Convert the HF directory ``hf_dir`` into a megatron-core checkpoint at ``save``.
 
     ``rules``/``build_model`` default to the registered architecture of config.json's ``model_type``.
     ``iteration=None`` writes a ``release`` checkpoint (Megatron-LM loads it as a starting point: no optimizer,
     iteration 0), an int writes ``iter_XXXXXXX``. ``metadata`` is the ``sharded_state_dict`` metadata (default:
-    megatron-core's defaults, as Megatron-LM and examples/pretrain load without content metadata)."""
+    megatron-core's defaults, as Megatron-LM and examples/pretrain load without content metadata).
+    Tensors of parts the model does not build (the architecture's ``unmodeled_tensors``, e.g. DeepSeek-V3's
+    multi-token-prediction layers) stop the conversion with a CheckpointError naming them, unless
+    ``drop_unmodeled`` (then the report lists them in ``dropped``); any other tensor no rule reads always stops it."""
     start = time.perf_counter()
     hf = HFCheckpoint(hf_dir)
     rules, build_model = _resolve(hf.config, rules, build_model)
@@ -167,9 +181,17 @@ def hf_to_mcore(hf_dir: str, save: str, *, rules=None, build_model=None, iterati
     matched = _match_rules(rules, layout, hf_dir)
 
     unexpected = sorted(set(hf.tensors) - {k for rule in rules for k in rule.hf_keys})
+    unmodeled = _unmodeled(hf.config)
+    parts = {k: next((what for prefix, what in unmodeled.items() if k.startswith(prefix)), None) for k in unexpected}
+    dropped = tuple(k for k in unexpected if parts[k] is not None)
+    unexpected = [k for k in unexpected if parts[k] is None]
     if unexpected:
         raise CheckpointError(f"{hf.path(unexpected[0])}: unexpected tensor {unexpected[0]}: no conversion rule reads "
                               f"it ({len(unexpected)} such tensors: {unexpected[:5]})")
+    if dropped and not drop_unmodeled:
+        raise CheckpointError(f"{hf_dir}: {len(dropped)} tensors of parts the megatron model does not build: "
+                              f"{sorted(set(parts[k] for k in dropped))} (e.g. {dropped[0]}); pass "
+                              "drop_unmodeled=True (--drop-unmodeled) to convert the rest without them")
     chunks, owners = [], []
     for index, (rule, entry) in enumerate(matched):
         for key in rule.hf_keys:
@@ -215,7 +237,8 @@ def hf_to_mcore(hf_dir: str, save: str, *, rules=None, build_model=None, iterati
         with open(os.path.join(tmp, TRACKER), "w") as f:
             f.write("release" if iteration is None else str(iteration))
     nbytes = sum(torch.Size(c.size).numel() * c.dtype.itemsize for c in chunks)
-    return ConversionReport(len(chunks), nbytes, time.perf_counter() - start, setup, os.path.abspath(save))
+    return ConversionReport(len(chunks), nbytes, time.perf_counter() - start, setup, os.path.abspath(save),
+                            dropped)
 
 
 # ------------------------------------------------------------------------------------------ mcore -> HF

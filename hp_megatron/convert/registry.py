@@ -17,13 +17,19 @@ _REGISTRY: dict[str, "Architecture"] = {}
 
 @dataclass(frozen=True)
 class Architecture:
+    """``unmodeled_tensors(hf_config) -> {HF key prefix: what it holds}``: checkpoint tensors of parts the
+    megatron model does not build (DeepSeek-V3's multi-token-prediction layers); ``hf_to_mcore`` drops them only
+    when asked (``drop_unmodeled``)."""
+
     model_type: str
     conversion_rules: Callable
     build_model: Callable
+    unmodeled_tensors: Callable | None = None
 
 
-def register_architecture(model_type: str, conversion_rules: Callable, build_model: Callable) -> None:
-    _REGISTRY[model_type] = Architecture(model_type, conversion_rules, build_model)
+def register_architecture(model_type: str, conversion_rules: Callable, build_model: Callable,
+                          unmodeled_tensors: Callable | None = None) -> None:
+    _REGISTRY[model_type] = Architecture(model_type, conversion_rules, build_model, unmodeled_tensors)
 
 
 def get_architecture(model_type: str) -> Architecture:

@@ -76,7 +76,9 @@ def _register_with_converter() -> None:
     from hp_megatron.convert.registry import register_architecture
 
     for model_type in ARCHITECTURES:
-        register_architecture(model_type, get_architecture(model_type).conversion_rules, build_model)
+        module = get_architecture(model_type)
+        register_architecture(model_type, module.conversion_rules, build_model,
+                              getattr(module, "unmodeled_tensors", None))
 
 
 _register_with_converter()

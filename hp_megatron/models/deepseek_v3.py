@@ -2,8 +2,9 @@
 ``first_k_dense_replace`` layers dense, MoE after them: sigmoid router with expert bias (``e_score_correction_bias``),
 grouped top-k (``n_group`` / ``topk_group``), ``routed_scaling_factor``, ``n_shared_experts`` shared experts.
 
-Multi-token-prediction layers (``num_nextn_predict_layers``) are not part of transformers' forward pass; their
-checkpoint tensors (``model.layers.<num_hidden_layers + i>.``) have no rule here.
+Multi-token-prediction layers (``num_nextn_predict_layers``) are not part of transformers' forward pass, nor of
+the model built here; their checkpoint tensors (``model.layers.<num_hidden_layers + i>.``) are listed by
+``unmodeled_tensors``, and the converter drops them only when asked (``--drop-unmodeled``).
 """
 from __future__ import annotations
 
@@ -13,6 +14,14 @@ from hp_megatron.models.common import (ModelPreset, decoder_config, field_of, la
                                        require, rope_parameters)
 
 MODEL_TYPE = "deepseek_v3"
+
+
+def unmodeled_tensors(hf: dict) -> dict:
+    """``{HF key prefix: what it holds}`` of the multi-token-prediction layers (``num_nextn_predict_layers``)."""
+    layers = field_of(hf, MODEL_TYPE, "num_hidden_layers")
+    mtp = hf.get("num_nextn_predict_layers") or 0
+    return {f"model.layers.{layers + i}.": f"DeepSeek-V3 multi-token-prediction layer {i} "
+            f"(num_nextn_predict_layers={mtp})" for i in range(mtp)}
 
 
 def moe_layers(hf: dict) -> list:
