@@ -345,6 +345,12 @@ def _worker(rank, world_size, path):
                                cp_auto_measure=0)
     model_only(x[idx].clone())
     out["model_only"] = model_only._cp_auto_choice
+    # megatron's full activation recompute runs the first forward under no_grad: calibration and timing still run
+    recomputed = GatedDeltaNet(config, None, layer_number=1, **{**dims, "num_key_heads": 2, "num_value_heads": 2},
+                               cp_method="auto", cp_calibration=path)
+    with torch.no_grad():
+        recomputed(x[idx].clone())
+    out["no_grad"] = recomputed._cp_auto_choice
     out["layer"] = {"method": results["auto"]["method"], "hook_calls": results["auto"]["hook_calls"],
                     "dy": (results["auto"]["y"] - results["chosen"]["y"]).abs().max().item(),
                     "ddx": (results["auto"]["dx"] - results["chosen"]["dx"]).abs().max().item(),
@@ -454,8 +460,10 @@ def test_layer_with_auto_equals_the_chosen_method(ranks):
         assert r["layer"]["dy"] == 0 and r["layer"]["ddx"] == 0 and r["layer"]["dgrad"] == 0
         assert r["layer"]["hook_calls"] == 1          # the calibration runs touched no parameter gradient
     lines = [l for l in results[0]["log"] if l.startswith("[hp_megatron cp auto] GDN")]
-    assert len(lines) == 2 and all("runner-up" in l and "ms fwd+bwd" in l for l in lines)
-    measured, model_only = lines                     # the default times the model's 3 best on the layer
+    assert len(lines) == 3 and all("runner-up" in l and "ms fwd+bwd" in l for l in lines)
+    measured, model_only, no_grad = lines            # the default times the model's 3 best on the layer
+    assert " H=2 HV=2 " in no_grad and no_grad.endswith(f"ms -> {_label(results[0]['no_grad'])}")
+    assert len({r["no_grad"] for r in results}) == 1
     timed = measured.split("; timed on the layer: ")[1]
     assert len(timed.split(", ")) == 3 and timed.endswith(f"ms -> {_label(results[0]['layer']['method'])}")
     assert "timed on the layer" not in model_only    # cp_auto_measure=0: the model's best

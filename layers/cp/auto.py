@@ -224,8 +224,9 @@ def calibrate_mixer(calibration: Calibration, group, mixer, shape: DeltaLayerSha
         x = torch.randn(n, 1, shape.hidden, generator=gen).to(weight.device, weight.dtype)
 
         def run(x=x):
-            y, _ = mixer(x.clone().requires_grad_(True), packed_seq_params=packed)
-            y.float().sum().backward()
+            with torch.enable_grad():        # the first forward may run under no_grad (full activation recompute)
+                y, _ = mixer(x.clone().requires_grad_(True), packed_seq_params=packed)
+                y.float().sum().backward()
         calls.append(run)
     for p in params:
         p.requires_grad_(False)
@@ -259,8 +260,9 @@ def measure_on_mixer(mixer, cp_group, hidden_states, packed_seq_params, repeats:
 
         def run(cand):
             mixer._cp_auto_choice = (cand.method, cand.group_size, cand.ulysses_degree)
-            y, _ = mixer(x.clone().requires_grad_(True), packed_seq_params=packed_seq_params)
-            y.float().sum().backward()
+            with torch.enable_grad():        # the first forward may run under no_grad (full activation recompute)
+                y, _ = mixer(x.clone().requires_grad_(True), packed_seq_params=packed_seq_params)
+                y.float().sum().backward()
         params = [p for p in mixer.parameters() if p.requires_grad]
         stats, mixer.comm_stats = mixer.comm_stats, None
         for p in params:

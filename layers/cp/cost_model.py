@@ -273,10 +273,11 @@ def predict_delta(shape: DeltaLayerShape, world_size: int, cand: Candidate, cali
 
     Compute = the slowest state rank's chunk-padded local pass at the calibrated kernel rates (for state methods
     on the generic path one pass with values [v | 0_K] on the "augmented" fit; with native summaries the op
-    pass plus half a summary pass), plus the rest of the layer on the local tokens (the measured ``layer_key`` fit when the calibration has
-    one, else the projections' FLOPs); comm = the state scan forward and backward, for Ulysses two all-to-all
-    rounds per pass (the 5 inputs packed, the output), and the straggler cost of every synchronization
-    (``Calibration.sync_seconds``: conv halo, state scan, all-to-alls; the compute split evenly between them).
+    pass plus half a summary pass), plus the rest of the layer on the local tokens (the measured ``layer_key``
+    fit when the calibration has one, else the projections' FLOPs); comm = the state scan forward and backward,
+    for Ulysses two all-to-all rounds per pass (the 5 inputs packed, the output), and the straggler cost of
+    every synchronization (``Calibration.sync_seconds``: conv halo, state scan, all-to-alls; the compute split
+    evenly between them).
     """
     P = world_size
     U = P if cand.method == "ulysses" else (cand.ulysses_degree or 1)
