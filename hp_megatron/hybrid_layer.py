@@ -81,6 +81,28 @@ def validate_pattern(pattern: str, symbols) -> str:
     return pattern
 
 
+@dataclass(frozen=True)
+class QKNormFromConfig:
+    """An attention spec's ``q_layernorm`` / ``k_layernorm`` chosen when the layer is built: ``norm`` when
+    ``config.qk_layernorm`` (``--qk-layernorm``) is set, else none (the ready specs of ``hp_megatron.specs``,
+    which Megatron-LM imports as objects, so the flag cannot reach their construction)."""
+
+    norm: object
+
+
+def resolve_qk_norm(config, layer: TransformerLayerSubmodules) -> TransformerLayerSubmodules:
+    """``layer`` with a ``QKNormFromConfig`` in its attention spec replaced by the norm or ``IdentityOp``."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    attention = getattr(layer.self_attention, "submodules", None)
+    q_norm = getattr(attention, "q_layernorm", None)
+    if not isinstance(q_norm, QKNormFromConfig):
+        return layer
+    norm = q_norm.norm if getattr(config, "qk_layernorm", False) else IdentityOp
+    attention = replace(attention, q_layernorm=norm, k_layernorm=norm)
+    return replace(layer, self_attention=replace(layer.self_attention, submodules=attention))
+
+
 def _check_qk_layernorm(config, layer: TransformerLayerSubmodules) -> None:
     """megatron's ``qk_layernorm`` lives in the spec; refuse a config asking for it from a spec without it."""
     from megatron.core.transformer.identity_op import IdentityOp
@@ -145,6 +167,7 @@ class HybridLayer(TransformerLayer):
         self.homogeneous = len(set(pattern)) == 1 and len(set(moe_layer_flags(config))) == 1
         layer = with_layer_mlp(config, submodules.layer_types[self.layer_symbol], submodules.moe_mlp,
                                layer_number + offset)
+        layer = resolve_qk_norm(config, layer)
         _check_qk_layernorm(config, layer)
         super().__init__(config, layer, layer_number, *args, **kwargs)
 

@@ -199,3 +199,34 @@ def test_arguments_become_config_fields():
         hp_config_from_args(parser.parse_args(["--hp-linear-num-value-heads", "6"]))
     with pytest.raises(SystemExit):
         parser.parse_args(["--hp-backend", "cuda"])
+
+
+@pytest.mark.parametrize("qk_layernorm", [False, True])
+def test_ready_specs_follow_the_qk_layernorm_flag(qk_layernorm):
+    """Megatron-LM imports the ready specs as objects, so ``--qk-layernorm`` cannot reach their construction: their
+    attention layers read ``config.qk_layernorm`` when built (Qwen3-Next's attention has q/k norms); a spec
+    built with an explicit ``qk_layernorm=False`` still refuses the flag."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    import hp_megatron.specs as specs
+    from hp_megatron.config import HybridTransformerConfig
+    from hp_megatron.platform import single_rank_megatron
+
+    config = HybridTransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4, qk_layernorm=qk_layernorm,
+                                     use_cpu_initialization=True, linear_num_key_heads=4, linear_key_head_dim=8,
+                                     attention_dropout=0.0)
+    with single_rank_megatron(0):
+        layer = specs.qwen3_next_spec.module(config, specs.qwen3_next_spec.submodules, layer_number=4,
+                                             **specs.qwen3_next_spec.params)
+        assert layer.layer_symbol == "A"
+        norms = (type(layer.self_attention.q_layernorm), type(layer.self_attention.k_layernorm))
+        if qk_layernorm:
+            assert norms[0] is not IdentityOp and norms[0] is norms[1]
+            assert layer.self_attention.q_layernorm.weight.shape == (config.kv_channels,)
+            explicit = specs.get_hybrid_layer_spec("GGGA", qk_layernorm=False)
+            with pytest.raises(ValueError, match="config.qk_layernorm=True .* has no q/k norms"):
+                explicit.module(config, explicit.submodules, layer_number=4, **explicit.params)
+        else:
+            assert norms == (IdentityOp, IdentityOp)
+    with pytest.raises(ValueError, match="qk_layernorm must be True, False or 'config'"):
+        specs.get_hybrid_layer_spec("GGGA", qk_layernorm="yes")

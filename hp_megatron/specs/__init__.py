@@ -12,6 +12,9 @@ and does not call it); each exists for the three backends (suffix ``_triton`` / 
   ``gdn_spec`` ``kda_spec`` ``mla_spec`` ``attn_spec``  one mixer in every layer
   ``hybrid_spec``  the pattern of ``--hp-layer-pattern`` (``config.hp_layer_pattern``), read at build time
 
+Their attention (``A``) layers get q/k RMSNorms when ``--qk-layernorm`` (``config.qk_layernorm``) is set, as
+Qwen3-Next's attention has (with ``--attention-output-gate`` for its output gate).
+
 Every spec builds megatron-core MoE layers where ``--num-experts`` / ``--moe-layer-freq`` ask for them
 (``hp_megatron.hybrid_layer``); real architectures from HF config.json files: ``hp_megatron.models``.
 """
@@ -30,10 +33,10 @@ def _ready_specs():
     specs = {}
     for backend, suffix in _SUFFIX.items():
         for name, pattern in READY_PATTERNS.items():
-            specs[f"{name}{suffix}_spec"] = get_hybrid_layer_spec(pattern, backend)
-        specs[f"hybrid{suffix}_spec"] = get_hybrid_layer_spec(None, backend)
+            specs[f"{name}{suffix}_spec"] = get_hybrid_layer_spec(pattern, backend, qk_layernorm="config")
+        specs[f"hybrid{suffix}_spec"] = get_hybrid_layer_spec(None, backend, qk_layernorm="config")
         for mixer in MIXERS:
-            specs[f"{mixer}{suffix}_spec"] = get_layer_spec(mixer, backend)
+            specs[f"{mixer}{suffix}_spec"] = get_layer_spec(mixer, backend, qk_layernorm="config")
     return specs
 
 

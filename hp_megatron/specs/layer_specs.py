@@ -21,7 +21,7 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from hp_megatron.hybrid_layer import HybridLayer, HybridLayerSubmodules, validate_pattern
+from hp_megatron.hybrid_layer import HybridLayer, HybridLayerSubmodules, QKNormFromConfig, validate_pattern
 from hp_megatron.specs.providers import get_spec_provider
 
 MIXERS = ("gdn", "kda", "mla", "attn")
@@ -29,8 +29,18 @@ SYMBOLS = {"G": "gdn", "K": "kda", "M": "mla", "A": "attn"}
 OWN_POSITIONS = ("M",)  # MLA applies its own rotary embedding (or none); G/K ignore positions
 
 
-def _attention_spec(provider, qk_layernorm: bool, cp_layout) -> ModuleSpec:
-    norm = provider.layer_norm(rms_norm=True, for_qk=True) if qk_layernorm else IdentityOp
+def _qk_norm(provider, qk_layernorm):
+    """The attention's q/k norm spec: ``qk_layernorm`` True, False, or "config" (``QKNormFromConfig``)."""
+    if qk_layernorm == "config":
+        return QKNormFromConfig(provider.layer_norm(rms_norm=True, for_qk=True))
+    if not isinstance(qk_layernorm, bool):
+        raise ValueError(f"qk_layernorm must be True, False or 'config' (follow config.qk_layernorm when the layer "
+                         f"is built), got {qk_layernorm!r}")
+    return provider.layer_norm(rms_norm=True, for_qk=True) if qk_layernorm else IdentityOp
+
+
+def _attention_spec(provider, qk_layernorm, cp_layout) -> ModuleSpec:
+    norm = _qk_norm(provider, qk_layernorm)
     return ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
@@ -98,7 +108,7 @@ def _moe_mlp_spec(provider) -> ModuleSpec:
     return get_moe_module_spec_for_backend(provider, num_experts=0, moe_grouped_gemm=False)
 
 
-def get_mixer_spec(mixer: str, backend="eager", *, qk_layernorm: bool = False, linear: str = "local",
+def get_mixer_spec(mixer: str, backend="eager", *, qk_layernorm: bool | str = False, linear: str = "local",
                    cp_layout: str | None = None) -> ModuleSpec:
     """The ``self_attention`` spec of one mixer (``gdn | kda | mla | attn``) for a backend or provider.
 
@@ -114,7 +124,7 @@ def get_mixer_spec(mixer: str, backend="eager", *, qk_layernorm: bool = False, l
     return _delta_mixer_spec(mixer, provider, cp_layout)
 
 
-def get_layer_submodules(mixer: str, backend="eager", *, qk_layernorm: bool = False, linear: str = "local",
+def get_layer_submodules(mixer: str, backend="eager", *, qk_layernorm: bool | str = False, linear: str = "local",
                          cp_layout: str | None = None) -> TransformerLayerSubmodules:
     """Pre-norm residual layer: RMSNorm -> mixer -> residual, RMSNorm -> MLP -> residual."""
     provider = get_spec_provider(backend, linear=linear)
@@ -130,7 +140,7 @@ def get_layer_submodules(mixer: str, backend="eager", *, qk_layernorm: bool = Fa
     )
 
 
-def get_layer_spec(mixer: str, backend="eager", *, qk_layernorm: bool = False, linear: str = "local",
+def get_layer_spec(mixer: str, backend="eager", *, qk_layernorm: bool | str = False, linear: str = "local",
                    cp_layout: str | None = None) -> ModuleSpec:
     """A layer spec whose ``self_attention`` is one mixer in every layer (a one-symbol ``HybridLayer``, so MoE
     layers follow ``config.num_moe_experts`` / ``moe_layer_freq`` as in every spec here)."""
@@ -140,14 +150,15 @@ def get_layer_spec(mixer: str, backend="eager", *, qk_layernorm: bool = False, l
     return get_hybrid_layer_spec(symbol, backend, qk_layernorm=qk_layernorm, linear=linear, cp_layout=cp_layout)
 
 
-def get_hybrid_layer_spec(pattern: str | None, backend="eager", *, qk_layernorm: bool = False,
+def get_hybrid_layer_spec(pattern: str | None, backend="eager", *, qk_layernorm: bool | str = False,
                           linear: str = "local", cp_layout: str | None = None) -> ModuleSpec:
     """``ModuleSpec(HybridLayer)`` for a repeating layer pattern such as ``"KKKM"`` or ``"GGGA"``.
 
     Layer ``i`` (global, 1-based) gets the mixer of ``pattern[(i - 1) % len(pattern)]``, resolved when the
     layer is built, so every pipeline / virtual-pipeline stage builds the right types. ``pattern=None``
     holds every symbol and reads the pattern from ``config.hp_layer_pattern`` (``--hp-layer-pattern``)
-    when the layers are built.
+    when the layers are built. ``qk_layernorm``: q/k RMSNorms in the attention (``A``) layers: True, False, or
+    ``"config"``: as ``config.qk_layernorm`` (``--qk-layernorm``) says when the layers are built.
     """
     symbols = sorted(SYMBOLS) if pattern is None else sorted(set(validate_pattern(pattern, SYMBOLS)))
     layer_types = {symbol: get_layer_submodules(SYMBOLS[symbol], backend, qk_layernorm=qk_layernorm,
