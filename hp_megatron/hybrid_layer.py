@@ -91,27 +91,21 @@ class QKNormFromConfig:
 
 
 def resolve_qk_norm(config, layer: TransformerLayerSubmodules) -> TransformerLayerSubmodules:
-    """``layer`` with a ``QKNormFromConfig`` in its attention spec replaced by the norm or ``IdentityOp``."""
+    """``layer`` with a ``QKNormFromConfig`` in its attention spec replaced by the norm or ``IdentityOp``.
+    megatron's ``qk_layernorm`` lives in the spec: a config asking for it from a spec without q/k norms is refused."""
     from megatron.core.transformer.identity_op import IdentityOp
 
     attention = getattr(layer.self_attention, "submodules", None)
     q_norm = getattr(attention, "q_layernorm", None)
-    if not isinstance(q_norm, QKNormFromConfig):
-        return layer
-    norm = q_norm.norm if getattr(config, "qk_layernorm", False) else IdentityOp
-    attention = replace(attention, q_layernorm=norm, k_layernorm=norm)
-    return replace(layer, self_attention=replace(layer.self_attention, submodules=attention))
-
-
-def _check_qk_layernorm(config, layer: TransformerLayerSubmodules) -> None:
-    """megatron's ``qk_layernorm`` lives in the spec; refuse a config asking for it from a spec without it."""
-    from megatron.core.transformer.identity_op import IdentityOp
-
-    attention = getattr(layer.self_attention, "submodules", None)
-    q_norm = getattr(attention, "q_layernorm", None)
-    if getattr(config, "qk_layernorm", False) and q_norm is IdentityOp and hasattr(attention, "linear_qkv"):
+    wants_norm = getattr(config, "qk_layernorm", False)
+    if isinstance(q_norm, QKNormFromConfig):
+        norm = q_norm.norm if wants_norm else IdentityOp
+        attention = replace(attention, q_layernorm=norm, k_layernorm=norm)
+        return replace(layer, self_attention=replace(layer.self_attention, submodules=attention))
+    if wants_norm and q_norm is IdentityOp and hasattr(attention, "linear_qkv"):
         raise ValueError("config.qk_layernorm=True (--qk-layernorm) but the attention spec has no q/k norms; "
-                         "build it with get_hybrid_layer_spec(..., qk_layernorm=True)")
+                         "build it with get_hybrid_layer_spec(..., qk_layernorm=True or 'config')")
+    return layer
 
 
 def symbol_for_layer(pattern: str, global_layer_number: int) -> str:
@@ -168,7 +162,6 @@ class HybridLayer(TransformerLayer):
         layer = with_layer_mlp(config, submodules.layer_types[self.layer_symbol], submodules.moe_mlp,
                                layer_number + offset)
         layer = resolve_qk_norm(config, layer)
-        _check_qk_layernorm(config, layer)
         super().__init__(config, layer, layer_number, *args, **kwargs)
 
     def forward(self, *args, **kwargs):

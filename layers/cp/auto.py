@@ -13,8 +13,8 @@ per (CP group, shape, calibration file): layers of the same shape decide once, a
 A GDN/KDA mixer (``resolve_for_mixer``) then times the model's ``measure_top`` fastest candidates (default
 ``MEASURE_TOP``, option ``cp_auto_measure``, ``--hp-cp-auto-measure``; 0: the model decides alone) on itself:
 forward + backward on a random input of the micro-batch's shape, every rank at once, the slowest rank's median,
-and takes the fastest. The model prices every configuration from its parts and is within 10-30 % of a
-measured layer; measuring settles the near-ties among its best few, where that error decides. The log line then
+and takes the fastest. The model prices every configuration from its parts and is within about 0.6-1.4x of
+a measured layer; measuring settles the near-ties among its best few, where that error decides. The log line then
 adds the measured times::
 
     ...; runner-up p2p 38.90 ms (+0%); 8 candidates; timed on the layer: ulysses 47.3, p2p 55.7, allgather
@@ -304,7 +304,7 @@ def resolve_for_mixer(mixer, cp_group, seq_len: int, batch: int, cu_seqlens, hid
     calibration = _group_calibration(cp_group, path)
     if _ensure_kernel(calibration, cp_group, shape) | _ensure_layer(calibration, cp_group, mixer, shape):
         persist(calibration, cp_group, path)
-    top = mixer.options.get("cp_auto_measure", MEASURE_TOP)
+    top = mixer.options["cp_auto_measure"]
     measure = None if hidden_states is None else measure_on_mixer(mixer, cp_group, hidden_states, packed_seq_params)
     choice = decide(cp_group, shape, calibration=calibration, measure=measure, measure_top=top).choice
     mixer._cp_auto_choice = (choice.method, choice.group_size, choice.ulysses_degree)
