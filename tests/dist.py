@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_module
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 
@@ -65,20 +66,14 @@ def case_result(key, value) -> None:
         _send(_QUEUE, _RANK, "result", (key, value))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _entry(rank, world_size, port, fn, args, queue):
+def _entry(rank, world_size, store_path, fn, args, queue):
     global _QUEUE, _RANK
     _QUEUE, _RANK = queue, rank
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # a file store, not a TCP port: a port picked free by the parent could be taken before rank 0 binds it
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         _send(queue, rank, "ok", result)
     except BaseException:  # report every failure to the parent, then exit non-zero
@@ -138,8 +133,10 @@ def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    store_dir = tempfile.mkdtemp(prefix="hp_dist_")
+    store_path = os.path.join(store_dir, "store")
+    procs = [ctx.Process(target=_entry, args=(r, world_size, store_path, fn, args, queue))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     ranks = _Ranks(world_size, timeout)
@@ -176,6 +173,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT
         p.join(timeout=30)
         if p.is_alive():
             p.kill()
+    shutil.rmtree(store_dir, ignore_errors=True)
     if failure is not None:
         for rank, result in ranks.results.items():  # ranks that finished: their returned cases count too
             if isinstance(result, dict):
