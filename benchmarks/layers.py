@@ -22,7 +22,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -33,26 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # before benchmarks/, whose layers.py would shadow the package
 
 from benchmarks._common import add_output_args, cpu_peak_bytes, publish, rel_err, run_meta  # noqa: E402
-
-
-def setup_megatron(device):
-    """One-rank process group + megatron-core parallel state (TP=1, CP=1); CPU shims when there is no GPU."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from hp_megatron.platform import apply_cpu_shims
-
-    if not dist.is_initialized():
-        store = tempfile.NamedTemporaryFile(delete=False)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store.name}",
-                                rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-    apply_cpu_shims(0)
-    if device.type == "cuda":
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(0)
+from hp_megatron.platform import single_rank_megatron  # noqa: E402
 
 
 def transformer_config(args, dtype, device):
@@ -104,7 +84,7 @@ class HFLayer(torch.nn.Module):
         super().__init__()
         self.module = module
 
-    def forward(self, x):
+    def forward(self, x, attention_mask=None):
         return self.module(x.transpose(0, 1)).transpose(0, 1), None
 
 
@@ -155,7 +135,7 @@ def sync(device):
 
 def fwd_bwd(layer, x, dy):
     x = x.detach().requires_grad_(True)
-    y, _ = layer(x)
+    y, _ = layer(x, None)   # megatron's mixer call: (hidden_states, attention_mask)
     (y.float() * dy).sum().backward()
     return y.detach(), x.grad
 
@@ -251,8 +231,7 @@ def markdown(rows, meta):
     for r in rows:
         name = NAMES[r["impl"]].format(backend=meta["backend"])
         if "error" in r:
-            needs = " (it needs flash-linear-attention and CUDA)" if r["impl"] == "mcore" else ""
-            lines.append(f"| {r['B']} | {r['T']} | {r['kind'].upper()} | {name} | cannot run here{needs}: "
+            lines.append(f"| {r['B']} | {r['T']} | {r['kind'].upper()} | {name} | cannot run here: "
                          f"{r['error']} | - | - | - |")
             continue
         err = f"{r['rel_err_vs_ours']:.1e}" if "rel_err_vs_ours" in r else "-"
@@ -285,20 +264,20 @@ def main(argv=None):
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     args.backend = args.backend or ("triton" if device.type == "cuda" else "eager")
-    setup_megatron(device)
-    meta = dict(run_meta("layers.py", argv),
-                device_name=(torch.cuda.get_device_name(device) if device.type == "cuda"
-                             else f"CPU ({os.cpu_count()} cores)"),
-                dtype=str(dtype), backend=args.backend, hidden=args.hidden, heads=args.heads, value_heads=args.value_heads,
-                head_dim=args.head_dim, warmup=args.warmup, repeats=args.repeats,
-                load_average=[round(v, 1) for v in os.getloadavg()])
-    rows = []
-    for text in args.shapes:
-        B, T = (int(v) for v in text.split(","))
-        print(f"B={B} T={T}", flush=True)
-        rows += run_shape(B, T, args, device, dtype)
-    publish(dict(meta=meta, rows=rows), markdown(rows, meta), args, "layers",
-            "## GDN / KDA layers, fwd+bwd (`benchmarks/layers.py`)")
+    with single_rank_megatron(0):  # gloo even on a GPU: TP = CP = 1 has no collective
+        meta = dict(run_meta("layers.py", argv),
+                    device_name=(torch.cuda.get_device_name(device) if device.type == "cuda"
+                                 else f"CPU ({os.cpu_count()} cores)"),
+                    dtype=str(dtype), backend=args.backend, hidden=args.hidden, heads=args.heads, value_heads=args.value_heads,
+                    head_dim=args.head_dim, warmup=args.warmup, repeats=args.repeats,
+                    load_average=[round(v, 1) for v in os.getloadavg()])
+        rows = []
+        for text in args.shapes:
+            B, T = (int(v) for v in text.split(","))
+            print(f"B={B} T={T}", flush=True)
+            rows += run_shape(B, T, args, device, dtype)
+        publish(dict(meta=meta, rows=rows), markdown(rows, meta), args, "layers",
+                "## GDN / KDA layers, fwd+bwd (`benchmarks/layers.py`)")
 
 
 if __name__ == "__main__":
