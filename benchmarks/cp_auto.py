@@ -69,7 +69,7 @@ def _worker(rank, P, cases, kind, repeats, warmup, calibration_path):
 
     from hp_megatron.platform import apply_cpu_shims
     from layers import GatedDeltaNet, KimiDeltaAttention
-    from layers.cp.auto import LOG, calibrate_mixer, rank_candidates
+    from layers.cp.auto import LOG, auto_choice, calibrate_mixer, rank_candidates
     from layers.cp.calibration import calibrate_kernel, load_or_calibrate, persist
     from layers.cp.cost_model import Candidate, DeltaLayerShape
 
@@ -97,7 +97,7 @@ def _worker(rank, P, cases, kind, repeats, warmup, calibration_path):
         x = torch.randn(T, 1, HIDDEN, generator=torch.Generator().manual_seed(T))[idx]
         auto_layer = build(Candidate("auto"))        # the real thing: model, then its best few timed on the layer
         auto_layer(x.clone())
-        auto = Candidate(*auto_layer._cp_auto_choice).label
+        auto = Candidate(*auto_choice(auto_layer, auto_layer.cp_group)).label
         auto_line = LOG[-1]
         seconds = _time_layers([build(cand) for cand, _ in decision.ranking], x, repeats, warmup)
         measured = {cand.label: {"measured_s": t, "predicted_s": pred["total"], "predicted_comm_s": pred["comm"],

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dist import run_distributed
-from layers.cp.auto import rank_candidates
+from layers.cp.auto import auto_choice, rank_candidates
 from layers.cp.calibration import FORMAT, fit_line
 from layers.cp.cost_model import (COLLECTIVES, Calibration, Candidate, DeltaLayerShape, LinearFit, MLALayerShape,
                                   delta_candidates, mla_candidates, predict_delta, state_exchange_seconds)
@@ -337,20 +337,30 @@ def _worker(rank, world_size, path):
         xl = x[idx].clone().requires_grad_(True)
         y, _ = layer(xl)
         y.square().sum().backward()
-        method = getattr(layer, "_cp_auto_choice", (layer.cp_method, layer.cp_group_size, layer.cp_ulysses_degree))
+        method = auto_choice(layer, layer.cp_group) or (layer.cp_method, layer.cp_group_size, layer.cp_ulysses_degree)
         results[label] = {"y": y.detach(), "dx": xl.grad, "method": method,
                           "hook_calls": len(hook_calls) / len(list(layer.parameters())),
                           "grads": {n: p.grad.clone() for n, p in layer.named_parameters()}}
     model_only = GatedDeltaNet(config, None, layer_number=1, **dims, cp_method="auto", cp_calibration=path,
                                cp_auto_measure=0)
     model_only(x[idx].clone())
-    out["model_only"] = model_only._cp_auto_choice
+    out["model_only"] = auto_choice(model_only, model_only.cp_group)
     # megatron's full activation recompute runs the first forward under no_grad: calibration and timing still run
     recomputed = GatedDeltaNet(config, None, layer_number=1, **{**dims, "num_key_heads": 2, "num_value_heads": 2},
                                cp_method="auto", cp_calibration=path)
     with torch.no_grad():
         recomputed(x[idx].clone())
-    out["no_grad"] = recomputed._cp_auto_choice
+    out["no_grad"] = auto_choice(recomputed, recomputed.cp_group)
+    # megatron's hybrid CP: a micro-batch's PackedSeqParams.cp_group may be another group, here a pair
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    pair = [dist.new_group(r) for r in ([0, 1], [2, 3])][rank // 2]
+    quarter = SEQ // 4
+    idx2 = torch.tensor([t for c in (rank % 2, 3 - rank % 2) for t in range(c * quarter, (c + 1) * quarter)])
+    y_pair, _ = model_only(x[idx2].clone(), packed_seq_params=PackedSeqParams(qkv_format="sbhd", cp_group=pair))
+    y_full, _ = model_only(x.clone(), packed_seq_params=PackedSeqParams(qkv_format="sbhd", cp_group=solo))
+    out["per_group"] = {"cp": auto_choice(model_only, model_only.cp_group), "pair": auto_choice(model_only, pair),
+                        "dy": (y_pair - y_full[idx2]).abs().max().item()}
     out["layer"] = {"method": results["auto"]["method"], "hook_calls": results["auto"]["hook_calls"],
                     "dy": (results["auto"]["y"] - results["chosen"]["y"]).abs().max().item(),
                     "ddx": (results["auto"]["dx"] - results["chosen"]["dx"]).abs().max().item(),
@@ -393,10 +403,11 @@ def _mla_auto_vs_chosen(cp_group, path):
                         for t in range(c * T // (2 * P), (c + 1) * T // (2 * P))])
     x = torch.randn(T, 1, 32, generator=torch.Generator().manual_seed(4))[idx]
     ys["auto"] = auto(x)[0]
-    chosen = build_layer(config, solo, cp_group, cp_strategy=auto._cp_auto_choice)
+    strategy = auto_choice(auto, cp_group)
+    chosen = build_layer(config, solo, cp_group, cp_strategy=strategy)
     chosen.load_state_dict(auto.state_dict())
     ys["chosen"] = chosen(x)[0]
-    return {"strategy": auto._cp_auto_choice, "dy": (ys["auto"] - ys["chosen"]).abs().max().item()}
+    return {"strategy": strategy, "dy": (ys["auto"] - ys["chosen"]).abs().max().item()}
 
 
 @pytest.fixture(scope="module")
@@ -419,8 +430,9 @@ def test_calibration_measures_then_reuses_the_file(ranks):
     assert 0 <= alpha < 0.1 and beta > 1.0
     assert " sync " in results[0]["calibration_line"] and "of the phase before it" in results[0]["calibration_line"]
     data = json.loads(open(path).read())
-    (key,) = data
+    key, pair_key = sorted(data, reverse=True)        # the CP group of 4, and the pairs of the per-group case
     assert key.startswith(f"P={P}|hosts=1x{P}|gloo|") and key.endswith(f"|{FORMAT}")
+    assert pair_key.startswith("P=2|hosts=1x2|gloo|") and pair_key.endswith(f"|{FORMAT}")
     kernels = data[key]["kernels"]
     assert sorted(kernels["gdn/eager/K8/V8/float32"]) == ["augmented", "gemm", "op"]   # eager: the generic pass
     assert list(kernels["gdn/eager/K8/V8/float32/H4/HV4/hidden32/layer"]) == ["rest"]
@@ -460,8 +472,9 @@ def test_layer_with_auto_equals_the_chosen_method(ranks):
         assert r["layer"]["dy"] == 0 and r["layer"]["ddx"] == 0 and r["layer"]["dgrad"] == 0
         assert r["layer"]["hook_calls"] == 1          # the calibration runs touched no parameter gradient
     lines = [l for l in results[0]["log"] if l.startswith("[hp_megatron cp auto] GDN")]
-    assert len(lines) == 3 and all("runner-up" in l and "ms fwd+bwd" in l for l in lines)
-    measured, model_only, no_grad = lines            # the default times the model's 3 best on the layer
+    assert len(lines) == 4 and all("runner-up" in l and "ms fwd+bwd" in l for l in lines)
+    measured, model_only, no_grad, pair = lines      # the default times the model's 3 best on the layer
+    assert ", P=2: " in pair and "timed on the layer" not in pair
     assert " H=2 HV=2 " in no_grad and no_grad.endswith(f"ms -> {_label(results[0]['no_grad'])}")
     assert len({r["no_grad"] for r in results}) == 1
     timed = measured.split("; timed on the layer: ")[1]
@@ -469,6 +482,19 @@ def test_layer_with_auto_equals_the_chosen_method(ranks):
     assert "timed on the layer" not in model_only    # cp_auto_measure=0: the model's best
     model_best = model_only.split(", P=4: ")[1].split(" ")[0]
     assert _label(results[0]["model_only"]) == model_best and len({r["model_only"] for r in results}) == 1
+
+
+def test_layer_with_auto_decides_per_cp_group(ranks):
+    """A micro-batch on another CP group (megatron's hybrid CP) gets its own decision, valid at its size, and the
+    layer computes there what it computes on one rank."""
+    results, _ = ranks
+    for r in results:
+        per_group = r["per_group"]
+        assert per_group["cp"] == r["model_only"] and per_group["pair"] is not None, per_group
+        method, group_size, degree = per_group["pair"]
+        assert group_size in (None, 1, 2) and degree in (None, 1, 2), per_group
+        assert per_group["dy"] < 1e-5, per_group
+    assert results[0]["per_group"]["pair"] == results[1]["per_group"]["pair"]
 
 
 def _label(choice):

@@ -259,7 +259,7 @@ def measure_on_mixer(mixer, cp_group, hidden_states, packed_seq_params, repeats:
         x = torch.randn(hidden_states.shape, generator=gen).to(hidden_states.device, hidden_states.dtype)
 
         def run(cand):
-            mixer._cp_auto_choice = (cand.method, cand.group_size, cand.ulysses_degree)
+            _keep_choice(mixer, cp_group, (cand.method, cand.group_size, cand.ulysses_degree))
             with torch.enable_grad():        # the first forward may run under no_grad (full activation recompute)
                 y, _ = mixer(x.clone().requires_grad_(True), packed_seq_params=packed_seq_params)
                 y.float().sum().backward()
@@ -274,8 +274,22 @@ def measure_on_mixer(mixer, cp_group, hidden_states, packed_seq_params, repeats:
             for p in params:
                 p.requires_grad_(True)
             mixer.comm_stats = stats
-            mixer._cp_auto_choice = None
+            mixer._cp_auto_choices.pop(cp_group, None)
     return measure
+
+
+def auto_choice(module, cp_group):
+    """What a layer with an ``auto`` CP method keeps for ``cp_group`` (the group object its forward used; None =
+    WORLD): a GDN/KDA mixer's ``(method, group_size, ulysses_degree)``, an MLA layer's strategy; None before its
+    first CP forward on that group. One per group: megatron's hybrid CP hands micro-batches CP groups of several
+    sizes (``PackedSeqParams.cp_group``), and a choice for one size may not be valid on another."""
+    return getattr(module, "_cp_auto_choices", {}).get(cp_group)
+
+
+def _keep_choice(module, cp_group, choice) -> None:
+    if not hasattr(module, "_cp_auto_choices"):
+        module._cp_auto_choices = {}
+    module._cp_auto_choices[cp_group] = choice
 
 
 def resolve_for_mixer(mixer, cp_group, seq_len: int, batch: int, cu_seqlens, hidden_states=None,
@@ -284,8 +298,8 @@ def resolve_for_mixer(mixer, cp_group, seq_len: int, batch: int, cu_seqlens, hid
     CP forward (global ``seq_len`` per row, or total packed tokens with ``cu_seqlens``) and kept for the life of
     the module: later micro-batches reuse it without communication. With ``hidden_states`` (the forward's
     input) and the mixer option ``cp_auto_measure`` > 0, the model's best few are timed on the mixer itself
-    (``measure_on_mixer``)."""
-    chosen = getattr(mixer, "_cp_auto_choice", None)
+    (``measure_on_mixer``). Kept per CP group (``auto_choice``)."""
+    chosen = auto_choice(mixer, cp_group)
     if chosen is not None:
         return chosen
     dtype = mixer.in_proj.weight.dtype
@@ -307,20 +321,21 @@ def resolve_for_mixer(mixer, cp_group, seq_len: int, batch: int, cu_seqlens, hid
     top = mixer.options["cp_auto_measure"]
     measure = None if hidden_states is None else measure_on_mixer(mixer, cp_group, hidden_states, packed_seq_params)
     choice = decide(cp_group, shape, calibration=calibration, measure=measure, measure_top=top).choice
-    mixer._cp_auto_choice = (choice.method, choice.group_size, choice.ulysses_degree)
-    return mixer._cp_auto_choice
+    _keep_choice(mixer, cp_group, (choice.method, choice.group_size, choice.ulysses_degree))
+    return auto_choice(mixer, cp_group)
 
 
 def resolve_for_mla(mla, cp_group, seq_len: int, batch: int) -> str:
     """The CP strategy of an MLA layer with ``cp_strategy="auto"``, decided at its first CP forward and kept.
-    The calibration file is the config's ``delta_cp_calibration`` (``--hp-cp-calibration``)."""
-    chosen = getattr(mla, "_cp_auto_choice", None)
+    The calibration file is the config's ``delta_cp_calibration`` (``--hp-cp-calibration``). Kept per CP group
+    (``auto_choice``)."""
+    chosen = auto_choice(mla, cp_group)
     if chosen is not None:
         return chosen
     d, dtype = mla.dims, mla.linear_kv_up_proj.weight.dtype
     shape = MLALayerShape(batch=batch, seq_len=seq_len, heads=d.heads, qk_head_dim=d.qk, qk_pos_emb_head_dim=d.pe,
                           v_head_dim=d.v, kv_lora_rank=d.kv_lora_rank, layout=mla.cp_layout, act_bytes=dtype.itemsize,
                           dtype=str(dtype).replace("torch.", ""))
-    mla._cp_auto_choice = decide(cp_group, shape,
-                                 calibration_path=getattr(mla.config, "delta_cp_calibration", None)).choice.method
-    return mla._cp_auto_choice
+    _keep_choice(mla, cp_group, decide(cp_group, shape,
+                                       calibration_path=getattr(mla.config, "delta_cp_calibration", None)).choice.method)
+    return auto_choice(mla, cp_group)
