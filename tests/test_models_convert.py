@@ -41,12 +41,28 @@ def test_engine_round_trip_and_load(single_rank, arch, tmp_path):
         assert rel_err(logits, hf_model(input_ids=ids).logits) <= 1e-4
 
 
-def test_deepseek_mtp_tensors_stop_the_conversion_unless_dropped(single_rank, tmp_path, capsys):
-    """A DeepSeek-V3 checkpoint with a multi-token-prediction layer (``num_nextn_predict_layers=1``, tensors
-    ``model.layers.<L>.*``), which the megatron model does not build: the conversion names them and stops;
+def _mtp_tensors(model_type, hf_config):
+    """(extra config fields, MTP tensors as in the released checkpoints, the part's name in the error)."""
+    layers, hidden = hf_config["num_hidden_layers"], hf_config["hidden_size"]
+    if model_type == "deepseek_v3":   # model.layers.<L>.*, num_nextn_predict_layers=1
+        names = (("eh_proj.weight", (hidden, 2 * hidden)), ("enorm.weight", (hidden,)), ("hnorm.weight", (hidden,)),
+                 ("shared_head.norm.weight", (hidden,)))
+        return ({"num_nextn_predict_layers": 1}, {f"model.layers.{layers}.{n}": torch.randn(s) for n, s in names},
+                "DeepSeek-V3 multi-token-prediction layer 0 (num_nextn_predict_layers=1)")
+    names = (("fc.weight", (hidden, 2 * hidden)), ("norm.weight", (hidden,)),   # qwen3_next: mtp.*
+             ("pre_fc_norm_embedding.weight", (hidden,)), ("pre_fc_norm_hidden.weight", (hidden,)),
+             ("layers.0.input_layernorm.weight", (hidden,)))
+    return {}, {f"mtp.{n}": torch.randn(s) for n, s in names}, "Qwen3-Next multi-token-prediction module (mtp.*)"
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_next"])
+def test_mtp_tensors_stop_the_conversion_unless_dropped(single_rank, tmp_path, capsys, model_type):
+    """A checkpoint with the multi-token-prediction tensors of the released DeepSeek-V3 / Qwen3-Next checkpoints,
+    which neither transformers' forward nor the megatron model has: the conversion names them and stops;
     ``--drop-unmodeled`` converts the rest, bit-exact to the checkpoint without them; any other stray tensor
     stops it even then."""
     import json
+    import re
 
     from safetensors.torch import load_file, save_file
 
@@ -55,24 +71,21 @@ def test_deepseek_mtp_tensors_stop_the_conversion_unless_dropped(single_rank, tm
     from hp_megatron.convert.safetensors_io import CheckpointError
 
     hf_dir = tmp_path / "hf"
-    _, hf_config = tiny_hf_model("deepseek_v3", str(hf_dir))
-    layers, hidden = hf_config["num_hidden_layers"], hf_config["hidden_size"]
-    (hf_dir / "config.json").write_text(json.dumps({**hf_config, "num_nextn_predict_layers": 1}))
+    _, hf_config = tiny_hf_model(model_type, str(hf_dir))
+    extra, mtp, part = _mtp_tensors(model_type, hf_config)
+    (hf_dir / "config.json").write_text(json.dumps({**hf_config, **extra}))
     state = read_checkpoint(str(hf_dir))
-    mtp = {f"model.layers.{layers}.{name}": torch.randn(shape) for name, shape in (
-        ("eh_proj.weight", (hidden, 2 * hidden)), ("enorm.weight", (hidden,)), ("hnorm.weight", (hidden,)),
-        ("shared_head.norm.weight", (hidden,)))}
     save_file({**state, **mtp}, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
 
-    with pytest.raises(CheckpointError, match=r"4 tensors of parts the megatron model does not build: \['DeepSeek-V3 "
-                       r"multi-token-prediction layer 0 \(num_nextn_predict_layers=1\)'\].*--drop-unmodeled"):
+    with pytest.raises(CheckpointError, match=rf"{len(mtp)} tensors of parts the megatron model does not build: "
+                       rf"\['{re.escape(part)}'\].*--drop-unmodeled"):
         hf_to_mcore(str(hf_dir), str(tmp_path / "refused"))
     assert not (tmp_path / "refused").exists()
 
     ckpt, back = str(tmp_path / "mcore"), str(tmp_path / "back")
     assert main(["hf-to-mcore", "--load", str(hf_dir), "--save", ckpt, "--drop-unmodeled"]) == 0
-    assert f"left out 4 tensors of parts the model does not build (--drop-unmodeled), e.g. model.layers.{layers}." \
-        in capsys.readouterr().out
+    assert f"left out {len(mtp)} tensors of parts the model does not build (--drop-unmodeled), e.g. " \
+        f"{sorted(mtp)[0]}" in capsys.readouterr().out
     assert main(["mcore-to-hf", "--load", ckpt, "--save", back]) == 0
     converted = {}
     for path in glob.glob(os.path.join(back, "*.safetensors")):

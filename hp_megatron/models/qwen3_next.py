@@ -5,6 +5,10 @@ megatron-core equivalents: attention with ``attention_output_gate`` (``q_proj`` 
 q/k RMSNorm (``qk_layernorm``), partial rotary (``rotary_percent``), ``layernorm_zero_centered_gamma`` for every
 norm except the GDN output norm (``gated_norm_zero_centered_gamma=False``: Qwen3-Next stores that one plainly),
 softmax top-k router (``moe_router_pre_softmax`` when ``norm_topk_prob`` is false), ``moe_shared_expert_gate``.
+
+The released checkpoints also hold a multi-token-prediction module (``mtp.*``: ``fc``, ``pre_fc_norm_*``, ``norm``,
+``layers.0``), which transformers skips on load and the model built here does not have; ``unmodeled_tensors``
+lists it, and the converter drops it only when asked (``--drop-unmodeled``).
 """
 from __future__ import annotations
 
@@ -17,6 +21,11 @@ from layers.convert import GDN_IN_PROJ_PARTS, join_qwen3_next_in_proj, split_qwe
 
 MODEL_TYPE = "qwen3_next"
 LAYER_SYMBOLS = {"linear_attention": "G", "full_attention": "A"}
+
+
+def unmodeled_tensors(hf: dict) -> dict:
+    """``{HF key prefix: what it holds}``: the multi-token-prediction module of the released checkpoints."""
+    return {"mtp.": "Qwen3-Next multi-token-prediction module (mtp.*)"}
 
 
 def _layer_types(hf: dict) -> list:
