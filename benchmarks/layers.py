@@ -268,8 +268,8 @@ def main(argv=None):
         meta = dict(run_meta("layers.py", argv),
                     device_name=(torch.cuda.get_device_name(device) if device.type == "cuda"
                                  else f"CPU ({os.cpu_count()} cores)"),
-                    dtype=str(dtype), backend=args.backend, hidden=args.hidden, heads=args.heads, value_heads=args.value_heads,
-                    head_dim=args.head_dim, warmup=args.warmup, repeats=args.repeats,
+                    dtype=str(dtype), backend=args.backend, hidden=args.hidden, heads=args.heads,
+                    value_heads=args.value_heads, head_dim=args.head_dim, warmup=args.warmup, repeats=args.repeats,
                     load_average=[round(v, 1) for v in os.getloadavg()])
         rows = []
         for text in args.shapes:

@@ -336,6 +336,6 @@ def resolve_for_mla(mla, cp_group, seq_len: int, batch: int) -> str:
     shape = MLALayerShape(batch=batch, seq_len=seq_len, heads=d.heads, qk_head_dim=d.qk, qk_pos_emb_head_dim=d.pe,
                           v_head_dim=d.v, kv_lora_rank=d.kv_lora_rank, layout=mla.cp_layout, act_bytes=dtype.itemsize,
                           dtype=str(dtype).replace("torch.", ""))
-    _keep_choice(mla, cp_group, decide(cp_group, shape,
-                                       calibration_path=getattr(mla.config, "delta_cp_calibration", None)).choice.method)
+    path = getattr(mla.config, "delta_cp_calibration", None)
+    _keep_choice(mla, cp_group, decide(cp_group, shape, calibration_path=path).choice.method)
     return auto_choice(mla, cp_group)
