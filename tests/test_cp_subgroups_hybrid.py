@@ -11,23 +11,16 @@ from __future__ import annotations
 from argparse import Namespace
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from dist import case_started, run_distributed
+from test_cp_subgroups import _members_sum
 
 WORLD = 8
 CASE_TIMEOUT_S = 120
 SIZES = (2, 4, 8)   # megatron's hybrid group sizes at DP x CP = 8: 2 .. 2**(log2 8 - 1), and 8 itself
 FLAGS = Namespace(hybrid_context_parallel=True, context_parallel_size=1, hp_cp_method="p2p", hp_ulysses_degree=2,
                   hp_cp_group_size=None)
-
-
-def _members_sum(group) -> list:
-    """All-reduce of each member's global rank over ``group``: [sum of its members, its ranks] if it works."""
-    x = torch.tensor([float(dist.get_rank())])
-    dist.all_reduce(x, group=group)
-    return [int(x.item()), sorted(dist.get_process_group_ranks(group))]
 
 
 def _worker(rank, world_size):
@@ -60,9 +53,9 @@ def _worker(rank, world_size):
 
 @pytest.fixture(scope="module")
 def results():
-    pytest.importorskip("megatron.core")
-    from megatron.core import parallel_state
     import inspect
+
+    from megatron.core import parallel_state
 
     if "hybrid_context_parallel" not in inspect.signature(parallel_state.initialize_model_parallel).parameters:
         pytest.skip("this megatron-core has no hybrid context parallelism (0.16 or newer)")
