@@ -180,7 +180,7 @@ run_phase() {  # run_phase <name> <min-seconds-needed> <cap-seconds> <command...
   timeout --signal=TERM --kill-after=10 "$LIMIT" "$@" >"$OUT/$name.log" 2>&1
   end_phase "$name" $?
 }
-PYTEST=(python -m pytest tests/test_backend_triton.py -v -rs -p no:cacheprovider)
+PYTEST=(python -m pytest tests/backends/test_backend_triton.py -v -rs -p no:cacheprovider)
 # The example on one GPU (issue 16): 20 iterations, bf16, triton backend, linear-attention heads of the benchmark
 # shapes (H=16, K=V=128, KDA gate as the benchmark's) so its kernels share the autotune cache of the warm phase.
 EXAMPLE_ARGS=(--hp-backend triton --bf16 --num-layers 4 --hidden-size 1024 --num-attention-heads 8

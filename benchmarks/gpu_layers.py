@@ -20,7 +20,7 @@ between ``<!-- gpu:begin -->`` and ``<!-- gpu:end -->`` (appended when absent). 
 ``python benchmarks/gpu_layers.py --render DIR/gpu_layers.json --docs docs/benchmarks.md``.
 Run on the GPU through ``benchmarks/gpu_check.sh`` (installs the carried wheels, warms one shape set).
 ``--device cpu --dims 4,16,16,64`` runs every section on CPU in fp32 with tiny dimensions, for a process whose
-FLA kernels run in Triton's interpreter (tests/test_gpu_layers_smoke.py): it checks that every row builds and
+FLA kernels run in Triton's interpreter (tests/backends/test_gpu_layers_smoke.py): it checks that every row builds and
 runs; its times mean nothing.
 """
 from __future__ import annotations
@@ -490,8 +490,8 @@ def _stats_summary(stats) -> str:
 
 
 # ------------------------------------------------------------------------------------------- warming
-# The shapes of tests/test_backend_triton.py (single rank: SINGLE_CASES "layer_flags"; CP: CP_LAYOUTS with
-# CP_PROBLEM); tests/test_backend_triton.py::test_warm_shapes_match_tests keeps the two files in sync.
+# The shapes of tests/backends/test_backend_triton.py (single rank: SINGLE_CASES "layer_flags"; CP: CP_LAYOUTS with
+# CP_PROBLEM); tests/backends/test_backend_triton.py::test_warm_shapes_match_tests keeps the two files in sync.
 WARM_SINGLE_SHAPE = (2, 200)
 WARM_CP_LAYOUTS = (("zigzag", 2, 512, None), ("zigzag", 1, 512, [0, 128, 384, 512]),
                    ("contiguous", 1, 512, [0, 100, 420, 512]))

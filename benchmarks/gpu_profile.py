@@ -12,7 +12,7 @@ shows by name.
     python benchmarks/gpu_profile.py --out out/profile --docs docs/benchmarks.md
 
 ``--device cpu --dims 4,16,16,64 --shapes B1T64`` is a smoke run through Triton's interpreter (the caller must
-enable it before FLA is imported; see tests/test_gpu_layers_smoke.py); CPU times mean nothing.
+enable it before FLA is imported; see tests/backends/test_gpu_layers_smoke.py); CPU times mean nothing.
 """
 from __future__ import annotations
 

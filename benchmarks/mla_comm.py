@@ -1,6 +1,6 @@
 """Bytes per rank per layer moved by MLA context parallelism: our strategies vs Transformer Engine's ring.
 
-Closed forms from ``layers.cp.mla.mla_comm_bytes`` (tests/test_cp_mla.py checks them against the bytes the
+Closed forms from ``layers.cp.mla.mla_comm_bytes`` (tests/cp/test_cp_mla.py checks them against the bytes the
 layer actually moves on gloo ranks). Ring = TE's P2P ring attention passing the expanded K/V
 (heads x (qk + rope + v) values per token) around the CP ring: P-1 hops forward, K/V and dK/dV backward.
 
@@ -52,7 +52,7 @@ def _mib(x) -> str:
 def markdown(table: list[dict], seq_len: int, element_size: int) -> str:
     lines = [f"MLA CP communication per rank per layer, forward + backward, MiB (global sequence {seq_len:,} "
              f"tokens, {element_size}-byte elements, TP = 1). Closed forms of `layers.cp.mla.mla_comm_bytes`, "
-             "checked against measured bytes on gloo in `tests/test_cp_mla.py`. Ring = Transformer Engine's "
+             "checked against measured bytes on gloo in `tests/cp/test_cp_mla.py`. Ring = Transformer Engine's "
              "P2P ring attention exchanging expanded K/V. n/a: Ulysses strategies need heads % P == 0.",
              "",
              "| model | P | latent | latent_ulysses | expanded_ulysses | TE ring | ring / latent (fwd) | ring / latent (fwd+bwd) |",

@@ -1,4 +1,4 @@
-"""The private torch APIs the project relies on, each behind one function (tests/test_compat.py checks them).
+"""The private torch APIs the project relies on, each behind one function (tests/layers/test_compat.py checks them).
 
 A torch release that moves one of them breaks here, in one place, with a test that names it.
 """

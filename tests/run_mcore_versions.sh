@@ -2,14 +2,14 @@
 # Run the spec tests (and optionally more test files) under megatron-core 0.14.0 and 0.15.3 besides the
 # installed version. Each version is installed with --no-deps into its own --target directory (cached
 # under ${HP_MCORE_CACHE:-/tmp/hp_mcore}) and put first on PYTHONPATH; torch etc. come from the environment.
-#   tests/run_mcore_versions.sh                      # tests/test_specs.py on 0.14.0, 0.15.3 and installed
-#   tests/run_mcore_versions.sh tests/test_data.py   # other test files
+#   tests/run_mcore_versions.sh                      # tests/integration/test_specs.py on 0.14.0, 0.15.3 and installed
+#   tests/run_mcore_versions.sh tests/cp/test_data.py   # other test files
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE="${HP_MCORE_CACHE:-/tmp/hp_mcore}"
 VERSIONS="${HP_MCORE_VERSIONS:-0.14.0 0.15.3}"
 TESTS=("$@")
-[ ${#TESTS[@]} -eq 0 ] && TESTS=(tests/test_specs.py)
+[ ${#TESTS[@]} -eq 0 ] && TESTS=(tests/integration/test_specs.py)
 status=0
 for version in $VERSIONS; do
     target="$CACHE/megatron-core-$version"

@@ -42,7 +42,8 @@ _INTERNALS = {
 }
 
 
-# keywords this module passes to each internal function (tests/test_fla_pins.py keeps this table equal to the calls)
+# keywords this module passes to each internal function (tests/backends/test_fla_pins.py keeps this table equal
+# to the calls)
 KEYWORDS = {
     "chunk_bwd_dqkwg": ("chunk_indices", "chunk_size", "cu_seqlens", "dh", "do", "dv", "g", "h", "k", "q", "scale",
                         "v", "w"),

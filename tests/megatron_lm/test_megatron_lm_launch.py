@@ -11,7 +11,7 @@ SCRIPTS = os.path.join(REPO, "examples", "pretrain", "megatron_lm")
 LAUNCHER = os.path.join(SCRIPTS, "pretrain_gpt_hp.py")
 sys.path.insert(0, HERE)
 
-from test_megatron_lm_pretrain import MEGATRON_LM  # noqa: E402
+from tests.megatron_lm.test_megatron_lm_pretrain import MEGATRON_LM  # noqa: E402
 
 needs_megatron_lm = pytest.mark.skipif(MEGATRON_LM is None, reason="Megatron-LM's training code not found: set "
                                        "MEGATRON_LM_PATH (default ../shared/megatron-lm)")

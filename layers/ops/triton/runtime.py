@@ -12,7 +12,7 @@ missing. FLA's own constraints that matter to callers (checked in the FLA 0.6.0 
 
 With Triton's interpreter on (``TRITON_INTERPRET=1`` before FLA is imported) the same FLA kernels run on CPU
 tensors through numpy, slowly; the backend then accepts CPU tensors. This is how CPU CI runs FLA's kernels
-(tests/triton_interpreter.py, which also patches three gaps of triton 3.7's interpreter).
+(tests/support/triton_interpreter.py, which also patches three gaps of triton 3.7's interpreter).
 """
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def check_device_available() -> None:
                            "GPU (torch.cuda.is_available() is False or this is not a CUDA build of torch); "
                            "with TRITON_INTERPRET=1 set before FLA is imported they run on CPU in Triton's "
                            "interpreter (slow; FLA 0.6 on triton 3.7 needs the interpreter patches of "
-                           "tests/triton_interpreter.py, see docs/backends.md)")
+                           "tests/support/triton_interpreter.py, see docs/backends.md)")
 
 
 _READY = False

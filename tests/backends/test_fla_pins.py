@@ -1,0 +1,59 @@
+"""flash-linear-attention: pinned below the next minor, and the private functions' signatures checked at load."""
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_setup_pins_fla_below_the_next_minor():
+    text = (ROOT / "setup.py").read_text()
+    for package in ("flash-linear-attention", "fla-core"):
+        assert re.search(rf'"{package}>=0\.6\.0,<0\.7"', text), package
+
+
+def test_keyword_table_matches_the_calls():
+    """KEYWORDS (what the load-time check verifies) lists exactly the keywords triton_kcp passes to each function."""
+    from layers.cp.triton_kcp import KEYWORDS
+
+    used: dict = {}
+    for node in ast.walk(ast.parse((ROOT / "layers/cp/triton_kcp.py").read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "fi"):
+            used.setdefault(node.func.attr, set()).update(k.arg for k in node.keywords if k.arg)
+    assert {k: set(v) for k, v in KEYWORDS.items()} == used
+
+
+def test_moved_signature_raises_naming_the_version():
+    from layers.cp.triton_kcp import KEYWORDS, check_signatures
+
+    def accepts_all(*args, **kwargs):
+        return None
+
+    found = {name: accepts_all for name in KEYWORDS}
+    check_signatures(found, "0.6.0")                       # **kwargs: nothing to check
+
+    def renamed(q, k, v, chunk_size, cu_seqlens, chunk_indices, g, scale):   # "h" moved away
+        return None
+
+    found["chunk_fwd_o"] = renamed
+    with pytest.raises(RuntimeError, match=r"flash-linear-attention 9\.9\.9's chunk_fwd_o no longer takes \['h'\]"):
+        check_signatures(found, "9.9.9")
+    del found["chunk_fwd_o"]
+    with pytest.raises(RuntimeError, match=r"flash-linear-attention 9\.9\.9 lacks chunk_fwd_o"):
+        check_signatures(found, "9.9.9")
+
+
+def test_installed_fla_passes_the_check():
+    from layers.cp.triton_kcp import load_internals
+
+    try:
+        load_internals()
+    except RuntimeError as err:
+        if "not installed" in str(err) or "importable" in str(err):
+            pytest.skip(f"flash-linear-attention unavailable here: {err}")
+        raise

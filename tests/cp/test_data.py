@@ -1,0 +1,96 @@
+"""hp_megatron.data: CP batch slicing, checked against megatron-core (BSHD) and a per-document reference (THD)."""
+import pytest
+import torch
+
+from tests.support.helpers import FakeGroup
+from hp_megatron.data import cp_token_index, get_batch_on_this_cp_rank
+
+
+def _megatron_split(batch, cp, rank, monkeypatch):
+    from megatron.core import parallel_state, utils
+
+    # megatron reads the CP size/rank from parallel_state when no (initialized) group is given
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: rank)
+    return utils.get_batch_on_this_cp_rank(dict(batch))
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_bshd_matches_megatron(cp, monkeypatch):
+    b, s = 2, 8 * cp
+    gen = torch.Generator().manual_seed(cp)
+    batch = {"tokens": torch.randint(0, 100, (b, s), generator=gen),
+             "labels": torch.randint(0, 100, (b, s), generator=gen),
+             "loss_mask": torch.rand(b, s, generator=gen),
+             "position_ids": torch.arange(s).expand(b, s),
+             "attention_mask": torch.rand(b, 1, s, s, generator=gen) > 0.5}
+    pieces = []
+    for rank in range(cp):
+        ours = get_batch_on_this_cp_rank(batch, cp_group=FakeGroup(cp, rank))
+        ref = _megatron_split(batch, cp, rank, monkeypatch)
+        for key in batch:
+            assert torch.equal(ours[key], ref[key]), (cp, rank, key)
+        pieces.append(ours["position_ids"][0])
+    # every token exactly once across ranks
+    assert sorted(torch.cat(pieces).tolist()) == list(range(s))
+
+
+def _thd_reference(cu, cp, rank):
+    """Per document: split into 2*cp equal parts, keep parts rank and 2*cp-1-rank (TE's partitioning)."""
+    out = []
+    for d in range(len(cu) - 1):
+        start, length = cu[d], cu[d + 1] - cu[d]
+        part = length // (2 * cp)
+        for p in (rank, 2 * cp - 1 - rank):
+            out.extend(range(start + p * part, start + (p + 1) * part))
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_thd_per_document_zigzag(cp):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    lengths = [4 * cp, 2 * cp, 6 * cp, 2 * cp]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    total = cu[-1]
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t,
+                             cu_seqlens_q_padded=cu_t, cu_seqlens_kv_padded=cu_t)
+    tokens = torch.arange(100, 100 + total).view(1, total)
+    seen = []
+    for rank in range(cp):
+        out = get_batch_on_this_cp_rank({"tokens": tokens, "loss_mask": tokens.float()}, params,
+                                        cp_group=FakeGroup(cp, rank))
+        expected = [100 + i for i in _thd_reference(cu, cp, rank)]
+        assert out["tokens"].flatten().tolist() == expected
+        assert out["loss_mask"].flatten().tolist() == [float(x) for x in expected]
+        seen.extend(expected)
+    assert sorted(seen) == list(range(100, 100 + total))
+
+
+def test_contiguous_layout():
+    tokens = torch.arange(12).view(1, 12)
+    parts = [get_batch_on_this_cp_rank({"tokens": tokens}, cp_group=FakeGroup(3, r), layout="contiguous")["tokens"]
+             for r in range(3)]
+    assert [p.flatten().tolist() for p in parts] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_cp1_is_identity_and_non_tensors_pass_through():
+    batch = {"tokens": torch.arange(6).view(1, 6), "meta": "x", "none": None}
+    out = get_batch_on_this_cp_rank(batch, cp_group=FakeGroup(1, 0))
+    assert out["meta"] == "x" and out["none"] is None and torch.equal(out["tokens"], batch["tokens"])
+
+
+def test_errors_name_the_constraint():
+    with pytest.raises(ValueError, match=r"divisible by 2\*P=4"):
+        cp_token_index(10, 2, 0)
+    with pytest.raises(ValueError, match=r"\(document, length\) pairs violating it: \[\(1, 6\)\]"):
+        cp_token_index(14, 2, 0, torch.tensor([0, 8, 14]))
+    with pytest.raises(ValueError, match="layout"):
+        cp_token_index(8, 2, 0, layout="ring")
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
+        cp_token_index(8, 2, 2)
+    with pytest.raises(ValueError, match="strictly increasing"):   # an empty document: the model rejects it too
+        cp_token_index(8, 2, 0, torch.tensor([0, 4, 4, 8]))

@@ -1,0 +1,120 @@
+"""The dependency direction of ``layers``: mixers -> ``layers.cp`` -> ``layers.ops``; no cycles; ops never import cp.
+
+Every import statement in ``layers/`` counts, also the ones inside functions (a lazy import is still a
+dependency), so the graph is read from the source with ``ast`` rather than from ``sys.modules``.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(target: str, known: set[str]) -> str | None:
+    """The longest known module that ``target`` (a dotted import target) names or lies in."""
+    while target:
+        if target in known:
+            return target
+        target = target.rpartition(".")[0]
+    return None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``{module: modules of the layers/hp_megatron packages it imports}`` (absolute and relative imports)."""
+    files = {_module_name(p): p for pkg in ("layers", "hp_megatron") for p in (ROOT / pkg).rglob("*.py")}
+    known = set(files)
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            else:
+                continue
+            deps.update(d for d in (_resolve(t, known) for t in targets) if d is not None and d != name)
+        graph[name] = deps
+    return graph
+
+
+def _cycles(graph):
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_cycles_inside_layers():
+    graph = {m: {d for d in deps if d.startswith("layers")} for m, deps in import_graph().items()
+             if m.startswith("layers.")}
+    assert _cycles(graph) == []
+
+
+def test_ops_never_import_cp_and_layers_never_import_hp_megatron():
+    graph = import_graph()
+    bad_ops = {m: sorted(d for d in deps if d == "layers.cp" or d.startswith("layers.cp."))
+               for m, deps in graph.items() if m == "layers.ops" or m.startswith("layers.ops.")}
+    assert {m: d for m, d in bad_ops.items() if d} == {}
+    bad_layers = {m: sorted(d for d in deps if d.startswith("hp_megatron"))
+                  for m, deps in graph.items() if m.startswith("layers")}
+    assert {m: d for m, d in bad_layers.items() if d} == {}
+    # cp sits between the mixers and ops: it never imports a mixer module
+    mixers = {"layers.gdn", "layers.kda", "layers.mla", "layers.delta_mixer", "layers.attention"}
+    bad_cp = {m: sorted(deps & mixers) for m, deps in graph.items() if m.startswith("layers.cp")}
+    assert {m: d for m, d in bad_cp.items() if d} == {}
+
+
+def test_graph_sees_known_edges():
+    """The reader finds real edges (guards against a parser that finds nothing and passes vacuously)."""
+    graph = import_graph()
+    assert "layers.ops.backends" in graph["layers.ops.delta_rule"]
+    assert "layers.cp.chain" in graph["layers.cp.state_parallel"]
+    assert "layers.attention.masking" in graph["layers.attention.eager"]   # relative import
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+
+
+def test_importing_ops_loads_no_cp_module():
+    code = ("import sys, layers.ops, layers.ops.eager.backend, layers.ops.summary, layers.ops.gates;"
+            "print(sorted(m for m in sys.modules if m.startswith('layers.cp')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.strip() == "[]"

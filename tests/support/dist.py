@@ -1,0 +1,226 @@
+"""Spawn gloo process groups on CPU for multi-rank tests, robust on a busy machine.
+
+One spawn should serve many cases: a worker loops over its cases and returns all results, and the
+test module turns them into parametrized assertions (see ``tests/cp/test_cp_*.py``).
+
+Deadlines are per case, not per spawn: a worker that calls :func:`case_started` before each case gets
+``timeout`` seconds for each one, scaled by the machine's load (:func:`load_factor`); a worker that never
+calls it gets ``timeout`` (scaled) for everything. A rank that exceeds its deadline, dies, or raises
+stops the spawn with an error that says which rank, which case and why ("timed out" for deadlines).
+Results a worker streams with :func:`case_result` survive such a failure: with
+:func:`run_distributed_cases` the tests of the cases that finished still pass and only the failed
+case's tests (and those never reached) fail, each with the spawn's message.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import queue as queue_module
+import shutil
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("HP_TEST_CASE_TIMEOUT", "900"))
+STARTUP_S = 300.0  # start-up (imports, process group) before a worker's first case, times the load factor
+POLL_S = 1.0
+_QUEUE = None  # the parent's queue, in a spawned worker
+_RANK = None
+
+
+class DistributedTestError(RuntimeError):
+    """A spawn failed; ``partial`` holds ``{rank: {key: value}}`` streamed with :func:`case_result`."""
+
+    def __init__(self, message, partial):
+        super().__init__(message)
+        self.partial = partial
+
+
+def load_factor() -> float:
+    """How many runnable processes share each core right now (1 on an idle machine)."""
+    try:
+        return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    except OSError:
+        return 1.0
+
+
+def _send(queue, rank, kind, payload):
+    # pickled to bytes here: torch.multiprocessing would share tensors through file descriptors that
+    # vanish when this worker exits before the parent reads them
+    queue.put((rank, kind, pickle.dumps(payload)))
+
+
+def case_started(name: str) -> None:
+    """In a worker: this rank starts case ``name``; its deadline restarts."""
+    if _QUEUE is not None:
+        _send(_QUEUE, _RANK, "case", name)
+
+
+def case_result(key, value) -> None:
+    """In a worker: send one case's result to the parent now (kept if the spawn fails later)."""
+    if _QUEUE is not None:
+        _send(_QUEUE, _RANK, "result", (key, value))
+
+
+def _entry(rank, world_size, store_path, fn, args, queue):
+    global _QUEUE, _RANK
+    _QUEUE, _RANK = queue, rank
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        # a file store, not a TCP port: a port picked free by the parent could be taken before rank 0 binds it
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        _send(queue, rank, "ok", result)
+    except BaseException:  # report every failure to the parent, then exit non-zero
+        _send(queue, rank, "error", traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class _Ranks:
+    """The parent's view of each rank: current case, when it started, its result or failure."""
+
+    def __init__(self, world_size, timeout):
+        now = time.monotonic()
+        self.timeout = timeout
+        self.case = {r: "start-up" for r in range(world_size)}
+        self.since = {r: now for r in range(world_size)}
+        self.results, self.partial = {}, {r: {} for r in range(world_size)}
+
+    def running(self):
+        return [r for r in self.case if r not in self.results]
+
+    def describe(self, ranks):
+        now = time.monotonic()
+        return ", ".join(f"rank {r} in case {self.case[r]!r} for {now - self.since[r]:.0f} s" for r in ranks)
+
+    def overdue(self):
+        """(rank, limit) of a running rank past its deadline, else None."""
+        factor, now = load_factor(), time.monotonic()
+        for r in self.running():
+            limit = factor * (max(self.timeout, STARTUP_S) if self.case[r] == "start-up" else self.timeout)
+            if now - self.since[r] > limit:
+                return r, limit
+        return None
+
+
+def _drain(queue, ranks, wait_s=1.0):
+    while True:
+        try:
+            rank, kind, payload = queue.get(timeout=wait_s)
+            payload = pickle.loads(payload)
+        except queue_module.Empty:
+            return
+        if kind == "result":
+            ranks.partial[rank][payload[0]] = payload[1]
+        elif kind == "ok":
+            ranks.results[rank] = payload
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results indexed by rank.
+
+    ``fn`` must be importable at module level (spawned processes re-import it). ``timeout``: seconds per
+    case (see the module docstring), times :func:`load_factor`. Raises :class:`DistributedTestError`
+    naming the rank and case on a rank's exception, death or deadline.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    store_dir = tempfile.mkdtemp(prefix="hp_dist_")
+    store_path = os.path.join(store_dir, "store")
+    procs = [ctx.Process(target=_entry, args=(r, world_size, store_path, fn, args, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    ranks = _Ranks(world_size, timeout)
+    failure = None
+    while failure is None and ranks.running():
+        try:
+            rank, kind, payload = queue.get(timeout=POLL_S)
+            payload = pickle.loads(payload)
+        except queue_module.Empty:
+            dead = [r for r in ranks.running() if procs[r].exitcode not in (None, 0)]
+            late = ranks.overdue()
+            if dead:
+                failure = (f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} in case "
+                           f"{ranks.case[dead[0]]!r}; {ranks.describe(ranks.running())}")
+            elif late:
+                rank, limit = late
+                failure = (f"timed out: rank {rank} spent more than {limit:.0f} s in case {ranks.case[rank]!r} "
+                           f"(per-case limit {timeout:.0f} s, start-up {max(timeout, STARTUP_S):.0f} s, times load "
+                           f"factor {load_factor():.1f}); {ranks.describe(ranks.running())}")
+            continue
+        if kind == "case":
+            ranks.case[rank], ranks.since[rank] = payload, time.monotonic()
+        elif kind == "result":
+            ranks.partial[rank][payload[0]] = payload[1]
+        elif kind == "ok":
+            ranks.results[rank] = payload
+        else:
+            failure = f"rank {rank} raised in case {ranks.case[rank]!r}:\n{payload}"
+    if failure is not None:  # keep what the other ranks reported before the failure
+        _drain(queue, ranks)
+    for p in procs:
+        if failure is not None:
+            p.kill()
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    shutil.rmtree(store_dir, ignore_errors=True)
+    if failure is not None:
+        for rank, result in ranks.results.items():  # ranks that finished: their returned cases count too
+            if isinstance(result, dict):
+                ranks.partial[rank] = {**result, **ranks.partial[rank]}
+        raise DistributedTestError("distributed test failed: " + failure, ranks.partial)
+    return [ranks.results[r] for r in range(world_size)]
+
+
+_SPAWNS: dict = {}
+
+
+def _spawn_once(fn, world_size, args):
+    key = (fn, world_size, args)
+    if key not in _SPAWNS:
+        try:
+            _SPAWNS[key] = (run_distributed(fn, world_size, *args), None)
+        except DistributedTestError as exc:
+            _SPAWNS[key] = (None, exc)
+    return _SPAWNS[key]
+
+
+def run_distributed_once(fn, world_size: int, *args):
+    """:func:`run_distributed`, spawned once per ``(fn, world_size, args)`` in this process: every test that
+    asks again gets the cached per-rank results, or the spawn's error again (``args`` must be hashable)."""
+    results, error = _spawn_once(fn, world_size, args)
+    if error is not None:
+        raise error
+    return results
+
+
+def run_distributed_cases(fn, world_size: int, key, *args):
+    """One case's results from a shared spawn whose worker streams them with :func:`case_result`: the list
+    of values the ranks reported for ``key`` (ranks that did not report it are left out). When the spawn
+    failed, the cases finished before the failure still return; any other raises the spawn's error."""
+    results, error = _spawn_once(fn, world_size, args)
+    if error is not None:
+        values = [cases[key] for _, cases in sorted(error.partial.items()) if key in cases]
+        if not values:
+            raise error
+        return values
+    values = [r[key] for r in results if isinstance(r, dict) and key in r]
+    if not values:
+        raise KeyError(f"no rank reported case {key!r}")
+    return values
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative L2 error ||a - e|| / max(||e||, tiny), computed in float64."""
+    a, e = actual.detach().double(), expected.detach().double()
+    return float((a - e).norm() / e.norm().clamp_min(1e-30))

@@ -1,0 +1,86 @@
+"""Tiny random transformers models of the supported architectures and the conversion round trip, shared by
+``test_models_*.py``: build with transformers, perturb every parameter off its initial constant, ``save_pretrained``,
+read the safetensors, convert with ``hp_megatron.models`` rules, run both sides in fp32."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.support.helpers import use_transformers_torch_path
+from hp_megatron.platform import single_rank_megatron
+
+VOCAB, HIDDEN, SEQ, BATCH = 64, 32, 12, 2
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    """One rank: gloo, megatron-core's parallel state (TP=PP=CP=EP=1) and the CPU shims (seed 0)."""
+    with single_rank_megatron(0):
+        yield
+
+
+def _use_torch_path():
+    """transformers' pure-PyTorch GDN/KDA functions (not FLA's Triton kernels) for the reference forward."""
+    from transformers.models.kimi_linear import modeling_kimi_linear
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    use_transformers_torch_path(modeling_qwen3_next)
+    use_transformers_torch_path(modeling_kimi_linear)
+
+
+def tiny_hf_model(arch: str, directory: str, seed: int = 0, save: bool = True, vocab_size: int = VOCAB):
+    """(model, config.json as a dict): ``hp_megatron.models.tiny``'s tiny random transformers model of ``arch``
+    saved to ``directory`` (``save=False``: (model, None), another process saves the same model there)."""
+    from hp_megatron.models.tiny import build_tiny_hf_model
+
+    _use_torch_path()
+    model = build_tiny_hf_model(arch, seed, vocab_size=vocab_size)
+    if save:
+        model.save_pretrained(directory)
+        with open(os.path.join(directory, "config.json")) as f:
+            return model, json.load(f)
+    return model, None
+
+
+def read_checkpoint(directory: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(directory, "model.safetensors"))
+
+
+def to_mcore(rules, hf_state: dict) -> dict:
+    used = {k for r in rules for k in r.hf_keys}
+    unused = sorted(set(hf_state) - used)
+    assert not unused, f"HF tensors no rule reads: {unused[:8]}"
+    return {r.mcore_key: r.to_mcore([hf_state[k] for k in r.hf_keys]) for r in rules}
+
+
+def to_hf(rules, mcore_state: dict) -> dict:
+    out = {}
+    for r in rules:
+        out.update(zip(r.hf_keys, r.to_hf(mcore_state[r.mcore_key])))
+    return out
+
+
+def token_batch(seed: int = 0):
+    """(input ids [B, S], labels [B, S]: the next token, -100 at the last position)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def hf_logits_and_loss(model, ids):
+    """transformers' logits [B, S, V] and mean next-token loss over positions 0..S-2 (it shifts the labels)."""
+    out = model(input_ids=ids, labels=ids)
+    return out.logits, out.loss
+
+
+def mcore_logits_and_loss(model, ids, targets):
+    """Our GPTModel's logits [B, S, V] and the mean loss over positions 0..S-2 (transformers' loss positions)."""
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    logits = model(ids, positions, None)
+    per_token = model(ids, positions, None, labels=targets)
+    return logits, per_token[:, :-1].mean()
