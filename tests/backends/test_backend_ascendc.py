@@ -23,10 +23,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.dist import rel_err, run_distributed
 from layers.ops import chunk_gated_delta_rule, chunk_kda
 from layers.ops.ascendc import runtime
-from tests.support.reference import make_problem
+from tests.support.dist import run_distributed
+from tests.support.reference import make_problem, rel_err
 
 STANDIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fla_npu_standin")
 REAL = os.environ.get("HP_ASCEND_REAL") == "1"

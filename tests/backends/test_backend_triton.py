@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.dist import rel_err, run_distributed
 from layers.ops import chunk_gated_delta_rule
 from layers.ops.backends import get_backend
-from tests.support.reference import make_problem
+from tests.support.dist import run_distributed
+from tests.support.reference import make_problem, rel_err
 from tests.support.triton_cases import (accept_stacked_all_gather_on_gloo, compare_conv_single_rank,
                                         compare_single_rank, cp_case, cp_conv_case, to_leaves)
 

@@ -60,7 +60,7 @@ CP_VARIANTS = {
 }
 CONV_CP_CASES = [(layout, method) for layout, *_ in CP_LAYOUTS for method in ("p2p", "allgather", "ulysses")]
 # GDN / KDA layers with backend="triton" on megatron TP x CP groups against the single-rank eager layer with the
-# same initialisation (tests/layers/test_layers_delta_parallel.py builds and compares; only the backend differs).
+# same initialisation (tests/support/delta_layer_cases.py builds and compares; only the backend differs).
 LAYER_CASES = [
     ("layer-gdn-tp2-cp2-sp-thd-contiguous-allgather", dict(  # FLA's own KCP path
         kind="gdn", tp=2, cp=2, sp=True, thd=True, packed_cp_group=False,
@@ -122,15 +122,15 @@ def worker(rank, world):
 def _layer_cases(attempt):
     from megatron.core import parallel_state
 
-    import tests.layers.test_layers_delta_parallel as layer_tests
     from hp_megatron.platform import apply_cpu_shims
+    from tests.support.delta_layer_cases import groups, run_case
 
     parallel_state.initialize_model_parallel(1, 1)
     for layout in sorted({(1, 1)} | {(case["tp"], case["cp"]) for _, case in LAYER_CASES}):
-        layer_tests._groups(*layout)  # collective, same order on every rank
+        groups(*layout)  # collective, same order on every rank
     for key, case in LAYER_CASES:
         apply_cpu_shims(2024)  # same default init seed for both layers
-        attempt(key, layer_tests._run_case, case, collective=True)
+        attempt(key, run_case, case, collective=True)
     parallel_state.destroy_model_parallel()
 
 

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from tests.convert.test_convert_load import VOCAB, hf_tensors, tiny_llama
+from tests.support.models_case import LLAMA_VOCAB, read_safetensors, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_round_trip_is_bit_exact_and_reloads_in_transformers(hf_models, case):
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "7"
     assert main(["mcore-to-hf", "--load", ckpt, "--save", back, "--max-shard-size", "30KB"]) == 0
 
-    original, exported = hf_tensors(hf_dir), hf_tensors(back)
+    original, exported = read_safetensors(hf_dir), read_safetensors(back)
     assert sorted(exported) == sorted(original)
     for key, tensor in original.items():
         assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
@@ -46,7 +46,7 @@ def test_round_trip_is_bit_exact_and_reloads_in_transformers(hf_models, case):
     # both loaded the same way (a model cast with .to(bf16) also casts its rotary buffer)
     reloaded = AutoModelForCausalLM.from_pretrained(back, dtype=model.dtype).eval()
     source = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=model.dtype).eval()
-    tokens = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, LLAMA_VOCAB, (1, 10), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(reloaded(tokens).logits, source(tokens).logits)
 

@@ -13,34 +13,12 @@ import os
 import pytest
 import torch
 
-from tests.support.dist import rel_err, run_distributed_once
+from tests.support.dist import run_distributed_once
+from tests.support.models_case import LLAMA_VOCAB, read_safetensors, tiny_llama
+from tests.support.paths import EXAMPLE
+from tests.support.reference import rel_err
 
-VOCAB, SEQ = 96, 12
-
-
-def tiny_llama(tmp_path, tied=False, shard="40KB"):
-    """A random tiny LlamaForCausalLM saved under ``tmp_path / "hf"``; returns (model, directory)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied)
-    model = LlamaForCausalLM(config).eval()
-    directory = tmp_path / ("hf_tied" if tied else "hf")
-    model.save_pretrained(directory, max_shard_size=shard)
-    return model, str(directory)
-
-
-def hf_tensors(directory) -> dict:
-    """Every tensor of the safetensors shards of an HF directory."""
-    from safetensors.torch import load_file
-
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(directory, name)))
-    return out
+SEQ = 12
 
 
 def load_and_run(rank, world_size, hf_dir, ckpt_dir, tokens, resaved_dir, moe_hf_dir, moe_ckpt_dir):
@@ -151,8 +129,7 @@ def _example_load(hf_config, ckpt_root, tokens):
 
     from hp_megatron.convert import llama
 
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, os.path.join(repo, "examples", "pretrain"))
+    sys.path.insert(0, EXAMPLE)
     from checkpointing import find_checkpoint, load_checkpoint
 
     model = llama.build_model(hf_config, tensor_model_parallel_size=2)
@@ -182,7 +159,7 @@ def setup(tmp_path_factory):
     model, hf_dir = tiny_llama(tmp)
     ckpt = str(tmp / "mcore")
     hf_to_mcore(hf_dir, ckpt)
-    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(0, LLAMA_VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = model(tokens).logits
     resaved = tmp / "resaved_tp2"
@@ -239,7 +216,7 @@ def test_checkpoint_saved_by_megatron_at_tp2_exports_to_the_original_hf_tensors(
     config = json.load(open(os.path.join(hf_dir, "config.json")))
     mcore_to_hf(resaved, str(tmp / "from_tp2"), hf_config=config)
 
-    original, exported = hf_tensors(hf_dir), hf_tensors(str(tmp / "from_tp2"))
+    original, exported = read_safetensors(hf_dir), read_safetensors(str(tmp / "from_tp2"))
     assert sorted(exported) == sorted(original)
     for key, tensor in original.items():
         assert torch.equal(exported[key], tensor), key

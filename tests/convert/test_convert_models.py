@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from tests.support.models_case import read_checkpoint, tiny_hf_model, to_mcore
+from tests.support.models_case import read_safetensors, tiny_hf_model, to_mcore
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "deepseek_v3", "kimi_linear"])
@@ -19,17 +19,16 @@ def test_architecture_round_trip_through_torch_dist(tmp_path, arch):
 
     from hp_megatron.convert import get_architecture, hf_to_mcore, mcore_to_hf
     from hp_megatron.platform import single_rank_megatron
-    from tests.convert.test_convert_load import hf_tensors
 
     hf_dir = str(tmp_path / "hf")
     _, hf_config = tiny_hf_model(arch, hf_dir)
-    state = read_checkpoint(hf_dir)  # Moonshot's names for Kimi Linear's dense MLPs, as its checkpoints have
+    state = read_safetensors(hf_dir)  # Moonshot's names for Kimi Linear's dense MLPs, as its checkpoints have
     os.remove(os.path.join(hf_dir, "model.safetensors"))
     save_file(state, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
 
     hf_to_mcore(hf_dir, str(tmp_path / "mcore"))
     mcore_to_hf(str(tmp_path / "mcore"), str(tmp_path / "back"), max_shard_size="50KB")
-    exported = hf_tensors(str(tmp_path / "back"))
+    exported = read_safetensors(str(tmp_path / "back"))
     assert sorted(exported) == sorted(state)
     for key, tensor in state.items():
         assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.dist import run_distributed
 from layers.cp.auto import auto_choice, rank_candidates
 from layers.cp.calibration import FORMAT, fit_line
 from layers.cp.cost_model import (COLLECTIVES, Calibration, Candidate, DeltaLayerShape, LinearFit, MLALayerShape,
                                   delta_candidates, mla_candidates, predict_delta, state_exchange_seconds)
+from tests.support.dist import run_distributed
 
 
 def synthetic(alpha, beta, *, gamma=1e12, op_rate=1e12, gemm_rate=1e12, a2a_alpha=None, relay_alpha=None):
@@ -390,7 +390,7 @@ def _concurrent_timing(rank):
 
 def _mla_auto_vs_chosen(cp_group, path):
     """An MLA layer with cp_strategy="auto" against the same weights with the strategy it chose."""
-    from tests.layers.test_mla import build_layer, make_config
+    from tests.support.mla_layer import build_layer, make_config
 
     config = make_config(heads=4)
     config.delta_cp_calibration = path

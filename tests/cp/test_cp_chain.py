@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from tests.support.dist import rel_err, run_distributed_once
+from tests.support.dist import run_distributed_once, share_spawn
+from tests.support.reference import rel_err
 
 WORLD_SIZES = (2, 3, 4)
 HV, K, W = 2, 3, 4
@@ -112,6 +113,10 @@ def _worker(rank, P):
                                 received=ctx.stats.records[-1].bytes_received))
     dist.barrier()
     return results
+
+
+for _P in WORLD_SIZES:  # one spawn per P shared with the other CP modules (tests/support/dist.py)
+    share_spawn(_worker, _P)
 
 
 def _results(P):

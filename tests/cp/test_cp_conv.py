@@ -1,7 +1,7 @@
 """causal_conv1d under context parallelism: the halo of W-1 tokens before each local piece, in chain order.
 
 Rank-local outputs and gradients (x; weight and bias summed over ranks) must equal the single-rank run of the
-same global input, on gloo ranks P = 2, 3, 4 (one spawn per P serving every case), for zigzag and contiguous
+same global input, on gloo ranks P = 2, 3, 4 (one spawn per P, shared by the CP modules), for zigzag and contiguous
 layouts, BSHD rows and packed THD documents (spanning ranks, ending inside ranks, shorter than the kernel).
 """
 import itertools
@@ -9,7 +9,8 @@ import itertools
 import pytest
 import torch
 
-from tests.support.dist import rel_err, run_distributed_once
+from tests.support.dist import run_distributed_once, share_spawn
+from tests.support.reference import rel_err
 
 D = 5
 
@@ -82,6 +83,10 @@ def _worker(rank, world_size):
             "B": B, "W": W,
         }
     return results
+
+
+for _P in (2, 3, 4):  # one spawn per P shared with the other CP modules (tests/support/dist.py)
+    share_spawn(_worker, _P)
 
 
 def _results(P):

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.dist import rel_err, run_distributed
+from tests.support.dist import run_distributed_once, share_spawn
+from tests.support.reference import rel_err
 
 METHODS = [("p2p", {}), ("allgather", {}), ("grouped_allgather_p2p", {"group_size": "half"}),
            ("recursive_doubling", {}), ("ulysses", {}), ("allgather", {"ulysses_degree": 2})]
@@ -77,13 +78,12 @@ def _worker(rank, P, cases):
 
 CASES = [(kind, fmt, layout, m, e) for kind in ("gdn", "kda") for fmt in ("bshd", "thd")
          for layout in ("zigzag", "contiguous") for m, e in METHODS]
-_cache = {}
+for _P in (2, 3, 4):  # one spawn per P shared with the other CP modules (tests/support/dist.py)
+    share_spawn(_worker, _P, CASES)
 
 
 def _results(P):
-    if P not in _cache:
-        _cache[P] = run_distributed(_worker, P, CASES)
-    return _cache[P]
+    return run_distributed_once(_worker, P, CASES)
 
 
 @pytest.mark.parametrize("P", [2, 3, 4])

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.dist import rel_err, run_distributed
+from tests.support.dist import run_distributed_once, share_spawn
+from tests.support.reference import rel_err
 
 STRATEGIES = ("latent", "latent_ulysses", "expanded_ulysses")
 HIDDEN = 32
@@ -39,7 +40,7 @@ def _tp_shard(name, tensor, tp_rank, tp):
 
 def _run_case(rank, world_size, groups, case):
     from megatron.core.packed_seq_params import PackedSeqParams
-    from tests.layers.test_mla import build_layer, make_config
+    from tests.support.mla_layer import build_layer, make_config
 
     from layers.cp.accounting import CommStats
     from layers.cp.mla import mla_comm_bytes
@@ -125,13 +126,12 @@ def _worker(rank, world_size, cases):
     return [_run_case(rank, world_size, groups_by_tp[c["tp"]], c) for c in cases]
 
 
-_RESULTS = {}
+for _P in (2, 4):  # one spawn per P shared with the other CP modules (tests/support/dist.py)
+    share_spawn(_worker, _P, _cases(_P))
 
 
 def _results(world_size):
-    if world_size not in _RESULTS:
-        _RESULTS[world_size] = run_distributed(_worker, world_size, _cases(world_size))
-    return _RESULTS[world_size]
+    return run_distributed_once(_worker, world_size, _cases(world_size))
 
 
 PARAMS = [(P, i, c) for P in (2, 4) for i, c in enumerate(_cases(P))]

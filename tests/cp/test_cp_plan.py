@@ -2,8 +2,8 @@
 
 Single-process: plans against megatron-core's ``get_batch_on_this_cp_rank`` (BSHD zigzag), an independent
 reference of Transformer Engine's ``thd_get_partitioned_indices`` (THD zigzag) and token-level document ids
-(pieces, links, transitions). Multi-rank (gloo, P = 2, 3, 4, one spawn each; no megatron import there, it is
-slow to load): shard/unshard on real groups, unshard gradients, and the ValueErrors of bad contexts.
+(pieces, links, transitions). Multi-rank (gloo, P = 2, 3, 4, in the spawns the CP modules share): shard/unshard
+on real groups, unshard gradients, and the ValueErrors of bad contexts.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import random
 import pytest
 import torch
 
-from tests.support.dist import run_distributed_once
-from tests.support.helpers import FakeGroup
 from layers.cp import build_chain_plan, local_seq_index
 from layers.cp.plan import chain_owners
+from tests.support.dist import run_distributed_once, share_spawn
+from tests.support.helpers import FakeGroup
 
 
 def _megatron_zigzag(x, P, r, monkeypatch):
@@ -241,6 +241,10 @@ def _worker(rank, P):
     }
     dist.barrier()
     return out
+
+
+for _P in (2, 3, 4):  # one spawn per P shared with the other CP modules (tests/support/dist.py)
+    share_spawn(_worker, _P)
 
 
 def _results(P):

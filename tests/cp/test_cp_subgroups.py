@@ -16,22 +16,14 @@ from __future__ import annotations
 from argparse import Namespace
 
 import pytest
-import torch
 import torch.distributed as dist
 
-from tests.support.dist import case_started, run_distributed
+from tests.support.dist import case_started, members_sum, run_distributed
 
 WORLD = 8
 CASE_TIMEOUT_S = 120
 BLOCKS = [[0, 1, 2, 3], [4, 5, 6, 7]]
 INTERLEAVED = [[0, 2, 4, 6], [1, 3, 5, 7]]
-
-
-def _members_sum(group) -> list:
-    """All-reduce of each member's global rank over ``group``: [sum of its members, its ranks] if it works."""
-    x = torch.tensor([float(dist.get_rank())])
-    dist.all_reduce(x, group=group)
-    return [int(x.item()), sorted(dist.get_process_group_ranks(group))]
 
 
 def _contexts(cp_group) -> dict:
@@ -42,8 +34,8 @@ def _contexts(cp_group) -> dict:
     grouped = build_cp_context(cp_group, method="grouped_allgather_p2p", layout="contiguous", group_size=2)
     ulysses = build_cp_context(cp_group, method="ulysses", layout="zigzag")
     again = build_cp_context(cp_group, method="p2p", layout="zigzag", ulysses_degree=2)
-    return {"ulysses": _members_sum(hybrid.ulysses_group), "state": _members_sum(hybrid.state_group),
-            "gather": _members_sum(grouped.gather_group), "solo_state": _members_sum(ulysses.state_group),
+    return {"ulysses": members_sum(hybrid.ulysses_group), "state": members_sum(hybrid.state_group),
+            "gather": members_sum(grouped.gather_group), "solo_state": members_sum(ulysses.state_group),
             "cached": again.ulysses_group is hybrid.ulysses_group and again.state_group is hybrid.state_group}
 
 

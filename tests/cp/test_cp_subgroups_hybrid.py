@@ -13,8 +13,7 @@ from argparse import Namespace
 import pytest
 import torch.distributed as dist
 
-from tests.support.dist import case_started, run_distributed
-from tests.cp.test_cp_subgroups import _members_sum
+from tests.support.dist import case_started, members_sum, run_distributed
 
 WORLD = 8
 CASE_TIMEOUT_S = 120
@@ -46,7 +45,7 @@ def _worker(rank, world_size):
     for size, group in groups.items():
         case_started(f"context on {size}")
         ctx = build_cp_context(group, method="p2p", layout="zigzag", ulysses_degree=2)
-        out[size] = {"ulysses": _members_sum(ctx.ulysses_group), "state": _members_sum(ctx.state_group)}
+        out[size] = {"ulysses": members_sum(ctx.ulysses_group), "state": members_sum(ctx.state_group)}
     parallel_state.destroy_model_parallel()
     return out
 

@@ -1,4 +1,4 @@
-"""Ulysses token exchange on gloo ranks (P = 2, 3, 4; one spawn each).
+"""Ulysses token exchange on gloo ranks (P = 2, 3, 4; in the spawns the CP modules share).
 
 Each global tensor encodes (batch, token, head) in its values, so the exchanged tensor can be checked against
 the definition: after ``seq_to_heads`` rank r holds head slice ``r % U`` of the tokens that its state rank
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.dist import run_distributed_once
+from tests.support.dist import run_distributed_once, share_spawn
 
 H = 12          # divisible by U = 2, 3, 4
 
@@ -84,6 +84,10 @@ def _worker(rank, P):
         err = str(e)
     dist.barrier()
     return results, err
+
+
+for _P in (2, 3, 4):  # one spawn per P shared with the other CP modules (tests/support/dist.py)
+    share_spawn(_worker, _P)
 
 
 def _results(P):

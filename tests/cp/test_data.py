@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from tests.support.helpers import FakeGroup
 from hp_megatron.data import cp_token_index, get_batch_on_this_cp_rank
+from tests.support.helpers import FakeGroup
 
 
 def _megatron_split(batch, cp, rank, monkeypatch):

@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.dist import rel_err, run_distributed_once
+from tests.support.dist import run_distributed_once, share_spawn
 from tests.support.helpers import FakeGroup
+from tests.support.reference import rel_err
 
 WORLD = 4
 HIDDEN = 16
@@ -107,7 +108,7 @@ def _delta_layer(kind, cp_group, solo, layout):
 
 
 def _mla_layer(cp_group, solo, layout):
-    from tests.layers.test_mla import build_layer, make_config
+    from tests.support.mla_layer import build_layer, make_config
 
     torch.manual_seed(7)
     return build_layer(make_config(hidden=HIDDEN, heads=2), solo, cp_group, cp_strategy="latent", cp_layout=layout)
@@ -178,6 +179,7 @@ def _worker(rank, world_size):
     return results
 
 
+share_spawn(_worker, WORLD)  # one spawn shared with the other CP modules (tests/support/dist.py)
 MIXER_CASES = sorted({(P, layout, fmt) for P, layout, fmt, _ in CASES})
 
 

@@ -13,9 +13,8 @@ import sys
 import pytest
 
 from tests.support.dist import DistributedTestError, case_result, case_started, run_distributed, run_distributed_cases
+from tests.support.paths import EXAMPLE
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "pretrain")
 CP_METHODS = ("allgather", "p2p", "grouped_allgather_p2p", "recursive_doubling", "ulysses")
 PATTERN = "GKMA"
 

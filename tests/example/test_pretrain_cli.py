@@ -19,9 +19,8 @@ import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-EXAMPLE = os.path.join(REPO, "examples", "pretrain")
+from tests.support.paths import EXAMPLE, REPO
+
 if EXAMPLE not in sys.path:
     sys.path.insert(0, EXAMPLE)
 
@@ -125,7 +124,7 @@ def _torchrun(args, nproc=2, timeout=600, rank0_late_s=None):
         [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     script = [os.path.join(EXAMPLE, "pretrain_hybrid.py")]
     if rank0_late_s is not None:
-        script = [os.path.join(os.path.dirname(HERE), "support", "rank0_late.py"), str(rank0_late_s), *script]
+        script = [os.path.join(REPO, "tests", "support", "rank0_late.py"), str(rank0_late_s), *script]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script,
            *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -13,10 +13,8 @@ import pytest
 import torch
 
 from tests.support.models_case import tiny_hf_model
+from tests.support.paths import EXAMPLE, REPO
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-EXAMPLE = os.path.join(REPO, "examples", "pretrain")
 if EXAMPLE not in sys.path:
     sys.path.insert(0, EXAMPLE)
 

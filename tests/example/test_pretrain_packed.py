@@ -13,9 +13,8 @@ import sys
 import torch
 
 from tests.support.dist import run_distributed
+from tests.support.paths import EXAMPLE
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples", "pretrain")
 SEQ = 32
 ROWS = ((5, 11, 16), (9, 23))  # document lengths per sample row (each row: SEQ tokens)
 VOCAB = 512

@@ -16,11 +16,9 @@ from dataclasses import fields
 
 import pytest
 
-from tests.support.models_case import single_rank  # noqa: F401  (fixture)
+from tests.support.paths import EXAMPLE, MEGATRON_LM, REPO
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-for path in (os.path.join(REPO, "examples", "pretrain"), os.path.join(os.path.dirname(HERE), "megatron_lm")):
+for path in (EXAMPLE, os.path.join(REPO, "tests", "megatron_lm")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
@@ -145,7 +143,6 @@ def test_example_configs_keep_megatron_fields(monkeypatch, tmp_path):
 
 
 def test_megatron_lm_configs_keep_megatron_fields(monkeypatch):
-    from tests.megatron_lm.test_megatron_lm_pretrain import MEGATRON_LM
 
     if MEGATRON_LM is None:
         pytest.skip("Megatron-LM's training code not found (MEGATRON_LM_PATH)")

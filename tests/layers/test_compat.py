@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests.support.dist import run_distributed_once
 from layers.compat import in_backward, process_group_alive, tensor_version
+from tests.support.dist import run_distributed_once
 
 
 def test_in_backward_is_true_only_inside_a_backward_pass():

@@ -9,21 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.dist import rel_err
 from tests.support.helpers import use_transformers_torch_path
-from hp_megatron.platform import single_rank_megatron
+from tests.support.reference import rel_err
 
 HIDDEN = 32
 GDN_DIMS = dict(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=16)
 KDA_DIMS = dict(num_key_heads=4, key_head_dim=8)
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def megatron_single_rank():
-    """One rank: gloo, megatron-core's parallel state (TP=1, CP=1) and the CPU shims (seed 1234)."""
-    with single_rank_megatron(1234):
-        yield
 
 
 def _config(**overrides):
@@ -104,7 +96,7 @@ def _run_ours(layer, x_bsh, packed=None):
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_matches_transformers_bshd(megatron_single_rank, kind):
+def test_matches_transformers_bshd(single_rank, kind):
     hf, ours, _, _ = _pair(kind)
     torch.manual_seed(1)
     x = torch.randn(2, 70, HIDDEN)  # 70 tokens: more than one 64-token chunk, not a multiple of it
@@ -119,7 +111,7 @@ def test_matches_transformers_bshd(megatron_single_rank, kind):
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_matches_transformers_packed_thd(megatron_single_rank, kind):
+def test_matches_transformers_packed_thd(single_rank, kind):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     hf, ours, _, _ = _pair(kind, seed=3)
@@ -144,7 +136,7 @@ def test_matches_transformers_packed_thd(megatron_single_rank, kind):
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_conversion_round_trip(megatron_single_rank, kind):
+def test_conversion_round_trip(single_rank, kind):
     from layers.convert import gdn_to_qwen3_next, kda_to_kimi_linear
 
     hf, ours, parts, dims = _pair(kind, seed=5)
@@ -159,7 +151,7 @@ def test_conversion_round_trip(megatron_single_rank, kind):
         assert torch.equal(back[key], value), key
 
 
-def test_causal_mask_accepted_and_other_masks_rejected(megatron_single_rank):
+def test_causal_mask_accepted_and_other_masks_rejected(single_rank):
     _, ours, _, _ = _pair("gdn")
     x = torch.randn(16, 2, HIDDEN)
     causal = torch.triu(torch.ones(16, 16, dtype=torch.bool), diagonal=1)[None, None]
@@ -176,7 +168,7 @@ def test_causal_mask_accepted_and_other_masks_rejected(megatron_single_rank):
         ours(x, inference_context=object())
 
 
-def test_option_errors(megatron_single_rank):
+def test_option_errors(single_rank):
     from layers import GatedDeltaNet, KimiDeltaAttention
 
     with pytest.raises(ValueError, match="num_value_heads=3 must be a multiple of num_key_heads=2"):
@@ -234,7 +226,7 @@ def _reference_layer(kind, parts, x, *, heads, eps, lower_bound=None):
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_options_against_fp64_layer_reference(megatron_single_rank, kind):
+def test_options_against_fp64_layer_reference(single_rank, kind):
     """Options transformers' layers lack: conv bias (GDN), lower_bound/safe_gate and output-gate bias (KDA)."""
     from layers import GatedDeltaNet, KimiDeltaAttention
 
@@ -259,7 +251,7 @@ def test_options_against_fp64_layer_reference(megatron_single_rank, kind):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_cuda_layer_matches_transformers(megatron_single_rank, kind):
+def test_cuda_layer_matches_transformers(single_rank, kind):
     """GPU path: parameters created on the device (use_cpu_initialization=False), eager backend, fp32, against
     transformers' pure-PyTorch path on the same GPU (the tolerance allows for TF32 where a build enables it)."""
     pytest.importorskip("transformers")

@@ -10,36 +10,10 @@ import warnings
 import pytest
 import torch
 
-from tests.support.dist import rel_err
-from hp_megatron.platform import single_rank_megatron
+from tests.support.mla_layer import build_layer, make_config
+from tests.support.reference import rel_err
 
 warnings.filterwarnings("ignore", category=UserWarning)
-
-
-# -- shared builders (also used by test_cp_mla.py) ------------------------------------------------------------
-def make_config(*, hidden=32, heads=4, q_lora_rank=16, kv_lora_rank=12, qk=8, pe=4, v=6, rope_type="yarn",
-                tp=1, sequence_parallel=False, **extra):
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    return MLATransformerConfig(
-        num_layers=1, hidden_size=hidden, num_attention_heads=heads, q_lora_rank=q_lora_rank,
-        kv_lora_rank=kv_lora_rank, qk_head_dim=qk, qk_pos_emb_head_dim=pe, v_head_dim=v,
-        rope_type=rope_type, rotary_scaling_factor=extra.pop("rotary_scaling_factor", 4.0),
-        original_max_position_embeddings=16, mscale=1.0, rotary_base=10000,
-        # megatron folds YaRN's mscale into the softmax scale even for plain RoPE; transformers does not.
-        mscale_all_dim=extra.pop("mscale_all_dim", 1.0 if rope_type == "yarn" else 0.0),
-        layernorm_epsilon=1e-6, use_cpu_initialization=True, params_dtype=torch.float32,
-        gradient_accumulation_fusion=False, bias_dropout_fusion=False, add_bias_linear=False,
-        tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel, **extra)
-
-
-def build_layer(config, tp_group, cp_group, **kwargs):
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    from layers.mla import MultiLatentAttention, mla_submodules
-
-    pgs = ProcessGroupCollection(tp=tp_group, cp=cp_group)
-    return MultiLatentAttention(config, mla_submodules(), layer_number=1, pg_collection=pgs, **kwargs)
 
 
 def plain_attention(q, k, v, scale, doc_of=None):
@@ -51,14 +25,6 @@ def plain_attention(q, k, v, scale, doc_of=None):
         allowed &= doc_of[:, None] == doc_of[None, :]
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.double())
-
-
-# -- fixtures ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def world():
-    """A one-rank gloo group (yielded) and megatron's CPU shims (seed 0); no megatron parallel state."""
-    with single_rank_megatron(0, model_parallel=False) as group:
-        yield group
 
 
 def _hf_deepseek(q_lora_rank, rope_interleave, rope):
@@ -104,13 +70,13 @@ HF_GRADS = {"kv_b_proj.weight": "linear_kv_up_proj.weight", "kv_a_proj_with_mqa.
 
 @pytest.mark.parametrize("q_lora_rank,rope_interleave,rope", [(16, True, "yarn"), (None, False, "rope"),
                                                              (16, False, "yarn")])
-def test_matches_transformers_deepseek_v3(world, q_lora_rank, rope_interleave, rope):
+def test_matches_transformers_deepseek_v3(single_rank, q_lora_rank, rope_interleave, rope):
     from layers.mla import mla_state_dict_from_hf
 
     torch.manual_seed(1)
     hf, rotary = _hf_deepseek(q_lora_rank, rope_interleave, rope)
     config = make_config(q_lora_rank=q_lora_rank, rope_type=rope)
-    layer = build_layer(config, world, world)
+    layer = build_layer(config, single_rank, single_rank)
     layer.load_state_dict(mla_state_dict_from_hf(hf.state_dict(), config, rope_interleave=rope_interleave))
     B, T = 2, 12
     x = torch.randn(B, T, 32, requires_grad=True)
@@ -125,7 +91,7 @@ def test_matches_transformers_deepseek_v3(world, q_lora_rank, rope_interleave, r
         assert rel_err(params[ours].grad, hf_grad) <= 1e-5, hf_name
 
 
-def test_matches_transformers_kimi_linear(world):
+def test_matches_transformers_kimi_linear(single_rank):
     from transformers import KimiLinearConfig
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
 
@@ -137,7 +103,7 @@ def test_matches_transformers_kimi_linear(world):
     cfg._attn_implementation = "eager"
     hf = KimiLinearAttention(cfg, 0).float()
     config = make_config(q_lora_rank=None, rope_type="none")
-    layer = build_layer(config, world, world)
+    layer = build_layer(config, single_rank, single_rank)
     assert abs(layer.softmax_scale - (8 + 4) ** -0.5) < 1e-12       # NoPE, no YaRN: plain 1/sqrt(d)
     layer.load_state_dict(mla_state_dict_from_hf(hf.state_dict(), config))
     B, T = 2, 10
@@ -147,7 +113,7 @@ def test_matches_transformers_kimi_linear(world):
     assert rel_err(layer.linear_kv_up_proj.weight.grad, hf.kv_b_proj.weight.grad) <= 1e-5
 
 
-def test_packed_documents_restart_positions(world):
+def test_packed_documents_restart_positions(single_rank):
     """THD: each document equals transformers run on that document alone (positions from 0)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -156,7 +122,7 @@ def test_packed_documents_restart_positions(world):
     torch.manual_seed(3)
     hf, rotary = _hf_deepseek(16, True, "yarn")
     config = make_config()
-    layer = build_layer(config, world, world)
+    layer = build_layer(config, single_rank, single_rank)
     layer.load_state_dict(mla_state_dict_from_hf(hf.state_dict(), config))
     lengths = [5, 9, 2]
     cu = torch.tensor([0, 5, 14, 16], dtype=torch.int32)
@@ -250,19 +216,19 @@ def test_npu_backend_missing_names_package(monkeypatch):
                          backend="npu")
 
 
-def test_checkpoint_names_and_conversion_roundtrip(world):
+def test_checkpoint_names_and_conversion_roundtrip(single_rank):
     from layers.mla import mla_state_dict_from_hf, mla_state_dict_to_hf
 
     torch.manual_seed(6)
     hf, _ = _hf_deepseek(16, False, "yarn")
     config = make_config()
-    layer = build_layer(config, world, world)
+    layer = build_layer(config, single_rank, single_rank)
     ours = mla_state_dict_from_hf(hf.state_dict(), config, rope_interleave=False)
     back = mla_state_dict_to_hf(ours, config, rope_interleave=False)
     assert set(back) == set(hf.state_dict())
     assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items())
     sharded = layer.sharded_state_dict(prefix="decoder.layers.0.self_attention.",
-                                     metadata={"dp_cp_group": world})
+                                     metadata={"dp_cp_group": single_rank})
     assert sharded["decoder.layers.0.self_attention.kv_layernorm.weight"].key == \
         "decoder.layers.0.self_attention.linear_kv_up_proj.layer_norm_weight"
     assert sharded["decoder.layers.0.self_attention.q_layernorm.weight"].key == \
@@ -275,32 +241,33 @@ def test_checkpoint_names_and_conversion_roundtrip(world):
     assert torch.equal(layer.q_layernorm.weight, ours["q_layernorm.weight"])
 
 
-def test_dist_checkpoint_roundtrip(world, tmp_path):
+def test_dist_checkpoint_roundtrip(single_rank, tmp_path):
     from megatron.core import dist_checkpointing
 
     torch.manual_seed(7)
     config = make_config()
-    saved = build_layer(config, world, world)
+    saved = build_layer(config, single_rank, single_rank)
     with torch.no_grad():
         for p in saved.parameters():
             p.normal_()
-    dist_checkpointing.save(saved.sharded_state_dict(prefix="attn.", metadata={"dp_cp_group": world}), str(tmp_path))
-    loaded = build_layer(config, world, world)
-    state = dist_checkpointing.load(loaded.sharded_state_dict(prefix="attn.", metadata={"dp_cp_group": world}), str(tmp_path))
+    metadata = {"dp_cp_group": single_rank}
+    dist_checkpointing.save(saved.sharded_state_dict(prefix="attn.", metadata=metadata), str(tmp_path))
+    loaded = build_layer(config, single_rank, single_rank)
+    state = dist_checkpointing.load(loaded.sharded_state_dict(prefix="attn.", metadata=metadata), str(tmp_path))
     loaded.load_state_dict({k[len("attn."):]: v for k, v in state.items()})
     for (name, a), (_, b) in zip(saved.named_parameters(), loaded.named_parameters()):
         assert torch.equal(a, b), name
 
 
-def test_input_errors(world):
+def test_input_errors(single_rank):
     from megatron.core.transformer.enums import AttnMaskType
 
     config = make_config()
     with pytest.raises(ValueError, match="causal"):
-        build_layer(config, world, world, attn_mask_type=AttnMaskType.padding)
+        build_layer(config, single_rank, single_rank, attn_mask_type=AttnMaskType.padding)
     with pytest.raises(ValueError, match="strategy"):
-        build_layer(config, world, world, cp_strategy="ring")
-    layer = build_layer(config, world, world)
+        build_layer(config, single_rank, single_rank, cp_strategy="ring")
+    layer = build_layer(config, single_rank, single_rank)
     x = torch.randn(4, 1, 32)
     with pytest.raises(ValueError, match="inference"):
         layer(x, inference_context=object())
@@ -318,5 +285,5 @@ def test_input_errors(world):
     bad = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32))
     with pytest.raises(ValueError, match="cu_seqlens"):
         layer(x, packed_seq_params=bad)
-    assert build_layer(config, world, world, cp_comm_type="a2a").cp_strategy == "expanded_ulysses"
-    assert build_layer(config, world, world, cp_comm_type="p2p").cp_strategy == "latent"
+    assert build_layer(config, single_rank, single_rank, cp_comm_type="a2a").cp_strategy == "expanded_ulysses"
+    assert build_layer(config, single_rank, single_rank, cp_comm_type="p2p").cp_strategy == "latent"

@@ -29,7 +29,7 @@ def test_delta_mixers_reject_mistyped_options(cls_name):
 
 
 def test_mla_and_attention_cores_reject_mistyped_options():
-    from tests.layers.test_mla import make_config
+    from tests.support.mla_layer import make_config
 
     from hp_megatron.specs.attention import ContextParallelDotProductAttention
     from layers.attention import CoreAttention

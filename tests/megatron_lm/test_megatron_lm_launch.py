@@ -5,13 +5,13 @@ import sys
 
 import pytest
 
+from tests.support.paths import MEGATRON_LM, REPO
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
 SCRIPTS = os.path.join(REPO, "examples", "pretrain", "megatron_lm")
 LAUNCHER = os.path.join(SCRIPTS, "pretrain_gpt_hp.py")
 sys.path.insert(0, HERE)
 
-from tests.megatron_lm.test_megatron_lm_pretrain import MEGATRON_LM  # noqa: E402
 
 needs_megatron_lm = pytest.mark.skipif(MEGATRON_LM is None, reason="Megatron-LM's training code not found: set "
                                        "MEGATRON_LM_PATH (default ../shared/megatron-lm)")

@@ -18,20 +18,15 @@ import tempfile
 
 import pytest
 
+from tests.support.paths import EXAMPLE, MEGATRON_LM, REPO
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-SCRIPTS = os.path.join(REPO, "examples", "pretrain", "megatron_lm")
+SCRIPTS = os.path.join(EXAMPLE, "megatron_lm")
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(REPO, "examples", "pretrain"))
+sys.path.insert(0, EXAMPLE)
 sys.path.insert(0, SCRIPTS)
 
 
-def _megatron_lm_path():
-    path = os.environ.get("MEGATRON_LM_PATH") or os.path.join(os.path.dirname(REPO), "shared", "megatron-lm")
-    return path if os.path.isfile(os.path.join(path, "pretrain_gpt.py")) else None
-
-
-MEGATRON_LM = _megatron_lm_path()
 pytestmark = pytest.mark.skipif(
     MEGATRON_LM is None, reason="Megatron-LM's training code not found: set MEGATRON_LM_PATH to a checkout of "
     "https://github.com/NVIDIA/Megatron-LM at the tag of the installed megatron-core (default ../shared/megatron-lm)")
@@ -140,7 +135,7 @@ def _pretrain_hybrid(pattern, data):
             "--hp-linear-conv-kernel-dim", "4", *TINY, *hybrid_flags]
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PET_STANDALONE="1")
     done = subprocess.run(["torchrun", "--nproc-per-node", "1",
-                           os.path.join(REPO, "examples", "pretrain", "pretrain_hybrid.py"), *argv],
+                           os.path.join(EXAMPLE, "pretrain_hybrid.py"), *argv],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-6000:]

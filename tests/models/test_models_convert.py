@@ -3,20 +3,16 @@ each tiny model -> megatron-core dist checkpoint -> HF directory is bit-exact, a
 preset's GPTModel through ``sharded_state_dict`` with transformers' logits."""
 from __future__ import annotations
 
-import glob
-import os
-
 import pytest
 import torch
 
-from tests.support.dist import rel_err
-from tests.support.models_case import read_checkpoint, single_rank, tiny_hf_model, token_batch  # noqa: F401
+from tests.support.models_case import read_safetensors, tiny_hf_model, token_batch
+from tests.support.reference import rel_err
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "deepseek_v3", "kimi_linear"])
 def test_engine_round_trip_and_load(single_rank, arch, tmp_path):
     from megatron.core import dist_checkpointing
-    from safetensors.torch import load_file
 
     from hp_megatron.convert.engine import checkpoint_directory, hf_to_mcore, mcore_to_hf
     from hp_megatron.models import build_model
@@ -24,10 +20,8 @@ def test_engine_round_trip_and_load(single_rank, arch, tmp_path):
     hf_model, hf_config = tiny_hf_model(arch, str(tmp_path / "hf"))
     hf_to_mcore(str(tmp_path / "hf"), str(tmp_path / "mcore"))
     mcore_to_hf(str(tmp_path / "mcore"), str(tmp_path / "back"))
-    original = read_checkpoint(str(tmp_path / "hf"))
-    back = {}
-    for path in glob.glob(os.path.join(tmp_path / "back", "*.safetensors")):
-        back.update(load_file(path))
+    original = read_safetensors(str(tmp_path / "hf"))
+    back = read_safetensors(str(tmp_path / "back"))
     assert set(back) == set(original)
     assert all(torch.equal(back[k], original[k]) for k in original)
 
@@ -64,7 +58,7 @@ def test_mtp_tensors_stop_the_conversion_unless_dropped(single_rank, tmp_path, c
     import json
     import re
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from hp_megatron.convert.__main__ import main
     from hp_megatron.convert.engine import hf_to_mcore
@@ -74,7 +68,7 @@ def test_mtp_tensors_stop_the_conversion_unless_dropped(single_rank, tmp_path, c
     _, hf_config = tiny_hf_model(model_type, str(hf_dir))
     extra, mtp, part = _mtp_tensors(model_type, hf_config)
     (hf_dir / "config.json").write_text(json.dumps({**hf_config, **extra}))
-    state = read_checkpoint(str(hf_dir))
+    state = read_safetensors(str(hf_dir))
     save_file({**state, **mtp}, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
 
     with pytest.raises(CheckpointError, match=rf"{len(mtp)} tensors of parts the megatron model does not build: "
@@ -87,9 +81,7 @@ def test_mtp_tensors_stop_the_conversion_unless_dropped(single_rank, tmp_path, c
     assert f"left out {len(mtp)} tensors of parts the model does not build (--drop-unmodeled), e.g. " \
         f"{sorted(mtp)[0]}" in capsys.readouterr().out
     assert main(["mcore-to-hf", "--load", ckpt, "--save", back]) == 0
-    converted = {}
-    for path in glob.glob(os.path.join(back, "*.safetensors")):
-        converted.update(load_file(path))
+    converted = read_safetensors(back)
     assert set(converted) == set(state) and all(torch.equal(converted[k], state[k]) for k in state)
 
     save_file({**state, **mtp, "model.stray.weight": torch.ones(1)}, str(hf_dir / "model.safetensors"),

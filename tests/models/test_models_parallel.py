@@ -12,7 +12,8 @@ import tempfile
 import pytest
 import torch
 
-from tests.support.dist import rel_err, run_distributed_once
+from tests.support.dist import run_distributed_once
+from tests.support.reference import rel_err
 
 TOL = 1e-4
 CASES = [(arch, layout) for layout in ("tp2cp2", "pp2ep2") for arch in ("qwen3_next", "deepseek_v3", "kimi_linear")]
@@ -103,7 +104,7 @@ def _run_case(arch, layout, rank):
 
     from hp_megatron.data import cp_token_index
     from hp_megatron.models import conversion_rules_from_hf, preset_from_hf
-    from tests.support.models_case import SEQ, VOCAB, read_checkpoint, tiny_hf_model, to_mcore, token_batch
+    from tests.support.models_case import SEQ, VOCAB, read_safetensors, tiny_hf_model, to_mcore, token_batch
 
     s = SIZES[layout]
     ps.initialize_model_parallel(s["tp"], s["pp"], context_parallel_size=s["cp"], expert_model_parallel_size=s["ep"])
@@ -115,7 +116,7 @@ def _run_case(arch, layout, rank):
         dist.barrier()
         with open(os.path.join(box[0], "config.json")) as f:
             hf_config = json.load(f)
-        full = to_mcore(conversion_rules_from_hf(hf_config), read_checkpoint(box[0]))
+        full = to_mcore(conversion_rules_from_hf(hf_config), read_safetensors(box[0]))
         rules = conversion_rules_from_hf(hf_config)
         preset = preset_from_hf(hf_config)
         config = preset.transformer_config(

@@ -9,7 +9,6 @@ import tempfile
 import pytest
 import torch
 
-from tests.support.models_case import single_rank  # noqa: F401  (fixture)
 
 QWEN3_NEXT = {"model_type": "qwen3_next", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,

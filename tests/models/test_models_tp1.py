@@ -10,9 +10,9 @@ import tempfile
 import pytest
 import torch
 
-from tests.support.dist import rel_err
-from tests.support.models_case import (hf_logits_and_loss, mcore_logits_and_loss, read_checkpoint,  # noqa: F401
-                                       single_rank, tiny_hf_model, to_hf, to_mcore, token_batch)
+from tests.support.models_case import (hf_logits_and_loss, mcore_logits_and_loss, read_safetensors, tiny_hf_model,
+                                       to_hf, to_mcore, token_batch)
+from tests.support.reference import rel_err
 
 TOL = 1e-4
 
@@ -58,7 +58,7 @@ GRADS = {
 def test_matches_transformers_and_round_trips(single_rank, arch):
     with tempfile.TemporaryDirectory() as directory:
         hf_model, hf_config = tiny_hf_model(arch, directory)
-        hf_state = read_checkpoint(directory)
+        hf_state = read_safetensors(directory)
     model, rules = _ours(hf_config, hf_state)
     ids, targets = token_batch()
 

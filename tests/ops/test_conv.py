@@ -3,8 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.support.dist import rel_err
 from layers.ops import causal_conv1d
+from tests.support.reference import rel_err
 
 
 def reference_conv(x, weight, bias=None, activation=None, cu_seqlens=None, history=None):

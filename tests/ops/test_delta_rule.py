@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.dist import rel_err
 from layers.ops.delta_rule import chunk_gated_delta_rule, chunk_kda
-from tests.support.reference import as_f64_leaves, make_problem, recurrent_delta_rule
+from tests.support.reference import as_f64_leaves, make_problem, recurrent_delta_rule, rel_err
 
 OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}
 OUT_TOL, GRAD_TOL = 1e-5, 1e-4

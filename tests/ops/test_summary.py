@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.dist import rel_err
 from layers.ops.delta_rule import chunk_gated_delta_rule, chunk_kda
 from layers.ops.summary import apply_summary, compose_summaries, segment_summary, summary_adjoint
-from tests.support.reference import as_f64_leaves, make_problem, recurrent_delta_rule, transition_product
+from tests.support.reference import as_f64_leaves, make_problem, recurrent_delta_rule, rel_err, transition_product
 
 OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}
 TOL = 1e-5

@@ -4,7 +4,8 @@ import re
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.paths import REPO
+
 
 
 def _snippet():

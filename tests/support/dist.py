@@ -197,11 +197,81 @@ def _spawn_once(fn, world_size, args):
 
 def run_distributed_once(fn, world_size: int, *args):
     """:func:`run_distributed`, spawned once per ``(fn, world_size, args)`` in this process: every test that
-    asks again gets the cached per-rank results, or the spawn's error again (``args`` must be hashable)."""
+    asks again gets the cached per-rank results, or the spawn's error again (``args`` must be hashable).
+    Declared with :func:`share_spawn`: ``fn``'s results from the spawn shared by every declared job."""
+    if _shared_index(fn, world_size, args) is not None:
+        return _shared_results(fn, world_size, args)
     results, error = _spawn_once(fn, world_size, args)
     if error is not None:
         raise error
     return results
+
+
+_SHARED: dict = {}  # world size -> [(fn, args)] declared by the imported test modules, in import order
+_SELECTED = None  # modules with tests selected in this run (tests/conftest.py); None: every declared job runs
+_SHARED_SPAWNS: dict = {}
+
+
+def share_spawn(fn, world_size: int, *args) -> None:
+    """At a test module's import: ``fn(rank, world_size, *args)`` runs in the one spawn of ``world_size`` ranks
+    shared by every module that declares a job, and :func:`run_distributed_once` with the same arguments returns
+    its per-rank results from there. Saves a spawn's start-up (processes, imports, process group) per job.
+
+    The jobs run one after the other on the same ranks in declaration order, each with its own deadline
+    (:func:`case_started`), and must leave no state a later job depends on. A job that fails (raises, hangs,
+    kills a rank) ends the spawn: its tests and those of the jobs not reached fail with the spawn's message,
+    the jobs finished before keep their results."""
+    jobs = _SHARED.setdefault(world_size, [])
+    if _shared_index(fn, world_size, args) is None:
+        jobs.append((fn, args))
+
+
+def select_shared_modules(modules) -> None:
+    """Only the jobs of these modules (those with tests selected in this pytest run) join the shared spawns."""
+    global _SELECTED
+    _SELECTED = set(modules)
+
+
+def _shared_jobs(world_size):
+    return [(f, a) for f, a in _SHARED.get(world_size, ()) if _SELECTED is None or f.__module__ in _SELECTED]
+
+
+def _shared_index(fn, world_size, args):
+    return next((i for i, (f, a) in enumerate(_shared_jobs(world_size)) if f is fn and a == args), None)
+
+
+def _run_jobs(rank, world_size, jobs):
+    """In a worker: each job in order; its result is streamed under the job's index."""
+    results = {}
+    for index, (fn, args) in enumerate(jobs):
+        case_started(f"{fn.__module__}.{fn.__qualname__}")
+        results[index] = fn(rank, world_size, *args)
+        case_result(index, results[index])
+    return results
+
+
+def _shared_results(fn, world_size, args):
+    if world_size not in _SHARED_SPAWNS:
+        try:
+            _SHARED_SPAWNS[world_size] = (run_distributed(_run_jobs, world_size, _shared_jobs(world_size)), None)
+        except DistributedTestError as exc:
+            _SHARED_SPAWNS[world_size] = (None, exc)
+    results, error = _SHARED_SPAWNS[world_size]
+    index = _shared_index(fn, world_size, args)
+    if error is None:
+        return [r[index] for r in results]
+    values = [cases[index] for _, cases in sorted(error.partial.items()) if index in cases]
+    if len(values) < world_size:
+        raise error
+    return values
+
+
+def members_sum(group) -> list:
+    """In a worker: all-reduce of each member's global rank over ``group``; [sum of its members, its ranks] when
+    the group works (a collective over ``group``)."""
+    x = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(x, group=group)
+    return [int(x.item()), sorted(dist.get_process_group_ranks(group))]
 
 
 def run_distributed_cases(fn, world_size: int, key, *args):
@@ -218,9 +288,3 @@ def run_distributed_cases(fn, world_size: int, key, *args):
     if not values:
         raise KeyError(f"no rank reported case {key!r}")
     return values
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Relative L2 error ||a - e|| / max(||e||, tiny), computed in float64."""
-    a, e = actual.detach().double(), expected.detach().double()
-    return float((a - e).norm() / e.norm().clamp_min(1e-30))

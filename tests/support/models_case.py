@@ -1,25 +1,17 @@
-"""Tiny random transformers models of the supported architectures and the conversion round trip, shared by
-``test_models_*.py``: build with transformers, perturb every parameter off its initial constant, ``save_pretrained``,
+"""Tiny random transformers models (the supported architectures, and Llama for the conversion engine) and the
+conversion round trip, shared by tests/models and tests/convert: build with transformers, perturb every parameter off its initial constant, ``save_pretrained``,
 read the safetensors, convert with ``hp_megatron.models`` rules, run both sides in fp32."""
 from __future__ import annotations
 
 import json
 import os
 
-import pytest
 import torch
 
 from tests.support.helpers import use_transformers_torch_path
-from hp_megatron.platform import single_rank_megatron
 
 VOCAB, HIDDEN, SEQ, BATCH = 64, 32, 12, 2
-
-
-@pytest.fixture(scope="module")
-def single_rank():
-    """One rank: gloo, megatron-core's parallel state (TP=PP=CP=EP=1) and the CPU shims (seed 0)."""
-    with single_rank_megatron(0):
-        yield
+LLAMA_VOCAB = 96  # tiny_llama's
 
 
 def _use_torch_path():
@@ -45,10 +37,30 @@ def tiny_hf_model(arch: str, directory: str, seed: int = 0, save: bool = True, v
     return model, None
 
 
-def read_checkpoint(directory: str) -> dict:
+def tiny_llama(tmp_path, tied=False, shard="40KB"):
+    """A random tiny LlamaForCausalLM (vocabulary ``LLAMA_VOCAB``) saved in shards under ``tmp_path / "hf"``
+    (``"hf_tied"`` when ``tied``); returns (model, directory)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=LLAMA_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(config).eval()
+    directory = tmp_path / ("hf_tied" if tied else "hf")
+    model.save_pretrained(directory, max_shard_size=shard)
+    return model, str(directory)
+
+
+def read_safetensors(directory: str) -> dict:
+    """Every tensor of an HF directory's safetensors files (one file or shards)."""
     from safetensors.torch import load_file
 
-    return load_file(os.path.join(directory, "model.safetensors"))
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, name)))
+    return out
 
 
 def to_mcore(rules, hf_state: dict) -> dict:

@@ -21,6 +21,12 @@ import math
 import torch
 
 
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative L2 error ||a - e|| / max(||e||, tiny), computed in float64."""
+    a, e = actual.detach().double(), expected.detach().double()
+    return float((a - e).norm() / e.norm().clamp_min(1e-30))
+
+
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     """FLA's l2norm: ``x / sqrt(sum(x^2) + 1e-6)`` over the last dimension (not F.normalize)."""
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)

@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests.support.dist import rel_err
 from layers.ops import causal_conv1d, chunk_gated_delta_rule, chunk_kda
-from tests.support.reference import make_problem
+from tests.support.reference import make_problem, rel_err
 
 OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}
 

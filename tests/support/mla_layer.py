@@ -1,0 +1,30 @@
+"""The MultiLatentAttention test layer: a small MLA config and the layer on explicit TP / CP groups (tests/layers,
+tests/cp)."""
+from __future__ import annotations
+
+import torch
+
+
+def make_config(*, hidden=32, heads=4, q_lora_rank=16, kv_lora_rank=12, qk=8, pe=4, v=6, rope_type="yarn",
+                tp=1, sequence_parallel=False, **extra):
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    return MLATransformerConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=heads, q_lora_rank=q_lora_rank,
+        kv_lora_rank=kv_lora_rank, qk_head_dim=qk, qk_pos_emb_head_dim=pe, v_head_dim=v,
+        rope_type=rope_type, rotary_scaling_factor=extra.pop("rotary_scaling_factor", 4.0),
+        original_max_position_embeddings=16, mscale=1.0, rotary_base=10000,
+        # megatron folds YaRN's mscale into the softmax scale even for plain RoPE; transformers does not.
+        mscale_all_dim=extra.pop("mscale_all_dim", 1.0 if rope_type == "yarn" else 0.0),
+        layernorm_epsilon=1e-6, use_cpu_initialization=True, params_dtype=torch.float32,
+        gradient_accumulation_fusion=False, bias_dropout_fusion=False, add_bias_linear=False,
+        tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel, **extra)
+
+
+def build_layer(config, tp_group, cp_group, **kwargs):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from layers.mla import MultiLatentAttention, mla_submodules
+
+    pgs = ProcessGroupCollection(tp=tp_group, cp=cp_group)
+    return MultiLatentAttention(config, mla_submodules(), layer_number=1, pg_collection=pgs, **kwargs)
