@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tests.support.dist import run_distributed_once, share_spawn
+from tests.support.dist import share_spawn
 from tests.support.reference import rel_err
 
 WORLD_SIZES = (2, 3, 4)
@@ -115,12 +115,7 @@ def _worker(rank, P):
     return results
 
 
-for _P in WORLD_SIZES:  # one spawn per P shared with the other CP modules (tests/support/dist.py)
-    share_spawn(_worker, _P)
-
-
-def _results(P):
-    return run_distributed_once(_worker, P)
+_results = share_spawn(_worker, WORLD_SIZES)  # one spawn per P for the CP modules (tests/support/dist.py)
 
 
 # ---- closed forms (docs/cp.md, "Cost of the state methods") ------------------------------------------------

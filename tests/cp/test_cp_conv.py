@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from tests.support.dist import run_distributed_once, share_spawn
+from tests.support.dist import share_spawn
 from tests.support.reference import rel_err
 
 D = 5
@@ -85,12 +85,7 @@ def _worker(rank, world_size):
     return results
 
 
-for _P in (2, 3, 4):  # one spawn per P shared with the other CP modules (tests/support/dist.py)
-    share_spawn(_worker, _P)
-
-
-def _results(P):
-    return run_distributed_once(_worker, P)
+_results = share_spawn(_worker, (2, 3, 4))  # one spawn per P for the CP modules (tests/support/dist.py)
 
 
 @pytest.mark.parametrize("P", [2, 3, 4])

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.dist import run_distributed_once, share_spawn
+from tests.support.dist import share_spawn
 from tests.support.reference import rel_err
 
 METHODS = [("p2p", {}), ("allgather", {}), ("grouped_allgather_p2p", {"group_size": "half"}),
@@ -78,12 +78,7 @@ def _worker(rank, P, cases):
 
 CASES = [(kind, fmt, layout, m, e) for kind in ("gdn", "kda") for fmt in ("bshd", "thd")
          for layout in ("zigzag", "contiguous") for m, e in METHODS]
-for _P in (2, 3, 4):  # one spawn per P shared with the other CP modules (tests/support/dist.py)
-    share_spawn(_worker, _P, CASES)
-
-
-def _results(P):
-    return run_distributed_once(_worker, P, CASES)
+_results = share_spawn(_worker, (2, 3, 4), CASES)  # one spawn per P for the CP modules (tests/support/dist.py)
 
 
 @pytest.mark.parametrize("P", [2, 3, 4])

@@ -127,7 +127,7 @@ def _worker(rank, world_size, cases):
 
 
 for _P in (2, 4):  # one spawn per P shared with the other CP modules (tests/support/dist.py)
-    share_spawn(_worker, _P, _cases(_P))
+    share_spawn(_worker, (_P,), _cases(_P))
 
 
 def _results(world_size):

@@ -14,7 +14,7 @@ import torch
 
 from layers.cp import build_chain_plan, local_seq_index
 from layers.cp.plan import chain_owners
-from tests.support.dist import run_distributed_once, share_spawn
+from tests.support.dist import share_spawn
 from tests.support.helpers import FakeGroup
 
 
@@ -243,12 +243,7 @@ def _worker(rank, P):
     return out
 
 
-for _P in (2, 3, 4):  # one spawn per P shared with the other CP modules (tests/support/dist.py)
-    share_spawn(_worker, _P)
-
-
-def _results(P):
-    return run_distributed_once(_worker, P)
+_results = share_spawn(_worker, (2, 3, 4))  # one spawn per P for the CP modules (tests/support/dist.py)
 
 
 @pytest.mark.parametrize("P", [2, 3, 4])

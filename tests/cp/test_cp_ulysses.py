@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.dist import run_distributed_once, share_spawn
+from tests.support.dist import share_spawn
 
 H = 12          # divisible by U = 2, 3, 4
 
@@ -86,12 +86,7 @@ def _worker(rank, P):
     return results, err
 
 
-for _P in (2, 3, 4):  # one spawn per P shared with the other CP modules (tests/support/dist.py)
-    share_spawn(_worker, _P)
-
-
-def _results(P):
-    return run_distributed_once(_worker, P)
+_results = share_spawn(_worker, (2, 3, 4))  # one spawn per P for the CP modules (tests/support/dist.py)
 
 
 @pytest.mark.parametrize("P", [2, 3, 4])

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support.dist import run_distributed_once, share_spawn
+from tests.support.dist import share_spawn
 from tests.support.helpers import FakeGroup
 from tests.support.reference import rel_err
 
@@ -179,13 +179,13 @@ def _worker(rank, world_size):
     return results
 
 
-share_spawn(_worker, WORLD)  # one spawn shared with the other CP modules (tests/support/dist.py)
+_results = share_spawn(_worker, (WORLD,))  # one spawn for the CP modules (tests/support/dist.py)
 MIXER_CASES = sorted({(P, layout, fmt) for P, layout, fmt, _ in CASES})
 
 
 @pytest.mark.parametrize("P,layout,fmt", MIXER_CASES)
 def test_every_mixer_agrees_with_the_slicer(P, layout, fmt):
-    results = run_distributed_once(_worker, WORLD)
+    results = _results(WORLD)
     for rank in range(P):
         res = results[rank][(P, layout, fmt)]
         assert isinstance(res, dict), res

@@ -13,6 +13,7 @@ case's tests (and those never reached) fail, each with the spawn's message.
 """
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import queue as queue_module
@@ -212,18 +213,24 @@ _SELECTED = None  # modules with tests selected in this run (tests/conftest.py);
 _SHARED_SPAWNS: dict = {}
 
 
-def share_spawn(fn, world_size: int, *args) -> None:
-    """At a test module's import: ``fn(rank, world_size, *args)`` runs in the one spawn of ``world_size`` ranks
-    shared by every module that declares a job, and :func:`run_distributed_once` with the same arguments returns
-    its per-rank results from there. Saves a spawn's start-up (processes, imports, process group) per job.
+def share_spawn(fn, world_sizes, *args):
+    """At a test module's import: for each ``world_size`` in ``world_sizes``, ``fn(rank, world_size, *args)`` runs
+    in the one spawn of ``world_size`` ranks shared by every module that declares a job. Returns
+    ``results(world_size)``: ``fn``'s per-rank results from there (as does :func:`run_distributed_once` with the
+    same arguments). Saves a spawn's start-up (processes, imports, process group) per job.
 
     The jobs run one after the other on the same ranks in declaration order, each with its own deadline
     (:func:`case_started`), and must leave no state a later job depends on. A job that fails (raises, hangs,
     kills a rank) ends the spawn: its tests and those of the jobs not reached fail with the spawn's message,
     the jobs finished before keep their results."""
-    jobs = _SHARED.setdefault(world_size, [])
-    if _shared_index(fn, world_size, args) is None:
-        jobs.append((fn, args))
+    for world_size in world_sizes:
+        if _shared_index(fn, world_size, args) is None:
+            _SHARED.setdefault(world_size, []).append((fn, args))
+    return functools.partial(_declared_results, fn, args)
+
+
+def _declared_results(fn, args, world_size):
+    return run_distributed_once(fn, world_size, *args)
 
 
 def select_shared_modules(modules) -> None:
