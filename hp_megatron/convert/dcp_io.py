@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
                                                    TensorStorageMetadata)
@@ -145,7 +146,11 @@ class ChunkReader:
             raise CheckpointError(f"{directory}: no .metadata; not a torch_dist checkpoint directory")
         self.directory = directory
         self._reader = _CachedMetadataReader(directory)
-        metadata = self._reader.read_metadata()
+        try:
+            metadata = self._reader.read_metadata()
+        except Exception as err:  # a truncated or foreign .metadata fails inside pickle
+            raise CheckpointError(f"{os.path.join(directory, '.metadata')}: unreadable ({_first_line(err)})") from err
+        _check_files(directory, metadata.storage_data)
         self.tensors = {key: (tuple(md.size), md.properties.dtype) for key, md in metadata.state_dict_metadata.items()
                         if isinstance(md, TensorStorageMetadata)}
 
@@ -161,4 +166,34 @@ class ChunkReader:
             if len(offset) != len(shape) or any(o + s > g for o, s, g in zip(offset, dest.shape, shape)):
                 raise CheckpointError(f"{self.directory}: tensor {key} has shape {shape}; region at {tuple(offset)} "
                                       f"of size {tuple(dest.shape)} lies outside it")
-        dcp.load({}, storage_reader=self._reader, planner=_RegionLoadPlanner(regions), no_dist=True)
+        try:
+            dcp.load({}, storage_reader=self._reader, planner=_RegionLoadPlanner(regions), no_dist=True)
+        except CheckpointException as err:  # damage the size check cannot see (bytes rewritten in place)
+            raise CheckpointError(f"{self.directory}: torch.distributed.checkpoint cannot read "
+                                  f"{sorted({k for k, _, _ in regions})[:3]}: {_first_line(err)}") from err
+
+
+def _first_line(err: BaseException) -> str:
+    """The message of ``err`` (for DCP's CheckpointException: of the first rank's failure), first line."""
+    if isinstance(err, CheckpointException) and err.failures:
+        failure = next(iter(err.failures.values()))
+        err = failure[0] if isinstance(failure, tuple) else failure
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _check_files(directory: str, storage_data: dict) -> None:
+    """Every file the ``.metadata`` points into exists and holds the bytes it points at (a truncated
+    ``.distcp`` is a CheckpointError naming it, before anything is read or written)."""
+    ends: dict[str, tuple[int, str]] = {}
+    for index, info in storage_data.items():
+        end = info.offset + info.length
+        if end > ends.get(info.relative_path, (-1, ""))[0]:
+            ends[info.relative_path] = (end, index.fqn)
+    for name, (end, key) in sorted(ends.items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: missing; .metadata places {key} in it")
+        size = os.path.getsize(path)
+        if size < end:
+            raise CheckpointError(f"{path}: truncated: {size} bytes, .metadata places {key} up to byte {end}")

@@ -152,6 +152,18 @@ def checkpoint_directory(path: str) -> str:
     return path
 
 
+def read_common(ckpt: str) -> dict:
+    """``common.pt`` of the iteration directory ``ckpt``; CheckpointError naming the file when it is missing or
+    unreadable (truncated)."""
+    path = os.path.join(ckpt, COMMON)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing; a megatron-core dist checkpoint holds its common state there")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise CheckpointError(f"{path}: unreadable ({type(err).__name__}: {str(err).splitlines()[0]})") from err
+
+
 # ------------------------------------------------------------------------------------------ HF -> mcore
 def _unmodeled(hf_config: dict) -> dict:
     """The registered architecture's ``unmodeled_tensors`` of this config ({} for an unregistered model_type)."""
@@ -250,7 +262,7 @@ def mcore_to_hf(load: str, save: str, *, hf_config: dict | None = None, rules=No
     ``hf_config`` defaults to the config the checkpoint carries (written by :func:`hf_to_mcore`)."""
     start = time.perf_counter()
     ckpt = checkpoint_directory(load)
-    common = torch.load(os.path.join(ckpt, COMMON), map_location="cpu", weights_only=False)
+    common = read_common(ckpt)
     if hf_config is None:
         hf_config = common.get("hf_config")
         if hf_config is None:
