@@ -65,11 +65,11 @@ def megatron_config(hf: dict) -> ModelPreset:
 def conversion_rules(hf: dict) -> list[TensorRule]:
     """One rule per megatron-core tensor of the model of :func:`megatron_config`."""
     preset = megatron_config(hf)
-    rules = model_rules(preset.gpt["share_embeddings_and_output_weights"])
+    rules = model_rules(preset.gpt_model_kwargs["share_embeddings_and_output_weights"])
     shared = "shared_experts." if hf.get("n_shared_experts") else None
     for i, is_moe in enumerate(moe_layers(hf)):
-        rules += mla_rules(layer_prefix(i) + "self_attention.", f"model.layers.{i}.self_attn.", preset.extra,
-                           preset.config["num_attention_heads"], rope_interleave=hf.get("rope_interleave", True))
+        rules += mla_rules(layer_prefix(i) + "self_attention.", f"model.layers.{i}.self_attn.", preset.mixer_fields,
+                           preset.transformer_fields["num_attention_heads"], rope_interleave=hf.get("rope_interleave", True))
         rules += layer_norm_rules(i)
         rules += layer_mlp_rules(i, is_moe, hf.get("n_routed_experts", 0), router="gate.weight",
                                  expert_bias="gate.e_score_correction_bias", shared=shared)

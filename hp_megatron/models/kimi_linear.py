@@ -138,17 +138,17 @@ def _moe_rules(mcore: str, hf: str, num_experts: int, shared: bool) -> list[Tens
 def conversion_rules(hf: dict) -> list[TensorRule]:
     """One rule per megatron-core tensor of the model of :func:`megatron_config`."""
     preset = megatron_config(hf)
-    kda, heads = _kda_dims(hf), preset.config["num_attention_heads"]
-    experts = preset.config.get("num_moe_experts", 0)
-    shared = bool(preset.config.get("moe_shared_expert_intermediate_size"))
+    kda, heads = _kda_dims(hf), preset.transformer_fields["num_attention_heads"]
+    experts = preset.transformer_fields.get("num_moe_experts", 0)
+    shared = bool(preset.transformer_fields.get("moe_shared_expert_intermediate_size"))
     dense = "block_sparse_moe." if "mlp_layer_types" in hf else "mlp."  # written by transformers / by Moonshot
-    rules = model_rules(preset.gpt["share_embeddings_and_output_weights"])
+    rules = model_rules(preset.gpt_model_kwargs["share_embeddings_and_output_weights"])
     for i, (symbol, is_moe) in enumerate(zip(preset.pattern, moe_layers(hf))):
         mcore, theirs = layer_prefix(i), f"model.layers.{i}."
         if symbol == "K":
             rules += _kda_rules(mcore + "self_attention.", theirs + "self_attn.", kda)
         else:
-            rules += mla_rules(mcore + "self_attention.", theirs + "self_attn.", preset.extra, heads,
+            rules += mla_rules(mcore + "self_attention.", theirs + "self_attn.", preset.mixer_fields, heads,
                                rope_interleave=True)
         rules += layer_norm_rules(i)
         if is_moe:

@@ -112,7 +112,7 @@ def _gated_qkv_rule(mcore_key: str, hf: str, heads: int, groups: int, head_dim: 
 
 
 def _attention_rules(mcore: str, hf: str, preset: ModelPreset) -> list[TensorRule]:
-    c = preset.config
+    c = preset.transformer_fields
     return [_gated_qkv_rule(mcore + "linear_qkv.weight", hf, c["num_attention_heads"], c["num_query_groups"],
                             c["kv_channels"]),
             identity_rule(mcore + "linear_proj.weight", hf + "o_proj.weight"),
@@ -143,7 +143,7 @@ def conversion_rules(hf: dict) -> list[TensorRule]:
     """One rule per megatron-core tensor of the model of :func:`megatron_config`."""
     preset = megatron_config(hf)
     dims = _gdn_dims(hf)
-    rules = model_rules(preset.gpt["share_embeddings_and_output_weights"])
+    rules = model_rules(preset.gpt_model_kwargs["share_embeddings_and_output_weights"])
     for i, (symbol, is_moe) in enumerate(zip(preset.pattern, moe_layers(hf))):
         mcore = layer_prefix(i) + "self_attention."
         if symbol == "A":
