@@ -26,8 +26,10 @@ def test_registry_and_refusals():
         get_architecture("gpt2")
     preset = preset_from_hf(QWEN3_NEXT)
     assert preset.pattern == "GGGA" and preset.qk_layernorm
-    assert preset.transformer_fields["moe_layer_freq"] == [1, 0, 1, 1] and preset.transformer_fields["moe_shared_expert_gate"]
-    assert preset.gpt_model_kwargs["rotary_percent"] == 0.25 and preset.mixer_fields["gated_norm_zero_centered_gamma"] is False
+    fields = preset.transformer_fields
+    assert fields["moe_layer_freq"] == [1, 0, 1, 1] and fields["moe_shared_expert_gate"]
+    assert preset.gpt_model_kwargs["rotary_percent"] == 0.25
+    assert preset.mixer_fields["gated_norm_zero_centered_gamma"] is False
     for field, value in (("hidden_act", "gelu"), ("attention_bias", True),
                          ("rope_parameters", {"rope_type": "yarn", "factor": 4.0})):
         with pytest.raises(ValueError, match=field.split("_parameters")[0]):

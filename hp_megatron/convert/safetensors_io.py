@@ -1,10 +1,10 @@
 """Hugging Face weight directories, read and written one tensor at a time.
 
-Reading: :class:`HFCheckpoint` parses ``config.json`` (:func:`load_hf_config`), ``model.safetensors.index.json`` (or a single
-``model.safetensors``) and every shard's header up front, so a missing shard, a bad header or a truncated file is
-reported (file and tensor named) before anything is converted. Tensors are then read one by one: the header's
-offsets locate the bytes, which are read straight into a new tensor. (``safetensors.safe_open`` was measured
-first: its tensors are views of a memory-mapped shard, whose touched pages stayed in the resident set
+Reading: :class:`HFCheckpoint` parses ``config.json`` (:func:`load_hf_config`), ``model.safetensors.index.json`` (or
+a single ``model.safetensors``) and every shard's header up front, so a missing shard, a bad header or a truncated
+file is reported (file and tensor named) before anything is converted. Tensors are then read one by one: the
+header's offsets locate the bytes, which are read straight into a new tensor. (``safetensors.safe_open`` was
+measured first: its tensors are views of a memory-mapped shard, whose touched pages stayed in the resident set
 (file-backed RSS grew by 160 MB over a 1.2 GB conversion); plain reads keep only the tensors in use.)
 
 Writing: :class:`ShardedSafetensorsWriter` takes the names, dtypes and shapes of all tensors first, splits them

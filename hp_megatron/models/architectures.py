@@ -13,8 +13,11 @@ from typing import Callable
 
 import torch
 
+import hp_megatron.models.deepseek_v3 as deepseek_v3
+import hp_megatron.models.kimi_linear as kimi_linear
+import hp_megatron.models.llama as llama
+import hp_megatron.models.qwen3_next as qwen3_next
 from hp_megatron.convert.safetensors_io import load_hf_config
-from hp_megatron.models import deepseek_v3, kimi_linear, llama, qwen3_next
 from hp_megatron.models.common import ModelPreset
 
 

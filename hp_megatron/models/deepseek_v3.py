@@ -69,7 +69,8 @@ def conversion_rules(hf: dict) -> list[TensorRule]:
     shared = "shared_experts." if hf.get("n_shared_experts") else None
     for i, is_moe in enumerate(moe_layers(hf)):
         rules += mla_rules(layer_prefix(i) + "self_attention.", f"model.layers.{i}.self_attn.", preset.mixer_fields,
-                           preset.transformer_fields["num_attention_heads"], rope_interleave=hf.get("rope_interleave", True))
+                           preset.transformer_fields["num_attention_heads"],
+                           rope_interleave=hf.get("rope_interleave", True))
         rules += layer_norm_rules(i)
         rules += layer_mlp_rules(i, is_moe, hf.get("n_routed_experts", 0), router="gate.weight",
                                  expert_bias="gate.e_score_correction_bias", shared=shared)
