@@ -38,6 +38,7 @@ def test_unlisted_model_type_needs_rules_and_builder(tmp_path, capsys):
     shutil.copytree(listed, hf_dir)
     config = json.load(open(os.path.join(hf_dir, "config.json")))
     json.dump({**config, "model_type": "my_llama"}, open(os.path.join(hf_dir, "config.json"), "w"))
+    capsys.readouterr()  # transformers' progress bar
 
     assert main(["hf-to-mcore", "--load", hf_dir, "--save", str(tmp_path / "refused"), "--rules",
                  "test_convert_cli_architecture:my_rules"]) == 2
