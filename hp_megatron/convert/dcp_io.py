@@ -112,7 +112,7 @@ def verify_dcp_files(directory: str):
     try:
         metadata = FileSystemReader(directory).read_metadata()
     except Exception as err:  # unpickling a damaged file raises anything
-        raise CheckpointError(f"checkpoint metadata {path} is unreadable: {_first_line(err)}") from err
+        raise CheckpointError(f"checkpoint metadata {path} is unreadable: {error_summary(err)}") from err
     needed: dict[str, tuple[int, str]] = {}  # file -> (bytes it must hold, the key stored last in it)
     for index, info in metadata.storage_data.items():
         end = info.offset + info.length
@@ -191,11 +191,12 @@ class ChunkReader:
             dcp.load({}, storage_reader=self._reader, planner=_RegionLoadPlanner(regions), no_dist=True)
         except CheckpointException as err:  # damage the size check cannot see (bytes rewritten in place)
             raise CheckpointError(f"{self.directory}: torch.distributed.checkpoint cannot read "
-                                  f"{sorted({k for k, _, _ in regions})[:3]}: {_first_line(err)}") from err
+                                  f"{sorted({k for k, _, _ in regions})[:3]}: {error_summary(err)}") from err
 
 
-def _first_line(err: BaseException) -> str:
-    """The message of ``err`` (for DCP's CheckpointException: of the first rank's failure), first line."""
+def error_summary(err: BaseException) -> str:
+    """``"Type: first line of the message"`` of ``err`` (for DCP's CheckpointException: of the first rank's
+    failure), for one-line errors."""
     if isinstance(err, CheckpointException) and err.failures:
         failure = next(iter(err.failures.values()))
         err = failure[0] if isinstance(failure, tuple) else failure

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hp_megatron.convert.dcp_io import ChunkReader, save_lazily
+from hp_megatron.convert.dcp_io import ChunkReader, error_summary, save_lazily
 from hp_megatron.convert.layout import CheckpointLayout, LayoutEntry, checkpoint_layout
 from hp_megatron.convert.rules import TensorRule
 from hp_megatron.convert.safetensors_io import (CONFIG_NAME, CheckpointError, HFCheckpoint, ShardedSafetensorsWriter,
@@ -154,7 +154,7 @@ def checkpoint_directory(path: str) -> str:
     return path
 
 
-def read_common(ckpt: str) -> dict:
+def _read_common(ckpt: str) -> dict:
     """``common.pt`` of the iteration directory ``ckpt``; CheckpointError naming the file when it is missing or
     unreadable (truncated)."""
     path = os.path.join(ckpt, COMMON)
@@ -163,13 +163,13 @@ def read_common(ckpt: str) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:
-        raise CheckpointError(f"{path}: unreadable ({type(err).__name__}: {str(err).splitlines()[0]})") from err
+        raise CheckpointError(f"{path}: unreadable ({error_summary(err)})") from err
 
 
 def stored_hf_config(load: str) -> dict:
     """The HF config.json a checkpoint carries (written by :func:`hf_to_mcore`); ``load`` as in :func:`mcore_to_hf`."""
     ckpt = checkpoint_directory(load)
-    return _hf_config_of(read_common(ckpt), ckpt)
+    return _hf_config_of(_read_common(ckpt), ckpt)
 
 
 def _hf_config_of(common: dict, ckpt: str) -> dict:
@@ -270,14 +270,14 @@ def mcore_to_hf(load: str, save: str, architecture, *, hf_config=None, max_shard
     (:func:`stored_hf_config`)."""
     start = time.perf_counter()
     ckpt = checkpoint_directory(load)
-    common = read_common(ckpt)
+    common = _read_common(ckpt)
+    reader = ChunkReader(ckpt)  # checks the files .metadata points into: damage is named before any work
     hf_config = _hf_config_of(common, ckpt) if hf_config is None else load_hf_config(hf_config)
     _check_model_type(architecture, hf_config, ckpt)
     rules = list(architecture.conversion_rules(hf_config))
     metadata = common.get("content_metadata")
     layout = build_layout(architecture.build_model, hf_config, metadata)
     matched = _match_rules(rules, layout, ckpt)
-    reader = ChunkReader(ckpt)
 
     specs, used = [], set()
     for rule, entry in matched:

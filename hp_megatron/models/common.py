@@ -212,16 +212,16 @@ def mla_fields(hf: dict, model_type: str, rope_type: str, rope: dict) -> dict:
     return fields
 
 
-def mla_rules(mcore: str, hf: str, extra: dict, heads: int, *, rope_interleave: bool) -> list[TensorRule]:
+def mla_rules(mcore: str, hf: str, mixer_fields: dict, heads: int, *, rope_interleave: bool) -> list[TensorRule]:
     """``layers.mla.MultiLatentAttention`` from ``DeepseekV3Attention`` / ``KimiLinearAttention`` tensors
     (``layers.mla``'s name map; rotary rows permuted when transformers' layout is half-split)."""
     from types import SimpleNamespace
 
     from layers.mla import HF_TO_MLA, mla_state_dict_from_hf, mla_state_dict_to_hf
 
-    dims = SimpleNamespace(num_attention_heads=heads, qk_head_dim=extra["qk_head_dim"],
-                           qk_pos_emb_head_dim=extra["qk_pos_emb_head_dim"])
-    if extra["q_lora_rank"] is None:
+    dims = SimpleNamespace(num_attention_heads=heads, qk_head_dim=mixer_fields["qk_head_dim"],
+                           qk_pos_emb_head_dim=mixer_fields["qk_pos_emb_head_dim"])
+    if mixer_fields["q_lora_rank"] is None:
         names = ("q_proj.weight",)
     else:
         names = ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight")

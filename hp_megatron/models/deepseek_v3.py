@@ -56,10 +56,11 @@ def megatron_config(hf: dict) -> ModelPreset:
         shared = hf.get("n_shared_experts") or 0
         if shared:
             config["moe_shared_expert_intermediate_size"] = shared * hf["moe_intermediate_size"]
-    extra = mla_fields(hf, MODEL_TYPE, rope_type, rope)
+    mixer = mla_fields(hf, MODEL_TYPE, rope_type, rope)
     gpt = dict(vocab_size=field_of(hf, MODEL_TYPE, "vocab_size"), position_embedding_type="none",
                share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)))
-    return ModelPreset(MODEL_TYPE, "M" * hf["num_hidden_layers"], config, extra, gpt)
+    return ModelPreset(MODEL_TYPE, "M" * hf["num_hidden_layers"], transformer_fields=config, mixer_fields=mixer,
+                       gpt_model_kwargs=gpt)
 
 
 def conversion_rules(hf: dict) -> list[TensorRule]:

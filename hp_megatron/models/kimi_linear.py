@@ -95,13 +95,14 @@ def megatron_config(hf: dict) -> ModelPreset:
         if shared:
             config["moe_shared_expert_intermediate_size"] = shared * hf["moe_intermediate_size"]
     kda = _kda_dims(hf)
-    extra = dict(linear_num_key_heads=kda["heads"], linear_num_value_heads=kda["heads"],
+    mixer = dict(linear_num_key_heads=kda["heads"], linear_num_value_heads=kda["heads"],
                  linear_key_head_dim=kda["head_dim"], linear_value_head_dim=kda["head_dim"],
                  kda_gate_low_rank_dim=kda["head_dim"], linear_conv_kernel_dim=kda["conv"],
                  **mla_fields(hf, MODEL_TYPE, "none", {}))
     gpt = dict(vocab_size=field_of(hf, MODEL_TYPE, "vocab_size"), position_embedding_type="none",
                share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)))
-    return ModelPreset(MODEL_TYPE, "".join(LAYER_SYMBOLS[t] for t in types), config, extra, gpt)
+    return ModelPreset(MODEL_TYPE, "".join(LAYER_SYMBOLS[t] for t in types), transformer_fields=config,
+                       mixer_fields=mixer, gpt_model_kwargs=gpt)
 
 
 def _cat_rule(mcore_key: str, hf_keys: tuple, sizes: list) -> TensorRule:

@@ -30,7 +30,8 @@ def megatron_config(hf: dict) -> ModelPreset:
     gpt_model = dict(vocab_size=field_of(hf, MODEL_TYPE, "vocab_size"), position_embedding_type="rope",
                      rotary_base=float(rope.get("rope_theta", 10000.0)),
                      share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)))
-    return ModelPreset(MODEL_TYPE, "A" * transformer["num_layers"], transformer, {}, gpt_model)
+    return ModelPreset(MODEL_TYPE, "A" * transformer["num_layers"], transformer_fields=transformer,
+                       gpt_model_kwargs=gpt_model)
 
 
 def conversion_rules(hf: dict) -> list[TensorRule]:
