@@ -1,6 +1,8 @@
 """Distribution ``hp-megatron``: GDN, KDA and MLA mixers for megatron-core with context parallelism."""
 from setuptools import find_packages, setup
 
+HF = ["transformers>=5.6,<6"]
+
 setup(
     name="hp-megatron",
     version="0.1.0",
@@ -14,7 +16,10 @@ setup(
     extras_require={
         "triton": ["flash-linear-attention>=0.6.0,<0.7", "fla-core>=0.6.0,<0.7", "triton==3.7.1"],  # what CI tests
         "npu": ["torch_npu"],
-        "test": ["pytest>=8", "transformers>=5.6,<6",
+        # hf: transformers models (hp_megatron.models.tiny, examples/pretrain/tiny_hf_checkpoint.py; it brings
+        # safetensors); the checkpoint converter itself needs neither
+        "hf": HF,
+        "test": ["pytest>=8", *HF,
                  "six"],  # six: imported by Megatron-LM's training code (tests/megatron_lm)
     },
 )

@@ -199,7 +199,7 @@ def apply_hp_config(config, args):
     Returns a new :class:`~hp_megatron.config.HybridMLATransformerConfig` when ``config`` is an
     ``MLATransformerConfig`` (Megatron-LM's ``--multi-latent-attention``: its MLA fields keep their flags'
     values), else a :class:`~hp_megatron.config.HybridTransformerConfig`; every megatron field of ``config`` is
-    carried over. With ``--hp-hf-config`` the architecture's own fields (``ModelPreset.extra``) and layer
+    carried over. With ``--hp-hf-config`` the architecture's own fields (``ModelPreset.mixer_fields``) and layer
     pattern win over the flags. Raises ValueError naming a field whose value is out of range.
     """
     from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -213,5 +213,5 @@ def apply_hp_config(config, args):
         from hp_megatron.models import preset_from_hf
 
         preset = preset_from_hf(args.hp_hf_config)
-        ours.update(preset.extra, hp_layer_pattern=preset.pattern)
+        ours.update(preset.mixer_fields, hp_layer_pattern=preset.pattern)
     return hybrid_config(config, **ours)

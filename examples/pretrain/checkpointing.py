@@ -93,25 +93,12 @@ def find_checkpoint(root: str):
 
 def verify_checkpoint_files(path: str) -> None:
     """Check that ``path``'s metadata and every shard it lists are present and long enough (ValueError)."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from hp_megatron.convert.dcp_io import verify_dcp_files
 
     for name in (".metadata", "common.pt"):
         if not os.path.isfile(os.path.join(path, name)):
             raise ValueError(f"checkpoint {path} is incomplete: no {os.path.join(path, name)}")
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as exc:  # unpickling a damaged file raises anything
-        raise ValueError(f"checkpoint metadata {os.path.join(path, '.metadata')} is unreadable: {exc}") from None
-    needed = {}
-    for info in metadata.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            raise ValueError(f"checkpoint {path} is incomplete: no {file}")
-        actual = os.path.getsize(file)
-        if actual < size:
-            raise ValueError(f"checkpoint file {file} is truncated: {actual} bytes, its metadata needs {size}")
+    verify_dcp_files(path)
 
 
 def schedule_differences(checkpoint_schedule: dict, flags_schedule: dict) -> dict:

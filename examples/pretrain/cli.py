@@ -148,7 +148,7 @@ def parse_args(argv=None, parser=None):
 
 
 # --hp-hf-config: the example's model flags -> the preset's Megatron argument (hp_megatron.models.args) or the
-# config field of our layers it sets (ModelPreset.extra)
+# config field of our layers it sets (ModelPreset.mixer_fields)
 PRESET_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                "rotary_base", "hp_layer_pattern")
 PRESET_LAYER_ATTRS = {
@@ -187,9 +187,9 @@ def apply_hf_preset(parser, args, argv):
             raise ValueError(f"--{dest.replace('_', '-')} {getattr(args, dest)} conflicts with {source} "
                              f"({preset.model_type}: {dest} {value})")
     for dest, attr in PRESET_LAYER_ATTRS.items():
-        if _given_on_command_line(parser, argv, dest) and getattr(args, dest) != preset.extra.get(attr):
+        if _given_on_command_line(parser, argv, dest) and getattr(args, dest) != preset.mixer_fields.get(attr):
             raise ValueError(f"--{dest.replace('_', '-')} {getattr(args, dest)} conflicts with {source} "
-                             f"({preset.model_type}: {attr} {preset.extra.get(attr)})")
+                             f"({preset.model_type}: {attr} {preset.mixer_fields.get(attr)})")
     return apply_hf_config_to_args(args)
 
 

@@ -204,7 +204,7 @@ def model_vocab_size(args, tokenizer_vocab: int) -> int:
     tp = args.tensor_model_parallel_size
     if args.hp_preset is None:
         return pad_vocab(tokenizer_vocab, tp)
-    vocab = args.hp_preset.gpt["vocab_size"]
+    vocab = args.hp_preset.gpt_model_kwargs["vocab_size"]
     if vocab < tokenizer_vocab:
         raise ValueError(f"--hp-hf-config {args.hp_hf_config} has vocab_size {vocab}, fewer than the "
                          f"{tokenizer_vocab} ids of --tokenizer {args.tokenizer}: the data must use the model's tokenizer")

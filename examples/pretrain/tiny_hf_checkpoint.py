@@ -32,7 +32,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if os.path.exists(args.save) and os.listdir(args.save):
         parser.error(f"--save {args.save} exists and is not empty")
-    model = build_tiny_hf_model(args.arch, args.seed, vocab_size=args.vocab_size)
+    try:
+        model = build_tiny_hf_model(args.arch, args.seed, vocab_size=args.vocab_size)
+    except RuntimeError as err:  # transformers missing: one line naming the install command
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     model.save_pretrained(args.save)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"saved a tiny random {type(model).__name__} ({n_params} parameters, vocab {args.vocab_size}) to {args.save}")

@@ -3,13 +3,15 @@
     python -m hp_megatron.convert hf-to-mcore --load /models/Llama-tiny --save /ckpt/llama-tiny
     python -m hp_megatron.convert mcore-to-hf --load /ckpt/llama-tiny --save /models/llama-tiny-out
 
-The architecture comes from config.json's ``model_type`` (see ``hp_megatron.convert.registry``);
-``--rules`` / ``--model-builder`` (``package.module:function``) override it.
+The architecture comes from config.json's ``model_type`` (the table of ``hp_megatron.models``: this entry point
+imports it, the engine does not); ``--rules`` / ``--model-builder`` (``package.module:function``) replace its
+conversion rules / model builder.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
+import importlib
 import sys
 
 
@@ -39,15 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read_config(path: str) -> dict:
-    import os
-
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    with open(path) as f:
-        return json.load(f)
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -65,26 +58,42 @@ def main(argv=None) -> int:
 
 
 def _convert(args):
-    from hp_megatron.convert.engine import hf_to_mcore, mcore_to_hf
-    from hp_megatron.convert.registry import load_callable
+    from hp_megatron.convert.engine import hf_to_mcore, mcore_to_hf, stored_hf_config
+    from hp_megatron.convert.safetensors_io import load_hf_config
 
-    build_model = load_callable(args.model_builder) if args.model_builder else None
-    rules_fn = load_callable(args.rules) if args.rules else None
     if args.direction == "hf-to-mcore":
-        from hp_megatron.convert.safetensors_io import read_config
-
-        rules = rules_fn(read_config(args.load)) if rules_fn else None
-        return hf_to_mcore(args.load, args.save, rules=rules, build_model=build_model,
-                           iteration=args.ckpt_iteration, overwrite=args.overwrite,
-                           drop_unmodeled=args.drop_unmodeled)
-    hf_config = _read_config(args.hf_config) if args.hf_config else None
-    rules = None
-    if rules_fn:
-        if hf_config is None:
-            raise ValueError("--rules with mcore-to-hf needs --hf-config")
-        rules = rules_fn(hf_config)
-    return mcore_to_hf(args.load, args.save, hf_config=hf_config, rules=rules, build_model=build_model,
+        architecture = _architecture(load_hf_config(args.load), args)
+        return hf_to_mcore(args.load, args.save, architecture, iteration=args.ckpt_iteration,
+                           overwrite=args.overwrite, drop_unmodeled=args.drop_unmodeled)
+    hf_config = load_hf_config(args.hf_config) if args.hf_config else stored_hf_config(args.load)
+    return mcore_to_hf(args.load, args.save, _architecture(hf_config, args), hf_config=hf_config,
                        max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+
+
+def _architecture(hf_config: dict, args):
+    """The listed architecture of config.json's ``model_type`` with ``--rules`` / ``--model-builder`` in place of
+    its own; an unlisted ``model_type`` needs both."""
+    from hp_megatron.models import ARCHITECTURES, Architecture
+
+    rules = load_callable(args.rules) if args.rules else None
+    builder = load_callable(args.model_builder) if args.model_builder else None
+    model_type = hf_config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        if rules is None or builder is None:
+            raise ValueError(f"config.json model_type={model_type!r} is not one of {sorted(ARCHITECTURES)}; "
+                             "pass both --rules and --model-builder to convert it")
+        return Architecture(model_type, None, rules, model_builder=builder)
+    listed = ARCHITECTURES[model_type]
+    return dataclasses.replace(listed, conversion_rules=rules or listed.conversion_rules,
+                               model_builder=builder or listed.model_builder)
+
+
+def load_callable(spec: str):
+    """``"package.module:function"`` -> the function (``--rules`` / ``--model-builder``)."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"expected 'package.module:function', got {spec!r}")
+    return getattr(importlib.import_module(module), name)
 
 
 if __name__ == "__main__":

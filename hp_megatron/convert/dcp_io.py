@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
                                                    TensorStorageMetadata)
@@ -90,15 +91,42 @@ def save_lazily(directory: str, chunks: Sequence[Chunk], objects: dict[str, byte
     dcp.save({}, storage_writer=writer, planner=LazySavePlanner(chunks, objects, produce), no_dist=True)
 
 
-class _CachedMetadataReader(FileSystemReader):
-    """A :class:`FileSystemReader` that parses ``.metadata`` once (a reader serves many small loads)."""
+class _KnownMetadataReader(FileSystemReader):
+    """A :class:`FileSystemReader` of ``.metadata`` parsed once (a reader serves many small loads)."""
 
-    _metadata = None
+    def __init__(self, directory: str, metadata):
+        super().__init__(directory)
+        self._metadata = metadata
 
     def read_metadata(self, *args, **kwargs):
-        if self._metadata is None:
-            self._metadata = super().read_metadata(*args, **kwargs)
         return self._metadata
+
+
+def verify_dcp_files(directory: str):
+    """The parsed ``.metadata`` of the DCP checkpoint ``directory``, after checking that every file it points into
+    exists and holds the bytes it points at; CheckpointError (a ValueError) naming the missing, unreadable or
+    truncated file otherwise, before anything is read."""
+    path = os.path.join(directory, ".metadata")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {directory} is incomplete: no {path}")
+    try:
+        metadata = FileSystemReader(directory).read_metadata()
+    except Exception as err:  # unpickling a damaged file raises anything
+        raise CheckpointError(f"checkpoint metadata {path} is unreadable: {error_summary(err)}") from err
+    needed: dict[str, tuple[int, str]] = {}  # file -> (bytes it must hold, the key stored last in it)
+    for index, info in metadata.storage_data.items():
+        end = info.offset + info.length
+        if end > needed.get(info.relative_path, (-1, ""))[0]:
+            needed[info.relative_path] = (end, index.fqn)
+    for name, (end, key) in sorted(needed.items()):
+        file = os.path.join(directory, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"checkpoint {directory} is incomplete: no {file}")
+        size = os.path.getsize(file)
+        if size < end:
+            raise CheckpointError(f"checkpoint file {file} is truncated: {size} bytes, its metadata needs {end} "
+                                  f"(for {key})")
+    return metadata
 
 
 class _RegionLoadPlanner(LoadPlanner):
@@ -141,11 +169,9 @@ class ChunkReader:
     """Regions of the tensors of a DCP checkpoint directory; ``tensors`` maps key -> (global shape, dtype)."""
 
     def __init__(self, directory: str):
-        if not os.path.isfile(os.path.join(directory, ".metadata")):
-            raise CheckpointError(f"{directory}: no .metadata; not a torch_dist checkpoint directory")
         self.directory = directory
-        self._reader = _CachedMetadataReader(directory)
-        metadata = self._reader.read_metadata()
+        metadata = verify_dcp_files(directory)
+        self._reader = _KnownMetadataReader(directory, metadata)
         self.tensors = {key: (tuple(md.size), md.properties.dtype) for key, md in metadata.state_dict_metadata.items()
                         if isinstance(md, TensorStorageMetadata)}
 
@@ -161,4 +187,18 @@ class ChunkReader:
             if len(offset) != len(shape) or any(o + s > g for o, s, g in zip(offset, dest.shape, shape)):
                 raise CheckpointError(f"{self.directory}: tensor {key} has shape {shape}; region at {tuple(offset)} "
                                       f"of size {tuple(dest.shape)} lies outside it")
-        dcp.load({}, storage_reader=self._reader, planner=_RegionLoadPlanner(regions), no_dist=True)
+        try:
+            dcp.load({}, storage_reader=self._reader, planner=_RegionLoadPlanner(regions), no_dist=True)
+        except CheckpointException as err:  # damage the size check cannot see (bytes rewritten in place)
+            raise CheckpointError(f"{self.directory}: torch.distributed.checkpoint cannot read "
+                                  f"{sorted({k for k, _, _ in regions})[:3]}: {error_summary(err)}") from err
+
+
+def error_summary(err: BaseException) -> str:
+    """``"Type: first line of the message"`` of ``err`` (for DCP's CheckpointException: of the first rank's
+    failure), for one-line errors."""
+    if isinstance(err, CheckpointException) and err.failures:
+        failure = next(iter(err.failures.values()))
+        err = failure[0] if isinstance(failure, tuple) else failure
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"

@@ -13,6 +13,12 @@ Checkpoint directory (what Megatron-LM's ``--load``/``--finetune`` and ``example
 
 ``common.pt`` holds ``checkpoint_version`` 3.0, ``iteration``, ``content_metadata`` (the sharded_state_dict
 metadata the layout was built with) and ``hf_config`` (the HF config.json, carried back by ``mcore_to_hf``).
+
+Both directions take the ``architecture`` to convert: any object with ``model_type`` (config.json's, checked),
+``conversion_rules(hf_config) -> list[TensorRule]``, ``build_model(hf_config, **TransformerConfig overrides)``
+(the GPTModel on the current megatron parallel state) and ``unmodeled_tensors(hf_config) -> {HF key prefix: what
+it holds}`` (checkpoint tensors of parts the model does not build). ``hp_megatron.models.Architecture`` is one;
+the engine knows no architecture itself (``hp_megatron.models`` imports it, never the other way).
 """
 from __future__ import annotations
 
@@ -25,12 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
-from hp_megatron.convert.dcp_io import ChunkReader, save_lazily
+from hp_megatron.convert.dcp_io import ChunkReader, error_summary, save_lazily
 from hp_megatron.convert.layout import CheckpointLayout, LayoutEntry, checkpoint_layout
-from hp_megatron.convert.registry import get_architecture
 from hp_megatron.convert.rules import TensorRule
 from hp_megatron.convert.safetensors_io import (CONFIG_NAME, CheckpointError, HFCheckpoint, ShardedSafetensorsWriter,
-                                                parse_size)
+                                                load_hf_config, parse_size)
 from hp_megatron.platform import single_rank_megatron
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -71,13 +76,10 @@ def build_layout(build_model, hf_config: dict, metadata: dict | None = None) -> 
     return layout
 
 
-def _resolve(hf_config: dict, rules, build_model):
-    model_type = hf_config.get("model_type")
-    if rules is None or build_model is None:
-        arch = get_architecture(model_type)
-        rules = arch.conversion_rules(hf_config) if rules is None else rules
-        build_model = arch.build_model if build_model is None else build_model
-    return list(rules), build_model
+def _check_model_type(architecture, hf_config: dict, where: str) -> None:
+    if hf_config.get("model_type") != architecture.model_type:
+        raise CheckpointError(f"{where}: config.json has model_type={hf_config.get('model_type')!r}; the architecture "
+                              f"given converts {architecture.model_type!r}")
 
 
 def _match_rules(rules: list[TensorRule], layout: CheckpointLayout, where: str) -> list[tuple[TensorRule, LayoutEntry]]:
@@ -152,22 +154,37 @@ def checkpoint_directory(path: str) -> str:
     return path
 
 
-# ------------------------------------------------------------------------------------------ HF -> mcore
-def _unmodeled(hf_config: dict) -> dict:
-    """The registered architecture's ``unmodeled_tensors`` of this config ({} for an unregistered model_type)."""
+def _read_common(ckpt: str) -> dict:
+    """``common.pt`` of the iteration directory ``ckpt``; CheckpointError naming the file when it is missing or
+    unreadable (truncated)."""
+    path = os.path.join(ckpt, COMMON)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing; a megatron-core dist checkpoint holds its common state there")
     try:
-        arch = get_architecture(hf_config.get("model_type"))
-    except ValueError:
-        return {}
-    return arch.unmodeled_tensors(hf_config) if arch.unmodeled_tensors else {}
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise CheckpointError(f"{path}: unreadable ({error_summary(err)})") from err
 
 
-def hf_to_mcore(hf_dir: str, save: str, *, rules=None, build_model=None, iteration: int | None = None,
+def stored_hf_config(load: str) -> dict:
+    """The HF config.json a checkpoint carries (written by :func:`hf_to_mcore`); ``load`` as in :func:`mcore_to_hf`."""
+    ckpt = checkpoint_directory(load)
+    return _hf_config_of(_read_common(ckpt), ckpt)
+
+
+def _hf_config_of(common: dict, ckpt: str) -> dict:
+    if common.get("hf_config") is None:
+        raise CheckpointError(f"{ckpt}/{COMMON}: no hf_config stored; pass the HF config.json (--hf-config)")
+    return common["hf_config"]
+
+
+# ------------------------------------------------------------------------------------------ HF -> mcore
+def hf_to_mcore(hf_dir: str, save: str, architecture, *, iteration: int | None = None,
                 metadata: dict | None = None, overwrite: bool = False,
                 drop_unmodeled: bool = False) -> ConversionReport:
-    """Convert the HF directory ``hf_dir`` into a megatron-core checkpoint at ``save``.
+    """Convert the HF directory ``hf_dir`` of ``architecture`` (see the module docstring) into a megatron-core
+    checkpoint at ``save``.
 
-    ``rules``/``build_model`` default to the registered architecture of config.json's ``model_type``.
     ``iteration=None`` writes a ``release`` checkpoint (Megatron-LM loads it as a starting point: no optimizer,
     iteration 0), an int writes ``iter_XXXXXXX``. ``metadata`` is the ``sharded_state_dict`` metadata (default:
     megatron-core's defaults, as Megatron-LM and examples/pretrain load without content metadata).
@@ -176,12 +193,13 @@ def hf_to_mcore(hf_dir: str, save: str, *, rules=None, build_model=None, iterati
     ``drop_unmodeled`` (then the report lists them in ``dropped``); any other tensor no rule reads always stops it."""
     start = time.perf_counter()
     hf = HFCheckpoint(hf_dir)
-    rules, build_model = _resolve(hf.config, rules, build_model)
-    layout = build_layout(build_model, hf.config, metadata)
+    _check_model_type(architecture, hf.config, hf_dir)
+    rules = list(architecture.conversion_rules(hf.config))
+    layout = build_layout(architecture.build_model, hf.config, metadata)
     matched = _match_rules(rules, layout, hf_dir)
 
     unexpected = sorted(set(hf.tensors) - {k for rule in rules for k in rule.hf_keys})
-    unmodeled = _unmodeled(hf.config)
+    unmodeled = architecture.unmodeled_tensors(hf.config)
     parts = {k: next((what for prefix, what in unmodeled.items() if k.startswith(prefix)), None) for k in unexpected}
     dropped = tuple(k for k in unexpected if parts[k] is not None)
     unexpected = [k for k in unexpected if parts[k] is None]
@@ -242,24 +260,24 @@ def hf_to_mcore(hf_dir: str, save: str, *, rules=None, build_model=None, iterati
 
 
 # ------------------------------------------------------------------------------------------ mcore -> HF
-def mcore_to_hf(load: str, save: str, *, hf_config: dict | None = None, rules=None, build_model=None,
-                max_shard_size: str | int = "5GB", overwrite: bool = False) -> ConversionReport:
-    """Convert the megatron-core checkpoint ``load`` (root with a tracker file, or the iteration directory)
-    into an HF directory at ``save`` (config.json + safetensors shards + index).
+def mcore_to_hf(load: str, save: str, architecture, *, hf_config=None, max_shard_size: str | int = "5GB",
+                overwrite: bool = False) -> ConversionReport:
+    """Convert the megatron-core checkpoint ``load`` (root with a tracker file, or the iteration directory) of
+    ``architecture`` (see the module docstring) into an HF directory at ``save`` (config.json + safetensors shards
+    + index).
 
-    ``hf_config`` defaults to the config the checkpoint carries (written by :func:`hf_to_mcore`)."""
+    ``hf_config`` (a dict, a config.json or a directory holding one) defaults to the config the checkpoint carries
+    (:func:`stored_hf_config`)."""
     start = time.perf_counter()
     ckpt = checkpoint_directory(load)
-    common = torch.load(os.path.join(ckpt, COMMON), map_location="cpu", weights_only=False)
-    if hf_config is None:
-        hf_config = common.get("hf_config")
-        if hf_config is None:
-            raise CheckpointError(f"{ckpt}/{COMMON}: no hf_config stored; pass the HF config.json (--hf-config)")
-    rules, build_model = _resolve(hf_config, rules, build_model)
+    common = _read_common(ckpt)
+    reader = ChunkReader(ckpt)  # checks the files .metadata points into: damage is named before any work
+    hf_config = _hf_config_of(common, ckpt) if hf_config is None else load_hf_config(hf_config)
+    _check_model_type(architecture, hf_config, ckpt)
+    rules = list(architecture.conversion_rules(hf_config))
     metadata = common.get("content_metadata")
-    layout = build_layout(build_model, hf_config, metadata)
+    layout = build_layout(architecture.build_model, hf_config, metadata)
     matched = _match_rules(rules, layout, ckpt)
-    reader = ChunkReader(ckpt)
 
     specs, used = [], set()
     for rule, entry in matched:

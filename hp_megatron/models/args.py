@@ -20,14 +20,14 @@ _NOT_ARGS = ("activation_func", "gated_linear_unit")  # --swiglu sets both
 
 def megatron_args(preset: ModelPreset) -> dict:
     """``{Megatron-LM argument dest: value}`` of a preset (model shape, norms, MoE, rotary, vocabulary)."""
-    c = preset.config
+    c = preset.transformer_fields
     args = {ARG_NAMES.get(k, k): v for k, v in c.items() if k not in _NOT_ARGS}
     if c.get("gated_linear_unit"):
         if c.get("activation_func") is not torch.nn.functional.silu:
             raise ValueError(f"{preset.model_type}: only SwiGLU MLPs map to Megatron flags (--swiglu)")
         args["swiglu"] = True
     args["group_query_attention"] = c.get("num_query_groups", c["num_attention_heads"]) != c["num_attention_heads"]
-    gpt = preset.gpt
+    gpt = preset.gpt_model_kwargs
     args.update(vocab_size=gpt["vocab_size"], make_vocab_size_divisible_by=1,
                 position_embedding_type=gpt["position_embedding_type"],
                 untie_embeddings_and_output_weights=not gpt["share_embeddings_and_output_weights"],

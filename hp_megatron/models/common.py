@@ -19,29 +19,30 @@ from hp_megatron.convert.rules import TensorRule, identity_rule
 class ModelPreset:
     """A megatron-core model equivalent to one HF ``config.json``.
 
-    ``config``: megatron ``TransformerConfig`` fields; ``extra``: fields of our layers, declared by
-    ``hp_megatron.config.HybridTransformerConfig`` (megatron's ``linear_*``, MLA's ``q_lora_rank``...,
-    ``kda_gate_low_rank_dim``, ``mla_cp_strategy``, ``gated_norm_zero_centered_gamma``); ``gpt``:
+    ``transformer_fields``: megatron ``TransformerConfig`` fields; ``mixer_fields``: fields of our mixers, declared
+    by ``hp_megatron.config.HybridTransformerConfig`` (megatron's ``linear_*``, MLA's ``q_lora_rank``...,
+    ``kda_gate_low_rank_dim``, ``mla_cp_strategy``, ``gated_norm_zero_centered_gamma``); ``gpt_model_kwargs``:
     ``GPTModel`` keywords (vocab size, rotary embedding, tied embeddings); ``pattern``: one layer symbol per layer
     (``G`` GDN, ``K`` KDA, ``M`` MLA, ``A`` attention); ``qk_layernorm``: the spec option for ``A`` layers.
     """
 
     model_type: str
     pattern: str
-    config: dict
-    extra: dict = field(default_factory=dict)
-    gpt: dict = field(default_factory=dict)
+    transformer_fields: dict
+    mixer_fields: dict = field(default_factory=dict)
+    gpt_model_kwargs: dict = field(default_factory=dict)
     qk_layernorm: bool = False
 
     def transformer_config(self, **overrides):
-        """A ``hp_megatron.config.HybridTransformerConfig`` of this preset (``config``, ``extra`` and ``pattern``);
-        ``overrides`` (parallel sizes, dtypes...) win over it."""
+        """A ``hp_megatron.config.HybridTransformerConfig`` of this preset (``transformer_fields``, ``mixer_fields``
+        and ``pattern``); ``overrides`` (parallel sizes, dtypes...) win over it."""
         from hp_megatron.config import HybridTransformerConfig
 
         # GPTModel records config.rotary_base (a declared MLA field) as its own: the preset's RoPE base where it has one
-        rotary = {"rotary_base": self.gpt["rotary_base"]} if "rotary_base" in self.gpt else {}
-        return HybridTransformerConfig(**{**self.config, **rotary, **self.extra, "hp_layer_pattern": self.pattern,
-                                          **overrides})
+        gpt = self.gpt_model_kwargs
+        rotary = {"rotary_base": gpt["rotary_base"]} if "rotary_base" in gpt else {}
+        return HybridTransformerConfig(**{**self.transformer_fields, **rotary, **self.mixer_fields,
+                                          "hp_layer_pattern": self.pattern, **overrides})
 
     def layer_spec(self, backend="eager", **kwargs):
         """The ``HybridLayer`` spec of this preset (``kwargs``: ``linear``, ``cp_layout``)."""
@@ -62,7 +63,7 @@ class ModelPreset:
             layer_specs=[self.layer_spec(backend, **spec_kwargs)] * get_num_layers_to_build(config, vp_stage),
             layer_norm=RMSNorm)
         return GPTModel(config=config, transformer_layer_spec=block, max_sequence_length=max_sequence_length,
-                        pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, **self.gpt)
+                        pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, **self.gpt_model_kwargs)
 
 
 def refuse(model_type: str, name: str, value, supported) -> None:
@@ -211,16 +212,16 @@ def mla_fields(hf: dict, model_type: str, rope_type: str, rope: dict) -> dict:
     return fields
 
 
-def mla_rules(mcore: str, hf: str, extra: dict, heads: int, *, rope_interleave: bool) -> list[TensorRule]:
+def mla_rules(mcore: str, hf: str, mixer_fields: dict, heads: int, *, rope_interleave: bool) -> list[TensorRule]:
     """``layers.mla.MultiLatentAttention`` from ``DeepseekV3Attention`` / ``KimiLinearAttention`` tensors
     (``layers.mla``'s name map; rotary rows permuted when transformers' layout is half-split)."""
     from types import SimpleNamespace
 
     from layers.mla import HF_TO_MLA, mla_state_dict_from_hf, mla_state_dict_to_hf
 
-    dims = SimpleNamespace(num_attention_heads=heads, qk_head_dim=extra["qk_head_dim"],
-                           qk_pos_emb_head_dim=extra["qk_pos_emb_head_dim"])
-    if extra["q_lora_rank"] is None:
+    dims = SimpleNamespace(num_attention_heads=heads, qk_head_dim=mixer_fields["qk_head_dim"],
+                           qk_pos_emb_head_dim=mixer_fields["qk_pos_emb_head_dim"])
+    if mixer_fields["q_lora_rank"] is None:
         names = ("q_proj.weight",)
     else:
         names = ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight")

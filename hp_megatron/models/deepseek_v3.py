@@ -56,20 +56,22 @@ def megatron_config(hf: dict) -> ModelPreset:
         shared = hf.get("n_shared_experts") or 0
         if shared:
             config["moe_shared_expert_intermediate_size"] = shared * hf["moe_intermediate_size"]
-    extra = mla_fields(hf, MODEL_TYPE, rope_type, rope)
+    mixer = mla_fields(hf, MODEL_TYPE, rope_type, rope)
     gpt = dict(vocab_size=field_of(hf, MODEL_TYPE, "vocab_size"), position_embedding_type="none",
                share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)))
-    return ModelPreset(MODEL_TYPE, "M" * hf["num_hidden_layers"], config, extra, gpt)
+    return ModelPreset(MODEL_TYPE, "M" * hf["num_hidden_layers"], transformer_fields=config, mixer_fields=mixer,
+                       gpt_model_kwargs=gpt)
 
 
 def conversion_rules(hf: dict) -> list[TensorRule]:
     """One rule per megatron-core tensor of the model of :func:`megatron_config`."""
     preset = megatron_config(hf)
-    rules = model_rules(preset.gpt["share_embeddings_and_output_weights"])
+    rules = model_rules(preset.gpt_model_kwargs["share_embeddings_and_output_weights"])
     shared = "shared_experts." if hf.get("n_shared_experts") else None
     for i, is_moe in enumerate(moe_layers(hf)):
-        rules += mla_rules(layer_prefix(i) + "self_attention.", f"model.layers.{i}.self_attn.", preset.extra,
-                           preset.config["num_attention_heads"], rope_interleave=hf.get("rope_interleave", True))
+        rules += mla_rules(layer_prefix(i) + "self_attention.", f"model.layers.{i}.self_attn.", preset.mixer_fields,
+                           preset.transformer_fields["num_attention_heads"],
+                           rope_interleave=hf.get("rope_interleave", True))
         rules += layer_norm_rules(i)
         rules += layer_mlp_rules(i, is_moe, hf.get("n_routed_experts", 0), router="gate.weight",
                                  expert_bias="gate.e_score_correction_bias", shared=shared)

@@ -95,13 +95,14 @@ def megatron_config(hf: dict) -> ModelPreset:
         if shared:
             config["moe_shared_expert_intermediate_size"] = shared * hf["moe_intermediate_size"]
     kda = _kda_dims(hf)
-    extra = dict(linear_num_key_heads=kda["heads"], linear_num_value_heads=kda["heads"],
+    mixer = dict(linear_num_key_heads=kda["heads"], linear_num_value_heads=kda["heads"],
                  linear_key_head_dim=kda["head_dim"], linear_value_head_dim=kda["head_dim"],
                  kda_gate_low_rank_dim=kda["head_dim"], linear_conv_kernel_dim=kda["conv"],
                  **mla_fields(hf, MODEL_TYPE, "none", {}))
     gpt = dict(vocab_size=field_of(hf, MODEL_TYPE, "vocab_size"), position_embedding_type="none",
                share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)))
-    return ModelPreset(MODEL_TYPE, "".join(LAYER_SYMBOLS[t] for t in types), config, extra, gpt)
+    return ModelPreset(MODEL_TYPE, "".join(LAYER_SYMBOLS[t] for t in types), transformer_fields=config,
+                       mixer_fields=mixer, gpt_model_kwargs=gpt)
 
 
 def _cat_rule(mcore_key: str, hf_keys: tuple, sizes: list) -> TensorRule:
@@ -138,17 +139,17 @@ def _moe_rules(mcore: str, hf: str, num_experts: int, shared: bool) -> list[Tens
 def conversion_rules(hf: dict) -> list[TensorRule]:
     """One rule per megatron-core tensor of the model of :func:`megatron_config`."""
     preset = megatron_config(hf)
-    kda, heads = _kda_dims(hf), preset.config["num_attention_heads"]
-    experts = preset.config.get("num_moe_experts", 0)
-    shared = bool(preset.config.get("moe_shared_expert_intermediate_size"))
+    kda, heads = _kda_dims(hf), preset.transformer_fields["num_attention_heads"]
+    experts = preset.transformer_fields.get("num_moe_experts", 0)
+    shared = bool(preset.transformer_fields.get("moe_shared_expert_intermediate_size"))
     dense = "block_sparse_moe." if "mlp_layer_types" in hf else "mlp."  # written by transformers / by Moonshot
-    rules = model_rules(preset.gpt["share_embeddings_and_output_weights"])
+    rules = model_rules(preset.gpt_model_kwargs["share_embeddings_and_output_weights"])
     for i, (symbol, is_moe) in enumerate(zip(preset.pattern, moe_layers(hf))):
         mcore, theirs = layer_prefix(i), f"model.layers.{i}."
         if symbol == "K":
             rules += _kda_rules(mcore + "self_attention.", theirs + "self_attn.", kda)
         else:
-            rules += mla_rules(mcore + "self_attention.", theirs + "self_attn.", preset.extra, heads,
+            rules += mla_rules(mcore + "self_attention.", theirs + "self_attn.", preset.mixer_fields, heads,
                                rope_interleave=True)
         rules += layer_norm_rules(i)
         if is_moe:

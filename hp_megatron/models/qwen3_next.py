@@ -78,14 +78,15 @@ def megatron_config(hf: dict) -> ModelPreset:
                       moe_ffn_hidden_size=field_of(hf, MODEL_TYPE, "moe_intermediate_size"),
                       moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
     dims = _gdn_dims(hf)
-    extra = dict(linear_num_key_heads=dims["num_key_heads"], linear_num_value_heads=dims["num_value_heads"],
+    mixer = dict(linear_num_key_heads=dims["num_key_heads"], linear_num_value_heads=dims["num_value_heads"],
                  linear_key_head_dim=dims["key_head_dim"], linear_value_head_dim=dims["value_head_dim"],
                  linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4), gated_norm_zero_centered_gamma=False)
     gpt = dict(vocab_size=field_of(hf, MODEL_TYPE, "vocab_size"), position_embedding_type="rope",
                rotary_percent=float(rope.get("partial_rotary_factor", 0.25)),
                rotary_base=float(rope.get("rope_theta", 10000.0)),
                share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)))
-    return ModelPreset(MODEL_TYPE, "".join(LAYER_SYMBOLS[t] for t in types), config, extra, gpt, qk_layernorm=True)
+    return ModelPreset(MODEL_TYPE, "".join(LAYER_SYMBOLS[t] for t in types), transformer_fields=config,
+                       mixer_fields=mixer, gpt_model_kwargs=gpt, qk_layernorm=True)
 
 
 def _gated_qkv_rule(mcore_key: str, hf: str, heads: int, groups: int, head_dim: int) -> TensorRule:
@@ -112,7 +113,7 @@ def _gated_qkv_rule(mcore_key: str, hf: str, heads: int, groups: int, head_dim: 
 
 
 def _attention_rules(mcore: str, hf: str, preset: ModelPreset) -> list[TensorRule]:
-    c = preset.config
+    c = preset.transformer_fields
     return [_gated_qkv_rule(mcore + "linear_qkv.weight", hf, c["num_attention_heads"], c["num_query_groups"],
                             c["kv_channels"]),
             identity_rule(mcore + "linear_proj.weight", hf + "o_proj.weight"),
@@ -143,7 +144,7 @@ def conversion_rules(hf: dict) -> list[TensorRule]:
     """One rule per megatron-core tensor of the model of :func:`megatron_config`."""
     preset = megatron_config(hf)
     dims = _gdn_dims(hf)
-    rules = model_rules(preset.gpt["share_embeddings_and_output_weights"])
+    rules = model_rules(preset.gpt_model_kwargs["share_embeddings_and_output_weights"])
     for i, (symbol, is_moe) in enumerate(zip(preset.pattern, moe_layers(hf))):
         mcore = layer_prefix(i) + "self_attention."
         if symbol == "A":

@@ -6,25 +6,35 @@ from __future__ import annotations
 import torch
 
 TINY_VOCAB, TINY_HIDDEN = 64, 32
+HF_EXTRA = "pip install -e .[hf] (in a checkout) or pip install 'hp-megatron[hf]'"
+
+
+def import_transformers():
+    """The ``transformers`` module; RuntimeError naming the install command when it is missing (the ``[hf]``
+    extra: the converter does not need it, the tiny models do)."""
+    try:
+        import transformers
+    except ImportError as err:
+        raise RuntimeError(f"the tiny Hugging Face models need transformers, which is not installed: "
+                           f"{HF_EXTRA}") from err
+    return transformers
 
 
 def _qwen3_next(vocab_size: int):
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    cfg = Qwen3NextConfig(
+    transformers = import_transformers()
+    cfg = transformers.Qwen3NextConfig(
         vocab_size=vocab_size, hidden_size=TINY_HIDDEN, intermediate_size=48, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=16, shared_expert_intermediate_size=24, mlp_only_layers=[1], rms_norm_eps=1e-6,
         layer_types=["linear_attention", "linear_attention", "full_attention", "full_attention"],
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
-    return Qwen3NextForCausalLM, cfg
+    return transformers.Qwen3NextForCausalLM, cfg
 
 
 def _deepseek_v3(vocab_size: int):
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    cfg = DeepseekV3Config(
+    transformers = import_transformers()
+    cfg = transformers.DeepseekV3Config(
         vocab_size=vocab_size, hidden_size=TINY_HIDDEN, intermediate_size=48, moe_intermediate_size=16,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
         num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
@@ -33,13 +43,12 @@ def _deepseek_v3(vocab_size: int):
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
                          "mscale": 1.0, "mscale_all_dim": 1.0})
-    return DeepseekV3ForCausalLM, cfg
+    return transformers.DeepseekV3ForCausalLM, cfg
 
 
 def _kimi_linear(vocab_size: int):
-    from transformers import KimiLinearConfig, KimiLinearForCausalLM
-
-    cfg = KimiLinearConfig(
+    transformers = import_transformers()
+    cfg = transformers.KimiLinearConfig(
         vocab_size=vocab_size, hidden_size=TINY_HIDDEN, intermediate_size=48, moe_intermediate_size=16,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_token=2,
         num_shared_experts=1, routed_scaling_factor=2.0, q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=8,
@@ -47,7 +56,7 @@ def _kimi_linear(vocab_size: int):
         eos_token_id=None, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
         layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
         linear_attn_config={"head_dim": 8, "num_heads": 4, "short_conv_kernel_size": 4})
-    return KimiLinearForCausalLM, cfg
+    return transformers.KimiLinearForCausalLM, cfg
 
 
 TINY_ARCHITECTURES = {"qwen3_next": _qwen3_next, "deepseek_v3": _deepseek_v3, "kimi_linear": _kimi_linear}

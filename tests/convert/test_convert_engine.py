@@ -96,6 +96,7 @@ def _break(directory, how):
 @pytest.mark.parametrize("how", ["missing", "unexpected", "shape", "architecture", "truncated"])
 def test_bad_hf_input_names_file_and_tensor_and_writes_nothing(hf_models, how):
     from hp_megatron.convert import hf_to_mcore
+    from hp_megatron.models import get_architecture
 
     tmp, models = hf_models
     broken = str(tmp / f"broken_{how}")
@@ -103,7 +104,7 @@ def test_bad_hf_input_names_file_and_tensor_and_writes_nothing(hf_models, how):
     expected = _break(broken, how)
     save = str(tmp / f"out_{how}")
     with pytest.raises(ValueError) as info:
-        hf_to_mcore(broken, save)
+        hf_to_mcore(broken, save, get_architecture("llama"))
     for text in expected:
         assert text in str(info.value), (text, str(info.value))
     assert not [name for name in os.listdir(tmp) if name.startswith(f"out_{how}")]
@@ -111,14 +112,16 @@ def test_bad_hf_input_names_file_and_tensor_and_writes_nothing(hf_models, how):
 
 def test_export_with_a_config_of_other_shapes_is_refused(hf_models):
     from hp_megatron.convert import hf_to_mcore, mcore_to_hf
+    from hp_megatron.models import get_architecture
 
+    llama = get_architecture("llama")
     tmp, models = hf_models
     ckpt = str(tmp / "for_wrong_config")
-    hf_to_mcore(models["untied"][1], ckpt)
+    hf_to_mcore(models["untied"][1], ckpt, llama)
     config = json.load(open(os.path.join(models["untied"][1], "config.json")))
     config["intermediate_size"] = 40
     with pytest.raises(ValueError, match=r"shape mismatch for decoder\.layers\.(0\.)?mlp\.linear_fc1\.weight"):
-        mcore_to_hf(ckpt, str(tmp / "wrong_back"), hf_config=config)
+        mcore_to_hf(ckpt, str(tmp / "wrong_back"), llama, hf_config=config)
     assert not os.path.exists(tmp / "wrong_back")
     with pytest.raises(FileExistsError, match="overwrite"):
-        hf_to_mcore(models["untied"][1], ckpt)
+        hf_to_mcore(models["untied"][1], ckpt, llama)

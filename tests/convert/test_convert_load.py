@@ -29,10 +29,11 @@ def load_and_run(rank, world_size, hf_dir, ckpt_dir, tokens, resaved_dir, moe_hf
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from hp_megatron.convert import llama
     from hp_megatron.convert.safetensors_io import HFCheckpoint
+    from hp_megatron.models import get_architecture
     from hp_megatron.platform import apply_cpu_shims
 
+    llama = get_architecture("llama")
     hf = HFCheckpoint(hf_dir)
     results = {}
     for tp in (1, 2):
@@ -70,9 +71,10 @@ def _pipeline_stage_load(hf, ckpt_dir):
     tensors of its global layer numbers. Returns the largest difference."""
     from megatron.core import dist_checkpointing, parallel_state
 
-    from hp_megatron.convert import llama
+    from hp_megatron.models import get_architecture
     from hp_megatron.platform import apply_cpu_shims
 
+    llama = get_architecture("llama")
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(1, 2)
     apply_cpu_shims(7)
@@ -89,8 +91,8 @@ def _expert_parallel_load(hf_dir, ckpt_dir):
     exactly the rules' tensors of their global expert indices. Returns (largest difference, tensors compared)."""
     from megatron.core import dist_checkpointing, parallel_state
 
-    from hp_megatron.convert import get_architecture
     from hp_megatron.convert.safetensors_io import HFCheckpoint
+    from hp_megatron.models import get_architecture
     from hp_megatron.platform import apply_cpu_shims
 
     hf = HFCheckpoint(hf_dir)
@@ -127,12 +129,12 @@ def _example_load(hf_config, ckpt_root, tokens):
 
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from hp_megatron.convert import llama
+    from hp_megatron.models import get_architecture
 
     sys.path.insert(0, EXAMPLE)
     from checkpointing import find_checkpoint, load_checkpoint
 
-    model = llama.build_model(hf_config, tensor_model_parallel_size=2)
+    model = get_architecture("llama").build_model(hf_config, tensor_model_parallel_size=2)
     iteration, consumed = load_checkpoint(find_checkpoint(ckpt_root), SimpleNamespace(module=model), None, None)
     with torch.no_grad():
         logits = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), attention_mask=None)
@@ -144,21 +146,23 @@ def _converted_qwen3_next(tmp):
     from tests.support.models_case import tiny_hf_model
 
     from hp_megatron.convert import hf_to_mcore
+    from hp_megatron.models import get_architecture
 
     hf_dir, ckpt = str(tmp / "qwen3_next_hf"), str(tmp / "qwen3_next_mcore")
     tiny_hf_model("qwen3_next", hf_dir)
-    hf_to_mcore(hf_dir, ckpt)
+    hf_to_mcore(hf_dir, ckpt, get_architecture("qwen3_next"))
     return hf_dir, ckpt
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from hp_megatron.convert import hf_to_mcore
+    from hp_megatron.models import get_architecture
 
     tmp = tmp_path_factory.mktemp("convert_load")
     model, hf_dir = tiny_llama(tmp)
     ckpt = str(tmp / "mcore")
-    hf_to_mcore(hf_dir, ckpt)
+    hf_to_mcore(hf_dir, ckpt, get_architecture("llama"))
     tokens = torch.randint(0, LLAMA_VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = model(tokens).logits
@@ -211,10 +215,11 @@ def test_checkpoint_saved_by_megatron_at_tp2_exports_to_the_original_hf_tensors(
     import json
 
     from hp_megatron.convert import mcore_to_hf
+    from hp_megatron.models import get_architecture
 
     _, _, hf_dir, resaved, tmp = setup
     config = json.load(open(os.path.join(hf_dir, "config.json")))
-    mcore_to_hf(resaved, str(tmp / "from_tp2"), hf_config=config)
+    mcore_to_hf(resaved, str(tmp / "from_tp2"), get_architecture("llama"), hf_config=config)
 
     original, exported = read_safetensors(hf_dir), read_safetensors(str(tmp / "from_tp2"))
     assert sorted(exported) == sorted(original)

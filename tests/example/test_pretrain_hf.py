@@ -27,6 +27,7 @@ def converted(tmp_path_factory):
     from prepare_data import BPETokenizer, build
 
     from hp_megatron.convert import hf_to_mcore
+    from hp_megatron.models import get_architecture
 
     root = tmp_path_factory.mktemp("pretrain_hf")
     build(str(root / "data"), vocab_size=512)
@@ -34,7 +35,7 @@ def converted(tmp_path_factory):
             "--tokenizer", str(root / "data" / "tokenizer.json")]
     vocab = BPETokenizer(data[-1]).vocab_size
     model, _ = tiny_hf_model(ARCH, str(root / "hf"), seed=3, vocab_size=vocab)
-    hf_to_mcore(str(root / "hf"), str(root / "ckpt"))
+    hf_to_mcore(str(root / "hf"), str(root / "ckpt"), get_architecture(ARCH))
     return data, str(root / "hf"), str(root / "ckpt"), model
 
 

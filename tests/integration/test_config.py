@@ -135,11 +135,12 @@ def test_example_configs_keep_megatron_fields(monkeypatch, tmp_path):
         args = pretrain_hybrid.parse_args([*tiny, "--hp-hf-config", str(tmp_path / arch)])
         config = pretrain_hybrid.build_config(args, 64)
         preset = preset_from_hf(str(tmp_path / arch))
-        assert_megatron_fields_kept(seen[-1], config, {**hp_config_from_args(args), **preset.extra})
+        assert_megatron_fields_kept(seen[-1], config, {**hp_config_from_args(args), **preset.mixer_fields})
         assert config.hp_layer_pattern == preset.pattern
-        assert all(getattr(config, k) == v for k, v in preset.extra.items()), arch
-        assert all(getattr(config, k) == v for k, v in preset.config.items() if k != "num_layers"), arch
-        assert config.rotary_base == preset.gpt.get("rotary_base", preset.extra.get("rotary_base")), arch
+        assert all(getattr(config, k) == v for k, v in preset.mixer_fields.items()), arch
+        assert all(getattr(config, k) == v for k, v in preset.transformer_fields.items() if k != "num_layers"), arch
+        assert config.rotary_base == preset.gpt_model_kwargs.get("rotary_base",
+                                                                 preset.mixer_fields.get("rotary_base")), arch
 
 
 def test_megatron_lm_configs_keep_megatron_fields(monkeypatch):

@@ -21,12 +21,14 @@ QWEN3_NEXT = {"model_type": "qwen3_next", "vocab_size": 64, "hidden_size": 32, "
 def test_registry_and_refusals():
     from hp_megatron.models import get_architecture, preset_from_hf
 
-    with pytest.raises(ValueError, match=r"'llama'.*supported: \['deepseek_v3', 'kimi_linear', 'qwen3_next'\]"):
-        get_architecture("llama")
+    with pytest.raises(ValueError, match=r"'gpt2'.*supported: \['deepseek_v3', 'kimi_linear', 'llama', 'qwen3_next'\]"):
+        get_architecture("gpt2")
     preset = preset_from_hf(QWEN3_NEXT)
     assert preset.pattern == "GGGA" and preset.qk_layernorm
-    assert preset.config["moe_layer_freq"] == [1, 0, 1, 1] and preset.config["moe_shared_expert_gate"]
-    assert preset.gpt["rotary_percent"] == 0.25 and preset.extra["gated_norm_zero_centered_gamma"] is False
+    fields = preset.transformer_fields
+    assert fields["moe_layer_freq"] == [1, 0, 1, 1] and fields["moe_shared_expert_gate"]
+    assert preset.gpt_model_kwargs["rotary_percent"] == 0.25
+    assert preset.mixer_fields["gated_norm_zero_centered_gamma"] is False
     for field, value in (("hidden_act", "gelu"), ("attention_bias", True),
                          ("rope_parameters", {"rope_type": "yarn", "factor": 4.0})):
         with pytest.raises(ValueError, match=field.split("_parameters")[0]):

@@ -103,6 +103,18 @@ def test_ops_never_import_cp_and_layers_never_import_hp_megatron():
     assert {m: d for m, d in bad_cp.items() if d} == {}
 
 
+def test_no_cycles_in_hp_megatron_and_the_converter_never_imports_models():
+    """hp_megatron: no cycle anywhere (with layers/); imports go models -> convert: no module of the conversion
+    engine imports hp_megatron.models, except the command-line entry point (``python -m hp_megatron.convert``)."""
+    graph = import_graph()
+    assert _cycles(graph) == []
+    entry = "hp_megatron.convert.__main__"
+    engine = {m: sorted(d for d in deps if d == "hp_megatron.models" or d.startswith("hp_megatron.models."))
+              for m, deps in graph.items() if m.startswith("hp_megatron.convert") and m != entry}
+    assert {m: d for m, d in engine.items() if d} == {}
+    assert "hp_megatron.models" in graph[entry] and "hp_megatron.convert.rules" in graph["hp_megatron.models.common"]
+
+
 def test_graph_sees_known_edges():
     """The reader finds real edges (guards against a parser that finds nothing and passes vacuously)."""
     graph = import_graph()

@@ -1,0 +1,96 @@
+"""The one table of architectures, by Hugging Face ``model_type``: for each, its preset, its checkpoint conversion
+rules, its model builder and the checkpoint parts the model does not build.
+
+The conversion engine (``hp_megatron.convert``) takes an :class:`Architecture` from here (or any object of the same
+shape); it never imports this package. Adding an architecture: a module with ``MODEL_TYPE``,
+``megatron_config(hf_config) -> ModelPreset`` and ``conversion_rules(hf_config) -> list[TensorRule]`` (and
+``unmodeled_tensors`` if its checkpoints hold parts the model does not build), and one row in ``ARCHITECTURES``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+import hp_megatron.models.deepseek_v3 as deepseek_v3
+import hp_megatron.models.kimi_linear as kimi_linear
+import hp_megatron.models.llama as llama
+import hp_megatron.models.qwen3_next as qwen3_next
+from hp_megatron.convert.safetensors_io import load_hf_config
+from hp_megatron.models.common import ModelPreset
+
+
+def no_unmodeled_tensors(hf_config: dict) -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One HF ``model_type``: ``preset(hf_config) -> ModelPreset`` (None for a model known only by its builder);
+    ``conversion_rules(hf_config) -> list[TensorRule]``; ``unmodeled_tensors(hf_config) -> {HF key prefix: what it
+    holds}``, checkpoint tensors of parts the model does not build (DeepSeek-V3's and Qwen3-Next's
+    multi-token-prediction modules), which ``hf_to_mcore`` drops only when asked; ``model_builder``, when set,
+    builds the model in place of the preset's GPTModel (the converter's ``--model-builder``)."""
+
+    model_type: str
+    preset: Callable[[dict], ModelPreset] | None
+    conversion_rules: Callable[[dict], list]
+    unmodeled_tensors: Callable[[dict], dict] = no_unmodeled_tensors
+    model_builder: Callable | None = None
+
+    def __post_init__(self):
+        if self.preset is None and self.model_builder is None:
+            raise ValueError(f"architecture {self.model_type!r} needs a preset or a model_builder")
+
+    def build_model(self, hf_config: dict, **config_overrides):
+        """The ``GPTModel`` of ``hf_config`` for this pipeline stage of the current megatron parallel state (fp32,
+        CPU initialization unless ``config_overrides``, ``TransformerConfig`` fields, say otherwise)."""
+        from megatron.core import parallel_state
+
+        if self.model_builder is not None:
+            return self.model_builder(hf_config, **config_overrides)
+        preset = self.preset(hf_config)
+        fields = dict(use_cpu_initialization=True, params_dtype=torch.float32, gradient_accumulation_fusion=False,
+                      bias_dropout_fusion=False)
+        config = preset.transformer_config(**{**fields, **config_overrides})
+        return preset.gpt_model(config, max_sequence_length=hf_config.get("max_position_embeddings") or 4096,
+                                pre_process=parallel_state.is_pipeline_first_stage(),
+                                post_process=parallel_state.is_pipeline_last_stage())
+
+
+ARCHITECTURES = {arch.model_type: arch for arch in (
+    Architecture(llama.MODEL_TYPE, llama.megatron_config, llama.conversion_rules),
+    Architecture(qwen3_next.MODEL_TYPE, qwen3_next.megatron_config, qwen3_next.conversion_rules,
+                 qwen3_next.unmodeled_tensors),
+    Architecture(deepseek_v3.MODEL_TYPE, deepseek_v3.megatron_config, deepseek_v3.conversion_rules,
+                 deepseek_v3.unmodeled_tensors),
+    Architecture(kimi_linear.MODEL_TYPE, kimi_linear.megatron_config, kimi_linear.conversion_rules),
+)}
+
+
+def get_architecture(model_type: str) -> Architecture:
+    """The :class:`Architecture` of an HF ``model_type``; ValueError naming it and the supported ones."""
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[model_type]
+
+
+def architecture_of(path_or_dict) -> Architecture:
+    """The :class:`Architecture` of an HF config (dict, ``config.json`` or checkpoint directory)."""
+    hf = load_hf_config(path_or_dict)
+    if "model_type" not in hf:
+        raise ValueError(f"HF config has no 'model_type'; supported: {sorted(ARCHITECTURES)}")
+    return get_architecture(hf["model_type"])
+
+
+def preset_from_hf(path_or_dict) -> ModelPreset:
+    """:class:`ModelPreset` of an HF config (dict, ``config.json`` or checkpoint directory)."""
+    hf = load_hf_config(path_or_dict)
+    return architecture_of(hf).preset(hf)
+
+
+def conversion_rules_from_hf(path_or_dict) -> list:
+    """The ``TensorRule`` list of an HF config (dict, ``config.json`` or checkpoint directory)."""
+    hf = load_hf_config(path_or_dict)
+    return architecture_of(hf).conversion_rules(hf)
