@@ -32,10 +32,11 @@ STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fla_npu_stan
 REAL = os.environ.get("HP_ASCEND_REAL") == "1"
 OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}
 OUT_TOL, GRAD_TOL, BF16_TOL = 1e-5, 1e-4, 2e-2
-# Paths where fla-npu demands bf16 for a state input even in an fp32 model: the composite GDN backward
-# (initial_state, dht) and the KDA CP backward summary (gk). Rounding those inputs to bf16 perturbs each by at
-# most u = 2^-9 (relative); the gradients are linear in dht and smooth in h0 / gk, so their relative L2 error is
-# O(u). Bound: 4u = 7.8e-3. Outputs (o, final state) do not pass through these inputs and keep OUT_TOL.
+# The composite GDN backward takes initial_state and dht in bf16 only, even in an fp32 model. Single-rank cases
+# use bf16-representable values (exact conversion, fp32 tolerances); in GDN CP the terminal gradients are computed
+# inside, so rounding perturbs each by at most u = 2^-9 (relative); gradients are linear in dht and smooth in h0,
+# so their relative L2 error is O(u): bound 4u = 7.8e-3 (measured 2.4e-3). Outputs keep OUT_TOL. KDA CP rounds only
+# the summary's gk to bf16 and keeps GRAD_TOL (measured <= 6.5e-6).
 BF16_STATE_TOL = 4 * 2.0 ** -9
 
 
@@ -389,7 +390,7 @@ def test_cp_hook_matches_eager(cp_results, case):
     per_rank = [r[_key(True, *case)] for r in cp_results]
     errors = [r["error"] for r in per_rank if "error" in r]
     assert not errors, errors[0]
-    _assert_close(per_rank[0]["errs"], OUT_TOL, BF16_STATE_TOL)  # GDN: bf16 h0/dht; KDA: bf16 gk in the summary
+    _assert_close(per_rank[0]["errs"], OUT_TOL, BF16_STATE_TOL if case[0] == "gdn" else GRAD_TOL)
     calls = set(per_rank[0]["calls"])
     assert {"npu_pre_process_fwd_kernel_merged", "npu_chunk_delta_h_bwd_preprocess"} <= calls
     assert ("npu_merge_fwd_bwd_kernel" in calls) == (case[2] == "allgather")
@@ -400,7 +401,7 @@ def test_cp_public_api_matches_eager(cp_results, case):
     per_rank = [r[_key(False, *case)] for r in cp_results]
     errors = [r["error"] for r in per_rank if "error" in r]
     assert not errors, errors[0]
-    _assert_close(per_rank[0]["errs"], OUT_TOL, GRAD_TOL if case[2] == "ulysses" else BF16_STATE_TOL)
+    _assert_close(per_rank[0]["errs"], OUT_TOL, BF16_STATE_TOL if case[0] == "gdn" else GRAD_TOL)
 
 
 def test_cp_recursive_doubling_not_implemented(cp_results):

@@ -266,12 +266,14 @@ def test_12_zero_length_pieces(pinned):
 
 
 def test_12_backend_cp_names_zero_length_limit(pinned):
+    """Does not arise from layers/cp/plan.py (empty documents are rejected; zigzag parts are len / 2P > 0);
+    a plan with one gets a clear error instead of a kernel failure."""
     from layers.cp.ascendc import state_passing_cp
 
     ctx = types.SimpleNamespace(state_method="p2p")
     plan = types.SimpleNamespace(local_cu_seqlens=torch.tensor([0, 8, 8, 16]))
     x = torch.zeros(1, 16, 1, 128)
-    with pytest.raises(ValueError, match="zero-length pieces"):
+    with pytest.raises(ValueError, match="zero-length local pieces"):
         state_passing_cp("kda", ctx, plan, x, x, x, x, x[..., 0], scale=SCALE, flags={})
 
 

@@ -19,7 +19,8 @@ backward:
      every input gradient; nothing else crosses ranks (no dh0 is sent back).
 ``recursive_doubling`` raises NotImplementedError (no native support yet). Ulysses is the engine's (it
 re-shards heads before calling this hook). Limits: K = V = 128 (the native CP kernels); GDN CP needs Ascend 950
-(``chunk_gated_delta_rule_fwd_prepare``); no zero-length local piece (three fla-npu ops reject them). The
+(``chunk_gated_delta_rule_fwd_prepare``). Three fla-npu ops reject zero-length pieces; the planner never makes
+one (empty documents are rejected, zigzag documents are multiples of 2P), and the hook says so if one appears. The
 backward summary takes ``gk`` in bf16/fp16 (KDA's cumulative gate is rounded to bf16 there when the model
 runs in fp32) and is ``chunk_delta_h_bwd_preprocess`` or ``pre_process_bwd_kernel_merged`` by revision.
 """
@@ -79,6 +80,12 @@ def _native_exchange(ops):
     return lambda ctx, plan, A, B, forward: exchange(ops, ctx, plan, A, B, forward)
 
 
+# ------------------------------------------------------------------------------------------- pieces
+def entry_summaries(plan, summarize, shape):
+    """dS_loc ``[D, n_own, *shape]`` of the entry pieces: ``summarize(window)`` per entry window."""
+    return torch.stack([summarize(w) for w in entry_windows(plan)], 0).view(*plan.entry_piece.shape, *shape)
+
+
 # ---------------------------------------------------------------------------------------------- GDN
 class _GDNStateCP(torch.autograd.Function):
     @staticmethod
@@ -105,18 +112,17 @@ class _GDNStateCP(torch.autograd.Function):
         meta = ctx.meta
         ops, plan, cp, cu, scale = meta["ops"], meta["plan"], meta["ctx"], meta["cu"], meta["scale"]
         saved, (q_hat, k_hat, w, g_log2, M) = ctx.saved_tensors[:10], ctx.saved_tensors[10:]
-        g_cumsum, init = saved[3], saved[6]
+        g_cumsum = saved[3]
         do = do.contiguous()
         do_hm = do.transpose(1, 2).contiguous()
         dv_local = ops.chunk_bwd_dv_local(q_hat, k_hat, do_hm, g_cumsum.transpose(1, 2).contiguous(), scale,
                                           runtime.CHUNK, cu_seqlens=cu, chunk_indices=meta["chunk_indices"])
         V = do.shape[-1]
         summary = runtime.op(ops, "pre_process_bwd_kernel_merged")
-        dS_loc = torch.stack([summary(q_hat, k_hat, w, do_hm, dv_local, scale, runtime.CHUNK, g=g_log2,
-                                      cu_seqlens=window)[..., :V] for window in entry_windows(plan)], 0)
-        D, n_own = plan.entry_piece.shape
-        dS_loc = dS_loc.view(D, n_own, *dS_loc.shape[1:])
-        dht = terminal_gradients(cp, plan, M, dS_loc, init.shape[0], do.device, _native_exchange(ops))
+        dS_loc = entry_summaries(plan, lambda window: summary(
+            q_hat, k_hat, w, do_hm, dv_local, scale, runtime.CHUNK, g=g_log2, cu_seqlens=window)[..., :V],
+            (do.shape[2], q_hat.shape[-1], V))
+        dht = terminal_gradients(cp, plan, M, dS_loc, len(cu) - 1, do.device, _native_exchange(ops))
         dq, dk, dv, dbeta, dg, _ = composite_backward(ops, saved, do, dht, meta)
         qd, kd, vd, gd, bd = ctx.dtypes
         return dq.to(qd), dk.to(kd), dv.to(vd), dg.to(gd), dbeta.to(bd), None
@@ -134,7 +140,7 @@ class _KDAStateCP(torch.autograd.Function):
         M, init = initial_states(cp, plan, hm, _native_exchange(ops))
         h, v_new, _ = state_pass(ops, p, init, kmeta, False)
         o = ops.chunk_kda_fwd_finalize(p["qg_scaled"], p["Aqk"], v_new, h, output_layout="TND",
-                                       cu_seqlens=kmeta["cu"])
+                                       cu_seqlens=kmeta["cu"], chunk_indices=kmeta["chunk_indices"])
         saved = {n: p[n] for n in ("gk", "Aqk", "Akk", "w", "qg", "kg", "q_hat", "k_hat", "q_rstd", "k_rstd",
                                    "beta_eff")}
         saved.update(v_new=v_new, h=h, v_hm=head_major(v, True), g_hm=head_major(g, True), A_log=A_log,
@@ -153,18 +159,17 @@ class _KDAStateCP(torch.autograd.Function):
         saved = dict(zip(ctx.names, ctx.saved_tensors))
         do_hm = head_major(do, True)                                                       # NTD [HV, T, V]
         result = ops.chunk_kda_bwd_prepare(saved["Aqk"], saved["v_new"], do_hm, saved["h"], scale=kmeta["scale"],
-                                           chunk_size=runtime.CHUNK, layout="NTD", cu_seqlens=kmeta["cu"])
+                                           chunk_size=runtime.CHUNK, layout="NTD", cu_seqlens=kmeta["cu"],
+                                           chunk_indices=kmeta["chunk_indices"])
         _, dv_local, _ = runtime.slots("chunk_kda_bwd_prepare", result, 3, (0, 1, 2))
         V = do.shape[-1]
         summary = runtime.op(ops, "pre_process_bwd_kernel_merged")
         gk = batch4(saved["gk"], True)  # the summary takes gk in bf16/fp16 only
         gk = gk.to(saved["qg"].dtype if saved["qg"].dtype in (torch.bfloat16, torch.float16) else runtime.STATE_DTYPE)
-        dS_loc = torch.stack([summary(
+        dS_loc = entry_summaries(plan, lambda window: summary(
             batch4(saved["qg"], True), batch4(saved["kg"], True), batch4(saved["w"], True), batch4(do_hm, True),
-            batch4(dv_local, True), kmeta["scale"], runtime.CHUNK, gk=gk, cu_seqlens=window)[..., :V]
-            for window in entry_windows(plan)], 0)
-        D, n_own = plan.entry_piece.shape
-        dS_loc = dS_loc.view(D, n_own, *dS_loc.shape[1:])
+            batch4(dv_local, True), kmeta["scale"], runtime.CHUNK, gk=gk, cu_seqlens=window)[..., :V],
+            (do.shape[2], saved["qg"].shape[-1], V))
         dht = terminal_gradients(cp, plan, saved["M"], dS_loc, saved["h0"].shape[0], do.device,
                                  _native_exchange(ops))
         dq, dk, dv, dbeta, dg, da_log, ddt, _ = kda_local_backward(ops, saved, do_hm, dht, saved["h0"], kmeta)
@@ -196,10 +201,9 @@ def state_passing_cp(kind, ctx, plan, q, k, v, g, beta, *, scale, flags):
     device_name = runtime.soc(q.device)
     cu = [int(x) for x in plan.local_cu_seqlens.tolist()]
     if any(b == a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"backend='ascendc' CP: this rank's plan has zero-length pieces (local cu_seqlens {cu}), "
-                         "which fla-npu's composite forward and CP summary kernels reject; use documents whose "
-                         "lengths give every rank a non-empty part (zigzag: multiples of 2 * cp_size), "
-                         "cp_method='ulysses', or backend='eager'")
+        raise ValueError(f"backend='ascendc' CP: zero-length local pieces (local cu_seqlens {cu}) are rejected by "
+                         "fla-npu's composite forward and CP summary kernels; use cp_method='ulysses' or "
+                         "backend='eager'")
     flat = lambda x: x.reshape(1, B * T_loc, *x.shape[2:])  # noqa: E731  pieces index the flattened tokens
     q1, k1, v1, g1, b1 = map(flat, (q, k, v, g, beta))
     gate, A_log, dt_bias = flags.get("use_gate_in_kernel", False), flags.get("A_log"), flags.get("dt_bias")
@@ -227,7 +231,7 @@ def state_passing_cp(kind, ctx, plan, q, k, v, g, beta, *, scale, flags):
                          use_qk_l2norm_in_kernel=flags.get("use_qk_l2norm_in_kernel", False),
                          use_beta_sigmoid_in_kernel=flags.get("use_beta_sigmoid_in_kernel", False),
                          use_gate_in_kernel=gate, lower_bound=flags.get("lower_bound"),
-                         safe_gate=flags.get("safe_gate", False), cu_seqlens=plan.local_cu_seqlens)
+                         safe_gate=flags.get("safe_gate", False), cu_seqlens=torch.tensor(cu))
         meta = {"ops": ops[0], "plan": plan, "ctx": ctx, "kda": kmeta}
         o = _KDAStateCP.apply(q1, k1, v1, g1, b1, A, dtb, meta)
     return o.view(B, T_loc, HV, V)

@@ -12,8 +12,8 @@ intermediate is head-major (``BNSD`` / packed ``NTD``), so the upstream gradient
 ``chunk_fwd_h`` and the dhu op take rank-4 tensors only (packed runs add B = 1), with ``chunk_indices``.
 
 fla-npu facts handled here (docs/backends.md): the KDA backward stages are exported only by revisions after
-the pinned one (``runtime.require_api("kda_bwd")`` names them; the forward needs only "kda"); the dhu op of
-the pinned revision ignores ``dht``, so the terminal gradient enters through two dummy chunks appended to
+the pinned one (``runtime.require_api("kda_bwd")`` names them; the forward needs only "kda"); the dhu op
+ignores ``dht`` in every revision checked (``(void)dht;`` in its kernel), so the terminal gradient enters through two dummy chunks appended to
 every sequence (q = I, d_o = dht / scale, k = w = dv = gate = 0), as fla-npu's own CP examples do, after
 padding the sequence to the chunk grid with state-neutral tokens; the kernel's in-kernel gate is the sigmoid
 form only with ``safe_gate`` (default bound -5) and needs ``A_log``, so any other combination runs
@@ -58,8 +58,8 @@ def kda_prepare(ops, q, k, v, g, beta, A_log, dt_bias, meta):
     result = ops.chunk_kda_fwd_prepare(
         token_view(q, packed), token_view(k, packed), token_view(v, packed), token_view(g, packed),
         token_view(beta, packed), meta["scale"], runtime.CHUNK, layout=meta["layout"], cu_seqlens=meta["cu"],
-        safe_gate=meta["safe_gate"], lower_bound=meta["lower_bound"], use_gate_in_kernel=meta["gate"],
-        A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=meta["l2norm"],
+        chunk_indices=meta["chunk_indices"], safe_gate=meta["safe_gate"], lower_bound=meta["lower_bound"],
+        use_gate_in_kernel=meta["gate"], A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=meta["l2norm"],
         use_beta_sigmoid_in_kernel=meta["beta_sigmoid"], use_exp2=True, backward_mode="save")
     required = tuple(_SLOT[n] for n in ("gk", "Aqk", "Akk", "w", "u", "qg", "kg", "qg_scaled", "q_hat", "k_hat",
                                         "beta_eff")) + ((10, 11) if meta["l2norm"] else ())
@@ -87,6 +87,7 @@ def dhu_with_terminal(ops, qg, kg, w, do, dv, gk, h0, dht, scale, cu):
     (dh, dh0, dv2) on the real chunks / tokens."""
     C = runtime.CHUNK
     B, HV, T, K = qg.shape
+    h0 = None if h0 is None else h0.to(qg.dtype)  # only selects dh0 (which does not depend on its value)
     if dht is None:
         return runtime.slots("chunk_gated_delta_rule_bwd_dhu", ops.chunk_gated_delta_rule_bwd_dhu(
             qg, kg, w, do, dv, scale, C, gK=gk, h0=h0, dht=None, cu_seqlens=cu,
@@ -123,7 +124,8 @@ def kda_local_backward(ops, saved, do_hm, dht, h0, meta):
     ddt_bias, dh0)."""
     packed, cu, scale = meta["packed"], meta["cu"], meta["scale"]
     result = ops.chunk_kda_bwd_prepare(saved["Aqk"], saved["v_new"], do_hm, saved["h"], scale=scale,
-                                       chunk_size=runtime.CHUNK, layout="NTD" if packed else "BNSD", cu_seqlens=cu)
+                                       chunk_size=runtime.CHUNK, layout="NTD" if packed else "BNSD", cu_seqlens=cu,
+                                       chunk_indices=meta["chunk_indices"])
     d_aqk, dv_local, dq_raw = runtime.slots(_BWD_PREPARE, result, 3, (0, 1, 2))
     qg = saved["qg"]
     dh, dh0, dv_scan = dhu_with_terminal(
@@ -135,7 +137,8 @@ def kda_local_backward(ops, saved, do_hm, dht, h0, meta):
         dv_scan[0] if packed else dv_scan, d_aqk, dq_raw, q_rstd=saved["q_rstd"], k_rstd=saved["k_rstd"],
         scale=scale, chunk_size=runtime.CHUNK, use_exp2=True, use_qk_l2norm_in_kernel=meta["l2norm"],
         use_gate_in_kernel=meta["gate"], use_beta_sigmoid_in_kernel=meta["beta_sigmoid"],
-        safe_gate=meta["safe_gate"], lower_bound=meta["lower_bound"], output_layout=meta["layout"], cu_seqlens=cu)
+        safe_gate=meta["safe_gate"], lower_bound=meta["lower_bound"], output_layout=meta["layout"], cu_seqlens=cu,
+        chunk_indices=meta["chunk_indices"])
     required = (0, 1, 2, 3, 4) + ((5,) if meta["gate"] and saved["A_log"] is not None else ()) \
         + ((6,) if meta["gate"] and saved["dt_bias"] is not None else ())
     dq, dk, dv, dbeta, dg, da_log, ddt = runtime.slots(_FINALIZE, grads, 7, required)
@@ -148,7 +151,7 @@ def state_pass(ops, p, initial_state, meta, output_final_state):
     result = ops.chunk_fwd_h(batch4(p["kg"], packed), batch4(p["w"], packed), batch4(p["u"], packed),
                              gk=batch4(p["gk"], packed), initial_state=initial_state,
                              output_final_state=output_final_state, chunk_size=runtime.CHUNK, cu_seqlens=meta["cu"],
-                             chunk_indices=runtime.chunk_indices(meta["cu"]), use_exp2=True)
+                             chunk_indices=meta["chunk_indices"], use_exp2=True)
     h, v_new, final = runtime.slots("chunk_fwd_h", result, 3, (0, 1) + ((2,) if output_final_state else ()))
     return h, v_new[0] if packed else v_new, final
 
@@ -175,7 +178,7 @@ class AscendCKimiDeltaAttention(torch.autograd.Function):
         p = kda_prepare(ops, q, k, v, g, beta, A_log, dt_bias, meta)
         h, v_new, final = state_pass(ops, p, initial_state, meta, meta["output_final_state"])
         o = ops.chunk_kda_fwd_finalize(p["qg_scaled"], p["Aqk"], v_new, h, output_layout=meta["layout"],
-                                       cu_seqlens=meta["cu"])
+                                       cu_seqlens=meta["cu"], chunk_indices=meta["chunk_indices"])
         saved = {n: p[n] for n in ("gk", "Aqk", "Akk", "w", "qg", "kg", "q_hat", "k_hat", "q_rstd", "k_rstd",
                                    "beta_eff")}
         saved.update(v_new=v_new, h=h, v_hm=head_major(v, packed), g_hm=head_major(g, packed), A_log=A_log,
@@ -196,6 +199,7 @@ class AscendCKimiDeltaAttention(torch.autograd.Function):
             ops, saved, head_major(do, packed), dfinal, saved["h0"], meta)
         dbeta, dg = token_major_scalars(dbeta, dg, packed)
         qd, kd, vd, gd, bd = ctx.dtypes
+        dh0 = None if dh0 is None else dh0.float()
         return (untoken(dq, packed).to(qd), untoken(dk, packed).to(kd), untoken(dv, packed).to(vd), dg.to(gd),
                 dbeta.to(bd), da_log, None if ddt is None else ddt.reshape(-1), dh0, None)
 
@@ -203,7 +207,8 @@ class AscendCKimiDeltaAttention(torch.autograd.Function):
 def kda_meta(q, *, scale, output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
              use_gate_in_kernel, lower_bound, safe_gate, cu_seqlens):
     packed = cu_seqlens is not None
-    return {"scale": float(scale), "cu": runtime.host_offsets(cu_seqlens), "packed": packed,
+    cu = runtime.host_offsets(cu_seqlens)
+    return {"scale": float(scale), "cu": cu, "chunk_indices": runtime.chunk_indices(cu), "packed": packed,
             "layout": "TND" if packed else "BSND", "output_final_state": output_final_state,
             "l2norm": use_qk_l2norm_in_kernel, "beta_sigmoid": use_beta_sigmoid_in_kernel,
             "gate": use_gate_in_kernel, "lower_bound": lower_bound, "safe_gate": safe_gate}

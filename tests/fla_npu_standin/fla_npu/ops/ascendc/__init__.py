@@ -257,7 +257,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, d_o, scale, *, chunk_size=64
     q, k: the forward's q_hat/k_hat in ``layout``; v in ``layout``; g: the forward's g_cumsum [B,T,HV];
     beta [B,T,HV]: beta_eff with the in-kernel sigmoid, else the raw beta; A [B,HV,T,64]; d_o in ``layout``;
     initial_state and dht [N,HV,K,V] in bf16 only; beta_raw [B,T,HV] in beta's dtype (needed with
-    use_beta_sigmoid_in_kernel). Ascend 950 only; cu_seqlens needs chunk_indices. Returns eight slots ``(dq, dk, dv, d_beta, d_g, dh0, d_a_log, d_dt_bias)``:
+    use_beta_sigmoid_in_kernel). Ascend 950 only; cu_seqlens needs chunk_indices.
+    Returns eight slots ``(dq, dk, dv, d_beta, d_g, dh0, d_a_log, d_dt_bias)``:
     dq/dk (w.r.t. the raw q/k when L2 norm ran in the kernel) and dv in ``layout``; d_beta (w.r.t. beta_raw with
     the in-kernel sigmoid) and d_g (w.r.t. the per-token natural-log gate) [B,T,HV] fp32; dh0 [N,HV,K,V] fp32
     or None; the last two are reserved and None."""
@@ -445,6 +446,7 @@ def chunk_kda_fwd_prepare(q, k, v, g, beta, scale, chunk_size=64, *, layout="BSN
     cu = _host_list(op, cu_seqlens)
     if rank == 3 and cu is None:
         raise RuntimeError(f"{op}: packed TND/NTD inputs require cu_seqlens")
+    _check_indices(op, cu, chunk_indices, C, required=False)
     segs = _segments(op, B, T, cu)
     g_hm = (g.unsqueeze(0) if rank == 3 else g).float().transpose(1, 2)           # [B,HV,T,K]
     b_tok = (beta.unsqueeze(0) if rank == 3 else beta)
@@ -526,6 +528,7 @@ def chunk_fwd_h(k, w, u, g=None, *, gk=None, initial_state=None, output_final_st
     B, HV, T, K = w4.shape
     V = u4.shape[-1]
     segs = _segments(op, B, T, cu)
+    _check_indices(op, cu, chunk_indices, C, required=False)
     v_new = u4.new_zeros(B, HV, T, V)
     hs, finals = {}, []
     for n, (b, s, e) in enumerate(segs):
@@ -605,11 +608,13 @@ def chunk_gated_delta_rule_bwd_dhu(q, k, w, d_o, dv, scale, chunk_size, *, g=Non
                                    transpose_state_layout=False):
     """Reverse state pass. BNSD q, k, w [B,N,T,K], d_o, dv [B,HV,T,V]; scalar cumulative g [B,HV,T] (q, k
     ungated, gated inside) or per-channel gK [B,HV,T,K] (q = qg, k = kg prepared; requires use_exp2).
-    Returns ``(dh, dh0, dv2)``: dh [B,HV,NT,K,V] with dh[c] = dL/d(state leaving chunk c), dh0 [N,HV,K,V] fp32
-    (None without h0), dv2 = dv + kg dh[c]. The pinned revision ignores ``dht`` (its examples append two
+    Returns ``(dh, dh0, dv2)``: dh [B,HV,NT,K,V] with dh[c] = dL/d(state leaving chunk c), dh0 [N,HV,K,V] in
+    q's dtype (None without h0; h0 itself only selects it and is taken in q's dtype family), dv2 = dv + kg dh[c]. The pinned revision ignores ``dht`` (its examples append two
     dummy chunks instead); with cu_seqlens but no chunk_indices it sizes dh as ceil(T/64) chunks."""
     op = "npu_chunk_gated_delta_rule_bwd_dhu"
     _record(op)
+    for name, x in (("q", q), ("k", k), ("w", w), ("d_o", d_o), ("dv", dv), ("h0", h0), ("dht", dht)):
+        _check_dtype(op, name, x)
     if not _flag("FLA_NPU_STANDIN_DHU_USES_DHT"):
         dht = None
     if (g is None) == (gK is None):
@@ -642,7 +647,7 @@ def chunk_gated_delta_rule_bwd_dhu(q, k, w, d_o, dv, scale, chunk_size, *, g=Non
         dh0s.append(dS0)
         dv2[b, :, s:e] = dv2_seg
     dh_all = torch.stack([torch.cat(dhs[b], 1) for b in sorted(dhs)], 0).to(q.dtype)
-    return dh_all, (torch.stack(dh0s, 0) if h0 is not None else None), dv2.to(dv.dtype)
+    return dh_all, (torch.stack(dh0s, 0).to(q.dtype) if h0 is not None else None), dv2.to(dv.dtype)
 
 
 def chunk_kda_bwd_finalize(q, k, v, gk, raw_g, beta, a_log, dt_bias, akk, v_new, h, dh, dv_scan, d_aqk, dq_raw, *,
@@ -715,8 +720,8 @@ def chunk_kda_bwd_finalize(q, k, v, gk, raw_g, beta, a_log, dt_bias, akk, v_new,
         ddt = torch.zeros_like(dtb) if (dtb is not None and ddt is None) else ddt
     rank = 3 if packed else 4
     sq = (lambda x: x.squeeze(0)) if packed else (lambda x: x)
-    return (_from_head_major(dq, output_layout, rank).to(q.dtype), _from_head_major(dk, output_layout, rank).to(k.dtype),
-            _from_head_major(dv, output_layout, rank).to(v.dtype), sq(dbeta), sq(dg), da_log, ddt)
+    return (_from_head_major(dq, output_layout, rank).to(q.dtype),
+            _from_head_major(dk, output_layout, rank).to(k.dtype), _from_head_major(dv, output_layout, rank).to(v.dtype), sq(dbeta), sq(dg), da_log, ddt)
 
 
 # ------------------------------------------------------------------------------------------- CP ops
