@@ -13,11 +13,11 @@ intermediate is head-major (``BNSD`` / packed ``NTD``), so the upstream gradient
 
 fla-npu facts handled here (docs/backends.md): the KDA backward stages are exported only by revisions after
 the pinned one (``runtime.require_api("kda_bwd")`` names them; the forward needs only "kda"); the dhu op
-ignores ``dht`` in every revision checked (``(void)dht;`` in its kernel), so the terminal gradient enters through two dummy chunks appended to
-every sequence (q = I, d_o = dht / scale, k = w = dv = gate = 0), as fla-npu's own CP examples do, after
-padding the sequence to the chunk grid with state-neutral tokens; the kernel's in-kernel gate is the sigmoid
-form only with ``safe_gate`` (default bound -5) and needs ``A_log``, so any other combination runs
-``layers.ops.gates.kda_gate`` in PyTorch before the kernels.
+ignores ``dht`` in every revision checked (``(void)dht;`` in its kernel), so the terminal gradient enters
+through two dummy chunks appended to every sequence (q = I, d_o = dht / scale, k = w = dv = gate = 0), as
+fla-npu's own CP examples do, after padding the sequence to the chunk grid with state-neutral tokens; the
+kernel's in-kernel gate is the sigmoid form only with ``safe_gate`` (default bound -5) and needs ``A_log``, so
+any other combination runs ``layers.ops.gates.kda_gate`` in PyTorch before the kernels.
 """
 from __future__ import annotations
 

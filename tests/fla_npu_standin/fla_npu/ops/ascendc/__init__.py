@@ -176,7 +176,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, initial_state=None, output_f
     """Fused GDN forward. q, k, v rank-4 in ``layout`` (TND means [1,T,N,D]); g, beta token-major [B,T,HV].
 
     Returns ten slots ``(o, final_state, g_cumsum, A, beta_eff, h, q_hat, k_hat, q_rstd, k_rstd)``: o in
-    ``layout`` (like v) in q's dtype; final_state [N,HV,K,V] fp32 (or None); g_cumsum [B,HV,T] fp32 (log2 units with
+    ``layout`` (like v) in q's dtype; final_state [N,HV,K,V] fp32 (or None); g_cumsum fp32 (log2 units with
     use_exp2) token-major [B,T,HV] and A [B,HV,T,64] only with disable_recompute; beta_eff token-major [B,T,HV]
     fp32 only with the in-kernel sigmoid (else None); h [B,HV,NT,K,V] only with return_intermediate_states;
     q_hat/k_hat in ``layout`` (q/k themselves without L2 norm); q_rstd/k_rstd [B,H,T] fp32 or None.
@@ -609,8 +609,9 @@ def chunk_gated_delta_rule_bwd_dhu(q, k, w, d_o, dv, scale, chunk_size, *, g=Non
     """Reverse state pass. BNSD q, k, w [B,N,T,K], d_o, dv [B,HV,T,V]; scalar cumulative g [B,HV,T] (q, k
     ungated, gated inside) or per-channel gK [B,HV,T,K] (q = qg, k = kg prepared; requires use_exp2).
     Returns ``(dh, dh0, dv2)``: dh [B,HV,NT,K,V] with dh[c] = dL/d(state leaving chunk c), dh0 [N,HV,K,V] in
-    q's dtype (None without h0; h0 itself only selects it and is taken in q's dtype family), dv2 = dv + kg dh[c]. The pinned revision ignores ``dht`` (its examples append two
-    dummy chunks instead); with cu_seqlens but no chunk_indices it sizes dh as ceil(T/64) chunks."""
+    q's dtype (None without h0; h0 itself only selects it and is taken in q's dtype family), dv2 = dv + kg dh[c].
+    The pinned revision ignores ``dht`` (its examples append two dummy chunks instead); with cu_seqlens but no
+    chunk_indices it sizes dh as ceil(T/64) chunks."""
     op = "npu_chunk_gated_delta_rule_bwd_dhu"
     _record(op)
     for name, x in (("q", q), ("k", k), ("w", w), ("d_o", d_o), ("dv", dv), ("h0", h0), ("dht", dht)):
@@ -721,7 +722,8 @@ def chunk_kda_bwd_finalize(q, k, v, gk, raw_g, beta, a_log, dt_bias, akk, v_new,
     rank = 3 if packed else 4
     sq = (lambda x: x.squeeze(0)) if packed else (lambda x: x)
     return (_from_head_major(dq, output_layout, rank).to(q.dtype),
-            _from_head_major(dk, output_layout, rank).to(k.dtype), _from_head_major(dv, output_layout, rank).to(v.dtype), sq(dbeta), sq(dg), da_log, ddt)
+            _from_head_major(dk, output_layout, rank).to(k.dtype),
+            _from_head_major(dv, output_layout, rank).to(v.dtype), sq(dbeta), sq(dg), da_log, ddt)
 
 
 # ------------------------------------------------------------------------------------------- CP ops
