@@ -96,6 +96,8 @@ def standin(monkeypatch):
     if STANDIN in sys.path:
         sys.path.remove(STANDIN)
     _forget_fla_npu()
+    for name in ("FLA_NPU_STANDIN_SOC", "FLA_NPU_STANDIN_KDA_BWD_EXPORTED"):
+        os.environ.pop(name, None)
 
 
 # --------------------------------------------------------------------------------------------- helpers
