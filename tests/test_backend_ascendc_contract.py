@@ -42,7 +42,7 @@ def pinned(monkeypatch):
 
 
 @pytest.fixture
-def later(pinned, monkeypatch):
+def later(pinned):
     """A later revision: the same stand-in with the KDA backward stages exported."""
     return install_standin(kda_bwd_exported=True)
 
@@ -118,6 +118,9 @@ def test_3_composite_backward_demands_bf16_states(pinned):
         with pytest.raises(RuntimeError, match=f"{name} must be bfloat16"):
             pinned.chunk_gated_delta_rule_bwd(q, k, v, fwd[2], beta, fwd[3], torch.ones_like(v), SCALE,
                                               layout="BSND", **{name: state})
+    grads = pinned.chunk_gated_delta_rule_bwd(q, k, v, fwd[2], beta, fwd[3], torch.ones_like(v), SCALE,
+                                              layout="BSND", initial_state=state.bfloat16(), dht=state.bfloat16())
+    assert grads[5] is not None                             # dh0
 
 
 def test_7_beta_raw_needs_beta_dtype(pinned):
