@@ -18,7 +18,11 @@ backward:
   3. the local native backward with that terminal gradient (``dht``) and the saved initial states gives
      every input gradient; nothing else crosses ranks (no dh0 is sent back).
 ``recursive_doubling`` raises NotImplementedError (no native support yet). Ulysses is the engine's (it
-re-shards heads before calling this hook). Limits: K = V = 128 (the native CP kernels).
+re-shards heads before calling this hook). Limits: K = V = 128 (the native CP kernels); GDN CP needs Ascend 950
+(``chunk_gated_delta_rule_fwd_prepare``). Three fla-npu ops reject zero-length pieces; the planner never makes
+one (empty documents are rejected, zigzag documents are multiples of 2P), and the hook says so if one appears. The
+backward summary takes ``gk`` in bf16/fp16 (KDA's cumulative gate is rounded to bf16 there when the model
+runs in fp32) and is ``chunk_delta_h_bwd_preprocess`` or ``pre_process_bwd_kernel_merged`` by revision.
 """
 from __future__ import annotations
 
@@ -26,9 +30,9 @@ import torch
 
 from layers.cp.native import entry_windows, initial_states, scan_exchange, terminal_gradients
 from layers.ops.ascendc import runtime
-from layers.ops.ascendc.gdn import check_gdn
+from layers.ops.ascendc.gdn import check_gdn, composite_backward, composite_forward
 from layers.ops.ascendc.kda import (batch4, check_kda, head_major, kda_local_backward, kda_meta, kda_prepare,
-                                    token_major_scalars, untoken)
+                                    require_backward_api, resolve_gate, state_pass, token_major_scalars, untoken)
 from layers.ops.gates import gdn_gate
 
 SUPPORTED_METHODS = ("p2p", "allgather", "grouped_allgather_p2p")
@@ -76,6 +80,12 @@ def _native_exchange(ops):
     return lambda ctx, plan, A, B, forward: exchange(ops, ctx, plan, A, B, forward)
 
 
+# ------------------------------------------------------------------------------------------- pieces
+def entry_summaries(plan, summarize, shape):
+    """dS_loc ``[D, n_own, *shape]`` of the entry pieces: ``summarize(window)`` per entry window."""
+    return torch.stack([summarize(w) for w in entry_windows(plan)], 0).view(*plan.entry_piece.shape, *shape)
+
+
 # ---------------------------------------------------------------------------------------------- GDN
 class _GDNStateCP(torch.autograd.Function):
     @staticmethod
@@ -86,20 +96,13 @@ class _GDNStateCP(torch.autograd.Function):
         prep = ops.chunk_gated_delta_rule_fwd_prepare(
             *hm_in, g.transpose(1, 2).contiguous(), beta.transpose(1, 2).contiguous(), runtime.CHUNK,
             use_qk_l2norm_in_kernel=meta["l2norm"], use_beta_sigmoid_in_kernel=meta["beta_sigmoid"],
-            use_exp2=True, cu_seqlens=cu, output_a=False)
+            use_exp2=True, cu_seqlens=cu, chunk_indices=meta["chunk_indices"], output_a=False)
         q_hat, k_hat, _, _, _, g_log2, w, u, _ = runtime.slots("chunk_gated_delta_rule_fwd_prepare", prep, 9,
                                                               (0, 1, 4, 5, 6, 7))
         hm = ops.pre_process_fwd_kernel_merged(k_hat, w, u, g=g_log2, cu_seqlens=cu, chunk_size=runtime.CHUNK)
         M, init = initial_states(cp, plan, hm, _native_exchange(ops))
-        result = ops.chunk_gated_delta_rule_fwd(
-            q, k, v, g, beta, initial_state=init, output_final_state=False, chunk_size=runtime.CHUNK,
-            cu_seqlens=cu, scale=meta["scale"], use_exp2=False, use_qk_l2norm_in_kernel=meta["l2norm"],
-            use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=meta["beta_sigmoid"], disable_recompute=True,
-            layout="TND")
-        o, _, g_cumsum, A, beta_eff, _, qh, kh, q_rstd, k_rstd = runtime.slots(
-            "chunk_gated_delta_rule_fwd", result, 10, (0, 2, 3, 4, 6, 7) + ((8, 9) if meta["l2norm"] else ()))
-        ctx.save_for_backward(qh, kh, v, g_cumsum, beta_eff, A, init, q_rstd, k_rstd,
-                              beta if meta["beta_sigmoid"] else None, q_hat, k_hat, w, g_log2, M)
+        o, _, saved = composite_forward(ops, q, k, v, g, beta, init, meta, False)
+        ctx.save_for_backward(*saved, q_hat, k_hat, w, g_log2, M)
         ctx.meta = meta
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
         return o
@@ -108,24 +111,19 @@ class _GDNStateCP(torch.autograd.Function):
     def backward(ctx, do):
         meta = ctx.meta
         ops, plan, cp, cu, scale = meta["ops"], meta["plan"], meta["ctx"], meta["cu"], meta["scale"]
-        (qh, kh, v, g_cumsum, beta_eff, A, init, q_rstd, k_rstd, beta_raw, q_hat, k_hat, w, g_log2,
-         M) = ctx.saved_tensors
+        saved, (q_hat, k_hat, w, g_log2, M) = ctx.saved_tensors[:10], ctx.saved_tensors[10:]
+        g_cumsum = saved[3]
         do = do.contiguous()
         do_hm = do.transpose(1, 2).contiguous()
-        dv_local = ops.chunk_bwd_dv_local(q_hat, k_hat, do_hm, g_cumsum, scale, runtime.CHUNK, cu_seqlens=cu)
-        V = v.shape[-1]
-        dS_loc = torch.stack([ops.pre_process_bwd_kernel_merged(
-            q_hat, k_hat, w, do_hm, dv_local, g=g_log2, cu_seqlens=window, scale=scale,
-            chunk_size=runtime.CHUNK)[..., :V] for window in entry_windows(plan)], 0)
-        D, n_own = plan.entry_piece.shape
-        dS_loc = dS_loc.view(D, n_own, *dS_loc.shape[1:])
-        dht = terminal_gradients(cp, plan, M, dS_loc, init.shape[0], do.device, _native_exchange(ops))
-        grads = ops.chunk_gated_delta_rule_bwd(
-            qh, kh, v, g_cumsum, beta_eff, A, do, scale, chunk_size=runtime.CHUNK, cu_seqlens=cu,
-            initial_state=init, dht=dht, q_rstd=q_rstd, k_rstd=k_rstd, beta_raw=beta_raw, use_exp2=False,
-            use_qk_l2norm_in_kernel=meta["l2norm"], use_gate_in_kernel=False,
-            use_beta_sigmoid_in_kernel=meta["beta_sigmoid"], layout="TND")
-        dq, dk, dv, dbeta, dg, _, _, _ = runtime.slots("chunk_gated_delta_rule_bwd", grads, 8, (0, 1, 2, 3, 4))
+        dv_local = ops.chunk_bwd_dv_local(q_hat, k_hat, do_hm, g_cumsum.transpose(1, 2).contiguous(), scale,
+                                          runtime.CHUNK, cu_seqlens=cu, chunk_indices=meta["chunk_indices"])
+        V = do.shape[-1]
+        summary = runtime.op(ops, "pre_process_bwd_kernel_merged")
+        dS_loc = entry_summaries(plan, lambda window: summary(
+            q_hat, k_hat, w, do_hm, dv_local, scale, runtime.CHUNK, g=g_log2, cu_seqlens=window)[..., :V],
+            (do.shape[2], q_hat.shape[-1], V))
+        dht = terminal_gradients(cp, plan, M, dS_loc, len(cu) - 1, do.device, _native_exchange(ops))
+        dq, dk, dv, dbeta, dg, _ = composite_backward(ops, saved, do, dht, meta)
         qd, kd, vd, gd, bd = ctx.dtypes
         return dq.to(qd), dk.to(kd), dv.to(vd), dg.to(gd), dbeta.to(bd), None
 
@@ -140,11 +138,9 @@ class _KDAStateCP(torch.autograd.Function):
                                                gk=batch4(p["gk"], True), cu_seqlens=kmeta["cu"],
                                                chunk_size=runtime.CHUNK)
         M, init = initial_states(cp, plan, hm, _native_exchange(ops))
-        h, v_new, _ = runtime.slots("chunk_fwd_h", ops.chunk_fwd_h(
-            p["kg"], p["w"], p["u"], gk=p["gk"], initial_state=init, output_final_state=False,
-            chunk_size=runtime.CHUNK, cu_seqlens=kmeta["cu"], use_exp2=True), 3, (0, 1))
+        h, v_new, _ = state_pass(ops, p, init, kmeta, False)
         o = ops.chunk_kda_fwd_finalize(p["qg_scaled"], p["Aqk"], v_new, h, output_layout="TND",
-                                       cu_seqlens=kmeta["cu"])
+                                       cu_seqlens=kmeta["cu"], chunk_indices=kmeta["chunk_indices"])
         saved = {n: p[n] for n in ("gk", "Aqk", "Akk", "w", "qg", "kg", "q_hat", "k_hat", "q_rstd", "k_rstd",
                                    "beta_eff")}
         saved.update(v_new=v_new, h=h, v_hm=head_major(v, True), g_hm=head_major(g, True), A_log=A_log,
@@ -158,19 +154,22 @@ class _KDAStateCP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         meta = ctx.meta
-        ops, plan, cp, kmeta = meta["ops"], meta["plan"], meta["ctx"], meta["kda"]
+        plan, cp, kmeta = meta["plan"], meta["ctx"], meta["kda"]
+        ops = runtime.require_api("kda_bwd")
         saved = dict(zip(ctx.names, ctx.saved_tensors))
         do_hm = head_major(do, True)                                                       # NTD [HV, T, V]
         result = ops.chunk_kda_bwd_prepare(saved["Aqk"], saved["v_new"], do_hm, saved["h"], scale=kmeta["scale"],
-                                           chunk_size=runtime.CHUNK, layout="NTD", cu_seqlens=kmeta["cu"])
+                                           chunk_size=runtime.CHUNK, layout="NTD", cu_seqlens=kmeta["cu"],
+                                           chunk_indices=kmeta["chunk_indices"])
         _, dv_local, _ = runtime.slots("chunk_kda_bwd_prepare", result, 3, (0, 1, 2))
         V = do.shape[-1]
-        dS_loc = torch.stack([ops.pre_process_bwd_kernel_merged(
+        summary = runtime.op(ops, "pre_process_bwd_kernel_merged")
+        gk = batch4(saved["gk"], True)  # the summary takes gk in bf16/fp16 only
+        gk = gk.to(saved["qg"].dtype if saved["qg"].dtype in (torch.bfloat16, torch.float16) else runtime.STATE_DTYPE)
+        dS_loc = entry_summaries(plan, lambda window: summary(
             batch4(saved["qg"], True), batch4(saved["kg"], True), batch4(saved["w"], True), batch4(do_hm, True),
-            batch4(dv_local, True), gk=batch4(saved["gk"], True), cu_seqlens=window, scale=kmeta["scale"],
-            chunk_size=runtime.CHUNK)[..., :V] for window in entry_windows(plan)], 0)
-        D, n_own = plan.entry_piece.shape
-        dS_loc = dS_loc.view(D, n_own, *dS_loc.shape[1:])
+            batch4(dv_local, True), kmeta["scale"], runtime.CHUNK, gk=gk, cu_seqlens=window)[..., :V],
+            (do.shape[2], saved["qg"].shape[-1], V))
         dht = terminal_gradients(cp, plan, saved["M"], dS_loc, saved["h0"].shape[0], do.device,
                                  _native_exchange(ops))
         dq, dk, dv, dbeta, dg, da_log, ddt, _ = kda_local_backward(ops, saved, do_hm, dht, saved["h0"], kmeta)
@@ -200,33 +199,39 @@ def state_passing_cp(kind, ctx, plan, q, k, v, g, beta, *, scale, flags):
     if K != 128 or V != 128:
         raise ValueError(f"backend='ascendc' CP uses fla-npu's summary kernels, which need K=V=128; got K={K}, V={V}")
     device_name = runtime.soc(q.device)
+    cu = [int(x) for x in plan.local_cu_seqlens.tolist()]
+    if any(b == a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"backend='ascendc' CP: zero-length local pieces (local cu_seqlens {cu}) are rejected by "
+                         "fla-npu's composite forward and CP summary kernels; use cp_method='ulysses' or "
+                         "backend='eager'")
     flat = lambda x: x.reshape(1, B * T_loc, *x.shape[2:])  # noqa: E731  pieces index the flattened tokens
     q1, k1, v1, g1, b1 = map(flat, (q, k, v, g, beta))
-    cu = [int(x) for x in plan.local_cu_seqlens.tolist()]
     gate, A_log, dt_bias = flags.get("use_gate_in_kernel", False), flags.get("A_log"), flags.get("dt_bias")
     if kind == "gdn":
         ops = runtime.require_api("gdn"), runtime.require_api("cp"), runtime.require_api("cp_gdn")
         runtime.check_dtype("gdn", q=q, k=k, v=v)
         needs_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias))
+        runtime.check_soc_features(device_name, gdn_cp=True, gdn_backward=needs_grad)
         check_gdn(q, v, device_name, needs_grad)
         if gate:
             g1 = gdn_gate(g1.float(), A_log, dt_bias)
-        meta = {"ops": ops[0], "plan": plan, "ctx": ctx, "cu": cu, "scale": float(scale),
-                "l2norm": flags.get("use_qk_l2norm_in_kernel", False),
+        meta = {"ops": ops[0], "plan": plan, "ctx": ctx, "cu": cu, "chunk_indices": runtime.chunk_indices(cu),
+                "scale": float(scale), "layout": "TND", "l2norm": flags.get("use_qk_l2norm_in_kernel", False),
                 "beta_sigmoid": flags.get("use_beta_sigmoid_in_kernel", False)}
         o = _GDNStateCP.apply(q1, k1, v1, g1.float().contiguous(), b1.contiguous(), meta)
     else:
         ops = runtime.require_api("kda"), runtime.require_api("cp")
         runtime.check_dtype("kda", q=q, k=k, v=v)
         check_kda(q, v)
+        require_backward_api(q, k, v, g, beta, A_log, dt_bias)
+        g1, A, dtb, gate = resolve_gate(g1, A_log, dt_bias, gate, flags.get("lower_bound"),
+                                        flags.get("safe_gate", False))
         kmeta = kda_meta(q, scale=scale, output_final_state=False,
                          use_qk_l2norm_in_kernel=flags.get("use_qk_l2norm_in_kernel", False),
                          use_beta_sigmoid_in_kernel=flags.get("use_beta_sigmoid_in_kernel", False),
                          use_gate_in_kernel=gate, lower_bound=flags.get("lower_bound"),
-                         safe_gate=flags.get("safe_gate", False), cu_seqlens=plan.local_cu_seqlens)
+                         safe_gate=flags.get("safe_gate", False), cu_seqlens=torch.tensor(cu))
         meta = {"ops": ops[0], "plan": plan, "ctx": ctx, "kda": kmeta}
-        A = None if A_log is None or not gate else A_log.float()
-        dtb = None if dt_bias is None or not gate else dt_bias.float()
         o = _KDAStateCP.apply(q1, k1, v1, g1, b1, A, dtb, meta)
     return o.view(B, T_loc, HV, V)

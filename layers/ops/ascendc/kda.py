@@ -9,12 +9,22 @@ staged path is used instead of fla-npu's monolithic ``chunk_kda_bwd`` because th
 
 Layouts: token-major ``[B,T,H,D]`` inputs are ``BSND`` (packed: rank-3 ``TND`` views ``[T,H,D]``); every
 intermediate is head-major (``BNSD`` / packed ``NTD``), so the upstream gradient is transposed once.
+``chunk_fwd_h`` and the dhu op take rank-4 tensors only (packed runs add B = 1), with ``chunk_indices``.
+
+fla-npu facts handled here (docs/backends.md): the KDA backward stages are exported only by revisions after
+the pinned one (``runtime.require_api("kda_bwd")`` names them; the forward needs only "kda"); the dhu op
+ignores ``dht`` in every revision checked (``(void)dht;`` in its kernel), so the terminal gradient enters
+through two dummy chunks appended to every sequence (q = I, d_o = dht / scale, k = w = dv = gate = 0), as
+fla-npu's own CP examples do, after padding the sequence to the chunk grid with state-neutral tokens; the
+kernel's in-kernel gate is the sigmoid form only with ``safe_gate`` (default bound -5) and needs ``A_log``, so
+any other combination runs ``layers.ops.gates.kda_gate`` in PyTorch before the kernels.
 """
 from __future__ import annotations
 
 import torch
 
 from layers.ops.ascendc import runtime
+from layers.ops.gates import kda_gate
 
 _PREPARE, _BWD_PREPARE, _FINALIZE = "chunk_kda_fwd_prepare", "chunk_kda_bwd_prepare", "chunk_kda_bwd_finalize"
 _SLOT = {name: i for i, name in enumerate(("gk", "Aqk", "Akk", "w", "u", "qg", "kg", "qg_scaled", "q_hat", "k_hat",
@@ -48,12 +58,63 @@ def kda_prepare(ops, q, k, v, g, beta, A_log, dt_bias, meta):
     result = ops.chunk_kda_fwd_prepare(
         token_view(q, packed), token_view(k, packed), token_view(v, packed), token_view(g, packed),
         token_view(beta, packed), meta["scale"], runtime.CHUNK, layout=meta["layout"], cu_seqlens=meta["cu"],
-        safe_gate=meta["safe_gate"], lower_bound=meta["lower_bound"], use_gate_in_kernel=meta["gate"],
-        A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=meta["l2norm"],
+        chunk_indices=meta["chunk_indices"], safe_gate=meta["safe_gate"], lower_bound=meta["lower_bound"],
+        use_gate_in_kernel=meta["gate"], A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=meta["l2norm"],
         use_beta_sigmoid_in_kernel=meta["beta_sigmoid"], use_exp2=True, backward_mode="save")
     required = tuple(_SLOT[n] for n in ("gk", "Aqk", "Akk", "w", "u", "qg", "kg", "qg_scaled", "q_hat", "k_hat",
                                         "beta_eff")) + ((10, 11) if meta["l2norm"] else ())
     return dict(zip(_SLOT, runtime.slots(_PREPARE, result, 13, required)))
+
+
+def _extend(x, segs, pad_last: bool, tail):
+    """Per sequence: x's tokens, then pad to the chunk grid (zeros, or the last value for cumulative gates),
+    then ``tail(n)`` (2 dummy chunks); along dim 2 of a rank-4 tensor."""
+    parts = []
+    for n, (s, e) in enumerate(segs):
+        parts.append(x[:, :, s:e])
+        pad = -(e - s) % runtime.CHUNK
+        if pad:
+            edge = x[:, :, e - 1:e] if pad_last else torch.zeros_like(x[:, :, :1])
+            parts.append(edge.expand(-1, -1, pad, -1))
+        parts.append(tail(n))
+    return torch.cat(parts, 2).contiguous()
+
+
+def dhu_with_terminal(ops, qg, kg, w, do, dv, gk, h0, dht, scale, cu):
+    """``chunk_gated_delta_rule_bwd_dhu`` on rank-4 head-major inputs with the terminal gradient ``dht``
+    [N,HV,K,V] entering through two dummy chunks per sequence (the pinned dhu ignores ``dht``; the dummy
+    chunks add scale * I^T (dht / scale) = dht to the state gradient before the real tokens). Returns
+    (dh, dh0, dv2) on the real chunks / tokens."""
+    C = runtime.CHUNK
+    B, HV, T, K = qg.shape
+    h0 = None if h0 is None else h0.to(qg.dtype)  # only selects dh0 (which does not depend on its value)
+    if dht is None:
+        return runtime.slots("chunk_gated_delta_rule_bwd_dhu", ops.chunk_gated_delta_rule_bwd_dhu(
+            qg, kg, w, do, dv, scale, C, gK=gk, h0=h0, dht=None, cu_seqlens=cu,
+            chunk_indices=runtime.chunk_indices(cu), use_exp2=True), 3, (0, 2) + ((1,) if h0 is not None else ()))
+    if K != 2 * C or scale == 0:
+        raise ValueError(f"backend='ascendc' KDA terminal gradient needs K = {2 * C} and scale != 0, "
+                         f"got K={K}, scale={scale}")
+    segs = list(zip(cu[:-1], cu[1:])) if cu is not None else [(0, T)]
+    per_seq = (lambda n: dht[n:n + 1]) if cu is not None else (lambda n: dht)  # noqa: E731
+    eye = torch.eye(K, dtype=qg.dtype, device=qg.device).expand(qg.shape[0], HV, K, K)
+
+    def zeros(x):
+        return lambda n: x.new_zeros(x.shape[0], x.shape[1], K, x.shape[3])
+    ext = [_extend(qg, segs, False, lambda n: eye), _extend(kg, segs, False, zeros(kg)),
+           _extend(w, segs, False, zeros(w)),
+           _extend(do, segs, False, lambda n: (per_seq(n).float() / scale).to(do.dtype)),
+           _extend(dv, segs, False, zeros(dv)), _extend(gk, segs, True, zeros(gk))]
+    lengths = [e - s for s, e in segs]
+    ext_len = [L + (-L % C) + K for L in lengths]
+    ext_cu = None if cu is None else [0] + torch.tensor(ext_len).cumsum(0).tolist()
+    dh, dh0, dv2 = runtime.slots("chunk_gated_delta_rule_bwd_dhu", ops.chunk_gated_delta_rule_bwd_dhu(
+        *ext[:5], scale, C, gK=ext[5], h0=h0, dht=None, cu_seqlens=ext_cu, chunk_indices=runtime.chunk_indices(ext_cu),
+        use_exp2=True), 3, (0, 2) + ((1,) if h0 is not None else ()))
+    starts = [0] + torch.tensor(ext_len[:-1]).cumsum(0).tolist()
+    tokens = torch.cat([torch.arange(a, a + L) for a, L in zip(starts, lengths)]).to(dv2.device)
+    chunks = torch.cat([torch.arange(a // C, a // C + -(-L // C)) for a, L in zip(starts, lengths)]).to(dh.device)
+    return dh.index_select(2, chunks), dh0, dv2.index_select(2, tokens)
 
 
 def kda_local_backward(ops, saved, do_hm, dht, h0, meta):
@@ -63,25 +124,36 @@ def kda_local_backward(ops, saved, do_hm, dht, h0, meta):
     ddt_bias, dh0)."""
     packed, cu, scale = meta["packed"], meta["cu"], meta["scale"]
     result = ops.chunk_kda_bwd_prepare(saved["Aqk"], saved["v_new"], do_hm, saved["h"], scale=scale,
-                                       chunk_size=runtime.CHUNK, layout="NTD" if packed else "BNSD", cu_seqlens=cu)
+                                       chunk_size=runtime.CHUNK, layout="NTD" if packed else "BNSD", cu_seqlens=cu,
+                                       chunk_indices=meta["chunk_indices"])
     d_aqk, dv_local, dq_raw = runtime.slots(_BWD_PREPARE, result, 3, (0, 1, 2))
     qg = saved["qg"]
-    dht = None if dht is None else dht.to(qg.dtype)  # fla-npu's dhu takes the terminal gradient in model dtype
-    dh, dh0, dv_scan = runtime.slots("chunk_gated_delta_rule_bwd_dhu", ops.chunk_gated_delta_rule_bwd_dhu(
-        batch4(qg, packed), batch4(saved["kg"], packed), batch4(saved["w"], packed), batch4(do_hm, packed),
-        batch4(dv_local, packed), scale, runtime.CHUNK, gK=batch4(saved["gk"], packed), h0=h0, dht=dht,
-        cu_seqlens=cu, use_exp2=True), 3, (0, 2) + ((1,) if h0 is not None else ()))
+    dh, dh0, dv_scan = dhu_with_terminal(
+        ops, batch4(qg, packed), batch4(saved["kg"], packed), batch4(saved["w"], packed), batch4(do_hm, packed),
+        batch4(dv_local, packed), batch4(saved["gk"], packed), h0, dht, scale, cu)
     grads = ops.chunk_kda_bwd_finalize(
         saved["q_hat"], saved["k_hat"], saved["v_hm"], saved["gk"], saved["g_hm"], saved["beta_eff"],
         saved["A_log"], saved["dt_bias"], saved["Akk"], saved["v_new"], saved["h"], dh,
         dv_scan[0] if packed else dv_scan, d_aqk, dq_raw, q_rstd=saved["q_rstd"], k_rstd=saved["k_rstd"],
         scale=scale, chunk_size=runtime.CHUNK, use_exp2=True, use_qk_l2norm_in_kernel=meta["l2norm"],
         use_gate_in_kernel=meta["gate"], use_beta_sigmoid_in_kernel=meta["beta_sigmoid"],
-        safe_gate=meta["safe_gate"], lower_bound=meta["lower_bound"], output_layout=meta["layout"], cu_seqlens=cu)
+        safe_gate=meta["safe_gate"], lower_bound=meta["lower_bound"], output_layout=meta["layout"], cu_seqlens=cu,
+        chunk_indices=meta["chunk_indices"])
     required = (0, 1, 2, 3, 4) + ((5,) if meta["gate"] and saved["A_log"] is not None else ()) \
         + ((6,) if meta["gate"] and saved["dt_bias"] is not None else ())
     dq, dk, dv, dbeta, dg, da_log, ddt = runtime.slots(_FINALIZE, grads, 7, required)
     return dq, dk, dv, dbeta, dg, da_log, ddt, dh0
+
+
+def state_pass(ops, p, initial_state, meta, output_final_state):
+    """chunk_fwd_h (rank-4 only) on the prepared slots; (h, v_new in the slots' rank, final_state)."""
+    packed = meta["packed"]
+    result = ops.chunk_fwd_h(batch4(p["kg"], packed), batch4(p["w"], packed), batch4(p["u"], packed),
+                             gk=batch4(p["gk"], packed), initial_state=initial_state,
+                             output_final_state=output_final_state, chunk_size=runtime.CHUNK, cu_seqlens=meta["cu"],
+                             chunk_indices=meta["chunk_indices"], use_exp2=True)
+    h, v_new, final = runtime.slots("chunk_fwd_h", result, 3, (0, 1) + ((2,) if output_final_state else ()))
+    return h, v_new[0] if packed else v_new, final
 
 
 def untoken(x, packed: bool):
@@ -104,12 +176,9 @@ class AscendCKimiDeltaAttention(torch.autograd.Function):
         ops = runtime.require_api("kda")
         packed = meta["packed"]
         p = kda_prepare(ops, q, k, v, g, beta, A_log, dt_bias, meta)
-        result = ops.chunk_fwd_h(p["kg"], p["w"], p["u"], gk=p["gk"], initial_state=initial_state,
-                                 output_final_state=meta["output_final_state"], chunk_size=runtime.CHUNK,
-                                 cu_seqlens=meta["cu"], use_exp2=True)
-        h, v_new, final = runtime.slots("chunk_fwd_h", result, 3, (0, 1) + ((2,) if meta["output_final_state"] else ()))
+        h, v_new, final = state_pass(ops, p, initial_state, meta, meta["output_final_state"])
         o = ops.chunk_kda_fwd_finalize(p["qg_scaled"], p["Aqk"], v_new, h, output_layout=meta["layout"],
-                                       cu_seqlens=meta["cu"])
+                                       cu_seqlens=meta["cu"], chunk_indices=meta["chunk_indices"])
         saved = {n: p[n] for n in ("gk", "Aqk", "Akk", "w", "qg", "kg", "q_hat", "k_hat", "q_rstd", "k_rstd",
                                    "beta_eff")}
         saved.update(v_new=v_new, h=h, v_hm=head_major(v, packed), g_hm=head_major(g, packed), A_log=A_log,
@@ -122,7 +191,7 @@ class AscendCKimiDeltaAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        ops = runtime.require_api("kda")
+        ops = runtime.require_api("kda_bwd")
         meta = ctx.meta
         packed = meta["packed"]
         saved = dict(zip(ctx.names, ctx.saved_tensors))
@@ -130,6 +199,7 @@ class AscendCKimiDeltaAttention(torch.autograd.Function):
             ops, saved, head_major(do, packed), dfinal, saved["h0"], meta)
         dbeta, dg = token_major_scalars(dbeta, dg, packed)
         qd, kd, vd, gd, bd = ctx.dtypes
+        dh0 = None if dh0 is None else dh0.float()
         return (untoken(dq, packed).to(qd), untoken(dk, packed).to(kd), untoken(dv, packed).to(vd), dg.to(gd),
                 dbeta.to(bd), da_log, None if ddt is None else ddt.reshape(-1), dh0, None)
 
@@ -137,10 +207,28 @@ class AscendCKimiDeltaAttention(torch.autograd.Function):
 def kda_meta(q, *, scale, output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
              use_gate_in_kernel, lower_bound, safe_gate, cu_seqlens):
     packed = cu_seqlens is not None
-    return {"scale": float(scale), "cu": runtime.host_offsets(cu_seqlens), "packed": packed,
+    cu = runtime.host_offsets(cu_seqlens)
+    return {"scale": float(scale), "cu": cu, "chunk_indices": runtime.chunk_indices(cu), "packed": packed,
             "layout": "TND" if packed else "BSND", "output_final_state": output_final_state,
             "l2norm": use_qk_l2norm_in_kernel, "beta_sigmoid": use_beta_sigmoid_in_kernel,
             "gate": use_gate_in_kernel, "lower_bound": lower_bound, "safe_gate": safe_gate}
+
+
+def resolve_gate(g, A_log, dt_bias, use_gate_in_kernel, lower_bound, safe_gate):
+    """(g, A_log, dt_bias, gate_in_kernel): the kernel's gate matches ours only with A_log given and either
+    safe_gate with an explicit lower_bound (sigmoid form) or no safe_gate and no lower_bound (softplus form);
+    otherwise the gate runs here in PyTorch (fp32, differentiable) and the kernel gets the log gate."""
+    if not use_gate_in_kernel:
+        return g, None, None, False
+    if A_log is not None and (lower_bound is not None) == bool(safe_gate):
+        return g, A_log.float(), None if dt_bias is None else dt_bias.float(), True
+    return kda_gate(g.float(), A_log, dt_bias, lower_bound), None, None, False
+
+
+def require_backward_api(*tensors):
+    """Check the KDA backward exports up front when a gradient will be needed (one clear error, no wasted run)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        runtime.require_api("kda_bwd")
 
 
 def chunk_kda(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -150,11 +238,12 @@ def chunk_kda(q, k, v, g, beta, *, scale, initial_state, output_final_state, use
     runtime.check_dtype("kda", q=q, k=k, v=v)
     runtime.soc(q.device)
     check_kda(q, v)
+    runtime.require_api("kda")
+    require_backward_api(q, k, v, g, beta, A_log, dt_bias, initial_state)
+    g, A, dtb, gate = resolve_gate(g, A_log, dt_bias, use_gate_in_kernel, lower_bound, safe_gate)
     meta = kda_meta(q, scale=scale, output_final_state=output_final_state,
                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                    use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                    use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, use_gate_in_kernel=gate,
                     lower_bound=lower_bound, safe_gate=safe_gate, cu_seqlens=cu_seqlens)
     state = None if initial_state is None else initial_state.float().contiguous()
-    A = None if A_log is None or not use_gate_in_kernel else A_log.float()
-    dtb = None if dt_bias is None or not use_gate_in_kernel else dt_bias.float()
     return AscendCKimiDeltaAttention.apply(q, k, v, g, beta, A, dtb, state, meta)

@@ -5,9 +5,15 @@ Nothing imports ``fla_npu`` or ``torch_npu`` at module import. :func:`load_ops` 
 exists and takes the keywords it passes (fla-npu's API moved between releases: keyword spellings, default
 layouts), raising ``RuntimeError`` that names the package, operator and missing parameters.
 
-Device policy (research/seed_origin.md section 2): fla-npu ships kernels for Atlas A2 (Ascend910B), A3
-(Ascend910_93 / 910C) and A5 (Ascend950). The composite GDN backward is Ascend 950 only; the forward runs on all
-three. Devices are asked through :data:`DEVICE` (``torch.npu`` via ``torch_npu``), which tests replace.
+Contract: flashserve/flash-linear-attention-npu at ``PINNED_REVISION`` (docs/backends.md, "ascendc"). Exports
+move between revisions: the KDA backward stages are exported only by later revisions (checked separately, at
+the first KDA call that needs gradients), and the backward CP summary is ``chunk_delta_h_bwd_preprocess`` in
+the pinned revision and ``pre_process_bwd_kernel_merged`` later (:data:`ALIASES`, either is accepted).
+
+Device policy: fla-npu ships kernels for Atlas A2 (Ascend910B), A3 (Ascend910_93 / 910C) and A5 (Ascend950).
+Ascend 950 only: the composite GDN backward, ``chunk_gated_delta_rule_fwd_prepare`` (so GDN CP), the composite
+forward's in-kernel L2 norm / sigmoid (run in PyTorch elsewhere). A3 rejects the BSND/TND layouts (BNSD is
+used there). Devices are asked through :data:`DEVICE` (``torch.npu`` via ``torch_npu``), which tests replace.
 """
 from __future__ import annotations
 
@@ -18,11 +24,18 @@ from functools import lru_cache
 import torch
 
 PACKAGE = "fla-npu (module fla_npu.ops.ascendc; source CANN's set_env.sh first)"
+PINNED_REVISION = "d05824feb13e20c620931b9eceafea88ae745890"
 SUPPORTED_SOCS = ("Ascend910B", "Ascend910_93", "Ascend910C", "Ascend950")
-GDN_BACKWARD_SOCS = ("Ascend950",)
+A5_SOCS = ("Ascend950",)
+A3_SOCS = ("Ascend910_93", "Ascend910C")
+GDN_BACKWARD_SOCS = A5_SOCS
 CHUNK = 64
-# Tensor dtypes the kernels take (q/k/v); tests add float32 together with the stand-in's ALLOW_FP32.
-KERNEL_DTYPES = {"gdn": (torch.bfloat16, torch.float16), "kda": (torch.bfloat16, torch.float16)}
+# Tensor dtypes the kernels take (q/k/v): the composite GDN kernels are bf16-only, the KDA stages take
+# bf16/fp16; tests add float32 together with the stand-in's ALLOW_FP32.
+KERNEL_DTYPES_REAL = {"gdn": (torch.bfloat16,), "kda": (torch.bfloat16, torch.float16)}
+KERNEL_DTYPES = dict(KERNEL_DTYPES_REAL)
+# Inputs the real operators demand in bf16 whatever the model dtype (composite backward h0/dht, CP gk).
+STATE_DTYPE = torch.bfloat16
 
 # Operator -> keywords the adapter passes. Grouped by feature so a package without one feature still serves
 # the others, and every missing piece is named.
@@ -39,25 +52,32 @@ API = {
         "chunk_kda_fwd_prepare": ("layout", "cu_seqlens", "safe_gate", "lower_bound", "use_gate_in_kernel", "A_log",
                                   "dt_bias", "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "use_exp2",
                                   "backward_mode"),
-        "chunk_fwd_h": ("gk", "initial_state", "output_final_state", "chunk_size", "cu_seqlens", "use_exp2"),
+        "chunk_fwd_h": ("gk", "initial_state", "output_final_state", "chunk_size", "cu_seqlens", "chunk_indices",
+                        "use_exp2"),
         "chunk_kda_fwd_finalize": ("output_layout", "cu_seqlens"),
+    },
+    "kda_bwd": {
         "chunk_kda_bwd_prepare": ("scale", "chunk_size", "layout", "cu_seqlens"),
-        "chunk_gated_delta_rule_bwd_dhu": ("gK", "h0", "dht", "cu_seqlens", "use_exp2"),
+        "chunk_gated_delta_rule_bwd_dhu": ("gK", "h0", "dht", "cu_seqlens", "chunk_indices", "use_exp2"),
         "chunk_kda_bwd_finalize": ("q_rstd", "k_rstd", "scale", "chunk_size", "use_exp2", "use_qk_l2norm_in_kernel",
                                    "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "safe_gate", "lower_bound",
                                    "output_layout", "cu_seqlens"),
     },
     "cp": {
         "pre_process_fwd_kernel_merged": ("g", "gk", "cu_seqlens", "chunk_size"),
-        "pre_process_bwd_kernel_merged": ("g", "gk", "cu_seqlens", "scale", "chunk_size"),
+        "pre_process_bwd_kernel_merged": ("g", "gk", "cu_seqlens"),
         "merge_fwd_bwd_kernel": ("forward",),
     },
     "cp_gdn": {
         "chunk_gated_delta_rule_fwd_prepare": ("use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "use_exp2",
                                                "cu_seqlens", "output_a"),
-        "chunk_bwd_dv_local": ("cu_seqlens",),
+        "chunk_bwd_dv_local": ("cu_seqlens", "chunk_indices"),
     },
 }
+ALIASES = {"pre_process_bwd_kernel_merged": ("pre_process_bwd_kernel_merged", "chunk_delta_h_bwd_preprocess")}
+# The fla-npu build that has each feature, for the errors.
+FEATURE_SOURCE = {"kda_bwd": "fla-npu revisions that export npu_chunk_kda_bwd_prepare / npu_chunk_kda_bwd_finalize "
+                             f"(after {PINNED_REVISION[:8]}, whose export table lacks them)"}
 
 
 @lru_cache(maxsize=1)
@@ -67,8 +87,23 @@ def load_ops():
         return importlib.import_module("fla_npu.ops.ascendc")
     except ImportError as error:
         raise RuntimeError(f"backend='ascendc' requires {PACKAGE}, which is not importable: {error}") from error
-    except RuntimeError as error:  # fla-npu raises RuntimeError when the CANN op_api libraries cannot load
-        raise RuntimeError(f"backend='ascendc': {PACKAGE} failed to initialise: {error}") from error
+    except (RuntimeError, OSError) as error:  # CANN op_api libraries / OPP paths missing (FileNotFoundError)
+        raise RuntimeError(f"backend='ascendc': {PACKAGE} failed to initialise "
+                           f"({type(error).__name__}: {error})") from error
+
+
+def version() -> str:
+    """The installed fla-npu version (``fla_npu.__version__``; the ops module has none)."""
+    return str(getattr(importlib.import_module("fla_npu"), "__version__", "unknown"))
+
+
+def op(ops, name: str):
+    """Operator ``name`` of ``ops``, under any of its spellings (:data:`ALIASES`)."""
+    for spelling in ALIASES.get(name, (name,)):
+        fn = getattr(ops, spelling, None)
+        if fn is not None:
+            return fn
+    return None
 
 
 @lru_cache(maxsize=None)
@@ -77,9 +112,9 @@ def require_api(feature: str):
     ops = load_ops()
     problems = []
     for name, keywords in API[feature].items():
-        fn = getattr(ops, name, None)
+        fn = op(ops, name)
         if fn is None:
-            problems.append(f"{name} (missing)")
+            problems.append(f"{' / '.join(ALIASES.get(name, (name,)))} (missing)")
             continue
         try:
             params = inspect.signature(fn).parameters
@@ -92,8 +127,9 @@ def require_api(feature: str):
         if missing:
             problems.append(f"{name} lacks parameters {missing}")
     if problems:
-        raise RuntimeError(f"backend='ascendc' ({feature}): the installed fla-npu "
-                           f"{getattr(ops, '__version__', '')} API is incompatible: " + "; ".join(problems))
+        needs = f"; this feature needs {FEATURE_SOURCE[feature]}" if feature in FEATURE_SOURCE else ""
+        raise RuntimeError(f"backend='ascendc' ({feature}): the installed fla-npu {version()} API is "
+                           f"incompatible (contract: revision {PINNED_REVISION[:8]}): " + "; ".join(problems) + needs)
     return ops
 
 
@@ -133,6 +169,26 @@ def check_dtype(kind: str, **tensors) -> None:
         if x.dtype not in allowed:
             raise TypeError(f"backend='ascendc' {kind.upper()} kernels take {[str(d) for d in allowed]}; "
                             f"{name} has {x.dtype}")
+
+
+def check_soc_features(device_name: str, **needs: bool) -> None:
+    """One RuntimeError listing every feature this SoC lacks; ``needs``: gdn_backward, gdn_cp."""
+    missing = []
+    if needs.get("gdn_cp") and not device_name.startswith(A5_SOCS):
+        missing.append("chunk_gated_delta_rule_fwd_prepare (GDN CP summaries) needs Ascend 950: use "
+                       "cp_method='ulysses' or backend='eager'/'triton'")
+    if needs.get("gdn_backward") and not device_name.startswith(GDN_BACKWARD_SOCS):
+        missing.append("GDN backward uses fla-npu's composite backward, which runs on Ascend950 only: run "
+                       "forward without grad or use backend='eager'")
+    if missing:
+        raise RuntimeError(f"backend='ascendc' on {device_name}: " + "; ".join(missing))
+
+
+def chunk_indices(cu: list[int] | None, chunk: int = CHUNK) -> list[int] | None:
+    """fla-npu's canonical chunk index array for host offsets ``cu``: (sequence, chunk) pairs, flattened."""
+    if cu is None:
+        return None
+    return [v for n, (s, e) in enumerate(zip(cu[:-1], cu[1:])) for c in range(-(-(e - s) // chunk)) for v in (n, c)]
 
 
 def host_offsets(cu_seqlens: torch.Tensor | None):

@@ -1,25 +1,64 @@
 """Stand-in for ``fla_npu.ops.ascendc``: the operators ``layers/ops/ascendc`` uses, in PyTorch on CPU.
 
-Signatures, output slot counts, layouts and dtypes follow fla-npu's published Python API (research/
-seed_origin.md section 2.2; fla-npu's ``_stable.py`` / ``_aclnn_ctypes.py`` and operator docs). Where the
-published material leaves a detail open, the choice made here is stated in the operator's docstring; the
-adapter is written against these choices, so an Ascend run of tests/test_backend_ascendc.py (real fla-npu)
-is what confirms them. Values come from the chunked WY math in ``_math.py`` (fp32 internally).
+Pinned revision: flashserve/flash-linear-attention-npu at d05824feb13e20c620931b9eceafea88ae745890 (the
+revision of ``examples/chunk_gdn_cp.py`` / ``examples/chunk_kda_cp.py`` read in full), completed by the
+operator facts issue 27 records from commit 7e91c7d6 (composite GDN forward/backward) and by
+``torch_custom/fla_npu/fla_npu/ops/ascendc/_aclnn_ctypes.py`` at 0220b7bf49b46ca78bd1c6b44374b131460d5129
+(dhu / dv_local / fwd_h signatures, canonical ``chunk_indices``). docs/backends.md lists each fact and its
+source line. Where the real package and hp_megatron's contract differ, this file follows the real package.
 
-Constraints enforced like the real kernels: bf16/fp16 tensors (fp32 only when ``ALLOW_FP32`` is set, which
-tests do for exact comparisons), head dims K = V = 128 (GDN composite: V in {128, 256}), chunk size 64,
-``cu_seqlens`` as host integer lists with batch 1, one of g / gk, DPLR slots rejected. Every function is
-exported under its bare name and with the ``npu_`` prefix, like fla-npu.
+What it enforces like that revision (each check names the operator):
+- exports: ``_ASCENDC_OPS`` lists ``npu_<op>``; each is exported under that name and its short name. The KDA
+  backward stages (``chunk_kda_bwd_prepare`` / ``chunk_kda_bwd_finalize``) are NOT exported by the pinned
+  revision (its KDA CP example reaches ``aclnnChunkKdaBwdPrepare`` through a private runtime call); later
+  revisions export them (``FLA_NPU_STANDIN_KDA_BWD_EXPORTED=1`` models those). The backward CP summary is
+  named ``chunk_delta_h_bwd_preprocess`` (later: ``pre_process_bwd_kernel_merged``). No ``__version__`` here.
+- the declared SoC (``FLA_NPU_STANDIN_SOC``, default ``Ascend950PR``): ``chunk_gated_delta_rule_fwd_prepare``
+  and the composite backward exist for Ascend 950 only; the composite forward's in-kernel L2 norm / sigmoid
+  take a 950-only path; Ascend 910_93 (A3) rejects the BSND/TND layouts of the composite forward.
+- dtypes: bf16 (composite GDN: bf16 only; KDA stages: bf16/fp16; ``ALLOW_FP32`` widens q/k/v-like tensors for
+  exact tests but never the inputs the real ops demand in bf16: composite backward ``initial_state``/``dht``,
+  ``gk`` of the backward CP summary); ``beta_raw`` must have ``beta``'s dtype.
+- layouts/ranks: composite forward returns ``g_cumsum``/``beta_eff`` token-major ``[B,T,HV]`` (``beta_eff``
+  None unless the sigmoid ran in the kernel); ``chunk_bwd_dv_local`` takes ``g`` head-major ``[B,HV,T]``;
+  ``chunk_fwd_h`` takes rank-4 tensors only.
+- index arrays: ``cu_seqlens`` without ``chunk_indices`` is rejected by the composite forward/backward and
+  ``chunk_bwd_dv_local``; the dhu op without them sizes chunks as ceil(T/64) (raised here, silent there).
+- zero-length pieces are rejected by the composite forward and both CP summaries; the merge rejects N = 0.
+- ``chunk_gated_delta_rule_bwd_dhu`` ignores ``dht`` (the pinned examples add two dummy chunks instead);
+  ``FLA_NPU_STANDIN_DHU_USES_DHT=1`` models a build that honours it.
+- KDA gate: in-kernel gate without ``safe_gate`` is the softplus form whatever ``lower_bound`` says;
+  ``A_log=None`` with the in-kernel gate is rejected.
+Values come from the chunked WY math in ``_math.py`` (fp32 internally).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
 from . import _math as m
 
+REVISION = "d05824feb13e20c620931b9eceafea88ae745890"
 ALLOW_FP32 = False          # stand-in only: the real kernels take bfloat16/float16
 LAYOUTS = ("BSND", "BNSD", "TND", "NTD")
 CALLS: list = []            # names of the operators called, in order (tests inspect the composition)
+A3_SOCS = ("Ascend910_93", "Ascend910C")
+
+
+def declared_soc() -> str:
+    """The SoC this stand-in pretends to run on (``FLA_NPU_STANDIN_SOC``)."""
+    return os.environ.get("FLA_NPU_STANDIN_SOC", "Ascend950PR")
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0") == "1"
+
+
+def _require_950(op, what=""):
+    soc = declared_soc()
+    if not soc.startswith("Ascend950"):
+        raise RuntimeError(f"{op}: {what or 'this operator'} is only available on Ascend950, running on {soc}")
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -27,10 +66,39 @@ def _record(name):
     CALLS.append(name)
 
 
-def _check_dtype(op, name, x, extra=()):
-    allowed = (torch.bfloat16, torch.float16, *extra) + ((torch.float32,) if ALLOW_FP32 else ())
+def _check_dtype(op, name, x, extra=(), bf16_only=False):
+    allowed = (torch.bfloat16,) + (() if bf16_only else (torch.float16,)) + tuple(extra) \
+        + ((torch.float32,) if ALLOW_FP32 else ())
     if x is not None and x.dtype not in allowed:
-        raise RuntimeError(f"{op}: {name} must be bfloat16/float16, got {x.dtype}")
+        raise RuntimeError(f"{op}: {name} must be {'bfloat16' if bf16_only else 'bfloat16/float16'}, got {x.dtype}")
+
+
+def _check_strict_dtype(op, name, x, allowed):
+    """Inputs the real op demands in these dtypes whatever ALLOW_FP32 says."""
+    if x is not None and x.dtype not in allowed:
+        raise RuntimeError(f"{op}: {name} must be {'/'.join(str(d).replace('torch.', '') for d in allowed)}, "
+                           f"got {x.dtype}")
+
+
+def _canonical_indices(cu, C):
+    return [v for n, (s, e) in enumerate(zip(cu[:-1], cu[1:])) for c in range(-(-(e - s) // C)) for v in (n, c)]
+
+
+def _check_indices(op, cu, chunk_indices, C, required):
+    """cu_seqlens and chunk_indices go together (canonical sequence-major (seq, chunk) pairs)."""
+    if cu is None:
+        return
+    if chunk_indices is None:
+        if required:
+            raise RuntimeError(f"{op}: cu_seqlens and chunk_indices must be provided together.")
+        return
+    if [int(x) for x in chunk_indices] != _canonical_indices(cu, C):
+        raise RuntimeError(f"{op}: chunk_indices must use canonical sequence-major order.")
+
+
+def _check_nonempty(op, cu):
+    if cu is not None and any(b == a for a, b in zip(cu, cu[1:])):
+        raise RuntimeError(f"{op}: zero-length sequences are not supported, got cu_seqlens {cu}")
 
 
 def _host_list(op, cu_seqlens):
@@ -107,11 +175,13 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, initial_state=None, output_f
                                layout="BNSD"):
     """Fused GDN forward. q, k, v rank-4 in ``layout`` (TND means [1,T,N,D]); g, beta token-major [B,T,HV].
 
-    Returns ten slots ``(o, final_state, g_cumsum, A, beta_eff, h, q_hat, k_hat, q_rstd, k_rstd)``: o BSND
-    [B,T,HV,V] in q's dtype; final_state [N,HV,K,V] fp32 (or None); g_cumsum [B,HV,T] fp32 (log2 units with
-    use_exp2) and A [B,HV,T,64] only with disable_recompute; beta_eff [B,HV,T] fp32; h [B,HV,NT,K,V] only with
-    return_intermediate_states; q_hat/k_hat in ``layout`` (q/k themselves without L2 norm); q_rstd/k_rstd
-    [B,H,T] fp32 or None."""
+    Returns ten slots ``(o, final_state, g_cumsum, A, beta_eff, h, q_hat, k_hat, q_rstd, k_rstd)``: o in
+    ``layout`` (like v) in q's dtype; final_state [N,HV,K,V] fp32 (or None); g_cumsum fp32 (log2 units with
+    use_exp2) token-major [B,T,HV] and A [B,HV,T,64] only with disable_recompute; beta_eff token-major [B,T,HV]
+    fp32 only with the in-kernel sigmoid (else None); h [B,HV,NT,K,V] only with return_intermediate_states;
+    q_hat/k_hat in ``layout`` (q/k themselves without L2 norm); q_rstd/k_rstd [B,H,T] fp32 or None.
+    cu_seqlens needs chunk_indices; zero-length sequences are rejected; on Ascend 910B/910_93 the in-kernel
+    L2 norm and sigmoid are not available and 910_93 rejects BSND/TND."""
     op = "npu_chunk_gated_delta_rule_fwd"
     _record(op)
     if use_gate_in_kernel:
@@ -122,8 +192,12 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, initial_state=None, output_f
         raise RuntimeError(f"{op}: q, k and v must be rank-4 tensors.")
     if state_v_first:
         raise RuntimeError(f"{op}: the stand-in implements state_v_first=False only")
+    if use_qk_l2norm_in_kernel or use_beta_sigmoid_in_kernel:
+        _require_950(op, "the in-kernel L2 norm / beta sigmoid path")
+    if declared_soc().startswith(A3_SOCS) and layout in ("BSND", "TND"):
+        raise RuntimeError(f"{op}: layout {layout} is not supported on {declared_soc()}; use BNSD")
     for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_dtype(op, name, x)
+        _check_dtype(op, name, x, bf16_only=True)
     _check_chunk(op, chunk_size, (64, 128))
     qh, kh, vh = (_to_head_major(op, x, layout).float() for x in (q, k, v))
     B, H, T, K = qh.shape
@@ -135,6 +209,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, initial_state=None, output_f
         raise RuntimeError(f"{op}: g and beta must be [B,T,HV]={[B, T, HV]}, got {list(g.shape)}, {list(beta.shape)}")
     C = int(chunk_size)
     cu = _host_list(op, cu_seqlens)
+    _check_indices(op, cu, chunk_indices, C, required=True)
+    _check_nonempty(op, cu)
     segs = _segments(op, B, T, cu)
     scale = K ** -0.5 if scale is None else float(scale)
     q_rstd = k_rstd = None
@@ -159,11 +235,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, initial_state=None, output_f
         finals.append(S)
         hs.setdefault(b, []).append(h)
     h_all = torch.stack([torch.cat(hs[b], 1) for b in sorted(hs)], 0).to(k.dtype)
-    return (o.transpose(1, 2).to(q.dtype),
+    return (_from_head_major(o, layout, 4).to(q.dtype),
             torch.stack(finals, 0) if output_final_state else None,
-            g_cumsum if disable_recompute else None,
+            g_cumsum.transpose(1, 2).contiguous() if disable_recompute else None,
             A.to(q.dtype) if disable_recompute else None,
-            beta_eff,
+            beta_eff.transpose(1, 2).contiguous() if use_beta_sigmoid_in_kernel else None,
             h_all if return_intermediate_states else None,
             _from_head_major(qh.to(q.dtype), layout, 4) if use_qk_l2norm_in_kernel else q,
             _from_head_major(kh.to(k.dtype), layout, 4) if use_qk_l2norm_in_kernel else k,
@@ -178,18 +254,26 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, d_o, scale, *, chunk_size=64
                                layout="BNSD"):
     """Composite GDN backward (fla-npu documents it as Ascend 950 only; the adapter enforces that).
 
-    q, k: the forward's q_hat/k_hat in ``layout``; v in ``layout``; g: the forward's g_cumsum [B,HV,T];
-    beta: beta_eff [B,HV,T]; A [B,HV,T,64]; d_o BSND; dht [N,HV,K,V]; beta_raw [B,T,HV] (needed with
-    use_beta_sigmoid_in_kernel). Returns eight slots ``(dq, dk, dv, d_beta, d_g, dh0, d_a_log, d_dt_bias)``:
+    q, k: the forward's q_hat/k_hat in ``layout``; v in ``layout``; g: the forward's g_cumsum [B,T,HV];
+    beta [B,T,HV]: beta_eff with the in-kernel sigmoid, else the raw beta; A [B,HV,T,64]; d_o in ``layout``;
+    initial_state and dht [N,HV,K,V] in bf16 only; beta_raw [B,T,HV] in beta's dtype (needed with
+    use_beta_sigmoid_in_kernel). Ascend 950 only; cu_seqlens needs chunk_indices.
+    Returns eight slots ``(dq, dk, dv, d_beta, d_g, dh0, d_a_log, d_dt_bias)``:
     dq/dk (w.r.t. the raw q/k when L2 norm ran in the kernel) and dv in ``layout``; d_beta (w.r.t. beta_raw with
     the in-kernel sigmoid) and d_g (w.r.t. the per-token natural-log gate) [B,T,HV] fp32; dh0 [N,HV,K,V] fp32
     or None; the last two are reserved and None."""
     op = "npu_chunk_gated_delta_rule_bwd"
     _record(op)
+    _require_950(op)
     if use_gate_in_kernel:
         raise RuntimeError(f"{op}: use_gate_in_kernel=True is not supported.")
     for name, x in (("q", q), ("k", k), ("v", v), ("d_o", d_o)):
-        _check_dtype(op, name, x)
+        _check_dtype(op, name, x, bf16_only=True)
+    for name, x in (("initial_state", initial_state), ("dht", dht)):
+        _check_strict_dtype(op, name, x, (torch.bfloat16,))
+    if use_beta_sigmoid_in_kernel and (beta_raw is None or beta_raw.dtype != beta.dtype):
+        raise RuntimeError(f"{op}: beta_raw must be given with beta's dtype {beta.dtype}, got "
+                           f"{None if beta_raw is None else beta_raw.dtype}")
     _check_chunk(op, chunk_size, (64, 128))
     C = int(chunk_size)
     with torch.enable_grad():
@@ -201,15 +285,19 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, d_o, scale, *, chunk_size=64
         if tuple(A.shape) != (B, HV, T, C):
             raise RuntimeError(f"{op}: A must be [B,HV,T,{C}]={[B, HV, T, C]}, got {list(A.shape)}")
         cu = _host_list(op, cu_seqlens)
+        _check_indices(op, cu, chunk_indices, C, required=True)
         segs = _segments(op, B, T, cu)
-        g_nat = g.detach().float() * _units(use_exp2)
+        if tuple(g.shape) != (B, T, HV) or tuple(beta.shape) != (B, T, HV):
+            raise RuntimeError(f"{op}: g and beta must be [B,T,HV]={[B, T, HV]}, got {list(g.shape)}, "
+                               f"{list(beta.shape)}")
+        g_nat = g.detach().float().transpose(1, 2) * _units(use_exp2)
         g_tok = torch.zeros_like(g_nat)
         for b, s, e in segs:
             g_tok[b, :, s:e] = m.per_token_gate(g_nat[b, :, s:e], C)
         g_tok.requires_grad_()
-        beta_e = beta.detach().float().requires_grad_()
+        beta_e = beta.detach().float().transpose(1, 2).requires_grad_()
         h0 = None if initial_state is None else initial_state.detach().float().requires_grad_()
-        do_hm = d_o.float().transpose(1, 2)
+        do_hm = _to_head_major(op, d_o, layout).float()
         loss = 0.0
         for n, (b, s, e) in enumerate(segs):
             gam = m.chunk_cumsum(g_tok[b, :, s:e], C)
@@ -228,7 +316,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, d_o, scale, *, chunk_size=64
         dq = m.l2norm_backward(qh.detach(), q_rstd, dq)
         dk = m.l2norm_backward(kh.detach(), k_rstd, dk)
     if use_beta_sigmoid_in_kernel:
-        dbeta = dbeta * _beta_derivative(beta.float(), allow_neg_eigval)
+        dbeta = dbeta * _beta_derivative(beta.float().transpose(1, 2), allow_neg_eigval)
     return (_from_head_major(dq, layout, 4).to(q.dtype), _from_head_major(dk, layout, 4).to(k.dtype),
             _from_head_major(dv, layout, 4).to(v.dtype), dbeta.transpose(1, 2).contiguous(),
             dg.transpose(1, 2).contiguous(), dh0, None, None)
@@ -245,6 +333,7 @@ def chunk_gated_delta_rule_fwd_prepare(q, k, v, g, beta, chunk_size=64, *, use_q
     fp32 (log2 with use_exp2), w [B,HV,T,K], u [B,HV,T,V], a [B,HV,T,64] (None unless output_a)."""
     op = "npu_chunk_gated_delta_rule_fwd_prepare"
     _record(op)
+    _require_950(op)
     if use_gate_in_kernel:
         raise RuntimeError(f"{op}: use_gate_in_kernel currently only supports False.")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -284,7 +373,11 @@ def chunk_bwd_dv_local(q, k, d_o, g, scale, chunk_size, *, g_gamma=None, A=None,
     C = int(chunk_size)
     B, H, T, K = q.shape
     HV, V = d_o.shape[1], d_o.shape[3]
-    segs = _segments(op, B, T, _host_list(op, cu_seqlens))
+    if tuple(g.shape) != (B, HV, T):
+        raise RuntimeError(f"{op}: g must be [B,HV,T]={[B, HV, T]}, got {list(g.shape)}")
+    cu = _host_list(op, cu_seqlens)
+    _check_indices(op, cu, chunk_indices, C, required=True)
+    segs = _segments(op, B, T, cu)
     dv = d_o.new_zeros(B, HV, T, V, dtype=torch.float32)
     for b, s, e in segs:
         gam = g[b, :, s:e].float()
@@ -297,6 +390,18 @@ def chunk_bwd_dv_local(q, k, d_o, g, scale, chunk_size, *, g_gamma=None, A=None,
 
 
 # ------------------------------------------------------------------------------------- KDA pipeline
+def _kda_lower_bound(op, use_gate_in_kernel, safe_gate, lower_bound, A_log):
+    """The bound the kernel's gate really uses: the sigmoid form only with safe_gate (default -5), else the
+    softplus form (lower_bound ignored). A_log is required with the in-kernel gate."""
+    if not use_gate_in_kernel:
+        return None
+    if A_log is None:
+        raise RuntimeError(f"{op}: A_log must be float32 [HV] when use_gate_in_kernel=True.")
+    if not safe_gate:
+        return None
+    return -5.0 if lower_bound is None else lower_bound
+
+
 _KDA_SLOTS = ("gk", "Aqk", "Akk", "w", "u", "qg", "kg", "qg_scaled", "q_hat", "k_hat", "q_rstd", "k_rstd",
               "beta_eff")
 _KDA_MODES = {
@@ -327,8 +432,7 @@ def chunk_kda_fwd_prepare(q, k, v, g, beta, scale, chunk_size=64, *, layout="BSN
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_dtype(op, name, x)
     _check_chunk(op, chunk_size)
-    if safe_gate and use_gate_in_kernel and lower_bound is None:
-        lower_bound = -5.0
+    lower_bound = _kda_lower_bound(op, use_gate_in_kernel, safe_gate, lower_bound, A_log)
     rank = q.dim()
     if layout in ("TND", "NTD") and rank != 3:
         raise RuntimeError(f"{op}: layout {layout} takes rank-3 tensors")
@@ -342,6 +446,7 @@ def chunk_kda_fwd_prepare(q, k, v, g, beta, scale, chunk_size=64, *, layout="BSN
     cu = _host_list(op, cu_seqlens)
     if rank == 3 and cu is None:
         raise RuntimeError(f"{op}: packed TND/NTD inputs require cu_seqlens")
+    _check_indices(op, cu, chunk_indices, C, required=False)
     segs = _segments(op, B, T, cu)
     g_hm = (g.unsqueeze(0) if rank == 3 else g).float().transpose(1, 2)           # [B,HV,T,K]
     b_tok = (beta.unsqueeze(0) if rank == 3 else beta)
@@ -409,6 +514,9 @@ def chunk_fwd_h(k, w, u, g=None, *, gk=None, initial_state=None, output_final_st
     final_state [N,HV,K,V] fp32 (None unless output_final_state)."""
     op = "npu_chunk_gated_delta_rule_fwd_h"
     _record(op)
+    if any(x is not None and x.dim() != 4 for x in (k, w, u, g, gk) if x is not g):
+        raise RuntimeError(f"{op}: k, w, u (and gk) must be rank-4 [B,N,T,D] tensors, got ranks "
+                           f"{[x.dim() for x in (k, w, u) if x is not None]}")
     if state_v_first:
         raise RuntimeError(f"{op}: the stand-in implements state_v_first=False only")
     for name, x in (("k", k), ("w", w), ("u", u)):
@@ -420,6 +528,7 @@ def chunk_fwd_h(k, w, u, g=None, *, gk=None, initial_state=None, output_final_st
     B, HV, T, K = w4.shape
     V = u4.shape[-1]
     segs = _segments(op, B, T, cu)
+    _check_indices(op, cu, chunk_indices, C, required=False)
     v_new = u4.new_zeros(B, HV, T, V)
     hs, finals = {}, []
     for n, (b, s, e) in enumerate(segs):
@@ -499,10 +608,16 @@ def chunk_gated_delta_rule_bwd_dhu(q, k, w, d_o, dv, scale, chunk_size, *, g=Non
                                    transpose_state_layout=False):
     """Reverse state pass. BNSD q, k, w [B,N,T,K], d_o, dv [B,HV,T,V]; scalar cumulative g [B,HV,T] (q, k
     ungated, gated inside) or per-channel gK [B,HV,T,K] (q = qg, k = kg prepared; requires use_exp2).
-    Returns ``(dh, dh0, dv2)``: dh [B,HV,NT,K,V] with dh[c] = dL/d(state leaving chunk c), dh0 [N,HV,K,V] fp32
-    (None without h0), dv2 = dv + kg dh[c]."""
+    Returns ``(dh, dh0, dv2)``: dh [B,HV,NT,K,V] with dh[c] = dL/d(state leaving chunk c), dh0 [N,HV,K,V] in
+    q's dtype (None without h0; h0 itself only selects it and is taken in q's dtype family), dv2 = dv + kg dh[c].
+    The pinned revision ignores ``dht`` (its examples append two dummy chunks instead); with cu_seqlens but no
+    chunk_indices it sizes dh as ceil(T/64) chunks."""
     op = "npu_chunk_gated_delta_rule_bwd_dhu"
     _record(op)
+    for name, x in (("q", q), ("k", k), ("w", w), ("d_o", d_o), ("dv", dv), ("h0", h0), ("dht", dht)):
+        _check_dtype(op, name, x)
+    if not _flag("FLA_NPU_STANDIN_DHU_USES_DHT"):
+        dht = None
     if (g is None) == (gK is None):
         raise ValueError("Exactly one of g and gK must be provided.")
     if gK is not None and not use_exp2:
@@ -515,6 +630,11 @@ def chunk_gated_delta_rule_bwd_dhu(q, k, w, d_o, dv, scale, chunk_size, *, g=Non
     q4, do4 = q.float(), d_o.float()
     B, HV, T, K = w4.shape
     segs = _segments(op, B, T, cu)
+    _check_indices(op, cu, chunk_indices, C, required=False)
+    if cu is not None and chunk_indices is None and -(-T // C) != sum(m.num_chunks(e - s, C) for _, s, e in segs):
+        raise RuntimeError(f"{op}: without chunk_indices dh has ceil(T/{C}) = {-(-T // C)} chunks, but "
+                           f"cu_seqlens {cu} needs {sum(m.num_chunks(e - s, C) for _, s, e in segs)} "
+                           "(the real op writes a wrongly sized dh)")
     dhs, dh0s = {}, []
     dv2 = torch.zeros_like(dv4)
     for n, (b, s, e) in enumerate(segs):
@@ -528,7 +648,7 @@ def chunk_gated_delta_rule_bwd_dhu(q, k, w, d_o, dv, scale, chunk_size, *, g=Non
         dh0s.append(dS0)
         dv2[b, :, s:e] = dv2_seg
     dh_all = torch.stack([torch.cat(dhs[b], 1) for b in sorted(dhs)], 0).to(q.dtype)
-    return dh_all, (torch.stack(dh0s, 0) if h0 is not None else None), dv2.to(dv.dtype)
+    return dh_all, (torch.stack(dh0s, 0).to(q.dtype) if h0 is not None else None), dv2.to(dv.dtype)
 
 
 def chunk_kda_bwd_finalize(q, k, v, gk, raw_g, beta, a_log, dt_bias, akk, v_new, h, dh, dv_scan, d_aqk, dq_raw, *,
@@ -551,8 +671,7 @@ def chunk_kda_bwd_finalize(q, k, v, gk, raw_g, beta, a_log, dt_bias, akk, v_new,
     C = int(chunk_size)
     packed = q.dim() == 3
     up = (lambda x: x.unsqueeze(0)) if packed else (lambda x: x)
-    if safe_gate and use_gate_in_kernel and lower_bound is None:
-        lower_bound = -5.0
+    lower_bound = _kda_lower_bound(op, use_gate_in_kernel, safe_gate, lower_bound, a_log)
     with torch.enable_grad():
         qh = up(q).detach().float().requires_grad_()
         kh = up(k).detach().float().requires_grad_()
@@ -602,7 +721,8 @@ def chunk_kda_bwd_finalize(q, k, v, gk, raw_g, beta, a_log, dt_bias, akk, v_new,
         ddt = torch.zeros_like(dtb) if (dtb is not None and ddt is None) else ddt
     rank = 3 if packed else 4
     sq = (lambda x: x.squeeze(0)) if packed else (lambda x: x)
-    return (_from_head_major(dq, output_layout, rank).to(q.dtype), _from_head_major(dk, output_layout, rank).to(k.dtype),
+    return (_from_head_major(dq, output_layout, rank).to(q.dtype),
+            _from_head_major(dk, output_layout, rank).to(k.dtype),
             _from_head_major(dv, output_layout, rank).to(v.dtype), sq(dbeta), sq(dg), da_log, ddt)
 
 
@@ -632,6 +752,7 @@ def pre_process_fwd_kernel_merged(k, w, u, g=None, *, gk=None, bg=None, v=None, 
     cu = _host_list(op, cu_seqlens)
     if cu is None:
         raise RuntimeError(f"{op}: cu_seqlens (host list) is required")
+    _check_nonempty(op, cu)
     C, k4, w4, u4, gate4 = _summary_inputs(op, k, w, u, g, gk, chunk_size)
     _, HV, T, K = w4.shape
     V = u4.shape[-1]
@@ -646,16 +767,19 @@ def pre_process_fwd_kernel_merged(k, w, u, g=None, *, gk=None, bg=None, v=None, 
     return hm
 
 
-def pre_process_bwd_kernel_merged(q, k, w, d_o, dv, g=None, gk=None, cu_seqlens=None, scale=1.0, chunk_size=64):
+def chunk_delta_h_bwd_preprocess(q, k, w, d_o, dv, scale, chunk_size, *, g=None, gk=None, cu_seqlens=None):
     """Backward summary of one token window: dhm [HV, K, V+K] fp32 = [dS_loc | M^T], dS_loc the gradient of
     the window's outputs w.r.t. its initial state (zero terminal gradient) and M its transition. BNSD,
     B = 1; GDN passes raw q, k with scalar g, KDA passes qg, kg with gk (base-2 cumulative gates); dv is
-    the intra-chunk dv (chunk_bwd_dv_local / chunk_kda_bwd_prepare); cu_seqlens = [start, end]."""
-    op = "npu_pre_process_bwd_kernel_merged"
+    the intra-chunk dv (chunk_bwd_dv_local / chunk_kda_bwd_prepare); cu_seqlens = [start, end] (non-empty).
+    Named ``pre_process_bwd_kernel_merged`` in later revisions. gk must be bfloat16/float16."""
+    op = "npu_chunk_delta_h_bwd_preprocess"
     _record(op)
+    _check_strict_dtype(op, "gk", gk, (torch.bfloat16, torch.float16))
     cu = _host_list(op, cu_seqlens)
     if cu is None or len(cu) != 2:
         raise RuntimeError(f"{op}: cu_seqlens must be one window [start, end], got {cu}")
+    _check_nonempty(op, cu)
     C, k4, w4, dv4, gate4 = _summary_inputs(op, k, w, dv, g, gk, chunk_size)
     HV = w4.shape[1]
     s, e = cu
@@ -687,6 +811,8 @@ def merge_fwd_bwd_kernel(h, ag_hm, pre_or_post_num_ranks, rank, *, forward=True,
     if ag_hm.dtype not in (torch.float32, torch.bfloat16) or h.dtype != torch.float32:
         raise RuntimeError(f"{op}: ag_hm must be fp32/bf16 and h fp32")
     n, rank = int(pre_or_post_num_ranks), int(rank)
+    if n <= 0:
+        raise RuntimeError(f"{op}: pre_or_post_num_ranks must be positive, got {n}")
     order = range(rank - n, rank) if forward else range(rank + n, rank, -1)
     if n and (min(order) < 0 or max(order) >= S):
         raise RuntimeError(f"{op}: ranks {list(order)} outside [0, {S})")
@@ -698,10 +824,17 @@ def merge_fwd_bwd_kernel(h, ag_hm, pre_or_post_num_ranks, rank, *, forward=True,
     return None
 
 
-_PUBLIC = ("chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_bwd", "chunk_gated_delta_rule_fwd_prepare",
-           "chunk_bwd_dv_local", "chunk_kda_fwd_prepare", "chunk_fwd_h", "chunk_kda_fwd_finalize",
-           "chunk_kda_bwd_prepare", "chunk_gated_delta_rule_bwd_dhu", "chunk_kda_bwd_finalize",
-           "pre_process_fwd_kernel_merged", "pre_process_bwd_kernel_merged", "merge_fwd_bwd_kernel")
-for _name in _PUBLIC:
-    globals()["npu_" + _name] = globals()[_name]
-__all__ = list(_PUBLIC) + ["npu_" + n for n in _PUBLIC]
+# The pinned revision's export table: every entry is exported as ``npu_<op>`` and as ``<op>``.
+_ASCENDC_OPS = ("npu_chunk_gated_delta_rule_fwd", "npu_chunk_gated_delta_rule_bwd",
+                "npu_chunk_gated_delta_rule_fwd_prepare", "npu_chunk_bwd_dv_local", "npu_chunk_kda_fwd_prepare",
+                "npu_chunk_fwd_h", "npu_chunk_kda_fwd_finalize", "npu_chunk_gated_delta_rule_bwd_dhu",
+                "npu_pre_process_fwd_kernel_merged", "npu_chunk_delta_h_bwd_preprocess", "npu_merge_fwd_bwd_kernel")
+if _flag("FLA_NPU_STANDIN_KDA_BWD_EXPORTED"):  # later revisions export the KDA backward stages
+    _ASCENDC_OPS += ("npu_chunk_kda_bwd_prepare", "npu_chunk_kda_bwd_finalize")
+_IMPL = {n: globals()[n] for n in ("chunk_kda_bwd_prepare", "chunk_kda_bwd_finalize")}
+for _n in _IMPL:
+    del globals()[_n]
+for _name in _ASCENDC_OPS:
+    _short = _name[4:]
+    globals()[_name] = globals()[_short] = globals().get(_short) or _IMPL[_short]
+__all__ = [*_ASCENDC_OPS, *(n[4:] for n in _ASCENDC_OPS)]
