@@ -144,7 +144,6 @@ def test_example_configs_keep_megatron_fields(monkeypatch, tmp_path):
 
 
 def test_megatron_lm_configs_keep_megatron_fields(monkeypatch):
-
     if MEGATRON_LM is None:
         pytest.skip("Megatron-LM's training code not found (MEGATRON_LM_PATH)")
     monkeypatch.syspath_prepend(MEGATRON_LM)
