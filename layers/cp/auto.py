@@ -154,7 +154,7 @@ def calibrate_layer(calibration: Calibration, group, layer: AutoLayer) -> bool:
     The parameters are frozen in those runs, so the weight gradients they skip are added back from the
     projections' FLOPs at the gemm fit. True if something was measured."""
     shape = layer.shape
-    if shape.layer_key in calibration.kernels or layer.run_alone is None:
+    if layer.run_alone is None or shape.layer_key in calibration.kernels:
         return False
     fits = calibration.kernels[shape.kernel]
     times = time_concurrently([layer.run_alone(n) for n in REST_TOKENS], group, group_device(group))
