@@ -190,15 +190,17 @@ class AutoTuner:
         if dist.get_rank() == 0:
             print(line, flush=True)
 
-    def calibration(self, group, path: Optional[str] = None) -> Calibration:
-        """The calibration of ``group``'s world layout: kept, loaded from ``path`` or measured (then logged)."""
+    def calibration(self, group, path: Optional[str] = None) -> tuple[Calibration, str]:
+        """``(calibration, source)`` of ``group``'s world layout: the kept one (source ``"kept"``), else loaded from
+        ``path`` or measured (``load_or_calibrate``; then kept and logged)."""
         group = dist.GroupMember.WORLD if group is None else group
         key = layout_key(group)
-        if key not in self.calibrations:
-            calibration, source = load_or_calibrate(group, path, key)
-            self.calibrations[key] = calibration
-            self._log(calibration_line(calibration, source))
-        return self.calibrations[key]
+        if key in self.calibrations:
+            return self.calibrations[key], "kept"
+        calibration, source = load_or_calibrate(group, path, key)
+        self.calibrations[key] = calibration
+        self._log(calibration_line(calibration, source))
+        return calibration, source
 
     def decide(self, group, shape, *, calibration: Calibration, measure=None, measure_top: int = 0) -> Decision:
         """The decision for ``shape`` on ``group`` (None = WORLD) from ``calibration``, identical on every rank
@@ -226,7 +228,7 @@ class AutoTuner:
         layer's own rest-of-layer fit it needs, saved to ``layer.calibration_path`` when measured), the model's
         ranking, and the ``layer.measure_top`` best timed with ``layer.run_with``. Collective over the group."""
         group = dist.GroupMember.WORLD if group is None else group
-        calibration = self.calibration(group, layer.calibration_path)
+        calibration, _ = self.calibration(group, layer.calibration_path)
         if _ensure_kernel(calibration, group, layer.shape) | calibrate_layer(calibration, group, layer):
             persist(calibration, group, layer.calibration_path)
         measure = None
