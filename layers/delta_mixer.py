@@ -98,9 +98,9 @@ class DeltaMixerSubmodules:
 class DeltaMixer(MegatronModule):
     """Base class of :class:`layers.GatedDeltaNet` and :class:`layers.KimiDeltaAttention`.
 
-    Subclasses set ``kind`` (``"gdn" | "kda"``, read by ``layers.cp.auto``), ``gate_activation`` and ``OPTIONS``,
-    and implement
-    :meth:`_in_proj_parts`, :meth:`_extra_layouts`, :meth:`_build_extra` and :meth:`_delta_rule`.
+    Subclasses set ``kind`` (``"gdn" | "kda"``, part of the shape ``layers.delta_cp`` describes), ``gate_activation``
+    and ``OPTIONS``, and implement :meth:`_in_proj_parts`, :meth:`_extra_layouts`, :meth:`_build_extra` and
+    :meth:`_delta_rule`.
     """
 
     kind = "gdn"

@@ -115,7 +115,7 @@ def skip_init(tensor):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Small modules and autograd helpers
+# Small parameter modules: the short conv's weights, KDA's TP-replicated gate down-projection
 
 
 class ShortConvWeights(nn.Module):
