@@ -67,17 +67,19 @@ def auto_layer(mixer, cp_group, seq_len: int, batch: int, cu_seqlens, hidden_sta
         x = torch.randn(tokens, 1, mixer.hidden_size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
         return lambda: forward_backward(mixer, x, alone)
 
-    x = torch.randn(hidden_states.shape, generator=torch.Generator().manual_seed(0)).to(device, hidden_states.dtype)
+    run_with, measure_top = None, mixer.options["cp_auto_measure"]
+    if measure_top > 0:
+        x = torch.randn(hidden_states.shape, generator=torch.Generator().manual_seed(0)).to(device,
+                                                                                           hidden_states.dtype)
 
-    def run_with(cand):
-        choice = (cand.method, cand.group_size, cand.ulysses_degree)
-        return lambda: forward_backward(mixer, x, packed_seq_params, choice)
+        def run_with(cand):
+            choice = (cand.method, cand.group_size, cand.ulysses_degree)
+            return lambda: forward_backward(mixer, x, packed_seq_params, choice)
 
     # under sequence parallelism the input holds 1/tp of the tokens the mixer computes on
     sp = getattr(mixer.config, "sequence_parallel", False)
-    return AutoLayer(shape=shape, calibration_path=mixer.options["cp_calibration"],
-                     measure_top=mixer.options["cp_auto_measure"], run_alone=run_alone, run_with=run_with,
-                     tokens_per_input_token=mixer.tp_size if sp else 1)
+    return AutoLayer(shape=shape, calibration_path=mixer.options["cp_calibration"], measure_top=measure_top,
+                     run_alone=run_alone, run_with=run_with, tokens_per_input_token=mixer.tp_size if sp else 1)
 
 
 def cp_configuration(mixer, cp_group, seq_len, batch, cu_seqlens, hidden_states, packed_seq_params) -> tuple:
