@@ -184,7 +184,7 @@ class DeltaMixer(MegatronModule):
             submodules.out_proj, self.value_dim, self.hidden_size, config=config, init_method=skip_init,
             bias=False, input_is_parallel=True, skip_bias_add=True, is_expert=False, tp_comm_buffer_name="fc2",
             tp_group=self.tp_group)
-        self.param_layouts = self._param_layouts()
+        self.param_layouts = self._param_layouts()   # {parameter path: ParamLayout}: fused ones as their parts
         self.reset_parameters()
 
     # ---------------------------------------------------------------- construction helpers
