@@ -69,36 +69,38 @@ def _worker(rank, P, cases, kind, repeats, warmup, calibration_path):
 
     from hp_megatron.platform import apply_cpu_shims
     from layers import GatedDeltaNet, KimiDeltaAttention
-    from layers.cp.auto import LOG, auto_choice, calibrate_mixer, rank_candidates
-    from layers.cp.calibration import calibrate_kernel, load_or_calibrate, persist
-    from layers.cp.cost_model import Candidate, DeltaLayerShape
+    from layers.cp.auto import auto_tuner, calibrate_layer, rank_candidates
+    from layers.cp.calibration import calibrate_kernel, persist
+    from layers.cp.cost_model import Candidate
+    from layers.delta_cp import auto_layer
 
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=P)
     apply_cpu_shims(0)
-    cal, source = load_or_calibrate(None, calibration_path)
+    tuner = auto_tuner()        # the layers built with cp_method="auto" below decide through it, on this calibration
+    cal, source = tuner.calibration(None, calibration_path)
     calibrate_kernel(cal, None, kind=kind, backend="eager", k_dim=HEAD_DIM, v_dim=HEAD_DIM, dtype=torch.float32)
     config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, use_cpu_initialization=True,
                                params_dtype=torch.float32, context_parallel_size=P)
     cls = GatedDeltaNet if kind == "gdn" else KimiDeltaAttention
     rows = []
     for T, (H, HV) in cases:
-        shape = DeltaLayerShape(kind=kind, batch=1, seq_len=T, heads=H, value_heads=HV, k_dim=HEAD_DIM,
-                                v_dim=HEAD_DIM, hidden=HIDDEN, act_bytes=4)
         def build(cand):
             return cls(config, None, layer_number=1, num_key_heads=H, num_value_heads=HV, key_head_dim=HEAD_DIM,
                        value_head_dim=HEAD_DIM, init_seed=1, cp_method=cand.method, cp_group_size=cand.group_size,
                        cp_ulysses_degree=cand.ulysses_degree)
 
-        calibrate_mixer(cal, None, build(Candidate("allgather")), shape)   # what resolve_for_mixer measures
-        decision = rank_candidates(shape, P, cal)
-        persist(cal, None, calibration_path)
         part = T // (2 * P)
         idx = torch.cat([torch.arange(c * part, (c + 1) * part) for c in (rank, 2 * P - 1 - rank)])
         x = torch.randn(T, 1, HIDDEN, generator=torch.Generator().manual_seed(T))[idx]
-        auto_layer = build(Candidate("auto"))        # the real thing: model, then its best few timed on the layer
-        auto_layer(x.clone())
-        auto = Candidate(*auto_choice(auto_layer, auto_layer.cp_group)).label
-        auto_line = LOG[-1]
+        reference = build(Candidate("allgather"))
+        layer = auto_layer(reference, reference.cp_group, T, 1, None, x, None)   # the layer's description
+        calibrate_layer(cal, None, layer)                 # the rest-of-layer fit auto measures
+        decision = rank_candidates(layer.shape, P, cal)
+        persist(cal, None, calibration_path)
+        auto_mixer = build(Candidate("auto"))        # the real thing: model, then its best few timed on the layer
+        auto_mixer(x.clone())
+        auto = Candidate(*auto_mixer.cp_auto_choice(auto_mixer.cp_group)).label
+        auto_line = tuner.log[-1]
         seconds = _time_layers([build(cand) for cand, _ in decision.ranking], x, repeats, warmup)
         measured = {cand.label: {"measured_s": t, "predicted_s": pred["total"], "predicted_comm_s": pred["comm"],
                                  "predicted_compute_s": pred["compute"]}

@@ -15,6 +15,7 @@ from layers.choices import BACKENDS, CP_LAYOUTS, ROPE_TYPES
 from layers.choices import CP_METHOD_CHOICES as CP_METHODS
 from layers.choices import MLA_CP_STRATEGY_CHOICES as MLA_CP_METHODS
 from layers.cp.auto import MEASURE_TOP
+from layers.cp.subgroups import check_auto_leaves_free
 
 
 def _positive(text):
@@ -48,9 +49,10 @@ def add_hp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--hp-cp-calibration", default=None, metavar="PATH",
                    help="with --hp-cp-method auto: JSON file caching the CP group's calibration (keyed by world "
                         "layout and hardware); reused when it holds this layout, else measured and saved there")
-    g.add_argument("--hp-cp-auto-measure", type=_non_negative, default=MEASURE_TOP, metavar="N",
+    g.add_argument("--hp-cp-auto-measure", type=_non_negative, default=None, metavar="N",
                    help="with --hp-cp-method auto: time the cost model's N fastest candidates on each GDN/KDA layer "
-                        "shape at its first forward and take the fastest (0: the model decides alone)")
+                        f"shape at its first forward and take the fastest (default {MEASURE_TOP}; 0: the model "
+                        "decides alone)")
     g.add_argument("--hp-cp-layout", choices=CP_LAYOUTS, default="zigzag",
                    help="token layout over CP ranks: zigzag (Megatron's load-balanced split) or contiguous")
     g.add_argument("--hp-cp-group-size", type=_positive, default=None,
@@ -91,7 +93,8 @@ def hp_config_from_args(args) -> dict:
     """``{config field: value}`` that our layers read, from parsed args (defaults from the model size).
 
     GDN/KDA read megatron-core 0.16's ``linear_*`` names and our ``delta_*`` / ``kda_*`` names; MLA reads
-    ``MLATransformerConfig``'s names and ``mla_cp_strategy``; every mixer reads ``hp_cp_layout``;
+    ``MLATransformerConfig``'s names and ``mla_cp_strategy``; every mixer reads ``hp_cp_layout`` and
+    ``hp_cp_calibration``;
     ``HybridLayer`` reads ``hp_layer_pattern``. All are fields of ``hp_megatron.config``'s classes.
     """
     heads, hidden = args.num_attention_heads, args.hidden_size
@@ -104,6 +107,10 @@ def hp_config_from_args(args) -> dict:
     if calibration and "auto" not in (args.hp_cp_method, args.hp_mla_cp):
         raise ValueError(f"--hp-cp-calibration {calibration} needs --hp-cp-method auto or --hp-mla-cp auto "
                          f"(got {args.hp_cp_method!r} / {args.hp_mla_cp!r})")
+    measure = getattr(args, "hp_cp_auto_measure", None)
+    if measure is not None and args.hp_cp_method != "auto":
+        raise ValueError(f"--hp-cp-auto-measure {measure} needs --hp-cp-method auto (got {args.hp_cp_method!r}); "
+                         "only auto times candidates on the layers")
     if args.hp_kda_lower_bound is not None and args.hp_kda_lower_bound >= 0:
         raise ValueError(f"--hp-kda-lower-bound must be negative, got {args.hp_kda_lower_bound}")
     fields = {
@@ -118,8 +125,8 @@ def hp_config_from_args(args) -> dict:
         "hp_cp_layout": args.hp_cp_layout,
         "delta_cp_group_size": args.hp_cp_group_size,
         "delta_cp_ulysses_degree": args.hp_ulysses_degree,
-        "delta_cp_calibration": calibration,
-        "delta_cp_auto_measure": args.hp_cp_auto_measure,
+        "hp_cp_calibration": calibration,
+        "delta_cp_auto_measure": MEASURE_TOP if measure is None else measure,
         "kda_lower_bound": args.hp_kda_lower_bound,
         "kda_gate_low_rank_dim": args.hp_kda_gate_low_rank_dim,
         "kda_safe_gate": args.hp_kda_safe_gate,
@@ -165,9 +172,9 @@ def validate_hp_args(args) -> None:
     if "A" in pattern and cp > 1 and args.hp_cp_layout != "zigzag":
         raise ValueError("attention layers ('A' in --hp-layer-pattern) use megatron's rotary embedding, which "
                          f"assumes the zigzag CP layout; got --hp-cp-layout {args.hp_cp_layout}")
-    if args.hp_cp_method == "auto" and (args.hp_cp_group_size is not None or args.hp_ulysses_degree is not None):
-        raise ValueError("--hp-cp-method auto chooses the group size and Ulysses degree itself; drop "
-                         f"--hp-cp-group-size {args.hp_cp_group_size} / --hp-ulysses-degree {args.hp_ulysses_degree}")
+    if args.hp_cp_method == "auto":
+        check_auto_leaves_free(args.hp_cp_group_size, args.hp_ulysses_degree,
+                               flags=("--hp-cp-group-size", "--hp-ulysses-degree"))
     ulysses = cp if args.hp_cp_method == "ulysses" else (args.hp_ulysses_degree or 1)
     if args.hp_cp_method == "ulysses" and args.hp_ulysses_degree not in (None, cp):
         raise ValueError(f"--hp-cp-method ulysses uses all --context-parallel-size {cp} ranks; drop "

@@ -76,12 +76,14 @@ class HybridFields:
     delta_cp_ulysses_degree: Optional[int] = None
     """Hybrid CP: all-to-all over this many ranks, state passing across the rest."""
 
-    delta_cp_calibration: Optional[str] = None
-    """With a CP method / MLA strategy ``auto``: JSON file caching the CP group's calibration."""
+    hp_cp_calibration: Optional[str] = None
+    """With the GDN/KDA CP method or the MLA CP strategy ``auto``: JSON file caching the CP group's calibration
+    (``--hp-cp-calibration``; an error without either ``auto``)."""
 
     delta_cp_auto_measure: int = MEASURE_TOP
     """With the CP method ``auto``: how many of the cost model's fastest candidates a GDN/KDA layer times on
-    itself before choosing (0: the model decides alone)."""
+    itself before choosing (0: the model decides alone; another value than the default is an error without
+    ``delta_cp_method="auto"``)."""
 
     delta_init_seed: Optional[int] = None
     """Base seed of the GDN/KDA layout-independent initialisation (None: ``torch.initial_seed()``)."""
@@ -143,6 +145,7 @@ def check_hybrid_fields(config) -> None:
         value, optional = getattr(config, name), name in _OPTIONAL_BOOLS
         if not isinstance(value, bool) and not (optional and value is None):
             raise ValueError(f"{owner}.{name} must be a bool{' or None' if optional else ''}, got {value!r}")
+    check_auto_fields(config)
     bound = config.kda_lower_bound
     if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or bound >= 0):
         raise ValueError(f"{owner}.kda_lower_bound must be a negative number or None, got {bound!r}")
@@ -196,3 +199,16 @@ def hybrid_config(config: TransformerConfig, **overrides):
     hybrid.__dict__.update(overrides)
     check_hybrid_fields(hybrid)
     return hybrid
+
+
+def check_auto_fields(config) -> None:
+    """The fields only ``auto`` reads are refused without it (they would be ignored): ``hp_cp_calibration`` needs
+    ``delta_cp_method`` or ``mla_cp_strategy`` ``"auto"``; ``delta_cp_auto_measure`` other than its default needs
+    ``delta_cp_method="auto"``."""
+    owner = type(config).__name__
+    if config.hp_cp_calibration is not None and "auto" not in (config.delta_cp_method, config.mla_cp_strategy):
+        raise ValueError(f"{owner}.hp_cp_calibration {config.hp_cp_calibration!r} needs delta_cp_method or "
+                         f"mla_cp_strategy 'auto' (got {config.delta_cp_method!r} / {config.mla_cp_strategy!r})")
+    if config.delta_cp_auto_measure != MEASURE_TOP and config.delta_cp_method != "auto":
+        raise ValueError(f"{owner}.delta_cp_auto_measure={config.delta_cp_auto_measure} needs delta_cp_method "
+                         f"'auto' (got {config.delta_cp_method!r})")

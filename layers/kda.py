@@ -24,9 +24,10 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import nn
 
-from layers.delta_mixer import (COMMON_OPTIONS, DeltaMixer, DeltaMixerSubmodules, Option, ParamLayout, Part,
-                                ReplicatedLinear, _positive_int, _skip_init, constant_init,
-                                inverse_softplus_dt_init, log_uniform_init, megatron_init)
+from layers.delta_mixer import DeltaMixer, DeltaMixerSubmodules
+from layers.delta_options import COMMON_OPTIONS, Option, positive_int
+from layers.delta_params import (ParamLayout, Part, ReplicatedLinear, constant_init, inverse_softplus_dt_init,
+                                 log_uniform_init, megatron_init, skip_init)
 from layers.ops import chunk_kda
 
 KDA_OPTIONS = {
@@ -63,7 +64,7 @@ class KimiDeltaAttention(DeltaMixer):
 
     def _build_extra(self, submodules, device, dtype):
         name, opts = type(self).__name__, self.options
-        self.gate_low_rank_dim = _positive_int(name, "gate_low_rank_dim",
+        self.gate_low_rank_dim = positive_int(name, "gate_low_rank_dim",
                                                opts["gate_low_rank_dim"] or self.value_head_dim)
         self.lower_bound = opts["lower_bound"]
         self.safe_gate = bool(opts["safe_gate"])
@@ -76,7 +77,7 @@ class KimiDeltaAttention(DeltaMixer):
         r = self.gate_low_rank_dim
         self.gate_down_proj = ReplicatedLinear(self.hidden_size, 2 * r, self.config, device, dtype)
         up = getattr(submodules, "gate_up_proj", None) or submodules.in_proj
-        common = dict(config=self.config, init_method=_skip_init, gather_output=False, skip_bias_add=False,
+        common = dict(config=self.config, init_method=skip_init, gather_output=False, skip_bias_add=False,
                       is_expert=False, tp_comm_buffer_name=None, tp_group=self.tp_group)
         self.forget_gate_up_proj = build_module(up, r, self.num_value_heads * self.key_head_dim, bias=False,
                                                 **common)

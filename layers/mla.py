@@ -33,6 +33,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from layers.attention.masking import document_starts
+from layers.cp.auto import AutoLayer, auto_tuner
+from layers.cp.cost_model import MLALayerShape
 from layers.cp.mla import STRATEGIES, MLADims, check_strategy, expand_keys_values, mla_context_parallel
 from layers.cp.plan import check_layout
 from layers.cp.sequence import packed_cu_seqlens, plan_for_batch
@@ -133,6 +135,7 @@ class MultiLatentAttention(MegatronModule):
         self.cp_strategy = self._select_strategy(cp_strategy, cp_comm_type)
         self.checkpoint_norm_names = checkpoint_norm_names
         self.comm_stats = comm_stats
+        self.cp_auto_choices = {}     # cp_strategy="auto": CP group -> the strategy chosen there
 
         c = config
         heads = c.num_attention_heads
@@ -246,17 +249,35 @@ class MultiLatentAttention(MegatronModule):
         else:
             payload = torch.cat((latent, rope_key), dim=-1)
             strategy = self.cp_strategy
-            if strategy == "auto":   # decided at the first CP forward, then kept
-                from layers.cp.auto import resolve_for_mla
-
-                strategy = resolve_for_mla(self, cp_group, seq * cp_size if cu_seqlens is None else
-                                           int(cu_seqlens[-1]), batch)
+            if strategy == "auto":   # decided at the first CP forward on this group, then kept
+                strategy = self._auto_strategy(cp_group, seq * cp_size if cu_seqlens is None else
+                                               int(cu_seqlens[-1]), batch)
             out = mla_context_parallel(strategy, kv_payload=payload, make_query=make_query,
                                        kv_weight=kv_weight, dims=dims, attention=self.core_attention,
                                        group=cp_group, layout=self.cp_layout, cu_seqlens=cu_seqlens,
                                        stats=self.comm_stats, plan=plan)
         out = out.reshape(batch, seq, dims.heads * dims.v).transpose(0, 1).contiguous()
         return self.linear_proj(out)
+
+    def _auto_strategy(self, cp_group, seq_len: int, batch: int) -> str:
+        """``cp_strategy="auto"``: the strategy chosen for ``cp_group`` (``layers.cp.auto`` on this layer's
+        ``MLALayerShape``; the calibration file is the config's ``hp_cp_calibration``), decided now if this is the
+        layer's first CP forward on that group (collective), else the kept one."""
+        if cp_group not in self.cp_auto_choices:
+            d, dtype = self.dims, self.linear_kv_up_proj.weight.dtype
+            shape = MLALayerShape(batch=batch, seq_len=seq_len, heads=d.heads, qk_head_dim=d.qk,
+                                  qk_pos_emb_head_dim=d.pe, v_head_dim=d.v, kv_lora_rank=d.kv_lora_rank,
+                                  layout=self.cp_layout, act_bytes=dtype.itemsize,
+                                  dtype=str(dtype).replace("torch.", ""))
+            layer = AutoLayer(shape=shape, calibration_path=getattr(self.config, "hp_cp_calibration", None))
+            self.cp_auto_choices[cp_group] = auto_tuner().choose(cp_group, layer).method
+        return self.cp_auto_choices[cp_group]
+
+    def cp_auto_choice(self, cp_group):
+        """The strategy ``cp_strategy="auto"`` chose for ``cp_group`` (the group object a forward used), or None
+        before the layer's first CP forward on that group (one per group, as megatron's hybrid CP may hand
+        micro-batches CP groups of several sizes)."""
+        return self.cp_auto_choices.get(cp_group)
 
     def _check_forward_args(self, hidden_states, key_value_states, inference_context, inference_params,
                             rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, attention_bias,

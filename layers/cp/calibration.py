@@ -14,6 +14,7 @@ cost of a synchronization after a compute phase (``calibrate_sync``).
 native summary pass) and of the dense projections.
 ``load_or_calibrate(group, path)`` reuses a saved calibration from the JSON file ``path`` (keyed by the world
 layout and hardware, ``layout_key``) or measures one and saves it there. A calibration takes a few seconds.
+This module keeps no state: ``layers.cp.auto.AutoTuner`` holds the calibrations of a process.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from layers.cp.collectives import all_gather_raw, all_to_all_raw, exchange, global_rank, group_rank, group_size
+from layers.cp.collectives import all_gather_raw, all_to_all_raw, broadcast_from_rank0, exchange, group_rank, group_size
 from layers.cp.cost_model import COLLECTIVES, Calibration, LinearFit
 
 MESSAGE_BYTES = (16 << 10, 256 << 10, 2 << 20)       # per-rank payload of each timed collective
@@ -36,9 +37,9 @@ COMPUTE_REPEATS = 3                                    # timed windows of a comp
 MIN_WINDOW_S = 0.04                                    # shortest compute window (several scheduler slices)
 SYNC_PHASES_S = (0.002, 0.01)                          # compute phases before a synchronization (``sync`` fit)
 OP_POINTS = ((128, 2), (512, 4), (2048, 4))            # (tokens, heads) at which a delta-rule op is timed
+GEMM_WIDTH = 256                                       # the timed dense matmul: [tokens, 256] x [256, 256]
 FORMAT = "cal3"  # what is measured how (part of the layout key); cal3: concurrent windows, relay fit,
                  # the generic CP pass timed apart, op points up to 2048 tokens
-_CACHE: dict = {}                                      # layout key -> Calibration (this process)
 
 
 def group_device(group) -> torch.device:
@@ -228,9 +229,9 @@ def _delta_inputs(kind, tokens, heads, K, V, dtype, device, gen):
     return [t.requires_grad_(True) for t in (q, k, v, g, beta)], flags
 
 
-def _gemm_calls(device, dtype, hidden) -> tuple[list, list]:
-    """(FLOPs, calls) of a [tokens, hidden] x [hidden, hidden] matmul forward + backward at two sizes."""
-    flops, calls = [], []
+def _gemm_calls(device, dtype) -> tuple[list, list]:
+    """(FLOPs, calls) of a [tokens, GEMM_WIDTH] x [GEMM_WIDTH, GEMM_WIDTH] matmul forward + backward at two sizes."""
+    flops, calls, hidden = [], [], GEMM_WIDTH
     for tokens in (128, 512):
         x = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
         w = torch.randn(hidden, hidden, device=device, dtype=dtype, requires_grad=True)
@@ -240,7 +241,7 @@ def _gemm_calls(device, dtype, hidden) -> tuple[list, list]:
 
 
 def calibrate_kernel(calibration: Calibration, group, *, kind: str, backend: str, k_dim: int, v_dim: int,
-                     dtype: torch.dtype, hidden: int = 256) -> dict:
+                     dtype: torch.dtype) -> dict:
     """Add ``calibration.kernels[kernel_key]``, each fit timed on all ranks at once (``time_concurrently``;
     collective) at the ``OP_POINTS`` (FLOPs as ``cost_model.delta_flops`` x 3 at the pass's value width):
 
@@ -290,7 +291,7 @@ def calibrate_kernel(calibration: Calibration, group, *, kind: str, backend: str
             names.append(name)
             calls.append(lambda run=run, inputs=inputs, flags=flags: run(*inputs, flags))
             flops.append(3 * delta_flops(tokens, heads, k_dim, width))
-    gemm_flops, gemm_calls = _gemm_calls(device, dtype, hidden)
+    gemm_flops, gemm_calls = _gemm_calls(device, dtype)
     ts = time_concurrently(calls + gemm_calls, group, device)
     fits = {name: fit_line([f for f, n in zip(flops, names) if n == name],
                            [t for t, n in zip(ts, names) if n == name]) for name in ("op", second[0])}
@@ -299,14 +300,14 @@ def calibrate_kernel(calibration: Calibration, group, *, kind: str, backend: str
     return fits
 
 
-def calibrate_gemm(calibration: Calibration, group, key: str, dtype: torch.dtype, hidden: int = 256) -> dict:
+def calibrate_gemm(calibration: Calibration, group, key: str, dtype: torch.dtype) -> dict:
     """Add ``calibration.kernels[key] = {"gemm": ...}`` (dense matmul forward + backward, all ranks at once;
     collective)."""
     group = dist.GroupMember.WORLD if group is None else group
     if key in calibration.kernels:
         return calibration.kernels[key]
     device = group_device(group)
-    flops, calls = _gemm_calls(device, dtype, hidden)
+    flops, calls = _gemm_calls(device, dtype)
     calibration.kernels[key] = {"gemm": fit_line(flops, time_concurrently(calls, group, device))}
     return calibration.kernels[key]
 
@@ -333,40 +334,21 @@ def save(calibration: Calibration, path: str) -> None:
     os.replace(tmp, path)
 
 
-def load_or_calibrate(group=None, path: str | None = None) -> tuple[Calibration, str]:
-    """(calibration, source) for ``group``: this process's cached one, the entry of ``path`` for this world
-    layout (read by group rank 0 and broadcast), or a fresh measurement (then saved to ``path`` by group rank 0).
-    ``source`` says which: ``"cached" | "loaded from PATH" | "measured in X s"``. Collective over the group."""
+def load_or_calibrate(group=None, path: str | None = None, key: str | None = None) -> tuple[Calibration, str]:
+    """(calibration, source) for ``group``: the entry of ``path`` for this world layout ``key`` (default
+    ``layout_key(group)``; read by group rank 0 and broadcast), or a fresh measurement (then saved to ``path`` by
+    group rank 0). ``source`` says which: ``"loaded from PATH" | "measured in X s"``. Collective over the group.
+    Stateless: ``layers.cp.auto.AutoTuner`` keeps one per layout and process."""
     group = dist.GroupMember.WORLD if group is None else group
-    key = layout_key(group)
-    if key in _CACHE:
-        return _CACHE[key], "cached"
+    key = layout_key(group) if key is None else key
     entry = broadcast_from_rank0(lambda: _read(path).get(key) if path else None, group)
     if entry is not None:
-        cal, source = Calibration.from_json(entry), f"loaded from {path}"
-    else:
-        t0 = time.perf_counter()
-        cal = calibrate(group, key=key)
-        source = f"measured in {time.perf_counter() - t0:.2f} s"
-        persist(cal, group, path)
-    _CACHE[key] = cal
+        return Calibration.from_json(entry), f"loaded from {path}"
+    t0 = time.perf_counter()
+    cal = calibrate(group, key=key)
+    source = f"measured in {time.perf_counter() - t0:.2f} s"
+    persist(cal, group, path)
     return cal, source
-
-
-def broadcast_from_rank0(fn, group):
-    """``fn()`` evaluated on group rank 0 and broadcast to every rank (collective). An exception on rank 0 is
-    broadcast too and re-raised on every rank, so no rank is left waiting."""
-    box = [None]
-    if group_rank(group) == 0:
-        try:
-            box[0] = ("ok", fn())
-        except Exception as err:   # noqa: BLE001 (re-raised below on every rank)
-            box[0] = ("error", err)
-    dist.broadcast_object_list(box, src=global_rank(group, 0), group=group)
-    status, value = box[0]
-    if status == "error":
-        raise value
-    return value
 
 
 def persist(calibration: Calibration, group, path: str | None) -> None:

@@ -48,6 +48,22 @@ def global_rank(group, rank: int) -> int:
     return dist.get_global_rank(group, rank)
 
 
+def broadcast_from_rank0(fn, group):
+    """``fn()`` evaluated on group rank 0 and broadcast to every rank (``broadcast_object_list``; collective). An
+    exception on rank 0 is broadcast too and re-raised on every rank, so no rank is left waiting."""
+    box = [None]
+    if group_rank(group) == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as err:   # noqa: BLE001 (re-raised below on every rank)
+            box[0] = ("error", err)
+    dist.broadcast_object_list(box, src=global_rank(group, 0), group=group)
+    status, value = box[0]
+    if status == "error":
+        raise value
+    return value
+
+
 def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 

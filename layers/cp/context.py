@@ -122,7 +122,7 @@ class CPContext:
 
 def build_cp_context(group=None, *, method: str, layout: str, cu_seqlens=None, group_size: int | None = None,
                      ulysses_degree: int | None = None, conv_kernel_size: int | None = None,
-                     stats: CommStats | None = None, auto_layer=None, calibration=None) -> CPContext:
+                     stats: CommStats | None = None) -> CPContext:
     """Validate a CP configuration and build its context. Its sub-groups (Ulysses, state, gather) come from
     ``layers.cp.subgroups``: on a CP group smaller than the world they must have been registered with
     ``register_cp_subgroups`` (RuntimeError otherwise); on the whole world missing ones are created here, by
@@ -131,19 +131,11 @@ def build_cp_context(group=None, *, method: str, layout: str, cu_seqlens=None, g
     group: any torch.distributed process group (None = WORLD). method: one of ``METHODS``. layout:
     ``"zigzag" | "contiguous"``. cu_seqlens: GLOBAL packed boundaries when inputs are packed (THD).
     group_size: g for ``grouped_allgather_p2p`` (must divide P / U). ulysses_degree: U for the hybrid
-    Ulysses(U) x state(P/U) (must divide P); ``method="ulysses"`` means U = P. ``method="auto"`` chooses
-    method, group_size and ulysses_degree from the calibrated cost model for ``auto_layer`` (a
-    ``layers.cp.cost_model.DeltaLayerShape``); ``calibration`` is a ``Calibration``, a JSON cache path or None
-    (``layers.cp.auto``; collective over the group the first time a shape is seen).
+    Ulysses(U) x state(P/U) (must divide P); ``method="ulysses"`` means U = P. ``"auto"`` is a layer's
+    choice, not a context's: the layer resolves it to one of ``METHODS`` first (``layers.cp.auto``).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("build_cp_context needs an initialized torch.distributed process group")
-    if method == "auto":
-        from layers.cp.auto import auto_context_kwargs
-
-        chosen = auto_context_kwargs(group, auto_layer, layout, calibration=calibration, group_size=group_size,
-                                     ulysses_degree=ulysses_degree)
-        method, group_size, ulysses_degree = chosen["method"], chosen["group_size"], chosen["ulysses_degree"]
     check_layout(layout)
     if conv_kernel_size is not None and (not isinstance(conv_kernel_size, int) or isinstance(conv_kernel_size, bool)
                                          or conv_kernel_size < 1):

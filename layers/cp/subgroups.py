@@ -54,6 +54,19 @@ def hybrid_degrees(P: int, method: str, group_size: int | None, ulysses_degree: 
     return U
 
 
+def check_auto_leaves_free(group_size, ulysses_degree, *, flags: tuple | None = None) -> None:
+    """ValueError unless ``group_size`` and ``ulysses_degree`` are both None: the CP method ``auto`` chooses them
+    itself. The one check of that rule, for the mixers' options, ``register_cp_subgroups`` and the command line
+    (``flags``: the two flags' names, then the message names them)."""
+    if group_size is None and ulysses_degree is None:
+        return
+    if flags is None:
+        raise ValueError(f"method='auto' chooses group_size and ulysses_degree itself; got group_size={group_size}"
+                         f", ulysses_degree={ulysses_degree}")
+    raise ValueError(f"--hp-cp-method auto chooses the group size and Ulysses degree itself; drop "
+                     f"{flags[0]} {group_size} / {flags[1]} {ulysses_degree}")
+
+
 def partition(ranks: tuple, U: int, group_size: int | None) -> list:
     """Every sub-group (sorted global ranks) the layout needs, for ALL members of the CP group ``ranks`` (sorted
     global ranks), in one order: the Ulysses groups (1 < U < P), the state groups (U > 1), the all-gather
@@ -79,9 +92,7 @@ def _configurations(P: int, method: str, ulysses_degree: int | None, group_size:
     if method != "auto":
         U = hybrid_degrees(P, method, group_size, ulysses_degree)
         return [(U, group_size if method == "grouped_allgather_p2p" else None)]
-    if group_size is not None or ulysses_degree is not None:
-        raise ValueError(f"method='auto' chooses group_size and ulysses_degree itself; got group_size={group_size}"
-                         f", ulysses_degree={ulysses_degree}")
+    check_auto_leaves_free(group_size, ulysses_degree)
     from layers.cp.cost_model import delta_candidates
 
     return [(P if c.method == "ulysses" else c.ulysses_degree or 1, c.group_size)

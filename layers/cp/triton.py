@@ -1,4 +1,5 @@
-"""State-passing CP for the triton backend: flash-linear-attention's own KCP path where it is our decomposition.
+"""State-passing CP for the triton backend (``NATIVE_CP``): flash-linear-attention's own KCP path (FLA's exchange)
+where it is our decomposition, else FLA's kernels with the engine's exchange (``triton_engine_exchange.py``).
 
 FLA 0.6's ``cp_context`` path (``fla.ops.cp``) is the ``allgather`` method on FLA's kernels: in the forward each
 rank writes the affine summary ``[E | M]`` of its boundary sequence(s) with ``chunk_cp_fwd_h``, from the WY
@@ -12,7 +13,8 @@ FLA's partition equals ours (checked: FLA's local boundaries must equal the plan
 - there is one row (B == 1: BSHD with micro-batch 1, or packed THD), and
 - the layout is ``contiguous`` (documents packed in any way), or ``zigzag`` with a single sequence (FLA's zigzag
   halves the whole token stream, Megatron's THD zigzag halves every document).
-Every other case (any method, layout, batch) runs FLA's summary kernels with our exchange (``triton_kcp.py``).
+Every other case (any method, layout, batch) runs FLA's summary kernels with our exchange
+(``triton_engine_exchange.py``).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from layers.cp.triton_kcp import native_state_passing
+from layers.cp.triton_engine_exchange import native_state_passing
 from layers.ops.triton.backend import check_gdn_backward
 from layers.ops.triton.runtime import check_inputs, load_fla
 

@@ -161,7 +161,7 @@ def test_single_rank_matches_eager(key):
                          + [f"conv-{lay}-{m}" for lay, m in CONV_CP_CASES])
 def test_cp_matches_single_rank_eager(key):
     """Every method; allgather on FLA's partitions must take FLA's own KCP path (layers/cp/triton.py), the rest
-    FLA's kernels with our exchange (layers/cp/triton_kcp.py)."""
+    FLA's kernels with our exchange (layers/cp/triton_engine_exchange.py)."""
     fla_path = key.endswith("allgather") and any(f"-{layout}-" in key for layout in FLA_CP_LAYOUTS)
     for errs in run_distributed_cases(worker, WORLD, key):
         errs = dict(errs)

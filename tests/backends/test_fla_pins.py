@@ -17,11 +17,12 @@ def test_setup_pins_fla_below_the_next_minor():
 
 
 def test_keyword_table_matches_the_calls():
-    """KEYWORDS (what the load-time check verifies) lists exactly the keywords triton_kcp passes to each function."""
-    from layers.cp.triton_kcp import KEYWORDS
+    """KEYWORDS (what the load-time check verifies) lists exactly the keywords triton_engine_exchange passes to each
+    function."""
+    from layers.cp.triton_engine_exchange import KEYWORDS
 
     used: dict = {}
-    for node in ast.walk(ast.parse((ROOT / "layers/cp/triton_kcp.py").read_text())):
+    for node in ast.walk(ast.parse((ROOT / "layers/cp/triton_engine_exchange.py").read_text())):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                 and isinstance(node.func.value, ast.Name) and node.func.value.id == "fi"):
             used.setdefault(node.func.attr, set()).update(k.arg for k in node.keywords if k.arg)
@@ -29,7 +30,7 @@ def test_keyword_table_matches_the_calls():
 
 
 def test_moved_signature_raises_naming_the_version():
-    from layers.cp.triton_kcp import KEYWORDS, check_signatures
+    from layers.cp.triton_engine_exchange import KEYWORDS, check_signatures
 
     def accepts_all(*args, **kwargs):
         return None
@@ -49,7 +50,7 @@ def test_moved_signature_raises_naming_the_version():
 
 
 def test_installed_fla_passes_the_check():
-    from layers.cp.triton_kcp import load_internals
+    from layers.cp.triton_engine_exchange import load_internals
 
     try:
         load_internals()

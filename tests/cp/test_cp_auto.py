@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layers.cp.auto import auto_choice, rank_candidates
+from layers.cp.auto import rank_candidates
 from layers.cp.calibration import FORMAT, fit_line
 from layers.cp.cost_model import (COLLECTIVES, Calibration, Candidate, DeltaLayerShape, LinearFit, MLALayerShape,
                                   delta_candidates, mla_candidates, predict_delta, state_exchange_seconds)
@@ -243,12 +243,10 @@ def test_calibration_json_round_trip(tmp_path):
 
 
 def test_auto_rejects_explicit_group_size():
-    from layers.cp.auto import auto_context_kwargs
+    from layers.cp.subgroups import check_auto_leaves_free
 
     with pytest.raises(ValueError, match="chooses group_size and ulysses_degree itself"):
-        auto_context_kwargs(None, gdn(), "zigzag", group_size=2)
-    with pytest.raises(ValueError, match="needs auto_layer=DeltaLayerShape"):
-        auto_context_kwargs(None, None, "zigzag")
+        check_auto_leaves_free(2, None)
 
 
 def test_auto_flags_become_config_fields():
@@ -262,7 +260,7 @@ def test_auto_flags_become_config_fields():
     add_hp_arguments(parser)
     fields = hp_config_from_args(parser.parse_args(["--hp-cp-method", "auto", "--hp-mla-cp", "auto",
                                                     "--hp-cp-calibration", "cal.json"]))
-    assert (fields["delta_cp_method"], fields["mla_cp_strategy"], fields["delta_cp_calibration"]) == (
+    assert (fields["delta_cp_method"], fields["mla_cp_strategy"], fields["hp_cp_calibration"]) == (
         "auto", "auto", "cal.json")
     with pytest.raises(ValueError, match="needs --hp-cp-method auto"):
         hp_config_from_args(parser.parse_args(["--hp-cp-calibration", "cal.json"]))
@@ -281,7 +279,9 @@ def _worker(rank, world_size, path):
     from layers import GatedDeltaNet
     from layers.cp import build_cp_context
     from layers.cp import auto as auto_mod
-    from layers.cp.calibration import _CACHE, calibrate, load_or_calibrate
+    from layers.cp.calibration import calibrate, load_or_calibrate
+
+    tuner = auto_mod.auto_tuner()
 
     out = {"concurrent": _concurrent_timing(rank)}
     solo = dist.new_group([rank], use_local_synchronization=True)
@@ -295,14 +295,12 @@ def _worker(rank, world_size, path):
     out["fits"] = {k: (v.alpha, v.beta) for k, v in cal.collectives.items()}
     out["sync"] = (cal.sync.alpha, cal.sync.beta)
     out["calibration_line"] = auto_mod.calibration_line(cal, source)
-    _CACHE.clear()
     out["reload"] = load_or_calibrate(None, path)[1]
     bad = path + ".bad"
     if rank == 0:
         with open(bad, "w") as f:
             f.write("{not json")
     dist.barrier()
-    _CACHE.clear()
     try:                           # rank 0 reads the file: its error must reach every rank (no rank left waiting)
         load_or_calibrate(None, bad)
         out["bad_file"] = None
@@ -311,8 +309,9 @@ def _worker(rank, world_size, path):
     # rank-dependent calibrations: rank 0's decision must still win everywhere
     skew = synthetic(1e-6 if rank == 0 else 1.0, 1e13, op_rate=1e11)
     shape = DeltaLayerShape(kind="kda", batch=1, seq_len=1024, heads=4, value_heads=4, k_dim=64, v_dim=64)
-    out["skewed"] = auto_mod.decide(None, shape, calibration=skew).choice.label
-    ctx = build_cp_context(None, method="auto", layout="zigzag", auto_layer=shape, calibration=skew)
+    decision = tuner.decide(None, shape, calibration=skew)
+    out["skewed"] = decision.choice.label
+    ctx = build_cp_context(None, layout="zigzag", **decision.choice.context_kwargs())
     out["ctx"] = (ctx.method, ctx.group_size, ctx.ulysses_degree)
 
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=P)
@@ -337,20 +336,21 @@ def _worker(rank, world_size, path):
         xl = x[idx].clone().requires_grad_(True)
         y, _ = layer(xl)
         y.square().sum().backward()
-        method = auto_choice(layer, layer.cp_group) or (layer.cp_method, layer.cp_group_size, layer.cp_ulysses_degree)
+        method = layer.cp_auto_choice(layer.cp_group) or (layer.cp_method, layer.cp_group_size,
+                                                          layer.cp_ulysses_degree)
         results[label] = {"y": y.detach(), "dx": xl.grad, "method": method,
                           "hook_calls": len(hook_calls) / len(list(layer.parameters())),
                           "grads": {n: p.grad.clone() for n, p in layer.named_parameters()}}
     model_only = GatedDeltaNet(config, None, layer_number=1, **dims, cp_method="auto", cp_calibration=path,
                                cp_auto_measure=0)
     model_only(x[idx].clone())
-    out["model_only"] = auto_choice(model_only, model_only.cp_group)
+    out["model_only"] = model_only.cp_auto_choice(model_only.cp_group)
     # megatron's full activation recompute runs the first forward under no_grad: calibration and timing still run
     recomputed = GatedDeltaNet(config, None, layer_number=1, **{**dims, "num_key_heads": 2, "num_value_heads": 2},
                                cp_method="auto", cp_calibration=path)
     with torch.no_grad():
         recomputed(x[idx].clone())
-    out["no_grad"] = auto_choice(recomputed, recomputed.cp_group)
+    out["no_grad"] = recomputed.cp_auto_choice(recomputed.cp_group)
     # megatron's hybrid CP: a micro-batch's PackedSeqParams.cp_group may be another group, here a pair
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -359,7 +359,7 @@ def _worker(rank, world_size, path):
     idx2 = torch.tensor([t for c in (rank % 2, 3 - rank % 2) for t in range(c * quarter, (c + 1) * quarter)])
     y_pair, _ = model_only(x[idx2].clone(), packed_seq_params=PackedSeqParams(qkv_format="sbhd", cp_group=pair))
     y_full, _ = model_only(x.clone(), packed_seq_params=PackedSeqParams(qkv_format="sbhd", cp_group=solo))
-    out["per_group"] = {"cp": auto_choice(model_only, model_only.cp_group), "pair": auto_choice(model_only, pair),
+    out["per_group"] = {"cp": model_only.cp_auto_choice(model_only.cp_group), "pair": model_only.cp_auto_choice(pair),
                         "dy": (y_pair - y_full[idx2]).abs().max().item()}
     out["layer"] = {"method": results["auto"]["method"], "hook_calls": results["auto"]["hook_calls"],
                     "dy": (results["auto"]["y"] - results["chosen"]["y"]).abs().max().item(),
@@ -367,7 +367,7 @@ def _worker(rank, world_size, path):
                     "dgrad": max((results["auto"]["grads"][n] - g).abs().max().item()
                                  for n, g in results["chosen"]["grads"].items())}
     out["mla"] = _mla_auto_vs_chosen(parallel_state.get_context_parallel_group(), path)
-    out["log"] = list(auto_mod.LOG)
+    out["log"] = list(tuner.log)
     parallel_state.destroy_model_parallel()
     return out
 
@@ -393,7 +393,7 @@ def _mla_auto_vs_chosen(cp_group, path):
     from tests.support.mla_layer import build_layer, make_config
 
     config = make_config(heads=4)
-    config.delta_cp_calibration = path
+    config.hp_cp_calibration = path
     solo = dist.new_group([dist.get_rank()], use_local_synchronization=True)
     torch.manual_seed(3)
     ys = {}
@@ -403,7 +403,7 @@ def _mla_auto_vs_chosen(cp_group, path):
                         for t in range(c * T // (2 * P), (c + 1) * T // (2 * P))])
     x = torch.randn(T, 1, 32, generator=torch.Generator().manual_seed(4))[idx]
     ys["auto"] = auto(x)[0]
-    strategy = auto_choice(auto, cp_group)
+    strategy = auto.cp_auto_choice(cp_group)
     chosen = build_layer(config, solo, cp_group, cp_strategy=strategy)
     chosen.load_state_dict(auto.state_dict())
     ys["chosen"] = chosen(x)[0]

@@ -68,8 +68,8 @@ def _named_tensors(model, ep_rank):
 def _shard(full, t, key, mixer, path, tp_rank, tp):
     """This rank's part of a TP=1 tensor: our mixers' fused layouts, megatron's SwiGLU fc1 ``[gate; up]`` (each
     half split; every MLP here is SwiGLU), else the parameter's own ``partition_dim``."""
-    if mixer is not None and path in mixer._layouts:
-        lay = mixer._layouts[path]
+    if mixer is not None and path in mixer.param_layouts:
+        lay = mixer.param_layouts[path]
         pieces = full.split([p.shape[lay.cat_dim] for p in lay.parts], lay.cat_dim)
         return lay.shard({p.name: x for p, x in zip(lay.parts, pieces)}, tp_rank, tp)
     if not getattr(t, "tensor_model_parallel", False) or tp == 1:

@@ -97,9 +97,12 @@ def test_ops_never_import_cp_and_layers_never_import_hp_megatron():
     bad_layers = {m: sorted(d for d in deps if d.startswith("hp_megatron"))
                   for m, deps in graph.items() if m.startswith("layers")}
     assert {m: d for m, d in bad_layers.items() if d} == {}
-    # cp sits between the mixers and ops: it never imports a mixer module
+    # cp sits between the mixers and ops: it imports only cp, ops and the leaves, never a mixer module
     mixers = {"layers.gdn", "layers.kda", "layers.mla", "layers.delta_mixer", "layers.attention"}
-    bad_cp = {m: sorted(deps & mixers) for m, deps in graph.items() if m.startswith("layers.cp")}
+    assert mixers <= set(graph)
+    allowed = ("layers.cp", "layers.ops", "layers.choices", "layers.compat", "layers.keywords")
+    bad_cp = {m: sorted(d for d in deps if not any(d == a or d.startswith(a + ".") for a in allowed))
+              for m, deps in graph.items() if m == "layers.cp" or m.startswith("layers.cp.")}
     assert {m: d for m, d in bad_cp.items() if d} == {}
 
 
@@ -113,6 +116,20 @@ def test_no_cycles_in_hp_megatron_and_the_converter_never_imports_models():
               for m, deps in graph.items() if m.startswith("hp_megatron.convert") and m != entry}
     assert {m: d for m, d in engine.items() if d} == {}
     assert "hp_megatron.models" in graph[entry] and "hp_megatron.convert.rules" in graph["hp_megatron.models.common"]
+
+
+def test_cp_imports_no_megatron():
+    """``layers.cp`` needs torch only: no module of it imports megatron (also not lazily); what it needs of a
+    layer comes in the layer's own description (``layers.cp.auto.AutoLayer``)."""
+    bad = {}
+    for path in sorted((ROOT / "layers" / "cp").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            hits = [n for n in names if n == "megatron" or n.startswith("megatron.")]
+            if hits:
+                bad.setdefault(str(path.relative_to(ROOT)), []).extend(hits)
+    assert bad == {}
 
 
 def test_graph_sees_known_edges():

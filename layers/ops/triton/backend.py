@@ -4,8 +4,8 @@ Inputs arrive validated by ``layers/ops/delta_rule.py`` / ``layers/ops/conv.py``
 contract onto FLA's public ops (keywords only), moves packed boundaries to the GPU, and converts the conv
 history ``[N, W-1, D]`` into FLA's cache layout ``[N, D, W]``. Autograd is FLA's (gradients for q, k, v, g,
 beta, A_log, dt_bias, the initial state, conv weight/bias/history). CP on FLA's kernels lives with the CP engine
-(``layers/cp/triton.py``, ``layers/cp/triton_kcp.py``); ``delta_rule_final_state`` serves ``layers.ops.summary``
-(V+K wide values, K <= 256).
+(``layers/cp/triton.py``, ``layers/cp/triton_engine_exchange.py``); ``delta_rule_final_state`` serves
+``layers.ops.summary`` (V+K wide values, K <= 256).
 """
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""State-passing CP on flash-linear-attention's kernels for every method and layout (``layers/cp/native.py``).
+"""State-passing CP on flash-linear-attention's kernels with the engine's exchange, for every method and layout.
+
+(``layers/cp/triton.py`` runs FLA's own KCP path instead where it applies: ``allgather``, one row, FLA's
+partition.) The fold shared with the other native backends is ``layers/cp/native.py``.
 
 FLA 0.6's summary kernels (``fla.ops.cp``: ``chunk_cp_fwd_h``, ``chunk_cp_bwd_dh``) with our exchange. Forward:
 FLA's gate cumsum and WY step, ``[E | M]`` of every local piece from those factors (one launch, no outputs), the
