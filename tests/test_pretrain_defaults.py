@@ -26,7 +26,8 @@ def run(tmp_path_factory):
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
             "--seq-length", str(SEQ), "--micro-batch-size", "1", "--global-batch-size", str(GBS), "--no-progress",
             "--hp-layer-pattern", "KM", "--train-iters", str(ITERS), "--eval-interval", "2", "--eval-iters", "1",
-            "--data-path", os.path.join(data, "pydoc_text_document"), "--tokenizer", os.path.join(data, "tokenizer.json")]
+            "--data-path", os.path.join(data, "pydoc_text_document"),
+            "--tokenizer", os.path.join(data, "tokenizer.json")]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",

@@ -91,7 +91,8 @@ def model_vocab_size(args, tokenizer_vocab: int) -> int:
     vocab = args.hp_preset.gpt["vocab_size"]
     if vocab < tokenizer_vocab:
         raise ValueError(f"--hp-hf-config {args.hp_hf_config} has vocab_size {vocab}, fewer than the "
-                         f"{tokenizer_vocab} ids of --tokenizer {args.tokenizer}: the data must use the model's tokenizer")
+                         f"{tokenizer_vocab} ids of --tokenizer {args.tokenizer}: the data must use the model's "
+                         "tokenizer")
     if vocab % tp:
         raise ValueError(f"--hp-hf-config {args.hp_hf_config}: vocab_size {vocab} is not divisible by "
                          f"--tensor-model-parallel-size {tp}")

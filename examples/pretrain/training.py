@@ -32,8 +32,9 @@ class BatchLoader:
     of data-parallel rank d reads samples ``g*GBS + (m*DP + d)*MBS + [0, MBS)``. The position is just the
     consumed-sample count, so a resumed run continues with the very next sample.
 
-    With ``--reset-attention-mask`` each micro-batch is packed into one THD row (``hp_megatron.training.packing``) and
-    carries its ``packed_seq_params``; the CP share is ``hp_megatron.data.get_batch_on_this_cp_rank``'s."""
+    With ``--reset-attention-mask`` each micro-batch is packed into one THD row
+    (``hp_megatron.training.packing``) and carries its ``packed_seq_params``; the CP share is
+    ``hp_megatron.data.get_batch_on_this_cp_rank``'s."""
 
     def __init__(self, dataset, args, device, pad_id):
         from megatron.core import parallel_state
