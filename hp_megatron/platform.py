@@ -9,7 +9,7 @@ nothing. It also flushes denormal floats to zero on this thread and the threads 
 
 :data:`CPU_SAFE_CONFIG` is the one set of ``TransformerConfig`` fields that keeps megatron-core off the fused
 kernels of Apex / Transformer Engine / CUDA, and :data:`MEGATRON_LM_CPU_FLAGS` the same fields as Megatron-LM's
-command line plus what its training loop needs on gloo (tests/test_platform_cpu_config.py keeps the two equal).
+command line plus what its training loop needs on gloo (tests/test_training_library.py keeps the two equal).
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ _applied = False
 # TransformerConfig fields under which megatron-core runs on any device: parameters made on the host, no fused
 # kernels of Apex / Transformer Engine (gradient accumulation into main_grad, bias + activation, bias + dropout,
 # RoPE, masked softmax, persistent LayerNorm). The example builds every model with them (its layers are
-# megatron-core's local modules and ours, on every device); they cost the fusions' speed on GPU, nothing else.
+# megatron-core's local modules and ours, on every device); on GPU they cost the fusions' speed and a host-side
+# initialization (then one copy to the device), nothing else.
 CPU_SAFE_CONFIG = {"use_cpu_initialization": True, "gradient_accumulation_fusion": False,
                    "bias_activation_fusion": False, "bias_dropout_fusion": False, "apply_rope_fusion": False,
                    "masked_softmax_fusion": False, "persist_layer_norm": False}
