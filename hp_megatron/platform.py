@@ -6,6 +6,10 @@ nothing. It also flushes denormal floats to zero on this thread and the threads 
 (``torch.set_flush_denormal``): the delta-rule kernels multiply strongly decayed terms whose products fall below
 1.2e-38, and x86 CPUs compute with such operands up to 300x slower (a [32,64,64] batched matmul: 0.12 ms vs
 37 ms); GPUs run them at full speed. This changes results by less than 1.2e-38 absolute (2.2e-308 in fp64).
+
+:data:`CPU_SAFE_CONFIG` is the one set of ``TransformerConfig`` fields that keeps megatron-core off the fused
+kernels of Apex / Transformer Engine / CUDA, and :data:`MEGATRON_LM_CPU_FLAGS` the same fields as Megatron-LM's
+command line plus what its training loop needs on gloo (tests/test_training_library.py keeps the two equal).
 """
 from __future__ import annotations
 
@@ -14,6 +18,22 @@ import contextlib
 import torch
 
 _applied = False
+
+# TransformerConfig fields under which megatron-core runs on any device: parameters made on the host, no fused
+# kernels of Apex / Transformer Engine (gradient accumulation into main_grad, bias + activation, bias + dropout,
+# RoPE, masked softmax, persistent LayerNorm). The example builds every model with them (its layers are
+# megatron-core's local modules and ours, on every device); on GPU they cost the fusions' speed and a host-side
+# initialization (then one copy to the device), nothing else.
+CPU_SAFE_CONFIG = {"use_cpu_initialization": True, "gradient_accumulation_fusion": False,
+                   "bias_activation_fusion": False, "bias_dropout_fusion": False, "apply_rope_fusion": False,
+                   "masked_softmax_fusion": False, "persist_layer_norm": False}
+
+# Megatron-LM's flags for a run of its training loop on CPU (gloo): the CPU_SAFE_CONFIG fields, local (not TE)
+# modules, the inference RNG tracker (its CUDA tracker needs a device) and no rerun state machine (CUDA RNG).
+MEGATRON_LM_CPU_FLAGS = ("--distributed-backend", "gloo", "--transformer-impl", "local", "--inference-rng-tracker",
+                         "--rerun-mode", "disabled", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
+                         "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
+                         "--no-masked-softmax-fusion", "--no-persist-layer-norm")
 
 
 def cuda_available() -> bool:

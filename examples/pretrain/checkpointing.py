@@ -1,5 +1,6 @@
 """Checkpoints of the example in Megatron-LM's conventions: ``<dir>/iter_XXXXXXX`` in megatron-core's
-``dist_checkpointing`` format plus the ``latest_checkpointed_iteration.txt`` tracker.
+``dist_checkpointing`` format plus the ``latest_checkpointed_iteration.txt`` tracker (the layout:
+``hp_megatron.checkpoint_dirs``).
 
 * ``--load DIR`` loads when DIR holds a checkpoint and starts from scratch (saying so) when it does not,
   so ``--save X --load X`` works on the first run as in Megatron-LM.
@@ -16,15 +17,13 @@ import os
 
 import torch.distributed as dist
 
+from hp_megatron.checkpoint_dirs import (RELEASE, TRACKER, find_checkpoint, iteration_directory,
+                                         verify_checkpoint_files, write_tracker)
+
 CHECKPOINT_VERSION = 1
-TRACKER = "latest_checkpointed_iteration.txt"
 # OptimizerParamScheduler.state_dict() entries that the flags determine (num_steps is progress)
 SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style", "start_wd", "end_wd",
                  "wd_incr_steps", "wd_incr_style")
-
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
 
 
 def _model_sharded_state_dict(model):
@@ -53,7 +52,7 @@ def save_checkpoint(root, iteration, consumed, model, optimizer, scheduler):
     """Write ``<root>/iter_XXXXXXX`` and the tracker; returns the checkpoint directory."""
     from megatron.core import dist_checkpointing
 
-    path = checkpoint_dir(root, iteration)
+    path = iteration_directory(root, iteration)
     _make_dir_on_rank0(path)
     model_sd = _model_sharded_state_dict(model)
     state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=False),
@@ -62,43 +61,10 @@ def save_checkpoint(root, iteration, consumed, model, optimizer, scheduler):
     dist_checkpointing.save(state, path)
     dist.barrier()
     if dist.get_rank() == 0:
-        with open(os.path.join(root, TRACKER), "w") as f:
-            f.write(str(iteration))
+        write_tracker(root, iteration)
         print(f"saved checkpoint at iteration {iteration} to {path}", flush=True)
     dist.barrier()
     return path
-
-
-def find_checkpoint(root: str):
-    """The directory of the tracker's iteration under ``root``, or None when ``root`` holds no checkpoint.
-
-    Raises ValueError for a tracker that is not an integer or points to a missing directory."""
-    tracker = os.path.join(root, TRACKER)
-    if not os.path.isfile(tracker):
-        return None
-    with open(tracker) as f:
-        text = f.read().strip()
-    if text == "release":  # weights only, e.g. from `python -m hp_megatron.convert hf-to-mcore`
-        path = os.path.join(root, "release")
-        if not os.path.isdir(path):
-            raise ValueError(f"checkpoint tracker {tracker} says 'release', but {path} does not exist")
-        return path
-    if not text.isdigit():
-        raise ValueError(f"checkpoint tracker {tracker} holds {text!r}, not an iteration number")
-    path = checkpoint_dir(root, int(text))
-    if not os.path.isdir(path):
-        raise ValueError(f"checkpoint tracker {tracker} names iteration {text}, but {path} does not exist")
-    return path
-
-
-def verify_checkpoint_files(path: str) -> None:
-    """Check that ``path``'s metadata and every shard it lists are present and long enough (ValueError)."""
-    from hp_megatron.convert.dcp_io import verify_dcp_files
-
-    for name in (".metadata", "common.pt"):
-        if not os.path.isfile(os.path.join(path, name)):
-            raise ValueError(f"checkpoint {path} is incomplete: no {os.path.join(path, name)}")
-    verify_dcp_files(path)
 
 
 def schedule_differences(checkpoint_schedule: dict, flags_schedule: dict) -> dict:
@@ -110,7 +76,7 @@ def schedule_differences(checkpoint_schedule: dict, flags_schedule: dict) -> dic
 
 
 def load_checkpoint(path, model, optimizer, scheduler, warn_schedule=True):
-    """Load ``path`` (see :func:`find_checkpoint`) into model, optimizer and scheduler.
+    """Load ``path`` (``hp_megatron.checkpoint_dirs.find_checkpoint``) into model, optimizer and scheduler.
 
     Returns ``(iteration, consumed samples)``. ``scheduler`` (megatron-core's ``OptimizerParamScheduler``)
     was built with Megatron-LM's ``override_opt_param_scheduler`` choice, which decides whose schedule
@@ -121,7 +87,7 @@ def load_checkpoint(path, model, optimizer, scheduler, warn_schedule=True):
 
     verify_checkpoint_files(path)
     model_sd = _model_sharded_state_dict(model)
-    release = os.path.basename(os.path.normpath(path)) == "release"  # weights only: training starts at 0
+    release = os.path.basename(os.path.normpath(path)) == RELEASE  # weights only: training starts at 0
     template = {"model": model_sd}
     if not release:
         template["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
@@ -149,3 +115,15 @@ def load_checkpoint(path, model, optimizer, scheduler, warn_schedule=True):
                   "checkpoint's. Pass --override-opt_param-scheduler to use the flags' schedule or "
                   "--use-checkpoint-opt_param-scheduler to keep the checkpoint's silently.", flush=True)
     return state["iteration"], state["consumed_samples"]
+
+
+def resume(args, model, optimizer, scheduler):
+    """``--load``: ``(iteration, consumed samples)`` of the checkpoint loaded into model, optimizer and scheduler;
+    ``(0, 0)`` without ``--load`` or, saying so, when the directory holds no checkpoint yet."""
+    found = find_checkpoint(args.load) if args.load else None
+    if found is None:
+        if args.load and dist.get_rank() == 0:
+            print(f"no checkpoint in {args.load} (no {TRACKER}); training from scratch", flush=True)
+        return 0, 0
+    return load_checkpoint(found, model, optimizer, scheduler,
+                           warn_schedule=not args.use_checkpoint_opt_param_scheduler)

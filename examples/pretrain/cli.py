@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("data and checkpoints (Megatron-LM names)")
     g.add_argument("--data-path", default=None, help="indexed-dataset prefix; None: build the pydoc dataset")
     g.add_argument("--tokenizer", default=None, help="tokenizer.json (None: next to the default dataset)")
-    g.add_argument("--split", default="100,0,0", help="train,validation,test weights over the documents")
+    g.add_argument("--split", default="969,30,1",
+                   help="train,validation,test weights over the documents (Megatron-LM's default with --data-path)")
     g.add_argument("--reset-position-ids", action="store_true", help="positions restart after every EOD")
     g.add_argument("--reset-attention-mask", action="store_true",
                    help="documents attend only within themselves: micro-batches are packed (THD) along EODs")
@@ -193,7 +194,8 @@ def apply_hf_preset(parser, args, argv):
     return apply_hf_config_to_args(args)
 
 
-def _split_weights(split: str):
+def split_weights(split: str):
+    """``--split`` as three weights (missing ones 0); ValueError for anything else."""
     try:
         weights = [float(w) for w in split.replace("/", ",").split(",")]
     except ValueError:
@@ -235,7 +237,7 @@ def check_args(args, world_size: int) -> None:
                          f"{args.lr_decay_iters}) (--lr-decay-iters defaults to --train-iters)")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ValueError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other")
-    weights = _split_weights(args.split)
+    weights = split_weights(args.split)
     if weights[0] == 0:
         raise ValueError(f"--split {args.split!r} leaves no training documents")
     if args.eval_interval is not None and weights[1] == 0:

@@ -4,16 +4,22 @@ Launch with torchrun; gloo on CPU, NCCL on GPU. Flags follow Megatron-LM's names
 
     torchrun --nproc-per-node 2 examples/pretrain/pretrain_hybrid.py --context-parallel-size 2
 
+The file reads like Megatron-LM's ``pretrain_gpt.py``: 1. arguments (``cli.py``) and the process groups they
+describe, 2. the model provider, 3. the data provider and the forward step, 4. the training loop, which
+Megatron-LM keeps in ``megatron/training`` (here: this file's ``train`` with ``training.py`` and
+``checkpointing.py``).
+
 Without ``--data-path`` the default dataset (CPython's documentation text, BPE tokenizer trained
 offline, Megatron indexed format; see prepare_data.py) is built under ``out/data/pydoc`` on first use.
 Parallelism: TP, SP, CP (our mixers' CP methods), PP (megatron-core's schedules, also on gloo). Model:
 megatron-core ``GPTModel`` with ``hp_megatron.specs.get_hybrid_layer_spec(--hp-layer-pattern)``, or with
 ``--hp-hf-config HF_DIR`` the preset's model of a Qwen3-Next / Kimi Linear / DeepSeek-V3 config.json (start it from
-``python -m hp_megatron.convert hf-to-mcore`` output with ``--load``; docs/models.md). Data:
-megatron-core ``GPTDataset``. Gradients: megatron-core DDP over the data-parallel x CP group. Optimizer:
-megatron-core's on GPU; on CPU (its grad scaler allocates CUDA) torch's AdamW over DDP's main grads,
-with megatron's gradient-norm clipping semantics. Checkpoints: ``dist_checkpointing`` (model, optimizer,
-scheduler, iteration, consumed samples), loadable under any other TP/CP/PP layout.
+``python -m hp_megatron.convert hf-to-mcore`` output with ``--load``; docs/models.md); both built by
+``hp_megatron.training.gpt_model.hybrid_gpt_model``. Data: megatron-core ``GPTDataset``. Gradients: megatron-core
+DDP over the data-parallel x CP group. Optimizer: ``hp_megatron.training.optimizer.get_optimizer`` (megatron-core's
+on GPU; on CPU, where its grad scaler allocates CUDA, torch's AdamW over DDP's main grads with megatron's
+gradient-norm clipping). Checkpoints: ``dist_checkpointing`` (model, optimizer, scheduler, iteration, consumed
+samples), loadable under any other TP/CP/PP layout.
 """
 from __future__ import annotations
 
@@ -32,17 +38,21 @@ if REPO not in sys.path:  # run from a fresh clone without installing
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from checkpointing import TRACKER, find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from cli import parse_args, quiet_known_warnings, run_reporting_errors, same_on_every_rank  # noqa: E402,F401 (parse_args: API)
+from checkpointing import resume, save_checkpoint  # noqa: E402
+from cli import parse_args, quiet_known_warnings, run_reporting_errors, same_on_every_rank, split_weights  # noqa: E402
 from hp_megatron.arguments import apply_hp_config  # noqa: E402
 from hp_megatron.cp_subgroups import register_cp_subgroups_from_args  # noqa: E402
-from hp_megatron.platform import apply_cpu_training_shims  # noqa: E402
-from training import (BatchLoader, ProgressDisplay, TorchOptimizer, build_datasets, describe_data,  # noqa: E402
-                      log_line, reduce_lm_loss, validation_log_lines)
+from hp_megatron.platform import CPU_SAFE_CONFIG, apply_cpu_training_shims  # noqa: E402
+from hp_megatron.training.gpt_model import hybrid_gpt_model  # noqa: E402
+from hp_megatron.training.optimizer import get_optimizer  # noqa: E402
+from training import (BatchLoader, ProgressDisplay, build_scheduler, describe_data, describe_model,  # noqa: E402
+                      log_line, reduce_lm_loss, run_summary, validation_log_lines)
 
 DEFAULT_DATA_DIR = os.path.join(REPO, "out", "data", "pydoc")
 
 
+# ------------------------------------------------------------------------------ 1. arguments, process groups
+# parse_args (cli.py): Megatron-LM's flag names and defaults, every check that needs only the flags.
 def initialize(args):
     """Process group, megatron parallel state, the CP sub-groups, seeds. Returns the device."""
     on_gpu = torch.cuda.is_available()
@@ -66,133 +76,7 @@ def initialize(args):
     return torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
 
 
-def build_config(args, vocab_size):
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    if args.hp_preset is not None:  # --hp-hf-config: the architecture's fields, this run's parallelism and dtype
-        config = args.hp_preset.transformer_config(
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            context_parallel_size=args.context_parallel_size, sequence_parallel=args.sequence_parallel,
-            init_method_std=args.init_method_std, use_cpu_initialization=True, params_dtype=dtype,
-            pipeline_dtype=dtype, bf16=args.bf16, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
-            masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-            variable_seq_lengths=False)
-        return apply_hp_config(config, args)
-    config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size, sequence_parallel=args.sequence_parallel,
-        normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=args.init_method_std,
-        use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
-        gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, variable_seq_lengths=False)
-    return apply_hp_config(config, args)
-
-
-def build_model(args, config, vocab_size):
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-
-    from hp_megatron.specs import get_hybrid_layer_spec
-
-    import megatron.core.transformer.transformer_block as transformer_block
-    from layers.norm import RMSNorm
-
-    if args.hp_preset is not None:  # exactly the model the conversion rules of --hp-hf-config target
-        model = args.hp_preset.gpt_model(
-            config, args.hp_backend, max_sequence_length=args.seq_length,
-            pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-            linear=args.hp_linear, cp_layout=args.hp_cp_layout)
-        return wrap_model(config, model)
-    # The block's final norm for a layer-spec is megatron's module-level LayerNormImpl (TE, apex or
-    # WrappedTorchNorm, which refuses sequence parallelism); use our RMSNorm, as every layer does.
-    transformer_block.LayerNormImpl = RMSNorm
-    spec = get_hybrid_layer_spec(args.hp_layer_pattern, backend=args.hp_backend, linear=args.hp_linear,
-                                 cp_layout=args.hp_cp_layout)
-    uses_rope = "A" in args.hp_layer_pattern  # zigzag with CP: checked by validate_hp_args
-    model = GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=vocab_size, max_sequence_length=args.seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope" if uses_rope else "none", rotary_base=args.rotary_base)
-    return wrap_model(config, model)
-
-
-def wrap_model(config, model):
-    """megatron-core DDP around ``model`` (moved to the GPU when there is one)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=False)
-    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-
-
-def build_optimizer(args, model):
-    """megatron-core's optimizer on GPU; ``TorchOptimizer`` (same clipping/norm semantics) on CPU."""
-    if torch.cuda.is_available():
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        opt_config = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr,
-                                     weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-                                     adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-                                     bf16=args.bf16, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-                                     use_distributed_optimizer=False)
-        return get_megatron_optimizer(opt_config, [model])
-    return TorchOptimizer([model], lr=args.lr, weight_decay=args.weight_decay,
-                          betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, clip_grad=args.clip_grad)
-
-
-def build_scheduler(args, optimizer):
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    gbs = args.global_batch_size
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * gbs,
-        lr_decay_steps=args.lr_decay_iters * gbs, lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters * gbs,
-        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True,
-        override_opt_param_scheduler=args.override_opt_param_scheduler)
-
-
-def loss_func(loss_mask, output_tensor):
-    """Megatron's 3-tuple loss: (sum of token losses, token count, {"lm loss": [sum, count]})."""
-    losses = output_tensor.float().reshape(-1)
-    mask = loss_mask.reshape(-1).float()
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int)
-    report = torch.stack([loss.detach(), mask.sum()])
-    return loss, num_tokens, {"lm loss": report}
-
-
-def forward_step(progress, data_iterator, model):
-    batch = next(data_iterator)
-    progress.microbatch_started()
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                   packed_seq_params=batch.get("packed_seq_params"))
-    return output, partial(loss_func, batch["loss_mask"])
-
-
-def prepare_default_data(args):
-    if args.data_path is not None:  # checked at parse time
-        return
-    from prepare_data import DATA_NAME, build, default_data_ready
-
-    if dist.get_rank() == 0 and not default_data_ready(DEFAULT_DATA_DIR):
-        print(f"building the default dataset in {DEFAULT_DATA_DIR} ...", flush=True)
-        build(DEFAULT_DATA_DIR)
-    dist.barrier()
-    args.data_path = os.path.join(DEFAULT_DATA_DIR, DATA_NAME)
-    args.tokenizer = os.path.join(DEFAULT_DATA_DIR, "tokenizer.json")
-
-
+# ------------------------------------------------------------------------------------------- 2. model provider
 def pad_vocab(vocab_size, tp, multiple=128):
     step = multiple * tp
     return ((vocab_size + step - 1) // step) * step
@@ -207,58 +91,155 @@ def model_vocab_size(args, tokenizer_vocab: int) -> int:
     vocab = args.hp_preset.gpt_model_kwargs["vocab_size"]
     if vocab < tokenizer_vocab:
         raise ValueError(f"--hp-hf-config {args.hp_hf_config} has vocab_size {vocab}, fewer than the "
-                         f"{tokenizer_vocab} ids of --tokenizer {args.tokenizer}: the data must use the model's tokenizer")
+                         f"{tokenizer_vocab} ids of --tokenizer {args.tokenizer}: the data must use the model's "
+                         "tokenizer")
     if vocab % tp:
         raise ValueError(f"--hp-hf-config {args.hp_hf_config}: vocab_size {vocab} is not divisible by "
                          f"--tensor-model-parallel-size {tp}")
     return vocab
 
 
-def describe_model(args, vocab_size, n_params, device) -> str:
-    """The header: layer layout, sizes, parallel layout and, for the layers present, backend and CP methods."""
-    pattern = args.hp_layer_pattern
-    layout = "".join(pattern[i % len(pattern)] for i in range(args.num_layers))
-    source = f"{args.hp_preset.model_type} from {args.hp_hf_config}, " if args.hp_preset is not None else ""
-    parts = [f"hybrid GPT: {source}{args.num_layers} layers {layout} (pattern {pattern}), hidden {args.hidden_size}, "
-             f"vocab {vocab_size}, {n_params} parameters on this rank",
-             f"TP={args.tensor_model_parallel_size} CP={args.context_parallel_size} "
-             f"PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}"
-             f"{' SP' if args.sequence_parallel else ''}"]
-    cp = args.context_parallel_size
-    if set(pattern) & {"G", "K"}:
-        text = f"GDN/KDA: backend {args.hp_backend}"
-        if cp > 1 and args.hp_cp_method == "auto":
-            text += ", CP method auto (method, group size and Ulysses degree chosen per layer shape at the first step)"
-        elif cp > 1:
-            ulysses = cp if args.hp_cp_method == "ulysses" else (args.hp_ulysses_degree or 1)
-            text += f", CP method {args.hp_cp_method}, Ulysses degree {ulysses}"
-            if args.hp_cp_group_size:
-                text += f", group size {args.hp_cp_group_size}"
-        parts.append(text)
-    if "M" in pattern and cp > 1:
-        parts.append(f"MLA CP {args.hp_mla_cp}")
-    if cp > 1:
-        parts.append(f"layout {args.hp_cp_layout}")
-    parts.append(f"device {device}")
-    return "; ".join(parts)
+def build_config(args, vocab_size):
+    """The declared ``HybridTransformerConfig`` of the flags (or of ``--hp-hf-config``'s architecture with this
+    run's parallelism and dtype), with ``hp_megatron.platform.CPU_SAFE_CONFIG`` (no fused Apex/TE kernels)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    run = dict(tensor_model_parallel_size=args.tensor_model_parallel_size,
+               pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+               context_parallel_size=args.context_parallel_size, sequence_parallel=args.sequence_parallel,
+               init_method_std=args.init_method_std, params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
+               **CPU_SAFE_CONFIG)
+    if args.hp_preset is not None:
+        return apply_hp_config(args.hp_preset.transformer_config(**run), args)
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, **run)
+    return apply_hp_config(config, args)
 
 
-def evaluate(args, model, loader, forward_step_func, num_micro, device):
-    """Mean validation token loss over ``--eval-iters`` global batches (the first ones of the split)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+def build_model(args, config, vocab_size):
+    """This pipeline stage's ``GPTModel`` (``hybrid_gpt_model``) in megatron-core DDP."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    model.eval()
-    reports = []
-    with torch.no_grad():
-        for k in range(args.eval_iters):
-            reports += get_forward_backward_func()(
-                forward_step_func=forward_step_func, data_iterator=loader.global_batch(k * args.global_batch_size),
-                model=model, num_microbatches=num_micro, seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=True)
-    model.train()
-    return reduce_lm_loss(reports, device)
+    from hp_megatron.specs import get_hybrid_layer_spec
+
+    stage = dict(pre_process=parallel_state.is_pipeline_first_stage(),
+                 post_process=parallel_state.is_pipeline_last_stage())
+    if args.hp_preset is not None:  # exactly the model the conversion rules of --hp-hf-config target
+        model = args.hp_preset.gpt_model(config, args.hp_backend, max_sequence_length=args.seq_length, **stage,
+                                         linear=args.hp_linear, cp_layout=args.hp_cp_layout)
+    else:
+        spec = get_hybrid_layer_spec(args.hp_layer_pattern, backend=args.hp_backend, linear=args.hp_linear,
+                                     cp_layout=args.hp_cp_layout)
+        uses_rope = "A" in args.hp_layer_pattern  # zigzag with CP: checked by validate_hp_args
+        model = hybrid_gpt_model(config, spec, vocab_size=vocab_size, max_sequence_length=args.seq_length, **stage,
+                                 share_embeddings_and_output_weights=False,
+                                 position_embedding_type="rope" if uses_rope else "none", rotary_base=args.rotary_base)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False)
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
 
 
+def build_optimizer(args, model):
+    from megatron.core.optimizer import OptimizerConfig
+
+    config = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                             adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                             clip_grad=args.clip_grad, bf16=args.bf16,
+                             params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                             use_distributed_optimizer=False)
+    return get_optimizer(config, [model])
+
+
+# ---------------------------------------------------------------------------- 3. data provider, forward step
+def prepare_default_data(args, data_dir=DEFAULT_DATA_DIR):
+    """Without ``--data-path``: the pydoc dataset in ``data_dir``, built by rank 0 on first use. A folder holding a
+    dataset of other settings (e.g. ``prepare_data.py --vocab-size 512`` there) is refused on every rank."""
+    if args.data_path is not None:  # checked at parse time
+        return
+    from prepare_data import DATA_NAME, DEFAULT_VOCAB_SIZE, build, dataset_ready
+
+    ready = dataset_ready(data_dir, DEFAULT_VOCAB_SIZE, other_use="pass --data-path and --tokenizer to train on it")
+    dist.barrier()  # every rank has read the folder before rank 0 writes to it
+    if dist.get_rank() == 0 and not ready:
+        print(f"building the default dataset in {data_dir} ...", flush=True)
+        build(data_dir, DEFAULT_VOCAB_SIZE)
+    dist.barrier()
+    args.data_path = os.path.join(data_dir, DATA_NAME)
+    args.tokenizer = os.path.join(data_dir, "tokenizer.json")
+
+
+def dataset_sizes(args):
+    """Samples of the train / validation / test splits: ``train_iters x GBS`` and, when the split has a validation
+    part, ``eval_iters x GBS`` (every evaluation reads the same first validation batches)."""
+    valid = args.eval_iters * args.global_batch_size if split_weights(args.split)[1] > 0 else 0
+    return [args.train_iters * args.global_batch_size, valid, 0]
+
+
+def build_datasets(args, tokenizer):
+    """megatron-core GPTDatasets (train, validation or None) over the indexed dataset."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=([args.data_path], None),
+        split=args.split, tokenizer=tokenizer, reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=False,
+        path_to_cache=os.path.join(os.path.dirname(os.path.abspath(args.data_path)), "cache"))
+    sizes = dataset_sizes(args)
+    keep_needed_splits(config, args, sizes)
+    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    if train is None:
+        raise ValueError(f"no training split in {args.data_path} with --split {args.split}")
+    if args.eval_interval and valid is None:
+        raise ValueError(f"no validation split in {args.data_path} with --split {args.split}")
+    return train, valid
+
+
+def keep_needed_splits(config, args, sizes):
+    """Drop the parts of ``config.split_matrix`` that are not read (the test part: the example has no test phase);
+    ValueError when a part that is read holds no document (megatron-core's GPTDataset would loop forever on it)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    documents = len(IndexedDataset(args.data_path))
+    for i, name in enumerate(("training", "validation", "test")):
+        bounds = config.split_matrix[i]
+        if bounds is None:
+            continue
+        if not sizes[i]:
+            config.split_matrix[i] = None
+        elif int(round(bounds[1] * documents)) == int(round(bounds[0] * documents)):  # megatron-core's rounding
+            raise ValueError(f"--split {args.split} leaves the {name} part none of the {documents} documents of "
+                             f"--data-path {args.data_path}; give it a larger weight")
+
+
+def loss_func(loss_mask, output_tensor):
+    """Megatron's 3-tuple loss: (sum of token losses, token count, {"lm loss": [sum, count]})."""
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss.detach(), mask.sum()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(progress, data_iterator, model):
+    batch = next(data_iterator)  # BatchLoader: this rank's micro-batch, CP share and packing included
+    progress.microbatch_started()
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   packed_seq_params=batch.get("packed_seq_params"))
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+# ----------------------------------------------------------------------------------------------------- 4. loop
 def setup(args):
     """Everything before the first iteration, built from the flags alone (so any error is the same on every
     rank): process groups, data files, tokenizer, model, optimizer, scheduler, the checkpoint to resume.
@@ -279,17 +260,25 @@ def setup(args):
     scheduler = build_scheduler(args, optimizer)
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
-    run = SimpleNamespace(device=device, tokenizer=tokenizer, vocab_size=vocab_size, config=config, model=model,
-                          optimizer=optimizer, scheduler=scheduler, iteration=0, consumed=0)
-    if args.load:
-        found = find_checkpoint(args.load)
-        if found is None:
-            if dist.get_rank() == 0:
-                print(f"no checkpoint in {args.load} (no {TRACKER}); training from scratch", flush=True)
-        else:
-            run.iteration, run.consumed = load_checkpoint(
-                found, model, optimizer, scheduler, warn_schedule=not args.use_checkpoint_opt_param_scheduler)
-    return run
+    iteration, consumed = resume(args, model, optimizer, scheduler)
+    return SimpleNamespace(device=device, tokenizer=tokenizer, vocab_size=vocab_size, config=config, model=model,
+                           optimizer=optimizer, scheduler=scheduler, iteration=iteration, consumed=consumed)
+
+
+def evaluate(args, model, loader, forward_step_func, num_micro, device):
+    """Mean validation token loss over ``--eval-iters`` global batches (the first ones of the split)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model.eval()
+    reports = []
+    with torch.no_grad():
+        for k in range(args.eval_iters):
+            reports += get_forward_backward_func()(
+                forward_step_func=forward_step_func, data_iterator=loader.global_batch(k * args.global_batch_size),
+                model=model, num_microbatches=num_micro, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=True)
+    model.train()
+    return reduce_lm_loss(reports, device)
 
 
 def train(args):
@@ -298,6 +287,7 @@ def train(args):
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    run_start = time.perf_counter()
     with same_on_every_rank():
         run = setup(args)
     device, tokenizer, model, optimizer, scheduler = run.device, run.tokenizer, run.model, run.optimizer, run.scheduler
@@ -325,7 +315,7 @@ def train(args):
             print("no --save: no checkpoint will be written", flush=True)
     fwd_bwd = get_forward_backward_func()
     history, saved_to = [], None
-    first_iteration, run_start = iteration, time.perf_counter()
+    first_iteration, train_seconds = iteration, 0.0
     model.train()
     while iteration < args.train_iters:
         start = time.perf_counter()
@@ -345,6 +335,7 @@ def train(args):
         consumed += args.global_batch_size
         lm_loss = reduce_lm_loss(losses, device)
         elapsed = time.perf_counter() - start
+        train_seconds += elapsed
         lr = optimizer.param_groups[0]["lr"]
         history.append({"iteration": iteration, "lm_loss": lm_loss, "grad_norm": float(grad_norm), "lr": lr})
         if is_log_rank and iteration % args.log_interval == 0:
@@ -367,23 +358,11 @@ def train(args):
         saved_to = save_checkpoint(args.save, iteration, consumed, model, optimizer, scheduler)
     progress.close()
     if is_log_rank:
-        print(run_summary(args, history, iteration - first_iteration, time.perf_counter() - run_start, saved_to),
+        other_seconds = time.perf_counter() - run_start - train_seconds
+        print(run_summary(args, history, iteration - first_iteration, train_seconds, other_seconds, saved_to),
               flush=True)
     parallel_state.destroy_model_parallel()
     return history
-
-
-def run_summary(args, history, iterations_run, seconds, saved_to) -> str:
-    """The end-of-run line: iterations, time, tokens/s, final training (and validation) loss, checkpoint."""
-    train_losses = [h["lm_loss"] for h in history if "lm_loss" in h]
-    valid_losses = [h["validation_lm_loss"] for h in history if "validation_lm_loss" in h]
-    tokens = iterations_run * args.global_batch_size * args.seq_length
-    text = (f"done: {iterations_run} iterations in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.0f} tokens/s), "
-            f"final lm loss {train_losses[-1]:.4f}")
-    if valid_losses:
-        text += f", validation lm loss {valid_losses[-1]:.4f}"
-    text += f"; checkpoint {saved_to}" if saved_to else "; no checkpoint written (pass --save DIR to write one)"
-    return text
 
 
 def _run(argv):

@@ -1,46 +1,21 @@
-"""Training pieces of the example that megatron-core leaves to Megatron-LM: data order, the CPU optimizer,
-checkpoints, logging. Kept apart from pretrain_hybrid.py so each part stays small."""
+"""What the example's loop needs that megatron-core leaves to Megatron-LM's ``megatron/training``: the sample order
+of the data-parallel ranks, the LR schedule, and what the loop prints (header, iteration and validation lines,
+progress, the closing summary). Kept apart from pretrain_hybrid.py, which reads like Megatron-LM's pretrain_gpt.py.
+The library parts (packing, the model builder, the optimizer) are in ``hp_megatron.training``."""
 from __future__ import annotations
 
 import math
-import os
 import sys
 import threading
 import time
-from itertools import chain
 
 import torch
 import torch.distributed as dist
 
 from hp_megatron.data import get_batch_on_this_cp_rank
+from hp_megatron.training.packing import PACKED_KEYS, document_multiple, pack_documents
 
 # ----------------------------------------------------------------------------------------------- data
-def dataset_sizes(args):
-    """Samples of the train / validation / test splits: ``train_iters x GBS`` and, with evaluation,
-    ``eval_iters x GBS`` (every evaluation reads the same first validation batches)."""
-    valid = args.eval_iters * args.global_batch_size if args.eval_interval else 0
-    return [args.train_iters * args.global_batch_size, valid, 0]
-
-
-def build_datasets(args, tokenizer):
-    """megatron-core GPTDatasets (train, validation or None) over the indexed dataset."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-
-    config = GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, blend=([args.data_path], None),
-        split=args.split, tokenizer=tokenizer, reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=False,
-        path_to_cache=os.path.join(os.path.dirname(os.path.abspath(args.data_path)), "cache"))
-    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, dataset_sizes(args), lambda: True, config).build()
-    if train is None:
-        raise ValueError(f"no training split in {args.data_path} with --split {args.split}")
-    if args.eval_interval and valid is None:
-        raise ValueError(f"no validation split in {args.data_path} with --split {args.split}")
-    return train, valid
-
-
 def describe_data(args, tokenizer, dataset) -> str:
     """One line: which data, how much of it, which tokenizer."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -57,13 +32,12 @@ class BatchLoader:
     of data-parallel rank d reads samples ``g*GBS + (m*DP + d)*MBS + [0, MBS)``. The position is just the
     consumed-sample count, so a resumed run continues with the very next sample.
 
-    With ``--reset-attention-mask`` each micro-batch is packed into one THD row (``packing.py``) and
-    carries its ``packed_seq_params``; the CP share is ``hp_megatron.data.get_batch_on_this_cp_rank``'s."""
+    With ``--reset-attention-mask`` each micro-batch is packed into one THD row
+    (``hp_megatron.training.packing``) and carries its ``packed_seq_params``; the CP share is
+    ``hp_megatron.data.get_batch_on_this_cp_rank``'s."""
 
     def __init__(self, dataset, args, device, pad_id):
         from megatron.core import parallel_state
-
-        from packing import document_multiple
 
         self.dataset, self.device, self.pad_id = dataset, device, pad_id
         self.mbs, self.gbs = args.micro_batch_size, args.global_batch_size
@@ -75,8 +49,6 @@ class BatchLoader:
                                           args.tensor_model_parallel_size, args.sequence_parallel)
 
     def _micro_batch(self, first):
-        from packing import PACKED_KEYS, pack_documents
-
         samples = [self.dataset[first + i] for i in range(self.mbs)]
         batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in PACKED_KEYS}
         batch["tokens"] = batch["tokens"].long()
@@ -98,91 +70,50 @@ class BatchLoader:
             yield self._micro_batch(consumed_samples + (m * self.dp + self.dp_rank) * self.mbs)
 
 
-# ------------------------------------------------------------------------------------------ optimizer
-class TorchOptimizer:
-    """``torch.optim.AdamW`` over megatron DDP's ``main_grad`` buffers with megatron's optimizer interface
-    (``step() -> (ok, grad_norm, None)``, ``param_groups``, ``sharded_state_dict``), for CPU runs.
+# ------------------------------------------------------------------------------------------- schedule
+def build_scheduler(args, optimizer):
+    """megatron-core's ``OptimizerParamScheduler`` of the flags (counted in samples, as Megatron-LM does)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    Gradient norm: L2 over parameters that are not tensor-parallel duplicates, summed over the
-    model-parallel group (TP x PP); clipping scales all gradients by ``clip / (norm + 1e-6)`` when < 1.
-    """
-
-    def __init__(self, model_chunks, lr, weight_decay, betas, eps, clip_grad):
-        decay, no_decay = [], []
-        for chunk in model_chunks:
-            for name, param in chunk.named_parameters():
-                if param.requires_grad:
-                    (no_decay if param.dim() == 1 or name.endswith(".bias") else decay).append(param)
-        groups = [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0, "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
-        self.clip_grad = clip_grad
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    def _params(self):
-        return list(chain.from_iterable(g["params"] for g in self.optimizer.param_groups))
-
-    def zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def grad_norm(self):
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-        from megatron.core.transformer.module import param_is_not_shared
-
-        grads = [p.grad for p in self._params() if p.grad is not None and param_is_not_shared(p)
-                 and param_is_not_tensor_parallel_duplicate(p)]
-        total = torch.zeros((), dtype=torch.float64)
-        for g in grads:
-            total += g.detach().double().pow(2).sum().cpu()
-        dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
-        return float(total.sqrt())
-
-    def step(self):
-        for p in self._params():
-            p.grad = p.main_grad.to(p.dtype) if getattr(p, "main_grad", None) is not None else p.grad
-        norm = self.grad_norm()
-        if not torch.isfinite(torch.tensor(norm)):
-            return False, norm, None
-        if self.clip_grad and self.clip_grad > 0:
-            coef = self.clip_grad / (norm + 1e-6)
-            if coef < 1.0:
-                for p in self._params():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-        self.optimizer.step()
-        return True, norm, None
-
-    def sharded_state_dict(self, model_sharded_state_dict, is_loading=False):
-        from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
-                                                                optim_state_to_sharding_state)
-
-        if is_loading:  # materialize Adam state so the template has every tensor to load into
-            for p in self._params():
-                state = self.optimizer.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state = self.optimizer.state_dict()
-        steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
-        if len(steps) > 1:
-            raise ValueError(f"parameters have different Adam step counts {sorted(steps)}")
-        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self._params())
-        optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
-        state["common_step"] = steps.pop() if steps else 0.0
-        return state
-
-    def load_state_dict(self, state):
-        step = state.pop("common_step")
-        for param_state in state["state"].values():
-            param_state["step"] = torch.tensor(float(step))
-        self.optimizer.load_state_dict(state)
+    gbs = args.global_batch_size
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=args.lr_decay_iters * gbs, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style="constant", use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=args.override_opt_param_scheduler)
 
 
 # -------------------------------------------------------------------------------------------- logging
+def describe_model(args, vocab_size, n_params, device) -> str:
+    """The header: layer layout, sizes, parallel layout and, for the layers present, backend and CP methods."""
+    pattern = args.hp_layer_pattern
+    layout = "".join(pattern[i % len(pattern)] for i in range(args.num_layers))
+    source = f"{args.hp_preset.model_type} from {args.hp_hf_config}, " if args.hp_preset is not None else ""
+    parts = [f"hybrid GPT: {source}{args.num_layers} layers {layout} (pattern {pattern}), hidden {args.hidden_size}, "
+             f"vocab {vocab_size}, {n_params} parameters on this rank",
+             f"TP={args.tensor_model_parallel_size} CP={args.context_parallel_size} "
+             f"PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}"
+             f"{' SP' if args.sequence_parallel else ''}"]
+    cp = args.context_parallel_size
+    if set(pattern) & {"G", "K"}:
+        text = f"GDN/KDA: backend {args.hp_backend}"
+        if cp > 1 and args.hp_cp_method == "auto":
+            text += ", CP method auto (method, group size and Ulysses degree chosen per layer shape at the first step)"
+        elif cp > 1:
+            ulysses = cp if args.hp_cp_method == "ulysses" else (args.hp_ulysses_degree or 1)
+            text += f", CP method {args.hp_cp_method}, Ulysses degree {ulysses}"
+            if args.hp_cp_group_size:
+                text += f", group size {args.hp_cp_group_size}"
+        parts.append(text)
+    if "M" in pattern and cp > 1:
+        parts.append(f"MLA CP {args.hp_mla_cp}")
+    if cp > 1:
+        parts.append(f"layout {args.hp_cp_layout}")
+    parts.append(f"device {device}")
+    return "; ".join(parts)
+
+
 def reduce_lm_loss(losses_reduced, device):
     """Mean token loss of the global batch (last pipeline stage; NaN elsewhere), as Megatron-LM reports it."""
     from megatron.core import parallel_state
@@ -209,6 +140,22 @@ def validation_log_lines(iteration, lm_loss):
             f"lm loss PPL: {math.exp(min(20.0, lm_loss)):.6E} | ")
     rule = "-" * (len(line) + 1)
     return [rule, line, rule]
+
+
+def run_summary(args, history, iterations_run, train_seconds, other_seconds, saved_to) -> str:
+    """The end-of-run line. Throughput as Megatron-LM reports it: tokens over the time spent in the training
+    iterations (``train_seconds``: forward, backward and optimizer steps, the sum of the logged per-iteration
+    times), not start-up, evaluation and checkpoint saves (``other_seconds``, stated apart)."""
+    train_losses = [h["lm_loss"] for h in history if "lm_loss" in h]
+    valid_losses = [h["validation_lm_loss"] for h in history if "validation_lm_loss" in h]
+    tokens = iterations_run * args.global_batch_size * args.seq_length
+    text = (f"done: {iterations_run} iterations in {train_seconds:.1f} s of forward, backward and optimizer steps "
+            f"({tokens / max(train_seconds, 1e-9):.0f} tokens/s), final lm loss {train_losses[-1]:.4f}")
+    if valid_losses:
+        text += f", validation lm loss {valid_losses[-1]:.4f}"
+    text += f"; start-up, evaluation and checkpoints {other_seconds:.1f} s more"
+    text += f"; checkpoint {saved_to}" if saved_to else "; no checkpoint written (pass --save DIR to write one)"
+    return text
 
 
 class ProgressDisplay:

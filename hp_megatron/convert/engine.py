@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hp_megatron.checkpoint_dirs import TRACKER, find_checkpoint, iteration_directory, write_tracker
 from hp_megatron.convert.dcp_io import ChunkReader, error_summary, save_lazily
 from hp_megatron.convert.layout import CheckpointLayout, LayoutEntry, checkpoint_layout
 from hp_megatron.convert.rules import TensorRule
@@ -38,7 +39,6 @@ from hp_megatron.convert.safetensors_io import (CONFIG_NAME, CheckpointError, HF
                                                 load_hf_config, parse_size)
 from hp_megatron.platform import single_rank_megatron
 
-TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
 NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")  # tensors of a training checkpoint
 
@@ -142,12 +142,7 @@ def _atomic_directory(target: str, overwrite: bool):
 
 def checkpoint_directory(path: str) -> str:
     """The directory holding the tensors: ``path`` itself, or the one its tracker file names."""
-    tracker = os.path.join(path, TRACKER)
-    if os.path.isfile(tracker):
-        with open(tracker) as f:
-            text = f.read().strip()
-        name = "release" if text == "release" else f"iter_{int(text):07d}"
-        path = os.path.join(path, name)
+    path = find_checkpoint(path) or path
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         raise CheckpointError(f"{path}: no metadata.json; not a megatron-core dist checkpoint (nor a directory "
                               f"with {TRACKER})")
@@ -237,10 +232,9 @@ def hf_to_mcore(hf_dir: str, save: str, architecture, *, iteration: int | None =
             current.update(index=index, pieces={(p.key, p.offset): data for p, data in entry.split(full)})
         return current["pieces"][(chunks[i].key, chunks[i].offset)]
 
-    name = "release" if iteration is None else f"iter_{iteration:07d}"
     setup = time.perf_counter() - start
     with _atomic_directory(save, overwrite) as tmp:
-        ckpt = os.path.join(tmp, name)
+        ckpt = iteration_directory(tmp, iteration)
         os.makedirs(ckpt)
         save_lazily(ckpt, chunks, layout.objects, produce)
         current.clear()
@@ -252,8 +246,7 @@ def hf_to_mcore(hf_dir: str, save: str, architecture, *, iteration: int | None =
         with open(os.path.join(ckpt, "metadata.json"), "w") as f:
             json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                        "common_backend_version": 1}, f)
-        with open(os.path.join(tmp, TRACKER), "w") as f:
-            f.write("release" if iteration is None else str(iteration))
+        write_tracker(tmp, iteration)
     nbytes = sum(torch.Size(c.size).numel() * c.dtype.itemsize for c in chunks)
     return ConversionReport(len(chunks), nbytes, time.perf_counter() - start, setup, os.path.abspath(save),
                             dropped)

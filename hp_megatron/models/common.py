@@ -52,18 +52,13 @@ class ModelPreset:
 
     def gpt_model(self, config, backend="eager", *, max_sequence_length: int, pre_process: bool = True,
                   post_process: bool = True, vp_stage=None, **spec_kwargs):
-        """megatron-core ``GPTModel`` of this preset for this pipeline stage; the final norm is our RMSNorm
-        (zero-centred as the config says) rather than megatron's module-level default norm class."""
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+        """megatron-core ``GPTModel`` of this preset for this pipeline stage
+        (``hp_megatron.training.gpt_model.hybrid_gpt_model``: our RMSNorm as the final norm)."""
+        from hp_megatron.training.gpt_model import hybrid_gpt_model
 
-        from layers.norm import RMSNorm
-
-        block = TransformerBlockSubmodules(
-            layer_specs=[self.layer_spec(backend, **spec_kwargs)] * get_num_layers_to_build(config, vp_stage),
-            layer_norm=RMSNorm)
-        return GPTModel(config=config, transformer_layer_spec=block, max_sequence_length=max_sequence_length,
-                        pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, **self.gpt_model_kwargs)
+        return hybrid_gpt_model(config, self.layer_spec(backend, **spec_kwargs),
+                                max_sequence_length=max_sequence_length, pre_process=pre_process,
+                                post_process=post_process, vp_stage=vp_stage, **self.gpt_model_kwargs)
 
 
 def refuse(model_type: str, name: str, value, supported) -> None:

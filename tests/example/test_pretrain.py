@@ -24,7 +24,8 @@ def _argv(data_dir, extra):
             "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-2",
             "--lr-warmup-iters", "0", "--lr-decay-style", "constant", "--hp-layer-pattern", PATTERN,
             "--data-path", os.path.join(data_dir, "pydoc_text_document"),
-            "--tokenizer", os.path.join(data_dir, "tokenizer.json"), "--no-progress", *extra]
+            "--tokenizer", os.path.join(data_dir, "tokenizer.json"), "--no-progress",
+            "--split", "100,0,0", *extra]  # no validation part: these runs compare training only
 
 
 def _train(argv):

@@ -60,7 +60,7 @@ BAD_FLAGS = [  # (flags, world size, text the error must contain)
     (["--hidden-size", "96", "--num-attention-heads", "3", "--tensor-model-parallel-size", "2"], 2,
      "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"),
     (["--lr-warmup-iters", "10", "--train-iters", "5"], 1, "--lr-warmup-iters 10"),
-    (["--eval-interval", "5"], 1, "needs a validation split"),
+    (["--eval-interval", "5", "--split", "100,0,0"], 1, "needs a validation split"),
     (["--split", "0,10,0"], 1, "leaves no training documents"),
     (["--reset-attention-mask"], 1, "add --reset-position-ids"),
     (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"], 1, "exclude each other"),

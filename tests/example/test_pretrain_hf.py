@@ -49,7 +49,7 @@ def _first_batch_reference_loss(converted):
     """transformers' mean next-token loss over the example's first global batch (samples 0..GBS-1)."""
     import pretrain_hybrid
     from prepare_data import BPETokenizer
-    from training import build_datasets
+    from pretrain_hybrid import build_datasets
 
     args = pretrain_hybrid.parse_args(_flags(converted))
     train, _ = build_datasets(args, BPETokenizer(args.tokenizer))

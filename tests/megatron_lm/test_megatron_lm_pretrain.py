@@ -18,6 +18,7 @@ import tempfile
 
 import pytest
 
+from hp_megatron.platform import MEGATRON_LM_CPU_FLAGS
 from tests.support.paths import EXAMPLE, MEGATRON_LM, REPO
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,11 +32,8 @@ pytestmark = pytest.mark.skipif(
     MEGATRON_LM is None, reason="Megatron-LM's training code not found: set MEGATRON_LM_PATH to a checkout of "
     "https://github.com/NVIDIA/Megatron-LM at the tag of the installed megatron-core (default ../shared/megatron-lm)")
 
-# The CPU flags of docs/usage.md and the tiny dims (fp32: DTYPE=fp32 drops the scripts' --bf16).
-CPU_FLAGS = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--inference-rng-tracker",
-             "--rerun-mode", "disabled", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
-             "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-masked-softmax-fusion",
-             "--no-persist-layer-norm"]
+# docs/usage.md's CPU flags (hp_megatron.platform) and the tiny dims (fp32: DTYPE=fp32 drops the scripts' --bf16).
+CPU_FLAGS = list(MEGATRON_LM_CPU_FLAGS)
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
         "--hp-linear-num-key-heads", "4", "--hp-linear-key-head-dim", "8", "--hp-linear-value-head-dim", "8"]
 NORM_EPS = ["--norm-epsilon", "1e-6"]  # pretrain_hybrid.py's fixed RMSNorm epsilon (Megatron-LM's default: 1e-5)

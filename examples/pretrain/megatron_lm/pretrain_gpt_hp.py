@@ -1,16 +1,17 @@
 """Megatron-LM's ``pretrain_gpt.py`` with hp_megatron's flags (``extra_args_provider``) and config fields.
 
 Needs a Megatron-LM checkout on PYTHONPATH (``pretrain_gpt.py``, ``megatron/training``); the model comes from
-``--spec hp_megatron.specs NAME`` exactly as with the unmodified script. Three things are added:
+``--spec hp_megatron.specs NAME`` as with the unmodified script. Three things are added:
 
 * ``extra_args_provider=hp_megatron.arguments.add_hp_arguments`` (``--hp-*`` flags),
 * the ``TransformerConfig`` that Megatron-LM builds from its args (``core_transformer_config_from_args``) becomes
   the declared ``hp_megatron.config.HybridTransformerConfig`` (``HybridMLATransformerConfig`` with
   ``--multi-latent-attention``) holding our fields, through ``hp_megatron.arguments.apply_hp_config``, before
-  the model is built (and, only where neither Transformer Engine nor Apex is installed, the block-final RMSNorm
-  is ours, for sequence parallelism), and
+  the model is built, and
 * the model provider first registers the CP sub-groups of the ``--hp-*`` CP flags on every rank
-  (``hp_megatron.cp_subgroups.register_cp_subgroups_from_args``).
+  (``hp_megatron.cp_subgroups.register_cp_subgroups_from_args``), then builds the model with Megatron-LM's
+  ``GPTModel`` keywords through ``hp_megatron.training.gpt_model.hybrid_gpt_model`` (the block-final norm is our
+  RMSNorm, as in the layers, on every install; megatron-core's module-level ``LayerNormImpl`` is not patched).
 
 Everything else (data, schedules, optimizer, checkpoints, logging) is Megatron-LM's. Megatron and our package
 are imported in :func:`main` only: megatron-core's checkpoint writer starts a ``spawn`` process, which re-runs
@@ -69,27 +70,12 @@ def _check_args(args):
                              f"is {args.hp_backend}; use --spec hp_megatron.specs {wanted}")
 
 
-def _sequence_parallel_final_norm(args):
-    """Without Transformer Engine or Apex, megatron-core's block-final norm is ``WrappedTorchNorm``, which
-    refuses sequence parallelism; the hybrid specs' own RMSNorm (every layer's norm) supports it. With TE or
-    Apex (GPU installs) nothing changes."""
-    import megatron.core.transformer.transformer_block as transformer_block
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    if (transformer_block.LayerNormImpl is WrappedTorchNorm and args.sequence_parallel
-            and args.normalization == "RMSNorm"):
-        from layers.norm import RMSNorm
-
-        transformer_block.LayerNormImpl = RMSNorm
-
-
 def _with_hp_config(build_config):
     @functools.wraps(build_config)
     def wrapper(args, *a, **kw):
         from hp_megatron.arguments import apply_hp_config
 
         _check_args(args)
-        _sequence_parallel_final_norm(args)
         return apply_hp_config(build_config(args, *a, **kw), args)
     return wrapper
 
@@ -112,12 +98,38 @@ def _patch_config_builders(pretrain_gpt):
                            "this Megatron-LM version is not supported by the launcher")
 
 
-def _model_provider(pretrain_gpt):
-    if hasattr(pretrain_gpt, "gpt_builder"):  # 0.15+: model_provider(model_builder, pre_process, ...)
-        provider = functools.partial(pretrain_gpt.model_provider, pretrain_gpt.gpt_builder)
-    else:
-        provider = pretrain_gpt.model_provider
+def _is_hp_spec(args) -> bool:
+    spec = getattr(args, "spec", None)
+    return bool(spec) and spec[0] == "hp_megatron.specs"
 
+
+def _hybrid_gpt_builder(args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
+    """Megatron-LM's ``gpt_builder`` for ``--spec hp_megatron.specs NAME``: the same ``GPTModel`` keywords from the
+    args, the model from ``hp_megatron.training.gpt_model.hybrid_gpt_model`` (the block-final norm is our RMSNorm,
+    as in every layer, instead of megatron's module-level ``LayerNormImpl``)."""
+    from megatron.core.transformer.spec_utils import import_module
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from hp_megatron.training.gpt_model import hybrid_gpt_model
+
+    for flag in ("--use-legacy-models", "--mtp-num-layers", "--yaml-cfg"):
+        if getattr(args, flag[2:].replace("-", "_"), None):
+            raise ValueError(f"{flag} is not supported with --spec hp_megatron.specs (the launcher builds the hybrid "
+                             "megatron-core GPTModel from the command-line flags, without multi-token prediction)")
+    if config is None:
+        config = _with_hp_config(core_transformer_config_from_args)(args)
+    return hybrid_gpt_model(
+        config, import_module(args.spec), vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+        vp_stage=vp_stage, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling, pg_collection=pg_collection)
+
+
+def _model_provider(pretrain_gpt):
+    """Megatron-LM's model provider; with ``--spec hp_megatron.specs NAME`` its builder is
+    :func:`_hybrid_gpt_builder`, otherwise Megatron-LM's own."""
     def with_cp_subgroups(*args, **kwargs):
         """Every rank runs the model provider at the same point (once per virtual pipeline stage; the repeats
         create nothing): where our CP sub-groups are registered, collectively over the world."""
@@ -125,8 +137,14 @@ def _model_provider(pretrain_gpt):
 
         from hp_megatron.cp_subgroups import register_cp_subgroups_from_args
 
-        register_cp_subgroups_from_args(get_args())
-        return provider(*args, **kwargs)
+        megatron_args = get_args()
+        register_cp_subgroups_from_args(megatron_args)
+        if hasattr(pretrain_gpt, "gpt_builder"):  # 0.15+: model_provider(model_builder, pre_process, ...)
+            builder = _hybrid_gpt_builder if _is_hp_spec(megatron_args) else pretrain_gpt.gpt_builder
+            return pretrain_gpt.model_provider(builder, *args, **kwargs)
+        if _is_hp_spec(megatron_args):  # 0.14: model_provider(pre_process, post_process, vp_stage)
+            return _hybrid_gpt_builder(megatron_args, *args, **kwargs)
+        return pretrain_gpt.model_provider(*args, **kwargs)
     return with_cp_subgroups
 
 

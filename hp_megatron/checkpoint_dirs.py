@@ -1,0 +1,54 @@
+"""Megatron-LM's checkpoint directory layout, read and written in one place.
+
+A checkpoint root holds ``latest_checkpointed_iteration.txt`` (the tracker: an iteration number, or ``release``
+for weights without training state) and one directory per saved iteration, ``iter_XXXXXXX`` (7 digits), or
+``release``. The tracker is written last, so a root whose tracker exists holds a finished checkpoint.
+:func:`verify_checkpoint_files` checks a ``dist_checkpointing`` (torch_dist) directory's files before a collective
+load, so a missing or truncated shard is named instead of failing inside torch.distributed.checkpoint.
+"""
+from __future__ import annotations
+
+import os
+
+TRACKER = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
+
+
+def iteration_directory(root: str, iteration: int | None) -> str:
+    """``<root>/iter_XXXXXXX`` for an iteration, ``<root>/release`` for ``None``."""
+    return os.path.join(root, RELEASE if iteration is None else f"iter_{iteration:07d}")
+
+
+def write_tracker(root: str, iteration: int | None) -> None:
+    """Point ``root``'s tracker to ``iteration`` (``None``: ``release``); call it after the directory is complete."""
+    with open(os.path.join(root, TRACKER), "w") as f:
+        f.write(RELEASE if iteration is None else str(iteration))
+
+
+def find_checkpoint(root: str) -> str | None:
+    """The directory ``root``'s tracker names, or None when ``root`` has no tracker.
+
+    ValueError for a tracker that holds neither an integer nor ``release``, or names a missing directory."""
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as f:
+        text = f.read().strip()
+    if text != RELEASE and not text.isdigit():
+        raise ValueError(f"checkpoint tracker {tracker} holds {text!r}, not an iteration number")
+    path = iteration_directory(root, None if text == RELEASE else int(text))
+    if not os.path.isdir(path):
+        what = "says 'release'" if text == RELEASE else f"names iteration {text}"
+        raise ValueError(f"checkpoint tracker {tracker} {what}, but {path} does not exist")
+    return path
+
+
+def verify_checkpoint_files(path: str) -> None:
+    """Check that ``path``'s ``common.pt``, ``.metadata`` and every shard it lists are present and long enough
+    (a ValueError naming the file otherwise); reads only the small ``.metadata`` file."""
+    from hp_megatron.convert.dcp_io import verify_dcp_files
+
+    common = os.path.join(path, "common.pt")
+    if not os.path.isfile(common):
+        raise ValueError(f"checkpoint {path} is incomplete: no {common}")
+    verify_dcp_files(path)

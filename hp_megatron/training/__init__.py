@@ -1,0 +1,11 @@
+"""What a training script on megatron-core needs beyond the model's layers and that Megatron-LM's training code
+would otherwise provide; one job per module, imported by ``examples/pretrain`` and the Megatron-LM launcher:
+
+  ``gpt_model``  ``hybrid_gpt_model``: megatron-core ``GPTModel`` over a hybrid layer spec, our RMSNorm as the final
+                 norm (the one builder of the example, the launcher and ``ModelPreset.gpt_model``)
+  ``packing``    ``pack_documents``: a micro-batch of documents as one THD row with its ``PackedSeqParams``
+  ``optimizer``  ``get_optimizer``: megatron-core's optimizer on GPU, ``TorchOptimizer`` (same interface) on CPU
+
+The checkpoint directory layout is ``hp_megatron.checkpoint_dirs`` (the converter reads it too), the CPU-safe
+config fields ``hp_megatron.platform.CPU_SAFE_CONFIG``.
+"""

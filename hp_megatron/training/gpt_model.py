@@ -1,0 +1,33 @@
+"""The one builder of a hybrid megatron-core ``GPTModel``: the example's model, the Megatron-LM launcher's and
+``hp_megatron.models.ModelPreset.gpt_model`` all come from :func:`hybrid_gpt_model`.
+
+Given a layer spec, megatron-core's ``TransformerBlock`` repeats it and takes the block's final norm from its
+module-level ``LayerNormImpl`` (Transformer Engine's, Apex's, or ``WrappedTorchNorm``, which refuses sequence
+parallelism). The builder passes a block spec instead: the layer spec once per layer of this pipeline stage and
+``layers.norm.RMSNorm`` as the final norm, the norm every layer of the hybrid specs uses (zero-centred when
+``config.layernorm_zero_centered_gamma``), so nothing of megatron-core is patched and the final norm is the same
+on every install.
+"""
+from __future__ import annotations
+
+
+def hybrid_block_spec(layer_spec, config, vp_stage=None):
+    """``TransformerBlockSubmodules``: ``layer_spec`` (a layer ``ModuleSpec``, e.g. ``get_hybrid_layer_spec``'s)
+    for each layer this pipeline stage (and virtual stage ``vp_stage``) builds, ``RMSNorm`` as the final norm."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from layers.norm import RMSNorm
+
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage),
+                                      layer_norm=RMSNorm)
+
+
+def hybrid_gpt_model(config, layer_spec, *, vocab_size: int, max_sequence_length: int, pre_process: bool = True,
+                     post_process: bool = True, vp_stage=None, **gpt_kwargs):
+    """megatron-core ``GPTModel`` of this pipeline stage over :func:`hybrid_block_spec`; ``gpt_kwargs`` are
+    ``GPTModel``'s other keywords (``position_embedding_type``, ``rotary_base``, tied embeddings...)."""
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(config=config, transformer_layer_spec=hybrid_block_spec(layer_spec, config, vp_stage),
+                    vocab_size=vocab_size, max_sequence_length=max_sequence_length, pre_process=pre_process,
+                    post_process=post_process, vp_stage=vp_stage, **gpt_kwargs)
