@@ -56,7 +56,6 @@ from benchmarks._common import add_output_args, publish, run_meta  # noqa: E402
 from hp_megatron.platform import single_rank_megatron  # noqa: E402
 
 HEAD_DIM = 128
-# pure views, allocations and metadata queries: no device kernel
 # aten ops that are not views (``OpOverload.is_view``) and still launch no device kernel: allocations, multi-output
 # views, metadata, and ``_local_scalar_dense`` (``.item()``, a host read)
 NO_KERNEL = frozenset((
@@ -67,9 +66,9 @@ NO_KERNEL = frozenset((
 
 # ----------------------------------------------------------------------------------------------------- measuring
 
-def saved_bytes(run, params) -> tuple[int, dict]:
-    """Bytes of the unique non-parameter storages autograd saves while ``run()`` builds the graph, and the
-    same bytes attributed to the autograd nodes that saved them first (``{node name: bytes}``)."""
+def saved_bytes(run, params) -> tuple:
+    """``(bytes, by_node, out)``: bytes of the unique non-parameter storages autograd saves while ``out = run()``
+    builds the graph, and the same bytes attributed to the autograd nodes that saved them (``{node name: bytes}``)."""
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
     seen = {}
 
