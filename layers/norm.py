@@ -104,7 +104,8 @@ class GatedRMSNorm(nn.Module):
     """``forward(x, gate)``: ``rmsnorm(x) * weight * act(gate)`` per head, fp32 math (x, gate ``[..., hidden_size]``).
 
     ``activation`` is ``"silu"`` (GDN / Qwen3-Next ``RMSNormGated``) or ``"sigmoid"`` (KDA / Kimi Linear
-    ``o_norm``); ``backend`` (the mixer passes its own) picks FLA's fused kernel (``"triton"``) or PyTorch ops. The weight is shared by all heads, so with heads split over tensor parallelism its gradient is
+    ``o_norm``); ``backend`` (the mixer passes its own) picks FLA's fused kernel (``"triton"``) or PyTorch ops.
+    The weight is shared by all heads, so with heads split over tensor parallelism its gradient is
     partial on every rank; the mixer that owns this norm completes it (see ``layers.delta_mixer``).
     """
 
