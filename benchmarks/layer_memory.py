@@ -28,7 +28,7 @@ call launches what any call does). On a GPU one aten op can launch more than one
 (a host scalar); the count is a like-for-like proxy for every row.
 
 Usage: ``python benchmarks/layer_memory.py [--hidden 1024 2048] [--dtypes float32 bfloat16] [--T 64]
-[--breakdown] [--write-docs]``
+[--breakdown] [--write-docs (table into docs/benchmarks.md, rows into docs/layer_memory.json)]``
 """
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ from benchmarks._common import add_output_args, publish, run_meta  # noqa: E402
 from hp_megatron.platform import single_rank_megatron  # noqa: E402
 
 HEAD_DIM = 128
+DOCS_JSON = ROOT / "docs" / "layer_memory.json"   # --write-docs also writes the rows here
 # aten ops that are not views (``OpOverload.is_view``) and still launch no device kernel: allocations, multi-output
 # views, metadata, and ``_local_scalar_dense`` (``.item()``, a host read)
 NO_KERNEL = frozenset((
@@ -340,8 +341,10 @@ def main(argv=None):
                             if args.impls is None or impl in args.impls:
                                 rows.append(measure(kind, impl, hidden, gva == "yes", getattr(torch, dtype),
                                                     args.T, args.breakdown))
-        publish(dict(meta=meta, rows=rows), markdown(rows, meta), args, "layer_memory",
-                "## Saved activation bytes and kernels per layer (`benchmarks/layer_memory.py`)")
+        if args.write_docs and args.json is None:
+            args.json = DOCS_JSON
+        # the section's heading and the before/after notes stand above the markers in docs/benchmarks.md
+        publish(dict(meta=meta, rows=rows), markdown(rows, meta), args, "layer_memory", "### Measured")
 
 
 if __name__ == "__main__":
