@@ -200,7 +200,7 @@ class DeltaMixer(MegatronModule):
         cls = _module_class(spec)
         kwargs = dict(config=self.config, hidden_size=self.value_head_dim, eps=self.norm_eps)
         if isinstance(cls, type) and issubclass(cls, GatedRMSNorm):
-            kwargs["activation"] = self.gate_activation
+            kwargs.update(activation=self.gate_activation, backend=self.backend)  # triton: FLA's fused kernel
         norm = build_module(spec, **kwargs)
         self._norm_applies_gate = isinstance(norm, GatedRMSNorm)
         # The norm weight is shared by all heads while the heads are split over TP: every rank's gradient

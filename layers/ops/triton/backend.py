@@ -82,8 +82,13 @@ def history_to_fla_cache(history: torch.Tensor) -> torch.Tensor:
 
 
 def causal_conv1d(x, weight, *, bias, activation, cu_seqlens, history):
-    """Depthwise causal conv through ``fla.modules.causal_conv1d.causal_conv1d`` (Triton) -> y ``[B,T,D]``."""
+    """Depthwise causal conv through ``fla.modules.causal_conv1d.causal_conv1d`` (Triton) -> y ``[B,T,D]``.
+
+    FLA saves x for backward as given: a strided slice (the mixers' q/k/v columns of the fused in-projection)
+    would keep its whole parent alive, so x is made contiguous first (one copy of the D columns instead).
+    """
     fla = load_fla()
+    x = x.contiguous()
     check_tensor_device("x", x)
     cu, cu_cpu = device_cu_seqlens(cu_seqlens, x.device)
     cache = None

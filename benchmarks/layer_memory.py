@@ -1,0 +1,351 @@
+"""Activation bytes saved for backward per token, and kernels per forward / backward, of GDN / KDA layers.
+
+Rows (one process, TP = CP = 1, CPU; FLA's Triton kernels run through Triton's interpreter, so the triton rows
+need no GPU: what autograd saves and which kernels launch do not depend on the device):
+  ours eager / ours triton   layers.GatedDeltaNet / layers.KimiDeltaAttention with that backend
+  FLA layer                  fla.layers.GatedDeltaNet / fla.layers.KimiDeltaAttention (FLA 0.6, defaults of
+                             our shapes: expand_v 1, conv 4, gated output norm)
+  megatron-core              megatron.core.ssm.gated_delta_net.GatedDeltaNet (GDN only; a row says why when
+                             it cannot be built here)
+  transformers               Qwen3NextGatedDeltaNet / KimiLinearDeltaAttention on their pure-PyTorch paths
+                             (benchmarks/layers.py's ``build_hf``)
+
+Saved bytes: one forward under ``torch.autograd.graph.saved_tensors_hooks``; every tensor autograd packs is
+reduced to its storage (``untyped_storage().data_ptr()``), each storage counted once with its full
+``nbytes()``; storages of the layer's parameters are excluded, the layer input is included (the layer keeps
+it alive). Divided by B*T tokens. Tensors a custom autograd Function keeps as plain ``ctx`` attributes are
+invisible to the hooks (FLA keeps none of size; ours keep none).
+
+Kernels: the aten ops that reach a kernel during one forward, and separately during its backward (loss =
+sum(y * dy)), counted by a ``TorchDispatchMode`` (the dispatcher level below autograd and composite
+decompositions, i.e. what ``torch.profiler`` shows as leaf ``aten::`` kernel events, without the profiler's
+overhead on the interpreter), minus views (``OpOverload.is_view``) and the allocation / metadata ops of
+:data:`NO_KERNEL`; plus every Triton kernel launch (each ``InterpretedFunction.run``; aten ops inside a launch
+are the interpreter's own host copies and are not counted). Gradient accumulation into parameters is part of the
+backward count. Rows without Triton kernels get one untimed warm-up fwd+bwd first (our chunk layouts are cached
+on first use); interpreter rows do not (on the interpreter Triton's autotuner launches nothing extra, so a first
+call launches what any call does). On a GPU one aten op can launch more than one kernel (a split-K GEMM) or none
+(a host scalar); the count is a like-for-like proxy for every row.
+
+Usage: ``python benchmarks/layer_memory.py [--hidden 1024 2048] [--dtypes float32 bfloat16] [--T 64]
+[--breakdown] [--write-docs (table into docs/benchmarks.md, rows into docs/layer_memory.json)]``
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # before benchmarks/, whose layers.py would shadow the package
+sys.path.insert(1, str(ROOT / "tests"))  # tests/triton_interpreter.py: FLA's kernels on CPU
+
+import triton_interpreter  # noqa: E402
+
+if triton_interpreter.available() is None:
+    triton_interpreter.enable()  # before anything imports fla
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from benchmarks._common import add_output_args, publish, run_meta  # noqa: E402
+from hp_megatron.platform import single_rank_megatron  # noqa: E402
+
+HEAD_DIM = 128
+DOCS_JSON = ROOT / "docs" / "layer_memory.json"   # --write-docs also writes the rows here
+# aten ops that are not views (``OpOverload.is_view``) and still launch no device kernel: allocations, multi-output
+# views, metadata, and ``_local_scalar_dense`` (``.item()``, a host read)
+NO_KERNEL = frozenset((
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "set_", "split",
+    "split_with_sizes", "unbind", "chunk", "unsafe_split", "unsafe_chunk", "lift_fresh", "_local_scalar_dense",
+    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type"))
+
+
+# ----------------------------------------------------------------------------------------------------- measuring
+
+def saved_bytes(run, params) -> tuple:
+    """``(bytes, by_node, out)``: bytes of the unique non-parameter storages autograd saves while ``out = run()``
+    builds the graph, and the same bytes attributed to the autograd nodes that saved them (``{node name: bytes}``)."""
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in param_ptrs and ptr not in seen:
+            seen[ptr] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return sum(seen.values()), _by_node(out, param_ptrs), out
+
+
+def _node_saved(node):
+    """Tensors saved by one autograd node (built-in ops: ``_saved_*`` attributes; Functions: saved_tensors)."""
+    tensors = []
+    try:
+        tensors += [t for t in getattr(node, "saved_tensors", ()) if isinstance(t, torch.Tensor)]
+    except RuntimeError:
+        pass
+    for name in dir(node):
+        if name.startswith("_saved_"):
+            value = getattr(node, name, None)
+            values = value if isinstance(value, (tuple, list)) else (value,)
+            tensors += [v for v in values if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def _by_node(out, param_ptrs) -> dict:
+    """Walk the graph from ``out``: each saved storage is attributed to the first node (forward order of
+    discovery from the output) that holds it."""
+    roots = [t.grad_fn for t in (out if isinstance(out, (tuple, list)) else (out,))
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen_nodes, seen_ptrs, by = set(), set(), Counter()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen_nodes:
+            continue
+        seen_nodes.add(node)
+        for t in _node_saved(node):
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in param_ptrs or ptr in seen_ptrs:
+                continue
+            seen_ptrs.add(ptr)
+            by[node.name()] += storage.nbytes()
+        stack.extend(fn for fn, _ in node.next_functions)
+    return dict(by.most_common())
+
+
+class KernelCounter(TorchDispatchMode):
+    """Counts the aten ops that reach a kernel (below autograd and composite decompositions) and Triton
+    launches while active; aten ops inside a Triton launch (the interpreter's own host copies) are skipped."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+        self.in_launch = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.in_launch and launches_kernel(func):
+            self.ops[f"aten::{func.overloadpacket.__name__}"] += 1
+        return func(*args, **(kwargs or {}))
+
+    def totals(self) -> tuple[int, int]:
+        """(aten kernels, triton launches)."""
+        triton = sum(n for name, n in self.ops.items() if name.startswith("triton::"))
+        return sum(self.ops.values()) - triton, triton
+
+
+def launches_kernel(func) -> bool:
+    """False for views, allocations and metadata ops (no device kernel)."""
+    return not func.is_view and func.overloadpacket.__name__ not in NO_KERNEL
+
+
+_COUNTERS: list = []
+
+
+def wrap_triton_launches() -> None:
+    """Count every interpreted Triton launch in the active :class:`KernelCounter` (once per process)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if getattr(InterpretedFunction.run, "_counted", False):
+        return
+    original = InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        counter = _COUNTERS[-1] if _COUNTERS else None
+        if counter is None:
+            return original(self, *args, **kwargs)
+        counter.ops[f"triton::{self.fn.__name__}"] += 1
+        counter.in_launch += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            counter.in_launch -= 1
+
+    run._counted = True
+    InterpretedFunction.run = run
+
+
+def count_kernels(run):
+    """``(result of run(), KernelCounter)``."""
+    counter = KernelCounter()
+    _COUNTERS.append(counter)
+    try:
+        with counter:
+            out = run()
+    finally:
+        _COUNTERS.pop()
+    return out, counter
+
+
+# ----------------------------------------------------------------------------------------------------- layers
+
+class BTHLayer(torch.nn.Module):
+    """A ``[b, t, h]`` layer (FLA) behind megatron's call convention: ``[s, b, h]`` in, ``(out, None)`` out."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x, attention_mask=None):
+        return self.module(x.transpose(0, 1))[0].transpose(0, 1), None
+
+
+def layer_args(hidden, gva, backend="eager"):
+    """``benchmarks/layers.py``'s argument namespace for one shape: heads = hidden / 128 value heads, GVA halves
+    the query/key heads."""
+    value_heads = hidden // HEAD_DIM
+    return SimpleNamespace(hidden=hidden, heads=value_heads // 2 if gva else value_heads, value_heads=value_heads,
+                           head_dim=HEAD_DIM, backend=backend)
+
+
+def build(kind, impl, hidden, gva, dtype):
+    from benchmarks import layers as bl
+
+    args = layer_args(hidden, gva, backend=impl if impl in ("eager", "triton") else "eager")
+    if impl in ("eager", "triton"):
+        from layers import GatedDeltaNet, KimiDeltaAttention
+
+        cls = GatedDeltaNet if kind == "gdn" else KimiDeltaAttention
+        return cls(bl.transformer_config(args, dtype, torch.device("cpu")), None, layer_number=1,
+                   backend=impl, **bl.dims(args))
+    if impl == "fla":
+        import fla.layers
+
+        if kind == "gdn":
+            module = fla.layers.GatedDeltaNet(hidden_size=hidden, expand_v=1, head_dim=HEAD_DIM, num_heads=args.heads,
+                                              num_v_heads=args.value_heads, conv_size=4, norm_eps=1e-6)
+        else:
+            module = fla.layers.KimiDeltaAttention(hidden_size=hidden, expand_v=1, head_dim=HEAD_DIM,
+                                                   num_heads=args.heads, num_v_heads=args.value_heads,
+                                                   conv_size=4, norm_eps=1e-6)
+        return BTHLayer(module.to(dtype))
+    if impl == "mcore":
+        return bl.build_mcore_gdn(args, dtype, torch.device("cpu"))
+    if impl == "hf":
+        if gva and kind == "kda":
+            raise ValueError("Kimi Linear's KimiLinearDeltaAttention has one head count (no GVA)")
+        ours = build(kind, "eager", hidden, gva, dtype)
+        return bl.build_hf(kind, args, dtype, torch.device("cpu"), ours.global_parts(), bl.dims(args))
+    raise ValueError(f"unknown implementation {impl!r}")
+
+
+def measure(kind, impl, hidden, gva, dtype, T, breakdown):
+    row = dict(kind=kind, impl=impl, hidden=hidden, gva=gva, dtype=str(dtype).replace("torch.", ""), T=T)
+    try:
+        layer = build(kind, impl, hidden, gva, dtype)
+        row["heads"] = layer_args(hidden, gva).heads
+        gen = torch.Generator().manual_seed(0)
+        x = (torch.randn(T, 1, hidden, generator=gen) * 0.5).to(dtype)
+        dy = torch.randn(T, 1, hidden, generator=gen).to(dtype)
+        params = list(layer.parameters())
+
+        def forward():
+            return layer(x.detach().requires_grad_(True), None)[0]
+
+        if impl in WARM_UP:   # Python-level caches (chunk layouts) build on first call; interpreter rows: see doc
+            (forward().float() * dy.float()).sum().backward()
+            layer.zero_grad(set_to_none=True)
+        (total, by_node, y), fwd = count_kernels(lambda: saved_bytes(forward, params))
+        row["saved_bytes_per_token"] = total / T
+        if breakdown:
+            row["saved_by_node"] = by_node
+        loss = (y.float() * dy.float()).sum()
+        del y
+        _, bwd = count_kernels(loss.backward)
+        (fwd_aten, fwd_triton), (bwd_aten, bwd_triton) = fwd.totals(), bwd.totals()
+        row.update(fwd_aten=fwd_aten, fwd_triton=fwd_triton, bwd_aten=bwd_aten, bwd_triton=bwd_triton,
+                   kernels=fwd_aten + fwd_triton + bwd_aten + bwd_triton)
+        if breakdown:
+            row["fwd_ops"], row["bwd_ops"] = dict(fwd.ops.most_common()), dict(bwd.ops.most_common())
+        print(f"  {kind} {impl:6s} h{hidden} gva={gva} {row['dtype']}: {row['saved_bytes_per_token'] / 1e3:7.1f} "
+              f"kB/token, kernels fwd {fwd_aten}+{fwd_triton} bwd {bwd_aten}+{bwd_triton}", flush=True)
+    except Exception as err:  # recorded in the table; the other rows still run
+        row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+        print(f"  {kind} {impl:6s} h{hidden} gva={gva}: cannot run: {row['error']}", flush=True)
+        if os.environ.get("LAYER_MEMORY_VERBOSE"):
+            traceback.print_exc()
+    return row
+
+
+# ----------------------------------------------------------------------------------------------------- output
+
+WARM_UP = ("eager", "hf")   # rows without Triton kernels (cheap); see the module docstring
+IMPLS = {"gdn": ("triton", "eager", "fla", "mcore", "hf"), "kda": ("triton", "eager", "fla", "hf")}
+NAMES = {"triton": "ours (triton)", "eager": "ours (eager)", "fla": "FLA 0.6 layer",
+         "mcore": "megatron-core GatedDeltaNet", "hf": "transformers (pure PyTorch)"}
+
+
+def markdown(rows, meta) -> str:
+    lines = [f"Command: `{meta['command']}`", "",
+             f"CPU, FLA's Triton kernels through Triton's interpreter; torch {meta['torch']}, megatron-core "
+             f"{meta['megatron_core']}, transformers {meta['transformers']}, flash-linear-attention {meta['fla']}, "
+             f"triton {meta['triton']}. One layer, B 1, T {meta['T']}, K = V = {HEAD_DIM}, value heads = hidden / "
+             f"{HEAD_DIM}; GVA: half as many query/key heads (KDA layers without GVA support: error row). "
+             "kB/token: unique non-parameter storages saved for backward (input included) / tokens. Kernels: leaf "
+             "aten ops that launch a kernel + Triton launches, forward and backward (module docstring of "
+             "`benchmarks/layer_memory.py`). Ratio: saved bytes relative to ours (triton) at the same shape.", "",
+             "| layer | hidden | heads qk/v | dtype | implementation | saved kB/token | vs ours (triton) | "
+             "kernels fwd (aten+triton) | kernels bwd (aten+triton) | kernels fwd+bwd |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    base = {(r["kind"], r["hidden"], r["gva"], r["dtype"]): r.get("saved_bytes_per_token")
+            for r in rows if r["impl"] == "triton"}
+    for r in rows:
+        heads = f"{layer_args(r['hidden'], r['gva']).heads}/{r['hidden'] // HEAD_DIM}"
+        head = f"| {r['kind'].upper()} | {r['hidden']} | {heads} | {r['dtype']} | {NAMES[r['impl']]} |"
+        if "error" in r:
+            lines.append(f"{head} cannot run here: {r['error']} | - | - | - | - |")
+            continue
+        ref = base.get((r["kind"], r["hidden"], r["gva"], r["dtype"]))
+        ratio = f"{r['saved_bytes_per_token'] / ref:.2f}x" if ref else "-"
+        lines.append(f"{head} {r['saved_bytes_per_token'] / 1e3:.1f} | {ratio} | {r['fwd_aten']}+{r['fwd_triton']} | "
+                     f"{r['bwd_aten']}+{r['bwd_triton']} | {r['kernels']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"])
+    parser.add_argument("--gva", nargs="+", choices=("no", "yes"), default=["no", "yes"])
+    parser.add_argument("--kinds", nargs="+", choices=("gdn", "kda"), default=["gdn", "kda"])
+    parser.add_argument("--impls", nargs="+", choices=sorted(NAMES), default=None, help="default: all")
+    parser.add_argument("--T", type=int, default=64, help="tokens (B = 1)")
+    parser.add_argument("--breakdown", action="store_true", help="per-node saved bytes and per-op kernel counts")
+    add_output_args(parser)
+    args = parser.parse_args(argv)
+    reason = triton_interpreter.available()
+    if reason is not None:
+        raise RuntimeError(f"benchmarks/layer_memory.py runs FLA's kernels through Triton's interpreter: {reason}")
+    wrap_triton_launches()
+    import fla
+    import triton
+
+    torch.manual_seed(0)
+    with single_rank_megatron(0):
+        meta = dict(run_meta("layer_memory.py", argv), fla=fla.__version__, triton=triton.__version__, T=args.T)
+        rows = []
+        for dtype in args.dtypes:
+            for hidden in args.hidden:
+                for gva in args.gva:
+                    for kind in args.kinds:
+                        for impl in IMPLS[kind]:
+                            if args.impls is None or impl in args.impls:
+                                rows.append(measure(kind, impl, hidden, gva == "yes", getattr(torch, dtype),
+                                                    args.T, args.breakdown))
+        if args.write_docs and args.json is None:
+            args.json = DOCS_JSON
+        # the section's heading and the before/after notes stand above the markers in docs/benchmarks.md
+        publish(dict(meta=meta, rows=rows), markdown(rows, meta), args, "layer_memory", "### Measured")
+
+
+if __name__ == "__main__":
+    main()
