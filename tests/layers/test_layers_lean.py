@@ -15,8 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import triton_interpreter
-from dist import case_result, rel_err, run_distributed_cases
+from tests.support import triton_interpreter
+from tests.support.dist import case_result, run_distributed_cases
+from tests.support.reference import rel_err
 
 TOL = 1e-5    # fp32 kernels vs fp32 eager (observed ~1e-7 for the norm, ~1e-6 for the layers)
 LAYER_TOL = 1e-4   # the layer tolerance of tests/test_layers_delta_parallel.py
