@@ -42,9 +42,8 @@ from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # before benchmarks/, whose layers.py would shadow the package
-sys.path.insert(1, str(ROOT / "tests"))  # tests/triton_interpreter.py: FLA's kernels on CPU
 
-import triton_interpreter  # noqa: E402
+from tests.support import triton_interpreter  # noqa: E402  (FLA's kernels on CPU)
 
 if triton_interpreter.available() is None:
     triton_interpreter.enable()  # before anything imports fla

@@ -6,6 +6,11 @@ into the declared :class:`hp_megatron.config.HybridTransformerConfig` (or ``Hybr
 ``MLATransformerConfig``) holding these flags' fields (``hp_layer_pattern``, ``hp_cp_layout``, ``delta_*``,
 ``kda_*``, ``mla_cp_strategy``, megatron's ``linear_*`` and the MLA fields; the table is in docs/usage.md). The
 example ``examples/pretrain/pretrain_hybrid.py`` uses the same two functions.
+
+Megatron's ``--recompute-granularity selective --recompute-modules`` also takes our parts' names
+(``layers.choices.RECOMPUTE_MODULES``: ``hp_conv``, ``hp_gated_norm``, ``hp_mla_up_proj``);
+:func:`hp_megatron.config.split_recompute_modules` moves them to ``args.hp_recompute_modules`` (then the config
+field) before megatron-core, which refuses unknown names, builds its config; docs/layers.md says what each costs.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from layers.choices import CP_METHOD_CHOICES as CP_METHODS
 from layers.choices import MLA_CP_STRATEGY_CHOICES as MLA_CP_METHODS
 from layers.cp.auto import MEASURE_TOP
 from layers.cp.subgroups import check_auto_leaves_free
+
+from hp_megatron.config import split_recompute_modules
 
 
 def _positive(text):
@@ -113,8 +120,10 @@ def hp_config_from_args(args) -> dict:
                          "only auto times candidates on the layers")
     if args.hp_kda_lower_bound is not None and args.hp_kda_lower_bound >= 0:
         raise ValueError(f"--hp-kda-lower-bound must be negative, got {args.hp_kda_lower_bound}")
+    split_recompute_modules(args)   # --recompute-modules' hp_* names -> args.hp_recompute_modules
     fields = {
         "hp_layer_pattern": args.hp_layer_pattern,
+        "hp_recompute_modules": tuple(getattr(args, "hp_recompute_modules", ())),
         "linear_num_key_heads": key_heads,
         "linear_num_value_heads": value_heads,
         "linear_key_head_dim": key_dim,

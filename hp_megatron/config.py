@@ -18,7 +18,8 @@ from typing import Optional
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from layers.choices import BACKENDS, CP_LAYOUTS, CP_METHOD_CHOICES, MLA_CP_STRATEGY_CHOICES, ROPE_TYPES
+from layers.choices import (BACKENDS, CP_LAYOUTS, CP_METHOD_CHOICES, MLA_CP_STRATEGY_CHOICES, RECOMPUTE_MODULES,
+                            ROPE_TYPES)
 from layers.cp.auto import MEASURE_TOP
 
 # MLATransformerConfig's own fields that the MLA layer reads; multi_latent_attention stays off (GPTModel would drop
@@ -112,9 +113,37 @@ class HybridFields:
     """MLA context-parallel strategy: ``latent``, ``latent_ulysses``, ``expanded_ulysses`` or ``auto``; None: from
     megatron's ``cp_comm_type``, else ``latent``."""
 
+    hp_recompute_modules: tuple = ()
+    """Our parts recomputed in backward when ``recompute_granularity`` is ``"selective"``
+    (``layers.choices.RECOMPUTE_MODULES``): ``--recompute-modules``' ``hp_*`` names, moved here from
+    ``recompute_modules`` before megatron-core checks its own names (:func:`split_recompute_modules`)."""
+
     def __post_init__(self):
+        split_recompute_modules(self)  # megatron-core refuses names it does not know
         super().__post_init__()  # megatron-core's checks (the next class in the MRO)
         check_hybrid_fields(self)
+
+
+# megatron-core 0.16's TransformerConfig.recompute_modules names (its __post_init__ refuses any other)
+MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+
+
+def split_recompute_modules(holder) -> None:
+    """Move our names (``layers.choices.RECOMPUTE_MODULES``) from ``holder.recompute_modules`` to
+    ``holder.hp_recompute_modules``, leaving megatron-core's; ``holder`` is a config or Megatron-LM's parsed
+    args. A name of neither raises a one-line ValueError naming the accepted ones. Only our names given:
+    megatron-core recomputes none of its modules (its default ``["core_attn"]`` applies only to no names)."""
+    names = getattr(holder, "recompute_modules", None)
+    if names is None:
+        return
+    unknown = [n for n in names if n not in MEGATRON_RECOMPUTE_MODULES + RECOMPUTE_MODULES]
+    if unknown:
+        raise ValueError(f"--recompute-modules {' '.join(unknown)}: unknown; accepted: megatron-core's "
+                         f"{' '.join(MEGATRON_RECOMPUTE_MODULES)}; hp_megatron's {' '.join(RECOMPUTE_MODULES)}")
+    ours = tuple(n for n in names if n in RECOMPUTE_MODULES)
+    holder.recompute_modules = [n for n in names if n not in RECOMPUTE_MODULES]
+    holder.hp_recompute_modules = tuple(dict.fromkeys(tuple(getattr(holder, "hp_recompute_modules", None) or ())
+                                                      + ours))
 
 
 _CHOICES = {"hp_cp_layout": CP_LAYOUTS, "delta_backend": BACKENDS, "delta_cp_method": CP_METHOD_CHOICES,
@@ -146,6 +175,9 @@ def check_hybrid_fields(config) -> None:
         if not isinstance(value, bool) and not (optional and value is None):
             raise ValueError(f"{owner}.{name} must be a bool{' or None' if optional else ''}, got {value!r}")
     check_auto_fields(config)
+    bad = [n for n in config.hp_recompute_modules or () if n not in RECOMPUTE_MODULES]
+    if bad:
+        raise ValueError(f"{owner}.hp_recompute_modules {bad}: unknown; accepted: {' '.join(RECOMPUTE_MODULES)}")
     bound = config.kda_lower_bound
     if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or bound >= 0):
         raise ValueError(f"{owner}.kda_lower_bound must be a negative number or None, got {bound!r}")

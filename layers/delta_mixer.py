@@ -44,6 +44,7 @@ from layers.masks import check_causal_mask
 from layers.norm import GATE_ACTIVATIONS, GatedRMSNorm
 from layers.ops import causal_conv1d
 from layers.ops.backends import get_backend
+from layers.recompute import PartRecompute, recomputes
 
 def _all_reduce_grad_hook(group):
     def hook(grad):
@@ -133,6 +134,9 @@ class DeltaMixer(MegatronModule):
         get_backend(self.backend)  # validates the name; a missing optional backend raises RuntimeError now
         self.cp_method, self.cp_ulysses_degree = resolve_cp_method(name, opts, cp_comm_type, config)
         self.cp_layout = opts["cp_layout"]
+        # --recompute-modules hp_conv / hp_gated_norm (layers/recompute.py): outputs freed, recomputed in backward
+        self.recompute_conv = recomputes(config, "hp_conv")
+        self.recompute_norm = recomputes(config, "hp_gated_norm")
         if self.cp_layout not in CP_LAYOUTS:
             raise ValueError(f"{name}: cp_layout must be one of {CP_LAYOUTS}, got {self.cp_layout!r}")
         self.cp_group_size = opts["cp_group_size"]
@@ -330,17 +334,39 @@ class DeltaMixer(MegatronModule):
         sizes = [rows // self.tp_size for _, rows in self._in_parts]
         parts = dict(zip((n for n, _ in self._in_parts), torch.split(x, sizes, dim=-1)))
         qkv = x[..., :self.conv_dim // self.tp_size]  # in_proj starts with query, key, value
-        qkv = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), bias=self.conv1d.bias, activation="silu",
-                            cu_seqlens=cu_seqlens, cp_context=ctx, backend=self.backend)
+        conv_part = PartRecompute() if self.recompute_conv else None
+        qkv = self._conv(conv_part, qkv, cu_seqlens, ctx)
         kd_local, vd_local = self.key_heads_local * self.key_head_dim, self.value_heads_local * self.value_head_dim
         q, k, v = torch.split(qkv, [kd_local, kd_local, vd_local], dim=-1)
         q = q.reshape(batch, seq, self.key_heads_local, self.key_head_dim)
         k = k.reshape(batch, seq, self.key_heads_local, self.key_head_dim)
         v = v.reshape(batch, seq, self.value_heads_local, self.value_head_dim)
         core, gate = self._delta_rule(q, k, v, parts, hidden_states, cu_seqlens, ctx)
-        normed = self._gated_norm(core, gate)  # [b, s, HV_local, V]
-        normed = normed.reshape(batch, seq, -1).transpose(0, 1).contiguous()
-        return self.out_proj(normed)
+        if conv_part is not None:
+            conv_part.discard(core)   # q, k, v (views of the conv output) refilled before the op's backward
+        if self.recompute_norm:
+            norm_part = PartRecompute()
+            normed = norm_part.run(self._normed_sbh, core, gate)   # the norm weight's gradient: in the recompute
+        else:
+            normed = self._normed_sbh(core, gate)
+        out, bias = self.out_proj(normed)
+        if self.recompute_norm:
+            norm_part.discard(out)    # out_proj's saved input, refilled before its backward
+        return out, bias
+
+    def _conv(self, part, qkv, cu_seqlens, ctx):
+        """Short causal conv + SiLU of ``qkv [b, s, conv_dim_local]``; with ``part``, its graph is left out (the
+        recompute re-runs the conv, and with CP its halo exchange, on every rank in the same backward order)."""
+        def conv(x, weight, *bias):
+            return causal_conv1d(x, weight.squeeze(1), bias=bias[0] if bias else None, activation="silu",
+                                 cu_seqlens=cu_seqlens, cp_context=ctx, backend=self.backend)
+        tensors = (qkv, self.conv1d.weight) + ((self.conv1d.bias,) if self.conv1d.bias is not None else ())
+        return conv(*tensors) if part is None else part.run(conv, *tensors)
+
+    def _normed_sbh(self, core, gate):
+        """Gated output norm of ``core [b, s, HV_local, V]`` as out_proj's input ``[s, b, HV_local * V]``."""
+        batch, seq = core.shape[:2]
+        return self._gated_norm(core, gate).reshape(batch, seq, -1).transpose(0, 1).contiguous()
 
     def _gated_norm(self, core, gate):
         if self._norm_applies_gate:

@@ -74,8 +74,10 @@ def _with_hp_config(build_config):
     @functools.wraps(build_config)
     def wrapper(args, *a, **kw):
         from hp_megatron.arguments import apply_hp_config
+        from hp_megatron.config import split_recompute_modules
 
         _check_args(args)
+        split_recompute_modules(args)   # our --recompute-modules names, before megatron-core checks its own
         return apply_hp_config(build_config(args, *a, **kw), args)
     return wrapper
 
