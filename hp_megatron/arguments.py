@@ -22,8 +22,6 @@ from layers.choices import MLA_CP_STRATEGY_CHOICES as MLA_CP_METHODS
 from layers.cp.auto import MEASURE_TOP
 from layers.cp.subgroups import check_auto_leaves_free
 
-from hp_megatron.config import split_recompute_modules
-
 
 def _positive(text):
     value = int(text)
@@ -120,6 +118,8 @@ def hp_config_from_args(args) -> dict:
                          "only auto times candidates on the layers")
     if args.hp_kda_lower_bound is not None and args.hp_kda_lower_bound >= 0:
         raise ValueError(f"--hp-kda-lower-bound must be negative, got {args.hp_kda_lower_bound}")
+    from hp_megatron.config import split_recompute_modules
+
     split_recompute_modules(args)   # --recompute-modules' hp_* names -> args.hp_recompute_modules
     fields = {
         "hp_layer_pattern": args.hp_layer_pattern,

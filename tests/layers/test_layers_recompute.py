@@ -1,0 +1,143 @@
+"""Selective recompute of our mixer parts (``--recompute-granularity selective --recompute-modules hp_conv
+hp_gated_norm``; layers/recompute.py): the layer with recompute must give the same output, input gradient and
+every parameter gradient as the same layer without, bit for bit (fp32, CPU): the recompute re-runs the same ops on
+the same saved inputs. Single rank (BSHD and packed THD documents) and on two gloo ranks under TP2 + SP and CP2.
+Also: the config / command-line split of our names from megatron-core's, and the one-line error for bad names.
+"""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from tests.support.delta_layer_cases import DIMS, HIDDEN, SEQ, build_layer, groups
+from tests.support.dist import run_distributed
+
+OURS = ["hp_conv", "hp_gated_norm"]
+
+
+def _config(tp, cp, sp, recompute):
+    from hp_megatron.config import HybridTransformerConfig
+
+    extra = dict(recompute_granularity="selective", recompute_modules=list(OURS)) if recompute else {}
+    return HybridTransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4,
+                                   use_cpu_initialization=True, params_dtype=torch.float32,
+                                   gradient_accumulation_fusion=False, bias_dropout_fusion=False,
+                                   tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp,
+                                   **extra)
+
+
+def _run(kind, tp, cp, sp, recompute, x, dy, packed=None):
+    """Output, input gradient and parameter gradients of a freshly built layer (same seed every call)."""
+    torch.manual_seed(5)
+    tp_group, cp_group = groups(tp, cp)
+    layer = build_layer(kind, tp_group, cp_group, _config(tp, cp, sp, recompute), dict(cp_method="allgather"))
+    assert (layer.recompute_conv, layer.recompute_norm) == (recompute, recompute)
+    x = x.clone().requires_grad_(True)
+    y, _ = layer(x, packed_seq_params=packed)
+    y.backward(dy)
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    return y.detach(), x.grad, grads
+
+
+def _compare(kind, tp, cp, sp, x, dy, packed=None):
+    """Names of the results that differ between recompute and no recompute (empty: identical)."""
+    ref = _run(kind, tp, cp, sp, False, x, dy, packed)
+    got = _run(kind, tp, cp, sp, True, x, dy, packed)
+    diff = [name for name, a, b in (("out", ref[0], got[0]), ("x_grad", ref[1], got[1])) if not torch.equal(a, b)]
+    assert sorted(ref[2]) == sorted(got[2])
+    return diff + [n for n in ref[2] if not torch.equal(ref[2][n], got[2][n])]
+
+
+def _inputs(seq, batch):
+    gen = torch.Generator().manual_seed(3)
+    return torch.randn(seq, batch, HIDDEN, generator=gen), torch.randn(seq, batch, HIDDEN, generator=gen)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("thd", [False, True])
+def test_recompute_is_exact_single_rank(single_rank, kind, thd):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    x, dy = _inputs(SEQ, 1 if thd else 2)
+    packed = None
+    if thd:
+        cu = torch.tensor([0, 16, 24, SEQ], dtype=torch.int32)
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=24,
+                                 max_seqlen_kv=24)
+    assert _compare(kind, 1, 1, False, x, dy, packed) == []
+
+
+def test_recompute_frees_the_parts_outputs(single_rank):
+    """With recompute the layer keeps fewer bytes for backward (the conv output and the norm output are freed)."""
+    x, _ = _inputs(SEQ, 2)
+    held = {}
+    for recompute in (False, True):
+        torch.manual_seed(5)
+        layer = build_layer("gdn", *groups(1, 1), _config(1, 1, False, recompute), {})
+        params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        storages = {}
+
+        def pack(t):
+            s = t.untyped_storage()
+            if s.data_ptr() not in params:
+                storages[s.data_ptr()] = s
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y, _ = layer(x.clone().requires_grad_(True))
+        held[recompute] = sum(s.nbytes() for s in storages.values())
+        del y
+    conv_out = SEQ * 2 * (2 * 4 * 8 + 8 * 8) * 4   # [s, b, 2 K_dim + V_dim] fp32, DIMS["gdn"]
+    norm_out = SEQ * 2 * 8 * 8 * 4
+    assert DIMS["gdn"]["num_key_heads"] == 4 and DIMS["gdn"]["num_value_heads"] == 8
+    assert held[False] - held[True] >= conv_out + norm_out - SEQ * 2 * HIDDEN * 4, held
+
+
+def _worker(rank, world_size):
+    from megatron.core import parallel_state
+
+    from hp_megatron.platform import apply_cpu_shims
+
+    parallel_state.initialize_model_parallel(1, 1)  # megatron's global buffers (SP all-gather); groups are ours
+    for layout in ((1, 1), (2, 1), (1, 2)):
+        groups(*layout)
+    apply_cpu_shims(2024)
+    x, dy = _inputs(SEQ, 2)
+    tokens = SEQ // 2
+    results = {}
+    for kind in ("gdn", "kda"):   # TP2 + SP: each rank holds half the sequence
+        part = slice(rank * tokens, (rank + 1) * tokens)
+        results[f"{kind}-tp2-sp"] = _compare(kind, 2, 1, True, x[part], dy[part])
+        zig = SEQ // 4   # CP2, zigzag: chunks rank and 3 - rank
+        index = torch.cat([torch.arange(c * zig, (c + 1) * zig) for c in (rank, 3 - rank)])
+        results[f"{kind}-cp2"] = _compare(kind, 1, 2, False, x[index], dy[index])
+    parallel_state.destroy_model_parallel()
+    return results
+
+
+def test_recompute_is_exact_tp2_sp_and_cp2():
+    for rank, results in enumerate(run_distributed(_worker, 2)):
+        assert results == {f"{k}-{c}": [] for k in ("gdn", "kda") for c in ("tp2-sp", "cp2")}, (rank, results)
+
+
+def test_recompute_names_split_from_megatron():
+    from hp_megatron.config import split_recompute_modules
+
+    args = argparse.Namespace(recompute_modules=["core_attn", "hp_conv", "hp_gated_norm"])
+    split_recompute_modules(args)
+    assert args.recompute_modules == ["core_attn"] and args.hp_recompute_modules == ("hp_conv", "hp_gated_norm")
+    config = _config(1, 1, False, True)
+    assert config.recompute_modules == [] and config.hp_recompute_modules == tuple(OURS)
+
+
+def test_bad_recompute_name_is_one_line():
+    from hp_megatron.config import split_recompute_modules
+
+    with pytest.raises(ValueError) as err:
+        split_recompute_modules(argparse.Namespace(recompute_modules=["hp_conv", "conv"]))
+    message = str(err.value)
+    assert "\n" not in message and "conv" in message
+    for name in ("core_attn", "mla_up_proj", "hp_conv", "hp_gated_norm", "hp_mla_up_proj"):
+        assert name in message
