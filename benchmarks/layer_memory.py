@@ -3,6 +3,9 @@
 Rows (one process, TP = CP = 1, CPU; FLA's Triton kernels run through Triton's interpreter, so the triton rows
 need no GPU: what autograd saves and which kernels launch do not depend on the device):
   ours eager / ours triton   layers.GatedDeltaNet / layers.KimiDeltaAttention with that backend
+  ours + recompute           the same with ``--recompute-granularity selective --recompute-modules hp_conv
+                             hp_gated_norm`` (layers/recompute.py: conv and gated-norm outputs freed after their
+                             consumers, recomputed in backward)
   FLA layer                  fla.layers.GatedDeltaNet / fla.layers.KimiDeltaAttention (FLA 0.6, defaults of
                              our shapes: expand_v 1, conv 4, gated output norm)
   megatron-core              megatron.core.ssm.gated_delta_net.GatedDeltaNet (GDN only; a row says why when
@@ -12,7 +15,7 @@ need no GPU: what autograd saves and which kernels launch do not depend on the d
 
 Saved bytes: one forward under ``torch.autograd.graph.saved_tensors_hooks``; every tensor autograd packs is
 reduced to its storage (``untyped_storage().data_ptr()``), each storage counted once with its full
-``nbytes()``; storages of the layer's parameters are excluded, the layer input is included (the layer keeps
+``nbytes()`` at the end of the forward (a storage freed for recompute counts 0); storages of the layer's parameters are excluded, the layer input is included (the layer keeps
 it alive). Divided by B*T tokens. Tensors a custom autograd Function keeps as plain ``ctx`` attributes are
 invisible to the hooks (FLA keeps none of size; ours keep none).
 
@@ -76,12 +79,12 @@ def saved_bytes(run, params) -> tuple:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in param_ptrs and ptr not in seen:
-            seen[ptr] = storage.nbytes()
+            seen[ptr] = storage
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run()
-    return sum(seen.values()), _by_node(out, param_ptrs), out
+    return sum(s.nbytes() for s in seen.values()), _by_node(out, param_ptrs), out
 
 
 def _node_saved(node):
@@ -209,13 +212,16 @@ def layer_args(hidden, gva, backend="eager"):
 def build(kind, impl, hidden, gva, dtype):
     from benchmarks import layers as bl
 
-    args = layer_args(hidden, gva, backend=impl if impl in ("eager", "triton") else "eager")
-    if impl in ("eager", "triton"):
+    backend = impl.removesuffix(RECOMPUTE)
+    args = layer_args(hidden, gva, backend=backend if backend in ("eager", "triton") else "eager")
+    if backend in ("eager", "triton"):
         from layers import GatedDeltaNet, KimiDeltaAttention
 
         cls = GatedDeltaNet if kind == "gdn" else KimiDeltaAttention
-        return cls(bl.transformer_config(args, dtype, torch.device("cpu")), None, layer_number=1,
-                   backend=impl, **bl.dims(args))
+        config = bl.transformer_config(args, dtype, torch.device("cpu"))
+        if impl.endswith(RECOMPUTE):   # what hp_megatron.config makes of the flags (layers read these fields)
+            config.recompute_granularity, config.hp_recompute_modules = "selective", RECOMPUTE_MODULES
+        return cls(config, None, layer_number=1, backend=backend, **bl.dims(args))
     if impl == "fla":
         import fla.layers
 
@@ -277,9 +283,13 @@ def measure(kind, impl, hidden, gva, dtype, T, breakdown):
 
 # ----------------------------------------------------------------------------------------------------- output
 
-WARM_UP = ("eager", "hf")   # rows without Triton kernels (cheap); see the module docstring
-IMPLS = {"gdn": ("triton", "eager", "fla", "mcore", "hf"), "kda": ("triton", "eager", "fla", "hf")}
-NAMES = {"triton": "ours (triton)", "eager": "ours (eager)", "fla": "FLA 0.6 layer",
+RECOMPUTE = "+recompute"
+RECOMPUTE_MODULES = ("hp_conv", "hp_gated_norm")   # the GDN/KDA parts (MLA's hp_mla_up_proj is not measured here)
+WARM_UP = ("eager", "hf", "eager" + RECOMPUTE)   # rows without Triton kernels (cheap); see the module docstring
+IMPLS = {"gdn": ("triton", "triton" + RECOMPUTE, "eager", "eager" + RECOMPUTE, "fla", "mcore", "hf"),
+         "kda": ("triton", "triton" + RECOMPUTE, "eager", "eager" + RECOMPUTE, "fla", "hf")}
+NAMES = {"triton": "ours (triton)", "eager": "ours (eager)", "triton" + RECOMPUTE: "ours (triton) + recompute",
+         "eager" + RECOMPUTE: "ours (eager) + recompute", "fla": "FLA 0.6 layer",
          "mcore": "megatron-core GatedDeltaNet", "hf": "transformers (pure PyTorch)"}
 
 
