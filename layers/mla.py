@@ -40,6 +40,7 @@ from layers.cp.plan import check_layout
 from layers.cp.sequence import packed_cu_seqlens, plan_for_batch
 from layers.keywords import check_keywords, declared_keywords
 from layers.masks import check_causal_mask
+from layers.recompute import PartRecompute, recomputes
 from layers.rotary import MLARotary, apply_mla_rope, mla_softmax_scale
 
 # megatron/TE cp_comm_type names that select one of our strategies; others keep the configured strategy.
@@ -132,6 +133,8 @@ class MultiLatentAttention(MegatronModule):
         self.tp_group, self.cp_group = _process_groups(pg_collection, model_comm_pgs)
         self.tp_size = _group_size(self.tp_group)
         self.cp_layout = check_layout(cp_layout or getattr(config, "hp_cp_layout", None) or "zigzag")
+        # --recompute-modules hp_mla_up_proj (layers/recompute.py): per-head K/V recomputed from the latent
+        self.recompute_up_proj = recomputes(config, "hp_mla_up_proj")
         self.cp_strategy = self._select_strategy(cp_strategy, cp_comm_type)
         self.checkpoint_norm_names = checkpoint_norm_names
         self.comm_stats = comm_stats
@@ -244,9 +247,19 @@ class MultiLatentAttention(MegatronModule):
         kv_weight = self.linear_kv_up_proj.weight
         if cp_size == 1:
             query = make_query()
-            key, value = expand_keys_values(latent, rope_key, kv_weight, dims, dims.heads)
+            if self.recompute_up_proj:   # per-head K/V freed after attention, re-expanded from the latent
+                up_proj = PartRecompute()
+                key, value = up_proj.run(lambda c, k, w: expand_keys_values(c, k, w, dims, dims.heads),
+                                         latent, rope_key, kv_weight)
+            else:
+                key, value = expand_keys_values(latent, rope_key, kv_weight, dims, dims.heads)
             out = self.core_attention(query, key, value, q_ids=None, cu_seqlens=cu_seqlens)
+            if self.recompute_up_proj:
+                up_proj.discard(out)
         else:
+            if self.recompute_up_proj:
+                raise ValueError(f"--recompute-modules hp_mla_up_proj works at context-parallel size 1 only (the "
+                                 f"CP strategies expand K/V inside their exchange); got CP size {cp_size}")
             payload = torch.cat((latent, rope_key), dim=-1)
             strategy = self.cp_strategy
             if strategy == "auto":   # decided at the first CP forward on this group, then kept

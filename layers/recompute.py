@@ -38,12 +38,13 @@ class _RunWithoutGraph(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         if ctx.part.recomputed is None:   # discard() was not called: the output is still there
             ctx.part._recompute(None)
         inputs, outputs = ctx.part.recomputed
         ctx.part.recomputed = None
-        torch.autograd.backward(outputs, grad)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None,) + tuple(t.grad if t.requires_grad else None for t in inputs)
 
 
@@ -53,17 +54,20 @@ class PartRecompute:
     def __init__(self):
         self.fn, self.ctx, self.output, self.recomputed = None, None, None, None
 
-    def run(self, fn, *inputs: torch.Tensor) -> torch.Tensor:
-        """``fn(*inputs)`` (one tensor out) with the graph of ``fn`` left out; inputs are kept for backward."""
+    def run(self, fn, *inputs: torch.Tensor):
+        """``fn(*inputs)`` (a tensor or a tuple of tensors) with the graph of ``fn`` left out; inputs are kept for
+        backward."""
         self.fn = fn
-        self.output = _RunWithoutGraph.apply(self, *inputs)
-        return self.output
+        out = _RunWithoutGraph.apply(self, *inputs)
+        self.output = out if isinstance(out, tuple) else (out,)
+        return out
 
     def discard(self, hook_tensor: torch.Tensor) -> None:
         """Free the output's storage now; refill it when ``hook_tensor``'s gradient is computed."""
         if not hook_tensor.requires_grad:
             return   # no backward will run (evaluation): nothing to discard or recompute
-        self.output.untyped_storage().resize_(0)
+        for t in self.output:
+            t.untyped_storage().resize_(0)
         hook_tensor.register_hook(self._recompute)
 
     def _recompute(self, _grad):
@@ -72,8 +76,9 @@ class PartRecompute:
         inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in self.ctx.saved_tensors)
         with torch.enable_grad():
             out = self.fn(*inputs)
-        storage = self.output.untyped_storage()
+        out = out if isinstance(out, tuple) else (out,)
         with torch.no_grad():
-            storage.resize_(out.untyped_storage().size())
-            storage.copy_(out.untyped_storage())
+            for kept, new in zip(self.output, out):
+                kept.untyped_storage().resize_(new.untyped_storage().size())
+                kept.untyped_storage().copy_(new.untyped_storage())
         self.recomputed, self.ctx, self.output, self.fn = (inputs, out), None, None, None
