@@ -335,15 +335,10 @@ class DeltaMixer(MegatronModule):
         parts = dict(zip((n for n, _ in self._in_parts), torch.split(x, sizes, dim=-1)))
         qkv = x[..., :self.conv_dim // self.tp_size]  # in_proj starts with query, key, value
         conv_part = PartRecompute() if self.recompute_conv else None
-        qkv = self._conv(conv_part, qkv, cu_seqlens, ctx)
-        kd_local, vd_local = self.key_heads_local * self.key_head_dim, self.value_heads_local * self.value_head_dim
-        q, k, v = torch.split(qkv, [kd_local, kd_local, vd_local], dim=-1)
-        q = q.reshape(batch, seq, self.key_heads_local, self.key_head_dim)
-        k = k.reshape(batch, seq, self.key_heads_local, self.key_head_dim)
-        v = v.reshape(batch, seq, self.value_heads_local, self.value_head_dim)
+        q, k, v = self._conv_qkv(conv_part, qkv, cu_seqlens, ctx)
         core, gate = self._delta_rule(q, k, v, parts, hidden_states, cu_seqlens, ctx)
         if conv_part is not None:
-            conv_part.discard(core)   # q, k, v (views of the conv output) refilled before the op's backward
+            conv_part.discard(core)   # q, k, v refilled before the op's backward
         if self.recompute_norm:
             norm_part = PartRecompute()
             normed = norm_part.run(self._normed_sbh, core, gate)   # the norm weight's gradient: in the recompute
@@ -354,12 +349,24 @@ class DeltaMixer(MegatronModule):
             norm_part.discard(out)    # out_proj's saved input, refilled before its backward
         return out, bias
 
-    def _conv(self, part, qkv, cu_seqlens, ctx):
-        """Short causal conv + SiLU of ``qkv [b, s, conv_dim_local]``; with ``part``, its graph is left out (the
-        recompute re-runs the conv, and with CP its halo exchange, on every rank in the same backward order)."""
+    def _conv_qkv(self, part, qkv, cu_seqlens, ctx):
+        """Short causal conv + SiLU of ``qkv [b, s, conv_dim_local]`` -> q, k ``[b, s, H_local, K]``, v
+        ``[b, s, HV_local, V]`` (views of the conv output). With ``part`` the graph is left out and q, k, v are
+        contiguous copies, so that the op keeps them as given (FLA's kernels copy strided inputs) and they are
+        freed with the part; the recompute re-runs the conv, with CP its halo exchange, on every rank in the
+        same backward order."""
+        batch, seq = qkv.shape[:2]
+        kd, vd = self.key_heads_local * self.key_head_dim, self.value_heads_local * self.value_head_dim
+
         def conv(x, weight, *bias):
-            return causal_conv1d(x, weight.squeeze(1), bias=bias[0] if bias else None, activation="silu",
-                                 cu_seqlens=cu_seqlens, cp_context=ctx, backend=self.backend)
+            y = causal_conv1d(x, weight.squeeze(1), bias=bias[0] if bias else None, activation="silu",
+                              cu_seqlens=cu_seqlens, cp_context=ctx, backend=self.backend)
+            q, k, v = torch.split(y, [kd, kd, vd], dim=-1)
+            q = q.reshape(batch, seq, self.key_heads_local, self.key_head_dim)
+            k = k.reshape(batch, seq, self.key_heads_local, self.key_head_dim)
+            v = v.reshape(batch, seq, self.value_heads_local, self.value_head_dim)
+            return (q, k, v) if part is None else (q.contiguous(), k.contiguous(), v.contiguous())
+
         tensors = (qkv, self.conv1d.weight) + ((self.conv1d.bias,) if self.conv1d.bias is not None else ())
         return conv(*tensors) if part is None else part.run(conv, *tensors)
 
