@@ -10,6 +10,7 @@ need no GPU: what autograd saves and which kernels launch do not depend on the d
                              our shapes: expand_v 1, conv 4, gated output norm)
   megatron-core              megatron.core.ssm.gated_delta_net.GatedDeltaNet (GDN only; a row says why when
                              it cannot be built here)
+  MLA (--kinds mla)          layers.MultiLatentAttention, DeepSeek-V3 head dims, with / without hp_mla_up_proj
   transformers               Qwen3NextGatedDeltaNet / KimiLinearDeltaAttention on their pure-PyTorch paths
                              (benchmarks/layers.py's ``build_hf``)
 
@@ -212,6 +213,19 @@ def layer_args(hidden, gva, backend="eager"):
 def build(kind, impl, hidden, gva, dtype):
     from benchmarks import layers as bl
 
+    if kind == "mla":   # DeepSeek-V3's per-head dims (qk 128 + rope 64, v 128, kv latent 512), heads = hidden / 128
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        from layers.mla import MultiLatentAttention, mla_submodules
+
+        config = MLATransformerConfig(
+            num_layers=1, hidden_size=hidden, num_attention_heads=hidden // HEAD_DIM, q_lora_rank=hidden // 2,
+            kv_lora_rank=512, qk_head_dim=HEAD_DIM, qk_pos_emb_head_dim=64, v_head_dim=HEAD_DIM, rope_type="rope",
+            use_cpu_initialization=True, params_dtype=dtype, gradient_accumulation_fusion=False,
+            bias_dropout_fusion=False, add_bias_linear=False)
+        if impl.endswith(RECOMPUTE):
+            config.recompute_granularity, config.hp_recompute_modules = "selective", ("hp_mla_up_proj",)
+        return MultiLatentAttention(config, mla_submodules(), layer_number=1)
     backend = impl.removesuffix(RECOMPUTE)
     args = layer_args(hidden, gva, backend=backend if backend in ("eager", "triton") else "eager")
     if backend in ("eager", "triton"):
@@ -284,10 +298,11 @@ def measure(kind, impl, hidden, gva, dtype, T, breakdown):
 # ----------------------------------------------------------------------------------------------------- output
 
 RECOMPUTE = "+recompute"
-RECOMPUTE_MODULES = ("hp_conv", "hp_gated_norm")   # the GDN/KDA parts (MLA's hp_mla_up_proj is not measured here)
+RECOMPUTE_MODULES = ("hp_conv", "hp_gated_norm")   # the GDN/KDA parts; MLA rows recompute hp_mla_up_proj
 WARM_UP = ("eager", "hf", "eager" + RECOMPUTE)   # rows without Triton kernels (cheap); see the module docstring
 IMPLS = {"gdn": ("triton", "triton" + RECOMPUTE, "eager", "eager" + RECOMPUTE, "fla", "mcore", "hf"),
-         "kda": ("triton", "triton" + RECOMPUTE, "eager", "eager" + RECOMPUTE, "fla", "hf")}
+         "kda": ("triton", "triton" + RECOMPUTE, "eager", "eager" + RECOMPUTE, "fla", "hf"),
+         "mla": ("eager", "eager" + RECOMPUTE)}   # ours only (MLA has no delta-rule backend; FLA has no MLA layer)
 NAMES = {"triton": "ours (triton)", "eager": "ours (eager)", "triton" + RECOMPUTE: "ours (triton) + recompute",
          "eager" + RECOMPUTE: "ours (eager) + recompute", "fla": "FLA 0.6 layer",
          "mcore": "megatron-core GatedDeltaNet", "hf": "transformers (pure PyTorch)"}
@@ -325,7 +340,8 @@ def main(argv=None):
     parser.add_argument("--hidden", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"])
     parser.add_argument("--gva", nargs="+", choices=("no", "yes"), default=["no", "yes"])
-    parser.add_argument("--kinds", nargs="+", choices=("gdn", "kda"), default=["gdn", "kda"])
+    parser.add_argument("--kinds", nargs="+", choices=("gdn", "kda", "mla"), default=["gdn", "kda"],
+                        help="mla: our MLA layer with and without hp_mla_up_proj recompute")
     parser.add_argument("--impls", nargs="+", choices=sorted(NAMES), default=None, help="default: all")
     parser.add_argument("--T", type=int, default=64, help="tokens (B = 1)")
     parser.add_argument("--breakdown", action="store_true", help="per-node saved bytes and per-op kernel counts")
