@@ -1,7 +1,8 @@
 """Selective recompute of our mixer parts (``--recompute-granularity selective --recompute-modules hp_conv
 hp_gated_norm hp_mla_up_proj``; layers/recompute.py): the GDN / KDA / MLA layer with recompute must give the same output, input gradient and
 every parameter gradient as the same layer without, bit for bit (fp32, CPU): the recompute re-runs the same ops on
-the same saved inputs. Single rank (BSHD and packed THD documents) and on two gloo ranks under TP2 + SP and CP2.
+the same saved inputs. Single rank (BSHD and packed THD documents; eager, and triton through Triton's interpreter)
+and on two gloo ranks under TP2 + SP and CP2 (MLA: TP2 + SP; its recompute is CP 1 only).
 Also: the config / command-line split of our names from megatron-core's, and the one-line error for bad names.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import pytest
 import torch
 
+from tests.support import triton_interpreter
 from tests.support.delta_layer_cases import DIMS, HIDDEN, SEQ, build_layer, groups
 from tests.support.dist import run_distributed
 from tests.support.mla_layer import build_layer as build_mla
@@ -31,11 +33,12 @@ def _config(tp, cp, sp, recompute):
                                    **extra)
 
 
-def _run(kind, tp, cp, sp, recompute, x, dy, packed=None):
+def _run(kind, tp, cp, sp, recompute, x, dy, packed=None, backend="eager"):
     """Output, input gradient and parameter gradients of a freshly built layer (same seed every call)."""
     torch.manual_seed(5)
     tp_group, cp_group = groups(tp, cp)
-    layer = build_layer(kind, tp_group, cp_group, _config(tp, cp, sp, recompute), dict(cp_method="allgather"))
+    layer = build_layer(kind, tp_group, cp_group, _config(tp, cp, sp, recompute),
+                        dict(cp_method="allgather", backend=backend))
     assert (layer.recompute_conv, layer.recompute_norm) == (recompute, recompute)
     x = x.clone().requires_grad_(True)
     y, _ = layer(x, packed_seq_params=packed)
@@ -57,13 +60,13 @@ def _run_mla(tp, sp, recompute, x, dy):
     return y.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
 
 
-def _compare(kind, tp, cp, sp, x, dy, packed=None):
+def _compare(kind, tp, cp, sp, x, dy, packed=None, backend="eager"):
     """Names of the results that differ between recompute and no recompute (empty: identical)."""
     if kind == "mla":
         ref, got = _run_mla(tp, sp, False, x, dy), _run_mla(tp, sp, True, x, dy)
     else:
-        ref = _run(kind, tp, cp, sp, False, x, dy, packed)
-        got = _run(kind, tp, cp, sp, True, x, dy, packed)
+        ref = _run(kind, tp, cp, sp, False, x, dy, packed, backend)
+        got = _run(kind, tp, cp, sp, True, x, dy, packed, backend)
     diff = [name for name, a, b in (("out", ref[0], got[0]), ("x_grad", ref[1], got[1])) if not torch.equal(a, b)]
     assert sorted(ref[2]) == sorted(got[2])
     return diff + [n for n in ref[2] if not _same(kind, n, ref[2][n], got[2][n])]
@@ -86,15 +89,31 @@ def _inputs(seq, batch):
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 @pytest.mark.parametrize("thd", [False, True])
 def test_recompute_is_exact_single_rank(single_rank, kind, thd):
+    x, dy = _inputs(SEQ, 1 if thd else 2)
+    assert _compare(kind, 1, 1, False, x, dy, _packed_docs() if thd else None) == []
+
+
+def _packed_docs():
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    x, dy = _inputs(SEQ, 1 if thd else 2)
-    packed = None
-    if thd:
-        cu = torch.tensor([0, 16, 24, SEQ], dtype=torch.int32)
-        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=24,
-                                 max_seqlen_kv=24)
-    assert _compare(kind, 1, 1, False, x, dy, packed) == []
+    cu = torch.tensor([0, 16, 24, SEQ], dtype=torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=24, max_seqlen_kv=24)
+
+
+def _triton_worker(rank, world):
+    """One process with Triton's interpreter on before FLA is imported: the triton backend's layers."""
+    from hp_megatron.platform import single_rank_megatron
+
+    triton_interpreter.enable()
+    x, dy = _inputs(SEQ, 1)
+    with single_rank_megatron(0):
+        return {kind: _compare(kind, 1, 1, False, x, dy, _packed_docs(), backend="triton") for kind in ("gdn", "kda")}
+
+
+@pytest.mark.skipif(triton_interpreter.available() is not None,
+                    reason=f"triton interpreter: {triton_interpreter.available()}")
+def test_recompute_is_exact_triton_backend_packed():
+    assert run_distributed(_triton_worker, 1)[0] == {"gdn": [], "kda": []}
 
 
 def test_mla_up_proj_recompute_is_exact_single_rank(single_rank):
