@@ -41,14 +41,14 @@ def test_unlisted_model_type_needs_rules_and_builder(tmp_path, capsys):
     capsys.readouterr()  # transformers' progress bar
 
     assert main(["hf-to-mcore", "--load", hf_dir, "--save", str(tmp_path / "refused"), "--rules",
-                 "test_convert_cli_architecture:my_rules"]) == 2
+                 "tests.convert.test_convert_cli_architecture:my_rules"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model_type='my_llama'" in err[0] and "'llama'" in err[0], err
     assert "--rules and --model-builder" in err[0] and not (tmp_path / "refused").exists()
 
     ckpt, back = str(tmp_path / "mcore"), str(tmp_path / "back")
-    overrides = ["--rules", "test_convert_cli_architecture:my_rules",
-                 "--model-builder", "test_convert_cli_architecture:my_model"]
+    overrides = ["--rules", "tests.convert.test_convert_cli_architecture:my_rules",
+                 "--model-builder", "tests.convert.test_convert_cli_architecture:my_model"]
     assert main(["hf-to-mcore", "--load", hf_dir, "--save", ckpt, *overrides]) == 0
     assert main(["mcore-to-hf", "--load", ckpt, "--save", back, *overrides]) == 0
     original, exported = read_safetensors(hf_dir), read_safetensors(back)
