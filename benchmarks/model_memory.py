@@ -1,0 +1,311 @@
+"""Capacity table: activation bytes per token of the real presets, and the longest sequence per GPU that fits.
+
+Measured, not modelled: every distinct layer kind of a preset (mixer symbol x dense/MoE MLP) is built as a
+one-layer megatron-core ``TransformerBlock`` of our ``HybridLayer`` at the preset's real shapes (bf16, TP = CP = 1,
+CPU, ``--backend`` mixers, default eager) and one forward is measured with ``benchmarks/layer_memory.py``'s
+:func:`~benchmarks.layer_memory.saved_bytes` (saved-tensor hooks, unique storages, parameters excluded, the
+layer's input included). The whole layer is measured: input norm, mixer, residual, pre-MLP norm and the MLP or
+megatron-core ``MoELayer`` (router, allgather dispatcher, SequentialMLP experts, shared expert).
+
+Per token: saved bytes are ``fixed + per_token * T`` for these layers (SDPA keeps the output and its
+log-sum-exp, linear in T; the delta rules keep per-chunk states, linear in T; a fixed part is per-sequence
+state); each kind is measured at two lengths (``--T``, default 64 and 128) and the line through them separates
+the two. MoE layers are measured with two reduced routed-expert counts (``moe_experts``: 2 and 4 times top-k,
+rounded up to the router's groups) at the real top-k, hidden and expert width, and the per-token bytes are
+extrapolated linearly in the expert count to the real one (what grows with the expert count is the router's
+``[T, experts]`` scores, probabilities and routing map; the expert activations depend on top-k only).
+
+TP / SP (derived, not measured): with sequence parallelism every activation a layer saves is either sharded on
+the sequence (norms, residual, router, the input megatron's column-parallel linears keep: they save the
+sequence shard and all-gather again in backward) or on heads / the hidden of the TP-split linears; so per-rank
+bytes = TP-1 bytes / TP. Exceptions this ignores (they make the TP > 1 figures slightly optimistic): key/value
+heads fewer than TP are replicated (Qwen3-Next attention has 2 KV groups: at TP 4 / 8 its K and V are kept
+TP/2 and TP/4 times), and MLA's latent down-projection output is kept whole per rank.
+
+Full recompute (``--recompute-granularity full --recompute-method uniform``) keeps each layer's input (bf16
+``[T/TP, hidden]`` with SP) and, in backward, one layer's full activations at a time: bytes per token =
+layers * 2 * hidden / TP + max over layer kinds / TP.
+
+Loss head (computed, not measured): the fp32 ``[T, vocab/TP]`` logits the vocab-parallel cross entropy keeps
+(4 * vocab / TP bytes per token; recomputed never). It is listed separately and included in the totals.
+
+Capacity: with CP the sequence is split over CP ranks, each holding T / CP tokens of every layer; the tokens a
+GPU can hold are ``budget / bytes_per_token(TP)``, and a sequence of S tokens needs CP = ceil(S / that) (rounded
+up to a power of two, as CP layouts are) and TP * CP GPUs. ``--budget-gb``: the activation budget per GPU
+(what is left after weights, gradients, optimizer shards and workspace; see docs/models.md for how to get it).
+
+Usage: ``python benchmarks/model_memory.py [--presets ...] [--T 64 128] [--budget-gb 20 40 80] [--write-docs]``
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "tests" / "support"))  # layer_memory imports tests' triton_interpreter helper
+
+import torch  # noqa: E402
+
+from benchmarks._common import add_output_args, publish, run_meta  # noqa: E402
+from benchmarks.layer_memory import saved_bytes  # noqa: E402
+
+GB = 1e9
+TP_SIZES = (1, 2, 4, 8)
+SEQUENCES = (128 * 1024, 512 * 1024, 1024 * 1024)
+DOCS_JSON = ROOT / "docs" / "model_memory.json"
+
+# Published config.json of Qwen/Qwen3-Next-80B-A3B-Instruct (huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct)
+QWEN3_NEXT_80B_A3B = dict(
+    model_type="qwen3_next", hidden_size=2048, intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16,
+    num_key_value_heads=2, head_dim=256, hidden_act="silu", rms_norm_eps=1e-6, vocab_size=151936,
+    tie_word_embeddings=False, full_attention_interval=4, decoder_sparse_step=1, mlp_only_layers=[],
+    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+    linear_value_head_dim=128, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=512,
+    num_experts_per_tok=10, norm_topk_prob=True, output_router_logits=False, partial_rotary_factor=0.25,
+    rope_theta=10000000, rope_scaling=None, attention_bias=False, attention_dropout=0.0)
+
+# Published config.json of moonshotai/Kimi-Linear-48B-A3B-Instruct (huggingface.co/moonshotai/Kimi-Linear-48B-A3B-
+# Instruct; fields of activation size as published; routed_scaling_factor and rms_norm_eps do not change them)
+KIMI_LINEAR_48B_A3B = dict(
+    model_type="kimi_linear", hidden_size=2304, head_dim=72, intermediate_size=9216, num_hidden_layers=27,
+    num_attention_heads=32, num_key_value_heads=32, hidden_act="silu", vocab_size=163840, rms_norm_eps=1e-5,
+    tie_word_embeddings=False, first_k_dense_replace=1, moe_layer_freq=1, moe_intermediate_size=1024,
+    num_experts=256, num_experts_per_token=8, num_shared_experts=1, num_expert_group=1, topk_group=1,
+    moe_renormalize=True, moe_router_activation_func="sigmoid", routed_scaling_factor=2.446, mla_use_nope=True,
+    kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    linear_attn_config=dict(full_attn_layers=[4, 8, 12, 16, 20, 24, 27], head_dim=128, num_heads=32,
+                            short_conv_kernel_size=4,
+                            kda_layers=[1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26]))
+
+# Published config.json of deepseek-ai/DeepSeek-V3 (huggingface.co/deepseek-ai/DeepSeek-V3); the MTP layer
+# (num_nextn_predict_layers) is left out here: the preset does not model it
+DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+    n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+    first_k_dense_replace=3, moe_layer_freq=1, norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    hidden_act="silu", rms_norm_eps=1e-6, vocab_size=129280, tie_word_embeddings=False,
+    max_position_embeddings=163840, rope_theta=10000, attention_bias=False, attention_dropout=0.0,
+    rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                      mscale=1.0, mscale_all_dim=1.0))
+
+PRESETS = {"Qwen3-Next-80B-A3B": QWEN3_NEXT_80B_A3B, "Kimi-Linear-48B-A3B": KIMI_LINEAR_48B_A3B,
+           "DeepSeek-V3": DEEPSEEK_V3}
+MIXERS = {"G": "GDN", "K": "KDA", "M": "MLA", "A": "gated attention"}
+
+
+# ----------------------------------------------------------------------------------------------------- layers
+
+def layer_kinds(preset) -> list[tuple[str, bool]]:
+    """``(mixer symbol, MoE MLP)`` of every layer of ``preset`` (a ``ModelPreset``)."""
+    freq = preset.transformer_fields.get("moe_layer_freq")
+    n = len(preset.pattern)
+    if not preset.transformer_fields.get("num_moe_experts"):
+        flags = [False] * n
+    elif isinstance(freq, (list, tuple)):
+        flags = [bool(f) for f in freq]
+    else:
+        flags = [i % (freq or 1) == 0 for i in range(n)]
+    return list(zip(preset.pattern, flags))
+
+
+def moe_experts(fields: dict) -> tuple[int, int]:
+    """The two reduced routed-expert counts a MoE kind is measured at: 2x and 4x top-k, multiples of the groups."""
+    groups = fields.get("moe_router_num_groups") or 1
+    return tuple(math.ceil(m * fields["moe_router_topk"] / groups) * groups for m in (2, 4))
+
+
+def build_block(preset, kinds, *, backend="eager", dtype=torch.bfloat16, experts=None):
+    """A megatron-core ``TransformerBlock`` (no final norm) of ``preset``'s layers of ``kinds`` (``[(symbol,
+    moe)]``, in order), ``experts`` routed experts in its MoE layers (default: the preset's)."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from hp_megatron.specs import get_hybrid_layer_spec
+
+    pattern = "".join(symbol for symbol, _ in kinds)
+    overrides = dict(num_layers=len(kinds), hp_layer_pattern=pattern, params_dtype=dtype,
+                     bf16=dtype == torch.bfloat16, use_cpu_initialization=True, perform_initialization=True)
+    if preset.transformer_fields.get("num_moe_experts"):
+        overrides["moe_layer_freq"] = [int(moe) for _, moe in kinds]
+        if experts is not None:
+            overrides["num_moe_experts"] = experts
+    config = preset.transformer_config(**overrides)
+    spec = get_hybrid_layer_spec(pattern, backend, qk_layernorm=preset.qk_layernorm)
+    return TransformerBlock(config, spec, pre_process=True, post_process=False).to(dtype)
+
+
+def measure_block(block, T, hidden, dtype=torch.bfloat16, seed=0) -> int:
+    """Bytes ``block`` saves for backward over one forward of ``[T, 1, hidden]`` (layer_memory's ``saved_bytes``)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, 1, hidden, generator=gen) * 0.5).to(dtype).requires_grad_(True)
+    total, _, out = saved_bytes(lambda: block(x, None), list(block.parameters()))
+    del out
+    return total
+
+
+def linear_fit(points: dict) -> tuple[float, float]:
+    """``(fixed, per_unit)`` of the line through ``{x: y}`` (two points)."""
+    (x0, y0), (x1, y1) = sorted(points.items())
+    slope = (y1 - y0) / (x1 - x0)
+    return y0 - slope * x0, slope
+
+
+def measure_kind(preset, symbol, moe, Ts, backend="eager", log=print) -> dict:
+    """Per-token and fixed saved bytes of one layer kind at the preset's shapes (TP 1, bf16)."""
+    fields = preset.transformer_fields
+    hidden = fields["hidden_size"]
+    counts = moe_experts(fields) if moe else (None,)
+    per_count = {}
+    for experts in counts:
+        torch.manual_seed(0)
+        block = build_block(preset, [(symbol, moe)], backend=backend, experts=experts)
+        points = {T: measure_block(block, T, hidden) for T in Ts}
+        per_count[experts] = dict(points=points, fit=linear_fit(points))
+        del block
+        log(f"  {MIXERS[symbol]:15s} {'MoE' if moe else 'dense'} experts={experts}: "
+            + ", ".join(f"T{T} {b / T / 1e3:.1f} kB/token" for T, b in points.items()))
+    if moe:
+        real = fields["num_moe_experts"]
+        per_token = linear_fit({e: r["fit"][1] for e, r in per_count.items()})
+        fixed = linear_fit({e: r["fit"][0] for e, r in per_count.items()})
+        fit = (fixed[0] + fixed[1] * real, per_token[0] + per_token[1] * real)
+    else:
+        fit = per_count[None]["fit"]
+    return dict(mixer=MIXERS[symbol], symbol=symbol, moe=moe, fixed_bytes=fit[0], bytes_per_token=fit[1],
+                measured={str(e): {str(T): b for T, b in r["points"].items()} for e, r in per_count.items()})
+
+
+# ----------------------------------------------------------------------------------------------------- capacity
+
+def model_figures(preset, kinds_measured: dict, vocab: int) -> dict:
+    """Whole-model activation bytes per token per GPU at each TP with SP, without and with full recompute."""
+    hidden = preset.transformer_fields["hidden_size"]
+    kinds = layer_kinds(preset)
+    layers = sum(kinds_measured[k]["bytes_per_token"] for k in kinds)
+    largest = max(kinds_measured[k]["bytes_per_token"] for k in set(kinds))
+    recompute = len(kinds) * 2 * hidden + largest       # layer inputs (bf16) + one layer live in backward
+    head = 4 * vocab                                     # fp32 [T, vocab] kept by the cross entropy
+    out = {}
+    for tp in TP_SIZES:
+        out[tp] = dict(layers=layers / tp, head=head / tp, total=(layers + head) / tp,
+                       total_recompute=(recompute + head) / tp)
+    return out
+
+
+def pow2_ceil(n: float) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def capacity(bytes_per_token: float, budget_gb: float, tp: int) -> dict:
+    """Tokens one GPU holds, and CP size / GPUs for each of :data:`SEQUENCES`."""
+    tokens = budget_gb * GB / bytes_per_token
+    plan = {}
+    for seq in SEQUENCES:
+        cp = pow2_ceil(seq / tokens) if tokens >= 1 else None
+        plan[seq] = dict(cp=cp, gpus=None if cp is None else cp * tp)
+    return dict(tokens_per_gpu=int(tokens), plan=plan)
+
+
+def preset_result(name, hf, Ts, backend, budgets, log=print) -> dict:
+    from hp_megatron.models.architectures import preset_from_hf
+
+    preset = preset_from_hf(hf)
+    log(f"{name}: pattern {preset.pattern}")
+    measured = {}
+    for symbol, moe in sorted(set(layer_kinds(preset))):
+        measured[(symbol, moe)] = measure_kind(preset, symbol, moe, Ts, backend, log)
+    figures = model_figures(preset, measured, hf["vocab_size"])
+    caps = {f"{budget:g}": {tp: {rc: capacity(figures[tp]["total_recompute" if rc else "total"], budget, tp)
+                                 for rc in (False, True)} for tp in TP_SIZES} for budget in budgets}
+    return dict(name=name, pattern=preset.pattern, layers=len(preset.pattern),
+                hidden=preset.transformer_fields["hidden_size"], vocab=hf["vocab_size"],
+                kinds=[dict(r, count=sum(k == key for k in layer_kinds(preset))) for key, r in measured.items()],
+                per_token=figures, capacity=caps)
+
+
+# ----------------------------------------------------------------------------------------------------- output
+
+def _seq(n: int) -> str:
+    return f"{n // 1024}k" if n < 1024 * 1024 else f"{n // (1024 * 1024)}M"
+
+
+def markdown(results, meta) -> str:
+    lines = [f"Command: `{meta['command']}`", "",
+             f"CPU, torch {meta['torch']}, megatron-core {meta['megatron_core']}; bf16, {meta['backend']} mixers, "
+             f"layers measured at T {' and '.join(map(str, meta['T']))} (B 1), TP 1, and scaled as the docstring of "
+             "`benchmarks/model_memory.py` states (per-token slope of the two lengths; MoE extrapolated in the "
+             "routed-expert count; TP > 1 with SP: / TP; full recompute: layer inputs + one layer; loss head: "
+             "computed fp32 logits, 4 * vocab / TP bytes per token).", "",
+             "Per layer kind (TP 1, whole layer: norms + mixer + MLP/MoE):", "",
+             "| model | layer | MLP | layers | kB/token | fixed kB per sequence |", "|---|---|---|---|---|---|"]
+    for r in results:
+        for k in r["kinds"]:
+            lines.append(f"| {r['name']} | {k['mixer']} | {'MoE' if k['moe'] else 'dense'} | {k['count']} | "
+                         f"{k['bytes_per_token'] / 1e3:.1f} | {k['fixed_bytes'] / 1e3:.0f} |")
+    lines += ["", "Whole model, activation GB per 1k tokens per GPU (TP with SP; in parentheses: with full recompute; "
+              "loss head included):", "",
+              "| model | " + " | ".join(f"TP {tp}" for tp in TP_SIZES) + " |", "|---" * (len(TP_SIZES) + 1) + "|"]
+    for r in results:
+        cells = [f"{f['total'] * 1024 / GB:.2f} ({f['total_recompute'] * 1024 / GB:.2f})"
+                 for f in (r["per_token"][tp] for tp in TP_SIZES)]
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    lines += ["", "Longest sequence per GPU (tokens) and GPUs = TP x CP for 128k / 512k / 1M tokens (CP a power of "
+              "two), per activation budget per GPU:", "",
+              "| model | activation budget | TP | recompute | tokens per GPU | GPUs 128k | GPUs 512k | GPUs 1M |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for budget, per_tp in r["capacity"].items():
+            for tp in TP_SIZES:
+                for rc in (False, True):
+                    c = per_tp[tp][rc]
+                    gpus = [str(c["plan"][s]["gpus"]) if c["plan"][s]["gpus"] else "-" for s in SEQUENCES]
+                    lines.append(f"| {r['name']} | {budget} GB | {tp} | {'full' if rc else 'none'} | "
+                                 f"{c['tokens_per_gpu']:,} | " + " | ".join(gpus) + " |")
+    return "\n".join(lines)
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--presets", nargs="+", choices=sorted(PRESETS), default=list(PRESETS))
+    parser.add_argument("--T", type=int, nargs=2, default=[64, 128], help="the two measured lengths (B = 1)")
+    parser.add_argument("--backend", choices=("eager", "triton"), default="eager",
+                        help="mixer backend (triton: FLA's kernels through Triton's interpreter)")
+    parser.add_argument("--budget-gb", type=float, nargs="+", default=[20.0, 40.0, 80.0],
+                        help="activation memory per GPU, GB (after weights, gradients, optimizer, workspace)")
+    add_output_args(parser)
+    args = parser.parse_args(argv)
+    if args.T[0] == args.T[1] or min(args.T) < 1:
+        raise ValueError(f"--T needs two different positive lengths, got {args.T}")
+    if min(args.budget_gb) <= 0:
+        raise ValueError(f"--budget-gb must be positive, got {args.budget_gb}")
+    if args.backend == "triton":
+        import triton_interpreter
+
+        if triton_interpreter.available() is None:
+            triton_interpreter.enable()
+    from hp_megatron.platform import single_rank_megatron
+
+    with single_rank_megatron(0):
+        meta = dict(run_meta("model_memory.py", argv), T=args.T, backend=args.backend)
+        results = [preset_result(name, PRESETS[name], args.T, args.backend, args.budget_gb)
+                   for name in args.presets]
+    if args.write_docs and args.json is None:
+        args.json = DOCS_JSON
+    publish(_jsonable(dict(meta=meta, results=results)), markdown(results, meta), args, "model_memory",
+            "### Measured")
+
+
+if __name__ == "__main__":
+    main()
