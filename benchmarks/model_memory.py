@@ -7,13 +7,17 @@ CPU, ``--backend`` mixers, default eager) and one forward is measured with ``ben
 layer's input included). The whole layer is measured: input norm, mixer, residual, pre-MLP norm and the MLP or
 megatron-core ``MoELayer`` (router, allgather dispatcher, SequentialMLP experts, shared expert).
 
-Per token: saved bytes are ``fixed + per_token * T`` for these layers (SDPA keeps the output and its
-log-sum-exp, linear in T; the delta rules keep per-chunk states, linear in T; a fixed part is per-sequence
-state); each kind is measured at two lengths (``--T``, default 64 and 128) and the line through them separates
-the two. MoE layers are measured with two reduced routed-expert counts (``moe_experts``: 2 and 4 times top-k,
+Per token: saved bytes are ``fixed + per_token * T + per_token_squared * T**2``; each kind is measured at three
+lengths (``--T``, default 64, 128, 192: multiples of the delta rules' chunk of 64, whose padding would otherwise
+bend the line) and the parabola through them separates the parts. ``fixed``: per-sequence state. ``T**2``: only
+our eager core attention has one, in MLA layers: torch's CPU SDPA takes its math path for MLA's unequal q/k and v
+head dims and keeps the ``[heads, T, T]`` probabilities; a flash-attention kernel (the GPU path) keeps the output
+and its log-sum-exp only, so the planning figures below leave the ``T**2`` part out and the per-layer table shows
+it. Delta rules (GDN, KDA) and Qwen3-Next's gated attention measure linear in T. MoE layers are measured with two reduced routed-expert counts (``moe_experts``: 2 and 4 times top-k,
 rounded up to the router's groups) at the real top-k, hidden and expert width, and the per-token bytes are
 extrapolated linearly in the expert count to the real one (what grows with the expert count is the router's
-``[T, experts]`` scores, probabilities and routing map; the expert activations depend on top-k only).
+``[T, experts]`` scores, probabilities and routing map; the expert activations depend on top-k only). Every
+coefficient is measured this way; what the capacity figures use is ``per_token``.
 
 TP / SP (derived, not measured): with sequence parallelism every activation a layer saves is either sharded on
 the sequence (norms, residual, router, the input megatron's column-parallel linears keep: they save the
@@ -147,11 +151,13 @@ def measure_block(block, T, hidden, dtype=torch.bfloat16, seed=0) -> int:
     return total
 
 
-def linear_fit(points: dict) -> tuple[float, float]:
-    """``(fixed, per_unit)`` of the line through ``{x: y}`` (two points)."""
-    (x0, y0), (x1, y1) = sorted(points.items())
-    slope = (y1 - y0) / (x1 - x0)
-    return y0 - slope * x0, slope
+def poly_fit(points: dict) -> list[float]:
+    """Coefficients ``[c0, c1, ...]`` (constant first) of the polynomial of degree ``len(points) - 1`` through
+    ``{x: y}``, solved in float64."""
+    xs = torch.tensor(sorted(points), dtype=torch.float64)
+    ys = torch.tensor([points[x] for x in sorted(points)], dtype=torch.float64)
+    vander = torch.stack([xs ** i for i in range(len(xs))], 1)
+    return torch.linalg.solve(vander, ys).tolist()
 
 
 def measure_kind(preset, symbol, moe, Ts, backend="eager", log=print) -> dict:
@@ -164,19 +170,26 @@ def measure_kind(preset, symbol, moe, Ts, backend="eager", log=print) -> dict:
         torch.manual_seed(0)
         block = build_block(preset, [(symbol, moe)], backend=backend, experts=experts)
         points = {T: measure_block(block, T, hidden) for T in Ts}
-        per_count[experts] = dict(points=points, fit=linear_fit(points))
+        per_count[experts] = dict(points=points, fit=poly_fit(points))
         del block
         log(f"  {MIXERS[symbol]:15s} {'MoE' if moe else 'dense'} experts={experts}: "
             + ", ".join(f"T{T} {b / T / 1e3:.1f} kB/token" for T, b in points.items()))
-    if moe:
+    if moe:   # each coefficient linear in the routed-expert count, evaluated at the real count
         real = fields["num_moe_experts"]
-        per_token = linear_fit({e: r["fit"][1] for e, r in per_count.items()})
-        fixed = linear_fit({e: r["fit"][0] for e, r in per_count.items()})
-        fit = (fixed[0] + fixed[1] * real, per_token[0] + per_token[1] * real)
+        fit = [sum(c * real ** i for i, c in enumerate(poly_fit({e: r["fit"][j] for e, r in per_count.items()})))
+               for j in range(len(Ts))]
     else:
         fit = per_count[None]["fit"]
+    fit += [0.0] * (3 - len(fit))
     return dict(mixer=MIXERS[symbol], symbol=symbol, moe=moe, fixed_bytes=fit[0], bytes_per_token=fit[1],
+                bytes_per_token_squared=fit[2],
                 measured={str(e): {str(T): b for T, b in r["points"].items()} for e, r in per_count.items()})
+
+
+def predicted_bytes(kind: dict, T: int, quadratic: bool = True) -> float:
+    """Saved bytes of one layer of ``kind`` (a :func:`measure_kind` result) at ``T`` tokens."""
+    return kind["fixed_bytes"] + kind["bytes_per_token"] * T + (kind["bytes_per_token_squared"] * T * T
+                                                                 if quadratic else 0.0)
 
 
 # ----------------------------------------------------------------------------------------------------- capacity
@@ -237,15 +250,17 @@ def markdown(results, meta) -> str:
     lines = [f"Command: `{meta['command']}`", "",
              f"CPU, torch {meta['torch']}, megatron-core {meta['megatron_core']}; bf16, {meta['backend']} mixers, "
              f"layers measured at T {' and '.join(map(str, meta['T']))} (B 1), TP 1, and scaled as the docstring of "
-             "`benchmarks/model_memory.py` states (per-token slope of the two lengths; MoE extrapolated in the "
+             "`benchmarks/model_memory.py` states (per-token coefficient of the three lengths; MoE extrapolated in the "
              "routed-expert count; TP > 1 with SP: / TP; full recompute: layer inputs + one layer; loss head: "
              "computed fp32 logits, 4 * vocab / TP bytes per token).", "",
              "Per layer kind (TP 1, whole layer: norms + mixer + MLP/MoE):", "",
-             "| model | layer | MLP | layers | kB/token | fixed kB per sequence |", "|---|---|---|---|---|---|"]
+             "| model | layer | MLP | layers | kB/token | fixed kB per sequence | eager-attention bytes per T^2 "
+             "(left out below) |", "|---|---|---|---|---|---|---|"]
     for r in results:
         for k in r["kinds"]:
             lines.append(f"| {r['name']} | {k['mixer']} | {'MoE' if k['moe'] else 'dense'} | {k['count']} | "
-                         f"{k['bytes_per_token'] / 1e3:.1f} | {k['fixed_bytes'] / 1e3:.0f} |")
+                         f"{k['bytes_per_token'] / 1e3:.1f} | {k['fixed_bytes'] / 1e3:.0f} | "
+                         f"{k['bytes_per_token_squared']:.1f} |")
     lines += ["", "Whole model, activation GB per 1k tokens per GPU (TP with SP; in parentheses: with full recompute; "
               "loss head included):", "",
               "| model | " + " | ".join(f"TP {tp}" for tp in TP_SIZES) + " |", "|---" * (len(TP_SIZES) + 1) + "|"]
@@ -279,15 +294,16 @@ def _jsonable(obj):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--presets", nargs="+", choices=sorted(PRESETS), default=list(PRESETS))
-    parser.add_argument("--T", type=int, nargs=2, default=[64, 128], help="the two measured lengths (B = 1)")
+    parser.add_argument("--T", type=int, nargs=3, default=[64, 128, 192],
+                        help="the three measured lengths (B = 1; multiples of the delta rules' chunk of 64)")
     parser.add_argument("--backend", choices=("eager", "triton"), default="eager",
                         help="mixer backend (triton: FLA's kernels through Triton's interpreter)")
     parser.add_argument("--budget-gb", type=float, nargs="+", default=[20.0, 40.0, 80.0],
                         help="activation memory per GPU, GB (after weights, gradients, optimizer, workspace)")
     add_output_args(parser)
     args = parser.parse_args(argv)
-    if args.T[0] == args.T[1] or min(args.T) < 1:
-        raise ValueError(f"--T needs two different positive lengths, got {args.T}")
+    if len(set(args.T)) != 3 or min(args.T) < 1:
+        raise ValueError(f"--T needs three different positive lengths, got {args.T}")
     if min(args.budget_gb) <= 0:
         raise ValueError(f"--budget-gb must be positive, got {args.budget_gb}")
     if args.backend == "triton":
