@@ -123,16 +123,18 @@ def moe_experts(fields: dict) -> tuple[int, int]:
     return tuple(math.ceil(m * fields["moe_router_topk"] / groups) * groups for m in (2, 4))
 
 
-def build_block(preset, kinds, *, backend="eager", dtype=torch.bfloat16, experts=None):
+def build_block(preset, kinds, *, backend="eager", dtype=torch.bfloat16, experts=None, **parallel):
     """A megatron-core ``TransformerBlock`` (no final norm) of ``preset``'s layers of ``kinds`` (``[(symbol,
-    moe)]``, in order), ``experts`` routed experts in its MoE layers (default: the preset's)."""
+    moe)]``, in order), ``experts`` routed experts in its MoE layers (default: the preset's); ``parallel``:
+    ``TransformerConfig`` parallel fields (``tensor_model_parallel_size``, ``sequence_parallel``)."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from hp_megatron.specs import get_hybrid_layer_spec
 
     pattern = "".join(symbol for symbol, _ in kinds)
     overrides = dict(num_layers=len(kinds), hp_layer_pattern=pattern, params_dtype=dtype,
-                     bf16=dtype == torch.bfloat16, use_cpu_initialization=True, perform_initialization=True)
+                     bf16=dtype == torch.bfloat16, use_cpu_initialization=True, perform_initialization=True,
+                     **parallel)
     if preset.transformer_fields.get("num_moe_experts"):
         overrides["moe_layer_freq"] = [int(moe) for _, moe in kinds]
         if experts is not None:
@@ -192,6 +194,46 @@ def predicted_bytes(kind: dict, T: int, quadratic: bool = True) -> float:
                                                                  if quadratic else 0.0)
 
 
+def _tp_rank_bytes(rank, world_size, arch, T):
+    """On one of ``world_size`` gloo ranks: bytes a tiny ``arch`` model at TP = world_size with SP saves on this
+    rank for ``T`` tokens (its input: this rank's ``T / TP`` sequence shard)."""
+    from megatron.core import parallel_state
+
+    from hp_megatron.models.architectures import preset_from_hf
+    from hp_megatron.models.tiny import tiny_hf_config
+    from hp_megatron.platform import apply_cpu_shims
+
+    parallel_state.initialize_model_parallel(world_size, 1)
+    apply_cpu_shims(0)
+    try:
+        preset = preset_from_hf(tiny_hf_config(arch)[1].to_dict())
+        torch.manual_seed(0)
+        block = build_block(preset, layer_kinds(preset), tensor_model_parallel_size=world_size,
+                            sequence_parallel=world_size > 1)
+        gen = torch.Generator().manual_seed(0)   # every rank draws the whole input, keeps its shard
+        x = (torch.randn(T, 1, preset.transformer_fields["hidden_size"], generator=gen) * 0.5).to(torch.bfloat16)
+        shard = x.chunk(world_size, 0)[rank].contiguous().requires_grad_(True)
+        total, _, out = saved_bytes(lambda: block(shard, None), list(block.parameters()))
+        return total
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def tp_check(tp: int, T: int = 256, archs=("qwen3_next", "kimi_linear", "deepseek_v3")) -> list[dict]:
+    """The TP / SP derivation checked: per-rank saved bytes of tiny models at TP ``tp`` with SP (``tp`` gloo
+    ranks) against their TP-1 bytes / ``tp``."""
+    from benchmarks._common import spawn_gloo
+
+    rows = []
+    for arch in archs:
+        tp1, = spawn_gloo(_tp_rank_bytes, 1, arch, T)
+        ranks = spawn_gloo(_tp_rank_bytes, tp, arch, T)
+        rows.append(dict(arch=arch, T=T, tp=tp, tp1_bytes=tp1, rank_bytes=ranks, ratio=max(ranks) * tp / tp1))
+        print(f"  TP check {arch}: TP1 {tp1} B, TP{tp} ranks {ranks} B: max rank x TP / TP1 = "
+              f"{rows[-1]['ratio']:.3f}", flush=True)
+    return rows
+
+
 # ----------------------------------------------------------------------------------------------------- capacity
 
 def model_figures(preset, kinds_measured: dict, vocab: int) -> dict:
@@ -246,7 +288,7 @@ def _seq(n: int) -> str:
     return f"{n // 1024}k" if n < 1024 * 1024 else f"{n // (1024 * 1024)}M"
 
 
-def markdown(results, meta) -> str:
+def markdown(results, meta, checks=()) -> str:
     lines = [f"Command: `{meta['command']}`", "",
              f"CPU, torch {meta['torch']}, megatron-core {meta['megatron_core']}; bf16, {meta['backend']} mixers, "
              f"layers measured at T {' and '.join(map(str, meta['T']))} (B 1), TP 1, and scaled as the docstring of "
@@ -268,18 +310,28 @@ def markdown(results, meta) -> str:
         cells = [f"{f['total'] * 1024 / GB:.2f} ({f['total_recompute'] * 1024 / GB:.2f})"
                  for f in (r["per_token"][tp] for tp in TP_SIZES)]
         lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
-    lines += ["", "Longest sequence per GPU (tokens) and GPUs = TP x CP for 128k / 512k / 1M tokens (CP a power of "
-              "two), per activation budget per GPU:", "",
-              "| model | activation budget | TP | recompute | tokens per GPU | GPUs 128k | GPUs 512k | GPUs 1M |",
-              "|---|---|---|---|---|---|---|---|"]
+    budgets = list(results[0]["capacity"]) if results else []
+    lines += ["", "Longest sequence per GPU, and GPUs (TP x CP, CP a power of two) for 128k / 512k / 1M tokens, per "
+              "activation budget per GPU (cell: tokens per GPU; GPUs for 128k / 512k / 1M; `-`: not one token fits):",
+              "", "| model | recompute | TP | " + " | ".join(f"{b} GB" for b in budgets) + " |",
+              "|---|---|---" + "|---" * len(budgets) + "|"]
     for r in results:
-        for budget, per_tp in r["capacity"].items():
+        for rc in (False, True):
             for tp in TP_SIZES:
-                for rc in (False, True):
-                    c = per_tp[tp][rc]
-                    gpus = [str(c["plan"][s]["gpus"]) if c["plan"][s]["gpus"] else "-" for s in SEQUENCES]
-                    lines.append(f"| {r['name']} | {budget} GB | {tp} | {'full' if rc else 'none'} | "
-                                 f"{c['tokens_per_gpu']:,} | " + " | ".join(gpus) + " |")
+                cells = []
+                for budget in budgets:
+                    c = r["capacity"][budget][tp][rc]
+                    gpus = " / ".join(str(c["plan"][s]["gpus"] or "-") for s in SEQUENCES)
+                    cells.append(f"{c['tokens_per_gpu']:,}; {gpus}")
+                lines.append(f"| {r['name']} | {'full' if rc else 'none'} | {tp} | " + " | ".join(cells) + " |")
+    if checks:
+        lines += ["", f"TP / SP derivation checked (`--check-tp {checks[0]['tp']}`): tiny models of each architecture "
+                  f"(hp_megatron.models.tiny, bf16, T {checks[0]['T']}) at TP 1 and at TP {checks[0]['tp']} with SP "
+                  "on gloo ranks; measured bytes of the largest rank x TP / TP-1 bytes:", "",
+                  "| tiny model | TP 1 bytes | per-rank bytes | largest rank x TP / TP 1 |", "|---|---|---|---|"]
+        for c in checks:
+            lines.append(f"| {c['arch']} | {c['tp1_bytes']:,} | {', '.join(f'{b:,}' for b in c['rank_bytes'])} | "
+                         f"{c['ratio']:.3f} |")
     return "\n".join(lines)
 
 
@@ -298,12 +350,16 @@ def main(argv=None):
                         help="the three measured lengths (B = 1; multiples of the delta rules' chunk of 64)")
     parser.add_argument("--backend", choices=("eager", "triton"), default="eager",
                         help="mixer backend (triton: FLA's kernels through Triton's interpreter)")
+    parser.add_argument("--check-tp", type=int, default=2,
+                        help="check the / TP derivation on tiny models at this TP with SP (gloo ranks); 0: skip")
     parser.add_argument("--budget-gb", type=float, nargs="+", default=[20.0, 40.0, 80.0],
                         help="activation memory per GPU, GB (after weights, gradients, optimizer, workspace)")
     add_output_args(parser)
     args = parser.parse_args(argv)
     if len(set(args.T)) != 3 or min(args.T) < 1:
         raise ValueError(f"--T needs three different positive lengths, got {args.T}")
+    if args.check_tp < 0 or args.check_tp == 1:
+        raise ValueError(f"--check-tp must be 0 (skip) or at least 2, got {args.check_tp}")
     if min(args.budget_gb) <= 0:
         raise ValueError(f"--budget-gb must be positive, got {args.budget_gb}")
     if args.backend == "triton":
@@ -317,10 +373,11 @@ def main(argv=None):
         meta = dict(run_meta("model_memory.py", argv), T=args.T, backend=args.backend)
         results = [preset_result(name, PRESETS[name], args.T, args.backend, args.budget_gb)
                    for name in args.presets]
+    checks = tp_check(args.check_tp) if args.check_tp else []
     if args.write_docs and args.json is None:
         args.json = DOCS_JSON
-    publish(_jsonable(dict(meta=meta, results=results)), markdown(results, meta), args, "model_memory",
-            "### Measured")
+    publish(_jsonable(dict(meta=meta, results=results, tp_check=checks)), markdown(results, meta, checks), args,
+            "model_memory", "### Measured")
 
 
 if __name__ == "__main__":
