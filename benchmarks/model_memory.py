@@ -22,9 +22,12 @@ coefficient is measured this way; what the capacity figures use is ``per_token``
 TP / SP (derived, not measured): with sequence parallelism every activation a layer saves is either sharded on
 the sequence (norms, residual, router, the input megatron's column-parallel linears keep: they save the
 sequence shard and all-gather again in backward) or on heads / the hidden of the TP-split linears; so per-rank
-bytes = TP-1 bytes / TP. Exceptions this ignores (they make the TP > 1 figures slightly optimistic): key/value
-heads fewer than TP are replicated (Qwen3-Next attention has 2 KV groups: at TP 4 / 8 its K and V are kept
-TP/2 and TP/4 times), and MLA's latent down-projection output is kept whole per rank.
+bytes = TP-1 bytes / TP. MoE layers: this assumes experts spread by expert parallelism with expert TP 1 (each
+rank's experts see, on average, T / TP x top-k tokens); with megatron's default expert TP = TP the routed
+experts' inputs are kept whole on every TP rank and the figures are optimistic. Other exceptions (also
+optimistic): key/value heads fewer than TP are replicated (Qwen3-Next attention has 2 KV groups), and MLA's
+latent down-projection output is kept whole per rank. ``--check-tp`` measures the derivation on tiny models of
+the three architectures at TP = EP = 2 with SP on gloo ranks.
 
 Full recompute (``--recompute-granularity full --recompute-method uniform``) keeps each layer's input (bf16
 ``[T/TP, hidden]`` with SP) and, in backward, one layer's full activations at a time: bytes per token =
@@ -195,21 +198,22 @@ def predicted_bytes(kind: dict, T: int, quadratic: bool = True) -> float:
 
 
 def _tp_rank_bytes(rank, world_size, arch, T):
-    """On one of ``world_size`` gloo ranks: bytes a tiny ``arch`` model at TP = world_size with SP saves on this
-    rank for ``T`` tokens (its input: this rank's ``T / TP`` sequence shard)."""
+    """On one of ``world_size`` gloo ranks: bytes a tiny ``arch`` model at TP = EP = world_size with SP and
+    expert TP 1 saves on this rank for ``T`` tokens (its input: this rank's ``T / TP`` sequence shard)."""
     from megatron.core import parallel_state
 
     from hp_megatron.models.architectures import preset_from_hf
     from hp_megatron.models.tiny import tiny_hf_config
     from hp_megatron.platform import apply_cpu_shims
 
-    parallel_state.initialize_model_parallel(world_size, 1)
+    experts = dict(expert_model_parallel_size=world_size, expert_tensor_parallel_size=1)
+    parallel_state.initialize_model_parallel(world_size, 1, **experts)
     apply_cpu_shims(0)
     try:
         preset = preset_from_hf(tiny_hf_config(arch)[1].to_dict())
         torch.manual_seed(0)
         block = build_block(preset, layer_kinds(preset), tensor_model_parallel_size=world_size,
-                            sequence_parallel=world_size > 1)
+                            sequence_parallel=world_size > 1, **experts)
         gen = torch.Generator().manual_seed(0)   # every rank draws the whole input, keeps its shard
         x = (torch.randn(T, 1, preset.transformer_fields["hidden_size"], generator=gen) * 0.5).to(torch.bfloat16)
         shard = x.chunk(world_size, 0)[rank].contiguous().requires_grad_(True)
@@ -220,8 +224,8 @@ def _tp_rank_bytes(rank, world_size, arch, T):
 
 
 def tp_check(tp: int, T: int = 256, archs=("qwen3_next", "kimi_linear", "deepseek_v3")) -> list[dict]:
-    """The TP / SP derivation checked: per-rank saved bytes of tiny models at TP ``tp`` with SP (``tp`` gloo
-    ranks) against their TP-1 bytes / ``tp``."""
+    """The TP / SP derivation checked: per-rank saved bytes of tiny models at TP ``tp`` with SP, experts spread by
+    EP = ``tp`` with expert TP 1 (``tp`` gloo ranks), against their TP-1 bytes / ``tp``."""
     from benchmarks._common import spawn_gloo
 
     rows = []
@@ -326,8 +330,8 @@ def markdown(results, meta, checks=()) -> str:
                 lines.append(f"| {r['name']} | {'full' if rc else 'none'} | {tp} | " + " | ".join(cells) + " |")
     if checks:
         lines += ["", f"TP / SP derivation checked (`--check-tp {checks[0]['tp']}`): tiny models of each architecture "
-                  f"(hp_megatron.models.tiny, bf16, T {checks[0]['T']}) at TP 1 and at TP {checks[0]['tp']} with SP "
-                  "on gloo ranks; measured bytes of the largest rank x TP / TP-1 bytes:", "",
+                  f"(hp_megatron.models.tiny, bf16, T {checks[0]['T']}) at TP 1 and at TP = EP = {checks[0]['tp']} with "
+                  "SP and expert TP 1 on gloo ranks; measured bytes of the largest rank x TP / TP-1 bytes:", "",
                   "| tiny model | TP 1 bytes | per-rank bytes | largest rank x TP / TP 1 |", "|---|---|---|---|"]
         for c in checks:
             lines.append(f"| {c['arch']} | {c['tp1_bytes']:,} | {', '.join(f'{b:,}' for b in c['rank_bytes'])} | "
