@@ -10,11 +10,14 @@ megatron-core ``MoELayer`` (router, allgather dispatcher, SequentialMLP experts,
 Per token: saved bytes are ``fixed + per_token * T + per_token_squared * T**2``; each kind is measured at three
 lengths (``--T``, default 64, 128, 192: multiples of the delta rules' chunk of 64, whose padding would otherwise
 bend the line) and the parabola through them separates the parts. ``fixed``: per-sequence state. ``T**2``: only
-our eager core attention has one, in MLA layers: torch's CPU SDPA takes its math path for MLA's unequal q/k and v
-head dims and keeps the ``[heads, T, T]`` probabilities; a flash-attention kernel (the GPU path) keeps the output
-and its log-sum-exp only, so the planning figures below leave the ``T**2`` part out and the per-layer table shows
-it. Delta rules (GDN, KDA) and Qwen3-Next's gated attention measure linear in T. MoE layers are measured with two reduced routed-expert counts (``moe_experts``: 2 and 4 times top-k,
-rounded up to the router's groups) at the real top-k, hidden and expert width, and the per-token bytes are
+our eager core attention has one, in MLA layers: torch's CPU SDPA (as measured) takes its math path for MLA's
+unequal q/k and v head dims and keeps the ``[heads, T, T]`` probabilities; a flash-attention kernel (the GPU
+path) keeps the output and its log-sum-exp only, so the planning figures below leave the ``T**2`` part out and
+the per-layer table shows it. Delta rules (GDN, KDA) and Qwen3-Next's gated attention (equal head dims) measure
+linear in T.
+
+MoE layers are measured with two reduced routed-expert counts (``moe_experts``: 2 and 4 times top-k, rounded up
+to the router's groups) at the real top-k, hidden and expert width, and the per-token bytes are
 extrapolated linearly in the expert count to the real one (what grows with the expert count is the router's
 ``[T, experts]`` scores, probabilities and routing map; the expert activations depend on top-k only). Every
 coefficient is measured this way; what the capacity figures use is ``per_token``.
@@ -25,8 +28,9 @@ sequence shard and all-gather again in backward) or on heads / the hidden of the
 bytes = TP-1 bytes / TP. MoE layers: this assumes experts spread by expert parallelism with expert TP 1 (each
 rank's experts see, on average, T / TP x top-k tokens); with megatron's default expert TP = TP the routed
 experts' inputs are kept whole on every TP rank and the figures are optimistic. Other exceptions (also
-optimistic): key/value heads fewer than TP are replicated (Qwen3-Next attention has 2 KV groups), and MLA's
-latent down-projection output is kept whole per rank. ``--check-tp`` measures the derivation on tiny models of
+optimistic): key/value heads fewer than TP are replicated (Qwen3-Next attention has 2 KV groups at TP 4 / 8),
+and parts a TP group computes whole (the check below finds one: a compiled megatron-core function whose saved
+bytes per rank do not shrink with TP). ``--check-tp`` measures the derivation on tiny models of
 the three architectures at TP = EP = 2 with SP on gloo ranks.
 
 Full recompute (``--recompute-granularity full --recompute-method uniform``) keeps each layer's input (bf16
@@ -34,14 +38,15 @@ Full recompute (``--recompute-granularity full --recompute-method uniform``) kee
 layers * 2 * hidden / TP + max over layer kinds / TP.
 
 Loss head (computed, not measured): the fp32 ``[T, vocab/TP]`` logits the vocab-parallel cross entropy keeps
-(4 * vocab / TP bytes per token; recomputed never). It is listed separately and included in the totals.
+(4 * vocab / TP bytes per token; full recompute does not cover it). It is listed separately and included in the totals.
 
 Capacity: with CP the sequence is split over CP ranks, each holding T / CP tokens of every layer; the tokens a
 GPU can hold are ``budget / bytes_per_token(TP)``, and a sequence of S tokens needs CP = ceil(S / that) (rounded
 up to a power of two, as CP layouts are) and TP * CP GPUs. ``--budget-gb``: the activation budget per GPU
 (what is left after weights, gradients, optimizer shards and workspace; see docs/models.md for how to get it).
 
-Usage: ``python benchmarks/model_memory.py [--presets ...] [--T 64 128] [--budget-gb 20 40 80] [--write-docs]``
+Usage: ``python benchmarks/model_memory.py [--presets ...] [--T 64 128 192] [--budget-gb 20 40 80] [--check-tp 2]
+[--backend eager|triton] [--write-docs] [--json PATH]``
 """
 from __future__ import annotations
 
@@ -147,11 +152,12 @@ def build_block(preset, kinds, *, backend="eager", dtype=torch.bfloat16, experts
     return TransformerBlock(config, spec, pre_process=True, post_process=False).to(dtype)
 
 
-def measure_block(block, T, hidden, dtype=torch.bfloat16, seed=0) -> int:
-    """Bytes ``block`` saves for backward over one forward of ``[T, 1, hidden]`` (layer_memory's ``saved_bytes``)."""
+def measure_block(block, T, hidden, dtype=torch.bfloat16, seed=0, rank=0, ranks=1) -> int:
+    """Bytes ``block`` saves for backward over one forward of a random ``[T, 1, hidden]`` input (layer_memory's
+    ``saved_bytes``); with ``ranks`` > 1 (sequence parallelism) the input is sequence shard ``rank`` of it."""
     gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(T, 1, hidden, generator=gen) * 0.5).to(dtype).requires_grad_(True)
-    total, _, out = saved_bytes(lambda: block(x, None), list(block.parameters()))
+    x = (torch.randn(T, 1, hidden, generator=gen) * 0.5).to(dtype).chunk(ranks, 0)[rank].contiguous()
+    total, _, out = saved_bytes(lambda: block(x.requires_grad_(True), None), list(block.parameters()))
     del out
     return total
 
@@ -191,10 +197,9 @@ def measure_kind(preset, symbol, moe, Ts, backend="eager", log=print) -> dict:
                 measured={str(e): {str(T): b for T, b in r["points"].items()} for e, r in per_count.items()})
 
 
-def predicted_bytes(kind: dict, T: int, quadratic: bool = True) -> float:
-    """Saved bytes of one layer of ``kind`` (a :func:`measure_kind` result) at ``T`` tokens."""
-    return kind["fixed_bytes"] + kind["bytes_per_token"] * T + (kind["bytes_per_token_squared"] * T * T
-                                                                 if quadratic else 0.0)
+def predicted_bytes(kind: dict, T: int) -> float:
+    """Saved bytes of one layer of ``kind`` (a :func:`measure_kind` result) at ``T`` tokens, every part."""
+    return kind["fixed_bytes"] + kind["bytes_per_token"] * T + kind["bytes_per_token_squared"] * T * T
 
 
 def _tp_rank_bytes(rank, world_size, arch, T):
@@ -214,11 +219,7 @@ def _tp_rank_bytes(rank, world_size, arch, T):
         torch.manual_seed(0)
         block = build_block(preset, layer_kinds(preset), tensor_model_parallel_size=world_size,
                             sequence_parallel=world_size > 1, **experts)
-        gen = torch.Generator().manual_seed(0)   # every rank draws the whole input, keeps its shard
-        x = (torch.randn(T, 1, preset.transformer_fields["hidden_size"], generator=gen) * 0.5).to(torch.bfloat16)
-        shard = x.chunk(world_size, 0)[rank].contiguous().requires_grad_(True)
-        total, _, out = saved_bytes(lambda: block(shard, None), list(block.parameters()))
-        return total
+        return measure_block(block, T, preset.transformer_fields["hidden_size"], rank=rank, ranks=world_size)
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -330,8 +331,9 @@ def markdown(results, meta, checks=()) -> str:
                 lines.append(f"| {r['name']} | {'full' if rc else 'none'} | {tp} | " + " | ".join(cells) + " |")
     if checks:
         lines += ["", f"TP / SP derivation checked (`--check-tp {checks[0]['tp']}`): tiny models of each architecture "
-                  f"(hp_megatron.models.tiny, bf16, T {checks[0]['T']}) at TP 1 and at TP = EP = {checks[0]['tp']} with "
-                  "SP and expert TP 1 on gloo ranks; measured bytes of the largest rank x TP / TP-1 bytes:", "",
+                  f"(hp_megatron.models.tiny, bf16, T {checks[0]['T']}) at TP 1 and at TP = EP = "
+                  f"{checks[0]['tp']} with SP and expert TP 1 on gloo ranks; measured bytes of the largest rank x TP "
+                  "/ TP-1 bytes:", "",
                   "| tiny model | TP 1 bytes | per-rank bytes | largest rank x TP / TP 1 |", "|---|---|---|---|"]
         for c in checks:
             lines.append(f"| {c['arch']} | {c['tp1_bytes']:,} | {', '.join(f'{b:,}' for b in c['rank_bytes'])} | "
