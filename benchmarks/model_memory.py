@@ -307,7 +307,7 @@ def markdown(results, meta, checks=()) -> str:
         for k in r["kinds"]:
             lines.append(f"| {r['name']} | {k['mixer']} | {'MoE' if k['moe'] else 'dense'} | {k['count']} | "
                          f"{k['bytes_per_token'] / 1e3:.1f} | {k['fixed_bytes'] / 1e3:.0f} | "
-                         f"{k['bytes_per_token_squared']:.1f} |")
+                         f"{round(k['bytes_per_token_squared'], 1) + 0.0:.1f} |")   # no "-0.0"
     lines += ["", "Whole model, activation GB per 1k tokens per GPU (TP with SP; in parentheses: with full recompute; "
               "loss head included):", "",
               "| model | " + " | ".join(f"TP {tp}" for tp in TP_SIZES) + " |", "|---" * (len(TP_SIZES) + 1) + "|"]
