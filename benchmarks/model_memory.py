@@ -368,11 +368,12 @@ def main(argv=None):
         raise ValueError(f"--check-tp must be 0 (skip) or at least 2, got {args.check_tp}")
     if min(args.budget_gb) <= 0:
         raise ValueError(f"--budget-gb must be positive, got {args.budget_gb}")
-    if args.backend == "triton":
+    if args.backend == "triton":   # benchmarks.layer_memory enabled the interpreter on import where it can run
         import triton_interpreter
 
-        if triton_interpreter.available() is None:
-            triton_interpreter.enable()
+        reason = triton_interpreter.available()
+        if reason is not None:
+            raise RuntimeError(f"--backend triton runs FLA's kernels through Triton's interpreter: {reason}")
     from hp_megatron.platform import single_rank_megatron
 
     with single_rank_megatron(0):
