@@ -57,7 +57,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(1, str(ROOT / "tests" / "support"))  # layer_memory imports tests' triton_interpreter helper
 
 import torch  # noqa: E402
 
@@ -369,7 +368,7 @@ def main(argv=None):
     if min(args.budget_gb) <= 0:
         raise ValueError(f"--budget-gb must be positive, got {args.budget_gb}")
     if args.backend == "triton":   # benchmarks.layer_memory enabled the interpreter on import where it can run
-        import triton_interpreter
+        from tests.support import triton_interpreter
 
         reason = triton_interpreter.available()
         if reason is not None:
