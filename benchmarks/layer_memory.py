@@ -49,8 +49,8 @@ sys.path.insert(0, str(ROOT))  # before benchmarks/, whose layers.py would shado
 
 from tests.support import triton_interpreter  # noqa: E402  (FLA's kernels on CPU)
 
-if triton_interpreter.available() is None:
-    triton_interpreter.enable()  # before anything imports fla
+if triton_interpreter.available() is None and "fla" not in sys.modules:
+    triton_interpreter.enable()  # before anything imports fla (a process that already has fla keeps it as it is)
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
