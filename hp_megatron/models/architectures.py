@@ -48,11 +48,12 @@ class Architecture:
         CPU initialization unless ``config_overrides``, ``TransformerConfig`` fields, say otherwise)."""
         from megatron.core import parallel_state
 
+        from hp_megatron.platform import CPU_SAFE_CONFIG
+
         if self.model_builder is not None:
             return self.model_builder(hf_config, **config_overrides)
         preset = self.preset(hf_config)
-        fields = dict(use_cpu_initialization=True, params_dtype=torch.float32, gradient_accumulation_fusion=False,
-                      bias_dropout_fusion=False)
+        fields = dict(CPU_SAFE_CONFIG, params_dtype=torch.float32)
         config = preset.transformer_config(**{**fields, **config_overrides})
         return preset.gpt_model(config, max_sequence_length=hf_config.get("max_position_embeddings") or 4096,
                                 pre_process=parallel_state.is_pipeline_first_stage(),
