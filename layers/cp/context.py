@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from layers.choices import CP_METHODS
 from layers.cp.accounting import CommStats
-from layers.cp.chain import STATE_METHODS, ChainComm
+from layers.cp.chain import ChainComm
 from layers.cp.collectives import all_gather, group_rank
 from layers.cp.collectives import group_size as _pg_size
 from layers.cp.halo import causal_conv1d_with_cp
