@@ -69,7 +69,13 @@ class ConversionReport:
 def build_layout(build_model, hf_config: dict, metadata: dict | None = None) -> CheckpointLayout:
     """The checkpoint layout of ``build_model(hf_config)`` built at TP=PP=EP=1 on the ``meta`` device (no
     weights are allocated; parameters a module places on an explicit device stay small)."""
-    with single_rank_megatron(), torch.device("meta"):
+    with single_rank_megatron():
+        return layout_on_meta(build_model, hf_config, metadata)
+
+
+def layout_on_meta(build_model, hf_config: dict, metadata: dict | None = None) -> CheckpointLayout:
+    """:func:`build_layout` under the megatron parallel state in force (which must be TP=PP=EP=1)."""
+    with torch.device("meta"):
         model = build_model(hf_config, perform_initialization=False, use_cpu_initialization=True)
         layout = checkpoint_layout(model, metadata)
     layout.check_pieces_tile()

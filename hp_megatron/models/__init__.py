@@ -5,12 +5,15 @@ Each module has ``megatron_config(hf_config: dict) -> ModelPreset`` (megatron-co
 GPTModel keywords) and ``conversion_rules(hf_config: dict) -> list[TensorRule]``. ``ARCHITECTURES`` maps a
 ``model_type`` to its :class:`Architecture` (preset, conversion rules, model builder, unmodeled checkpoint parts),
 which is what the conversion engine ``hp_megatron.convert`` takes. ``preset_from_hf`` / ``conversion_rules_from_hf``
-/ ``architecture_of`` take a dict, a ``config.json`` or a checkpoint directory. Imports go one way:
+/ ``architecture_of`` take a dict, a ``config.json`` or a checkpoint directory. ``export_hf_weights`` /
+``hf_weight_exporter`` (``weights.py``) stream a running sharded model's weights in HF names and layouts.
+Imports go one way:
 ``hp_megatron.models`` -> ``hp_megatron.convert``.
 """
 from hp_megatron.models.architectures import (ARCHITECTURES, Architecture, architecture_of, conversion_rules_from_hf,
                                               get_architecture, preset_from_hf)
 from hp_megatron.models.common import ModelPreset
+from hp_megatron.models.weights import export_hf_weights, hf_weight_exporter
 
 __all__ = ["ARCHITECTURES", "Architecture", "ModelPreset", "architecture_of", "conversion_rules_from_hf",
-           "get_architecture", "preset_from_hf"]
+           "export_hf_weights", "get_architecture", "hf_weight_exporter", "preset_from_hf"]

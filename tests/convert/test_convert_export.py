@@ -1,0 +1,139 @@
+"""``export_hf_weights`` streams a running sharded model's weights: exactly the tensors ``mcore_to_hf`` writes.
+
+The tiny Qwen3-Next, DeepSeek-V3 and Kimi Linear (tests/support/models_case.py) and a tiny tied-embedding Llama
+are converted with ``hf_to_mcore``; ``mcore_to_hf`` writes the reference HF directory. In one spawn of 4 gloo ranks
+each checkpoint is loaded into a GPTModel at TP2 x PP2 x EP2 (expert tensor parallel 1: megatron-core 0.16 lays the
+experts of 4 ranks out as ETP1 x EP2 x expert-DP1 x PP2, the dense part as TP2 x DP1 x PP2) and exported; Qwen3-Next
+also at TP2 x CP2 x EP2 (expert-DP 2: CP and expert-DP replicas must be read once), and Llama with tied embeddings
+at TP2 x CP2 (megatron-core ties them across pipeline stages with a CUDA copy, so not at PP2 on CPU). The tensors received equal the
+reference's bit for bit, under the same names, none missing or extra, on ``dst`` (every rank for ``dst=None``);
+the other ranks see the same names with ``None``. Weak references to what the generator yielded show it keeps at
+most the current rule's assembled tensor alive.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.dist import case_result, case_started, run_distributed_cases
+from tests.support.models_case import read_safetensors, tiny_hf_model, tiny_llama
+
+# (case, model_type, layout, dst)
+CASES = (("qwen3_next", "qwen3_next", "tp2_pp2_ep2", None), ("deepseek_v3", "deepseek_v3", "tp2_pp2_ep2", 0),
+         ("kimi_linear", "kimi_linear", "tp2_pp2_ep2", 3), ("llama_tied", "llama", "tp2_cp2_ep2", 1),
+         ("qwen3_next_cp2", "qwen3_next", "tp2_cp2_ep2", 2))
+LAYOUTS = {"tp2_pp2_ep2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                               expert_model_parallel_size=2, expert_tensor_parallel_size=1),
+           "tp2_cp2_ep2": dict(tensor_model_parallel_size=2, context_parallel_size=2,
+                               expert_model_parallel_size=2, expert_tensor_parallel_size=1)}
+
+
+def _consume(weights):
+    """(name -> clone of each received tensor, names in order, most tensors yielded earlier that were still
+    alive at a yield while the consumer held none of them, how many were alive after the end)."""
+    import weakref
+
+    received, names, refs, most_alive = {}, [], [], 0
+    while True:
+        try:
+            name, tensor = next(weights)
+        except StopIteration:
+            break
+        most_alive = max(most_alive, sum(ref() is not None for ref in refs))
+        names.append(name)
+        if tensor is not None:
+            received[name] = tensor.clone()
+            refs.append(weakref.ref(tensor))
+            if tensor._base is not None:
+                refs.append(weakref.ref(tensor._base))
+        del tensor
+    return received, names, most_alive, sum(ref() is not None for ref in refs)
+
+
+def export_cases(rank, world_size, cases):
+    """Per case: load the checkpoint into the case's layout, export, report what this rank received."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from hp_megatron.convert import load_hf_config
+    from hp_megatron.models import export_hf_weights, get_architecture
+    from hp_megatron.platform import apply_cpu_shims
+
+    results = {}
+    for name, hf_dir, ckpt, layout, dst in cases:
+        case_started(name)
+        sizes = LAYOUTS[layout]
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(sizes["tensor_model_parallel_size"],
+                                                 sizes.get("pipeline_model_parallel_size", 1),
+                                                 context_parallel_size=sizes.get("context_parallel_size", 1),
+                                                 expert_model_parallel_size=2, expert_tensor_parallel_size=1)
+        apply_cpu_shims(11 + rank)  # every rank starts from other random weights than the checkpoint's
+        hf_config = load_hf_config(hf_dir)
+        architecture = get_architecture(hf_config["model_type"])
+        experts = "num_experts" in hf_config or "n_routed_experts" in hf_config
+        overrides = dict(sizes, sequence_parallel=True, pipeline_dtype=torch.float32)
+        if not experts:
+            overrides.pop("expert_model_parallel_size")
+            overrides.pop("expert_tensor_parallel_size")
+        model = architecture.build_model(hf_config, **overrides)
+        model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt)["model"])
+        received, names, most_alive, alive_at_end = _consume(export_hf_weights(model, hf_config, dst=dst))
+        result = dict(names=names, most_alive=most_alive, alive_at_end=alive_at_end, received=received)
+        case_result(name, result)
+        results[name] = result
+    parallel_state.destroy_model_parallel()
+    return results
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(the spawn's cases, case -> the HF tensors ``mcore_to_hf`` writes for its checkpoint)."""
+    from hp_megatron.convert import hf_to_mcore, mcore_to_hf
+    from hp_megatron.models import get_architecture
+
+    tmp = tmp_path_factory.mktemp("export")
+    references, cases = {}, []
+    for name, model_type, layout, dst in CASES:
+        hf_dir, ckpt, out = tmp / f"{model_type}_hf", tmp / f"{model_type}_mcore", tmp / f"{model_type}_out"
+        if not out.exists():
+            if model_type == "llama":
+                _, hf_dir = tiny_llama(tmp, tied=True)
+            else:
+                tiny_hf_model(model_type, str(hf_dir))
+            hf_to_mcore(str(hf_dir), str(ckpt), get_architecture(model_type))
+            mcore_to_hf(str(ckpt), str(out), get_architecture(model_type))
+        references[name] = read_safetensors(str(out))
+        cases.append((name, str(hf_dir), str(ckpt / "release"), layout, dst))
+    return tuple(cases), references
+
+
+def _case(converted, name):
+    cases, references = converted
+    return references[name], run_distributed_cases(export_cases, 4, name, cases)
+
+
+@pytest.mark.parametrize("name,dst", [(c[0], c[3]) for c in CASES], ids=[c[0] for c in CASES])
+def test_export_equals_mcore_to_hf(converted, name, dst):
+    reference, per_rank = _case(converted, name)
+    assert len(per_rank) == 4
+    for rank, result in enumerate(per_rank):
+        assert sorted(result["names"]) == sorted(reference), rank  # every rank: every name once
+        if dst is None or rank == dst:
+            assert sorted(result["received"]) == sorted(reference), rank
+            for key, tensor in reference.items():
+                got = result["received"][key]
+                assert got.dtype == tensor.dtype and got.shape == tensor.shape, (rank, key)
+                assert torch.equal(got, tensor), (rank, key)
+        else:
+            assert result["received"] == {}, rank
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_export_holds_one_assembled_tensor_at_a_time(converted, name):
+    """On a receiving rank, while the consumer keeps nothing, at most one earlier yield is alive (the assembled
+    megatron tensor that the rule's remaining HF views share), and nothing after the end."""
+    _, per_rank = _case(converted, name)
+    receivers = [r for r in per_rank if r["received"]]
+    assert receivers
+    for result in receivers:
+        assert result["most_alive"] <= 1 and result["alive_at_end"] == 0, result["most_alive"]
