@@ -29,25 +29,51 @@ LAYOUTS = {"tp2_pp2_ep2": dict(tensor_model_parallel_size=2, pipeline_model_para
 
 
 def _consume(weights):
-    """(name -> clone of each received tensor, names in order, most tensors yielded earlier that were still
-    alive at a yield while the consumer held none of them, how many were alive after the end)."""
+    """(name -> clone of each received tensor, names in order, (the most tensors yielded earlier, or their
+    bases, that were alive at a yield while the consumer held none of them, which ones), how many were alive after
+    the end)."""
     import weakref
 
-    received, names, refs, most_alive = {}, [], [], 0
+    received, names, refs, most_alive, seen = {}, [], [], 0, []
     while True:
         try:
             name, tensor = next(weights)
         except StopIteration:
             break
-        most_alive = max(most_alive, sum(ref() is not None for ref in refs))
+        alive = [what for what, ref in refs if ref() is not None]
+        if len(alive) > most_alive:
+            most_alive, seen = len(alive), [name] + alive
         names.append(name)
         if tensor is not None:
             received[name] = tensor.clone()
-            refs.append(weakref.ref(tensor))
-            if tensor._base is not None:
-                refs.append(weakref.ref(tensor._base))
+            refs.append((name, weakref.ref(tensor)))
+            base = tensor._base
+            if base is not None and not any(ref() is base for _, ref in refs):  # views of one rule share it
+                refs.append((f"{name} (its base)", weakref.ref(base)))
+            del base
         del tensor
-    return received, names, most_alive, sum(ref() is not None for ref in refs)
+    return received, names, (most_alive, seen), sum(ref() is not None for _, ref in refs)
+
+
+def _next_step_and_errors(model, hf_config, exporter):
+    """What a training loop does next: the weights change in place (doubled: exact in floating point, and every
+    rule only moves elements), the same exporter runs again, to rank 0 this time. And the errors for a wrong
+    architecture and a ``dst`` outside the group."""
+    from hp_megatron.convert import HFWeightExporter
+    from hp_megatron.models import get_architecture
+
+    with torch.no_grad():
+        for key, tensor in model.state_dict(keep_vars=True).items():
+            if torch.is_tensor(tensor) and tensor.is_floating_point():
+                tensor.mul_(2)
+    received, _, _, _ = _consume(exporter(0))
+    errors = []
+    for attempt in (lambda: HFWeightExporter(model, get_architecture("llama"), hf_config), lambda: exporter(9)):
+        try:
+            attempt()
+        except ValueError as err:
+            errors.append(str(err))
+    return dict(next_step=received, errors=errors)
 
 
 def export_cases(rank, world_size, cases):
@@ -55,7 +81,7 @@ def export_cases(rank, world_size, cases):
     from megatron.core import dist_checkpointing, parallel_state
 
     from hp_megatron.convert import load_hf_config
-    from hp_megatron.models import export_hf_weights, get_architecture
+    from hp_megatron.models import get_architecture, hf_weight_exporter
     from hp_megatron.platform import apply_cpu_shims
 
     results = {}
@@ -77,8 +103,11 @@ def export_cases(rank, world_size, cases):
             overrides.pop("expert_tensor_parallel_size")
         model = architecture.build_model(hf_config, **overrides)
         model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt)["model"])
-        received, names, most_alive, alive_at_end = _consume(export_hf_weights(model, hf_config, dst=dst))
+        exporter = hf_weight_exporter(model, hf_config)
+        received, names, most_alive, alive_at_end = _consume(exporter(dst))
         result = dict(names=names, most_alive=most_alive, alive_at_end=alive_at_end, received=received)
+        if name == "qwen3_next":
+            result.update(_next_step_and_errors(model, hf_config, exporter))
         case_result(name, result)
         results[name] = result
     parallel_state.destroy_model_parallel()
@@ -136,4 +165,19 @@ def test_export_holds_one_assembled_tensor_at_a_time(converted, name):
     receivers = [r for r in per_rank if r["received"]]
     assert receivers
     for result in receivers:
-        assert result["most_alive"] <= 1 and result["alive_at_end"] == 0, result["most_alive"]
+        most, which = result["most_alive"]
+        assert most <= 1 and result["alive_at_end"] == 0, which
+
+
+def test_the_same_exporter_follows_the_weights_and_refuses_bad_input(converted):
+    reference, per_rank = _case(converted, "qwen3_next")
+    for rank, result in enumerate(per_rank):
+        if rank == 0:
+            assert sorted(result["next_step"]) == sorted(reference)
+            for key, tensor in reference.items():
+                assert torch.equal(result["next_step"][key], 2 * tensor), key
+        else:
+            assert result["next_step"] == {}, rank
+        wrong_architecture, bad_dst = result["errors"]
+        assert "model_type='qwen3_next'" in wrong_architecture and "'llama'" in wrong_architecture
+        assert "dst=9" in bad_dst and "[0, 1, 2, 3]" in bad_dst
