@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from hp_megatron.convert.dcp_io import Chunk
-from hp_megatron.convert.engine import _match_rules, layout_on_meta
+from hp_megatron.convert.engine import _check_model_type, _match_rules, layout_on_meta
 from hp_megatron.convert.layout import _flatten, _piece
 from hp_megatron.convert.safetensors_io import CheckpointError
 
@@ -126,9 +126,10 @@ class HFWeightExporter:
     checkpointed with (default: megatron-core's defaults)."""
 
     def __init__(self, model, architecture, hf_config: dict, *, metadata: dict | None = None, group=None):
-        if hf_config.get("model_type") != architecture.model_type:
-            raise ValueError(f"hf_config has model_type={hf_config.get('model_type')!r}; the architecture given "
-                             f"exports {architecture.model_type!r}")
+        _check_model_type(architecture, hf_config, "export")
+        if isinstance(model, (list, tuple)):
+            raise TypeError(f"export takes one model (this rank's GPTModel), got a {type(model).__name__} of "
+                            f"{len(model)}: virtual pipeline chunks are not supported")
         self.model, self.metadata = model, metadata
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank()
@@ -185,14 +186,17 @@ class HFWeightExporter:
         receives the tensors (the others get ``None``), or None: every rank of ``group`` receives every tensor.
         Tensors are on the model's device, in its dtype, and may be views of one assembled megatron tensor."""
         if dst is not None and dst not in dist.get_process_group_ranks(self.group):
-            raise ValueError(f"dst={dst} is not a rank of the export's group {dist.get_process_group_ranks(self.group)}")
+            raise ValueError(f"dst={dst} is not a rank of the export's group "
+                             f"{dist.get_process_group_ranks(self.group)}")
         return self._weights(dst)
 
     def _weights(self, dst):
         shards = local_main_shards(self.model, self.metadata)
-        if [chunk for chunk, _ in shards] != self.local_chunks:
-            raise CheckpointError(f"export: rank {self.rank}'s sharded_state_dict differs from when the exporter was "
-                                  "built; build a new HFWeightExporter")
+        unchanged = torch.tensor([int([chunk for chunk, _ in shards] == self.local_chunks)], device=self.device)
+        dist.all_reduce(unchanged, op=dist.ReduceOp.MIN, group=self.group)  # every rank stops, or none
+        if not unchanged.item():
+            raise CheckpointError("export: a rank's sharded_state_dict differs from when the exporter was built; "
+                                  "build a new HFWeightExporter")
         data = [tensor for _, tensor in shards]
         del shards
         receives = dst is None or dst == self.rank

@@ -5,10 +5,11 @@ are converted with ``hf_to_mcore``; ``mcore_to_hf`` writes the reference HF dire
 each checkpoint is loaded into a GPTModel at TP2 x PP2 x EP2 (expert tensor parallel 1: megatron-core 0.16 lays the
 experts of 4 ranks out as ETP1 x EP2 x expert-DP1 x PP2, the dense part as TP2 x DP1 x PP2) and exported; Qwen3-Next
 also at TP2 x CP2 x EP2 (expert-DP 2: CP and expert-DP replicas must be read once), and Llama with tied embeddings
-at TP2 x CP2 (megatron-core ties them across pipeline stages with a CUDA copy, so not at PP2 on CPU). The tensors received equal the
-reference's bit for bit, under the same names, none missing or extra, on ``dst`` (every rank for ``dst=None``);
-the other ranks see the same names with ``None``. Weak references to what the generator yielded show it keeps at
-most the current rule's assembled tensor alive.
+at TP2 x CP2 (megatron-core ties them across pipeline stages with a CUDA copy, so not at PP2 on CPU). The tensors
+received equal the reference's bit for bit, under the same names, none missing or extra, on ``dst`` (every rank for
+``dst=None``); the other ranks see the same names with ``None``. Weak references to what the generator yielded
+show it keeps at most the current rule's assembled tensor alive. The same exporter, called again after an in-place
+change of the weights, yields the changed weights.
 """
 from __future__ import annotations
 
