@@ -64,7 +64,7 @@ def _next_step_and_errors(model, hf_config, exporter):
     from hp_megatron.models import get_architecture
 
     with torch.no_grad():
-        for key, tensor in model.state_dict(keep_vars=True).items():
+        for tensor in model.state_dict(keep_vars=True).values():
             if torch.is_tensor(tensor) and tensor.is_floating_point():
                 tensor.mul_(2)
     received, _, _, _ = _consume(exporter(0))
@@ -106,7 +106,11 @@ def export_cases(rank, world_size, cases):
         model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt)["model"])
         exporter = hf_weight_exporter(model, hf_config)
         received, names, most_alive, alive_at_end = _consume(exporter(dst))
-        result = dict(names=names, most_alive=most_alive, alive_at_end=alive_at_end, received=received)
+        # the template was built under a one-rank parallel state: the job's is back
+        ps = parallel_state
+        state = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                 ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size())
+        result = dict(names=names, most_alive=most_alive, alive_at_end=alive_at_end, received=received, state=state)
         if name == "qwen3_next":
             result.update(_next_step_and_errors(model, hf_config, exporter))
         case_result(name, result)
@@ -145,8 +149,11 @@ def _case(converted, name):
 @pytest.mark.parametrize("name,dst", [(c[0], c[3]) for c in CASES], ids=[c[0] for c in CASES])
 def test_export_equals_mcore_to_hf(converted, name, dst):
     reference, per_rank = _case(converted, name)
+    sizes = LAYOUTS[next(c[2] for c in CASES if c[0] == name)]
     assert len(per_rank) == 4
     for rank, result in enumerate(per_rank):
+        assert result["state"] == (2, sizes.get("pipeline_model_parallel_size", 1),
+                                   sizes.get("context_parallel_size", 1), 2), rank
         assert sorted(result["names"]) == sorted(reference), rank  # every rank: every name once
         if dst is None or rank == dst:
             assert sorted(result["received"]) == sorted(reference), rank
