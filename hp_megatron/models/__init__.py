@@ -7,8 +7,7 @@ GPTModel keywords) and ``conversion_rules(hf_config: dict) -> list[TensorRule]``
 which is what the conversion engine ``hp_megatron.convert`` takes. ``preset_from_hf`` / ``conversion_rules_from_hf``
 / ``architecture_of`` take a dict, a ``config.json`` or a checkpoint directory. ``export_hf_weights`` /
 ``hf_weight_exporter`` (``weights.py``) stream a running sharded model's weights in HF names and layouts.
-Imports go one way:
-``hp_megatron.models`` -> ``hp_megatron.convert``.
+Imports go one way: ``hp_megatron.models`` -> ``hp_megatron.convert``.
 """
 from hp_megatron.models.architectures import (ARCHITECTURES, Architecture, architecture_of, conversion_rules_from_hf,
                                               get_architecture, preset_from_hf)
