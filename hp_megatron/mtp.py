@@ -65,16 +65,21 @@ class HybridMultiTokenPredictionLayer(MultiTokenPredictionLayer):
         return input_ids, position_ids, decoder_input, hidden_states
 
 
-def _save_mtp_loss(loss: torch.Tensor, depth: int, depths: int, cp_group) -> None:
-    """Megatron's MTP loss tracker (``track_mtp_metrics`` logs "mtp_<d> loss"): the CP group's terms summed, the
-    data-parallel replicas averaged. The tracker's buffer is made on the loss's device (megatron makes it on CUDA)."""
+def _save_mtp_loss(loss: torch.Tensor, depth: int, depths: int) -> None:
+    """Megatron's MTP loss tracker (``track_mtp_metrics`` logs "mtp_<d> loss"): ``loss`` (this rank's term of its
+    CP group's mean) over the data-parallel size, summed over data x context parallel ranks when logged: the mean
+    of the data-parallel replicas (a SUM, not megatron's AVG reduction, which gloo lacks). The tracker's buffer is
+    made on the loss's device (megatron makes it on CUDA)."""
     from megatron.core import parallel_state
 
     tracker = MTPLossLoggingHelper.tracker
     if "values" not in tracker or tracker["values"].shape[0] != depths:
         tracker["values"] = torch.zeros(depths, device=loss.device)
-    avg_group = parallel_state.get_data_parallel_group() if parallel_state.model_parallel_is_initialized() else None
-    MTPLossLoggingHelper.save_loss_to_tracker(loss, depth, depths, reduce_group=cp_group, avg_group=avg_group)
+    group = None
+    if parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        loss = loss / parallel_state.get_data_parallel_world_size()
+    MTPLossLoggingHelper.save_loss_to_tracker(loss, depth, depths, reduce_group=group)
 
 
 def attach_mtp_losses(model: GPTModel, hidden_states: torch.Tensor, depth_states, labels: torch.Tensor, loss_mask,
@@ -97,7 +102,7 @@ def attach_mtp_losses(model: GPTModel, hidden_states: torch.Tensor, depth_states
         if cp_group is not None:
             torch.distributed.all_reduce(count, group=cp_group)
         if model.training:
-            _save_mtp_loss(losses.sum() / count, depth, config.mtp_num_layers, cp_group)
+            _save_mtp_loss(losses.sum() / count, depth, config.mtp_num_layers)
         term = losses if config.calculate_per_token_loss else losses / count
         hidden_states = MTPLossAutoScaler.apply(hidden_states, scale * term)
     return hidden_states
