@@ -59,7 +59,8 @@ class HybridMultiTokenPredictionLayer(MultiTokenPredictionLayer):
     def _get_embeddings(self, input_ids, position_ids, embedding, hidden_states, packed_seq_params=None):
         layout = getattr(self.config, "hp_cp_layout", "zigzag")
         input_ids = roll_to_next_token(input_ids, self.cp_group, layout, packed_seq_params)
-        position_ids = roll_to_next_token(position_ids, self.cp_group, layout, packed_seq_params)
+        if position_ids is not None:  # read only by learned absolute position embeddings
+            position_ids = roll_to_next_token(position_ids, self.cp_group, layout, packed_seq_params)
         decoder_input = embedding(input_ids=input_ids, position_ids=position_ids)
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
         return input_ids, position_ids, decoder_input, hidden_states
@@ -111,6 +112,18 @@ def attach_mtp_losses(model: GPTModel, hidden_states: torch.Tensor, depth_states
 class HybridGPTModel(GPTModel):
     """megatron-core ``GPTModel`` whose multi-token-prediction losses use :func:`attach_mtp_losses` (global token
     shift and normalisation over the CP group); without MTP, or in inference, it is ``GPTModel`` unchanged."""
+
+    def setup_embeddings_and_output_layer(self):
+        """megatron-core's, also on a CPU-only torch: with pipeline parallelism it gives the MTP stage its copy of the
+        embedding with ``weight.data.cuda()`` before the all-reduce; without CUDA that move is the identity here."""
+        if torch.cuda.is_available():
+            return super().setup_embeddings_and_output_layer()
+        to_cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
+        try:
+            return super().setup_embeddings_and_output_layer()
+        finally:
+            torch.Tensor.cuda = to_cuda
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
                      rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None, decoder_input=None,

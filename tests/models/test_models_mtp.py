@@ -73,3 +73,41 @@ def test_mtp_converts_and_matches_the_reference(single_rank, arch, tmp_path, cap
     for rule in trained:
         expected = rule.to_mcore([ref_grads[k] for k in rule.hf_keys])
         assert rel_err(ours[rule.mcore_key].grad, expected) <= 1e-4, rule.mcore_key
+
+
+def test_mtp_layer_kind_is_declared_or_refused(single_rank):
+    """A hybrid pattern with MTP builds MTP layers of its declared kind only; none declared, or a non-attention kind,
+    is a one-line ValueError."""
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlockSubmodules
+
+    from hp_megatron.models import preset_from_hf
+    from hp_megatron.models.tiny import tiny_hf_config
+    from hp_megatron.platform import CPU_SAFE_CONFIG
+    from hp_megatron.specs import get_hybrid_layer_spec
+    from hp_megatron.specs.mtp import get_mtp_block_spec
+
+    preset = preset_from_hf(tiny_hf_config("qwen3_next")[1].to_dict())   # pattern GGAA
+    undeclared = preset.transformer_config(**CPU_SAFE_CONFIG, mtp_num_layers=1, hp_mtp_layer_kind=None)
+    with pytest.raises(ValueError, match=r"^multi-token prediction \(mtp_num_layers=1\) with the hybrid pattern "
+                                         r"'GGAA' needs the kind of its MTP layers[^\n]*$"):
+        get_mtp_block_spec(undeclared, get_hybrid_layer_spec(preset.pattern))
+    with pytest.raises(ValueError, match="^MTP layer kind 'G': megatron-core's MTP layers need an attention layer"):
+        get_mtp_block_spec(undeclared, get_hybrid_layer_spec(preset.pattern, mtp_symbol="G"))
+    block = get_mtp_block_spec(undeclared, get_hybrid_layer_spec(preset.pattern, mtp_symbol="A"))
+    assert isinstance(block, MultiTokenPredictionBlockSubmodules) and len(block.layer_specs) == 1
+    layer = block.layer_specs[0].submodules.transformer_layer
+    assert layer.params["mtp"] and set(layer.submodules.layer_types) == {"A"}
+    assert get_mtp_block_spec(preset.transformer_config(**CPU_SAFE_CONFIG), preset.layer_spec()) is None
+
+
+def test_roll_to_next_token_stops_at_document_ends():
+    """One rank: each position gets the next token of its row / packed document, 0 at the end."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from hp_megatron.mtp import roll_to_next_token
+
+    x = torch.arange(1, 9).reshape(1, 8)
+    assert roll_to_next_token(x).tolist() == [[2, 3, 4, 5, 6, 7, 8, 0]]
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    assert roll_to_next_token(x, packed_seq_params=packed).tolist() == [[2, 3, 0, 5, 6, 7, 8, 0]]
