@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import traceback
 from collections import Counter
@@ -341,8 +342,9 @@ def merge(paths) -> dict:
     order = lambda r: (dtypes.index(r["dtype"]), r["hidden"], r["gva"], r["kind"],   # noqa: E731
                        IMPLS[r["kind"]].index(r["impl"]))
     commands = []
-    for m in metas:   # a merged file's command is already a "` + `" list
-        commands += [c for c in m["command"].split("` + `") if c not in commands]
+    for m in metas:   # a merged file's command is already a "` + `" list; the --json paths are the inputs here
+        commands += [c for c in (re.sub(r" --json \S+", "", c) for c in m["command"].split("` + `"))
+                     if c not in commands]
     return dict(meta=dict(metas[-1], command="` + `".join(commands)), rows=sorted(rows.values(), key=order))
 
 
