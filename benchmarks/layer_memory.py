@@ -32,7 +32,8 @@ call launches what any call does). On a GPU one aten op can launch more than one
 (a host scalar); the count is a like-for-like proxy for every row.
 
 Usage: ``python benchmarks/layer_memory.py [--hidden 1024 2048] [--dtypes float32 bfloat16] [--T 64]
-[--breakdown] [--write-docs (table into docs/benchmarks.md, rows into docs/layer_memory.json)]``;
+[--breakdown] [--forward-only (saved bytes and forward kernels, no backward)] [--write-docs (table into
+docs/benchmarks.md, rows into docs/layer_memory.json)]``;
 ``--merge A.json B.json ...`` measures nothing and publishes the rows of earlier runs' ``--json`` files as one table
 (a later file's row replaces an earlier one of the same layer, implementation and shape), for tables measured
 piecewise (the interpreter takes minutes per row on a small machine).
@@ -319,9 +320,6 @@ IMPLS = {"gdn": ("triton", "triton" + RECOMPUTE, "eager", "eager" + RECOMPUTE, "
 NAMES = {"triton": "ours (triton)", "eager": "ours (eager)", "triton" + RECOMPUTE: "ours (triton) + recompute",
          "eager" + RECOMPUTE: "ours (eager) + recompute", "fla": "FLA 0.6 layer",
          "mcore": "megatron-core GatedDeltaNet", "hf": "transformers (pure PyTorch)"}
-
-
-ROW_ORDER = ("dtype", "hidden", "gva", "kind")   # the loop order of main(); then IMPLS order
 
 
 def merge(paths) -> dict:
