@@ -32,12 +32,18 @@ call launches what any call does). On a GPU one aten op can launch more than one
 (a host scalar); the count is a like-for-like proxy for every row.
 
 Usage: ``python benchmarks/layer_memory.py [--hidden 1024 2048] [--dtypes float32 bfloat16] [--T 64]
-[--breakdown] [--write-docs (table into docs/benchmarks.md, rows into docs/layer_memory.json)]``
+[--breakdown] [--forward-only (saved bytes and forward kernels, no backward)] [--write-docs (table into
+docs/benchmarks.md, rows into docs/layer_memory.json)]``;
+``--merge A.json B.json ...`` measures nothing and publishes the rows of earlier runs' ``--json`` files as one table
+(a later file's row replaces an earlier one of the same layer, implementation and shape), for tables measured
+piecewise (the interpreter takes minutes per row on a small machine).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import sys
 import traceback
 from collections import Counter
@@ -257,7 +263,7 @@ def build(kind, impl, hidden, gva, dtype):
     raise ValueError(f"unknown implementation {impl!r}")
 
 
-def measure(kind, impl, hidden, gva, dtype, T, breakdown):
+def measure(kind, impl, hidden, gva, dtype, T, breakdown, forward_only=False):
     row = dict(kind=kind, impl=impl, hidden=hidden, gva=gva, dtype=str(dtype).replace("torch.", ""), T=T)
     try:
         layer = build(kind, impl, hidden, gva, dtype)
@@ -277,14 +283,22 @@ def measure(kind, impl, hidden, gva, dtype, T, breakdown):
         row["saved_bytes_per_token"] = total / T
         if breakdown:
             row["saved_by_node"] = by_node
+        (fwd_aten, fwd_triton) = fwd.totals()
+        row.update(fwd_aten=fwd_aten, fwd_triton=fwd_triton)
+        if breakdown:
+            row["fwd_ops"] = dict(fwd.ops.most_common())
+        if forward_only:   # saved bytes are complete after the forward; backward kernels stay unmeasured
+            del y
+            print(f"  {kind} {impl:6s} h{hidden} gva={gva} {row['dtype']}: {row['saved_bytes_per_token'] / 1e3:7.1f} "
+                  f"kB/token, kernels fwd {fwd_aten}+{fwd_triton} (forward only)", flush=True)
+            return row
         loss = (y.float() * dy.float()).sum()
         del y
         _, bwd = count_kernels(loss.backward)
-        (fwd_aten, fwd_triton), (bwd_aten, bwd_triton) = fwd.totals(), bwd.totals()
-        row.update(fwd_aten=fwd_aten, fwd_triton=fwd_triton, bwd_aten=bwd_aten, bwd_triton=bwd_triton,
-                   kernels=fwd_aten + fwd_triton + bwd_aten + bwd_triton)
+        bwd_aten, bwd_triton = bwd.totals()
+        row.update(bwd_aten=bwd_aten, bwd_triton=bwd_triton, kernels=fwd_aten + fwd_triton + bwd_aten + bwd_triton)
         if breakdown:
-            row["fwd_ops"], row["bwd_ops"] = dict(fwd.ops.most_common()), dict(bwd.ops.most_common())
+            row["bwd_ops"] = dict(bwd.ops.most_common())
         print(f"  {kind} {impl:6s} h{hidden} gva={gva} {row['dtype']}: {row['saved_bytes_per_token'] / 1e3:7.1f} "
               f"kB/token, kernels fwd {fwd_aten}+{fwd_triton} bwd {bwd_aten}+{bwd_triton}", flush=True)
     except Exception as err:  # recorded in the table; the other rows still run
@@ -308,6 +322,30 @@ NAMES = {"triton": "ours (triton)", "eager": "ours (eager)", "triton" + RECOMPUT
          "mcore": "megatron-core GatedDeltaNet", "hf": "transformers (pure PyTorch)"}
 
 
+def merge(paths) -> dict:
+    """One result from several ``--json`` files: rows keyed by (layer, implementation, shape), later files win,
+    in main()'s loop order; the commands joined, the other metadata of the last file (same software versions
+    required)."""
+    rows, metas = {}, []
+    for path in paths:
+        result = json.loads(Path(path).read_text(encoding="utf-8"))
+        metas.append(result["meta"])
+        for row in result["rows"]:
+            rows[(row["kind"], row["impl"], row["hidden"], row["gva"], row["dtype"])] = row
+    versions = ("torch", "megatron_core", "transformers", "fla", "triton", "T")
+    if any(tuple(m.get(v) for v in versions) != tuple(metas[-1].get(v) for v in versions) for m in metas):
+        raise ValueError(f"--merge: the files were measured with different {versions}: "
+                         f"{[tuple(m.get(v) for v in versions) for m in metas]}")
+    dtypes = ("float32", "bfloat16")
+    order = lambda r: (dtypes.index(r["dtype"]), r["hidden"], r["gva"], r["kind"],   # noqa: E731
+                       IMPLS[r["kind"]].index(r["impl"]))
+    commands = []
+    for m in metas:   # a merged file's command is already a "` + `" list; the --json paths are the inputs here
+        commands += [c for c in (re.sub(r" --json \S+", "", c) for c in m["command"].split("` + `"))
+                     if c not in commands]
+    return dict(meta=dict(metas[-1], command="` + `".join(commands)), rows=sorted(rows.values(), key=order))
+
+
 def markdown(rows, meta) -> str:
     lines = [f"Command: `{meta['command']}`", "",
              f"CPU, FLA's Triton kernels through Triton's interpreter; torch {meta['torch']}, megatron-core "
@@ -316,22 +354,28 @@ def markdown(rows, meta) -> str:
              f"{HEAD_DIM}; GVA: half as many query/key heads (KDA layers without GVA support: error row). "
              "kB/token: unique non-parameter storages saved for backward (input included) / tokens. Kernels: leaf "
              "aten ops that launch a kernel + Triton launches, forward and backward (module docstring of "
-             "`benchmarks/layer_memory.py`). Ratio: saved bytes relative to ours (triton) at the same shape.", "",
+             "`benchmarks/layer_memory.py`). Ratios: saved bytes relative to ours (triton) and to FLA's layer at the same "
+             "shape; + recompute: `--recompute-modules hp_conv hp_gated_norm`.", "",
              "| layer | hidden | heads qk/v | dtype | implementation | saved kB/token | vs ours (triton) | "
-             "kernels fwd (aten+triton) | kernels bwd (aten+triton) | kernels fwd+bwd |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    base = {(r["kind"], r["hidden"], r["gva"], r["dtype"]): r.get("saved_bytes_per_token")
-            for r in rows if r["impl"] == "triton"}
+             "vs FLA layer | kernels fwd (aten+triton) | kernels bwd (aten+triton) | kernels fwd+bwd |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def per_shape(impl):
+        return {(r["kind"], r["hidden"], r["gva"], r["dtype"]): r.get("saved_bytes_per_token")
+                for r in rows if r["impl"] == impl}
+
+    bases = (per_shape("triton"), per_shape("fla"))
     for r in rows:
         heads = f"{layer_args(r['hidden'], r['gva']).heads}/{r['hidden'] // HEAD_DIM}"
         head = f"| {r['kind'].upper()} | {r['hidden']} | {heads} | {r['dtype']} | {NAMES[r['impl']]} |"
         if "error" in r:
-            lines.append(f"{head} cannot run here: {r['error']} | - | - | - | - |")
+            lines.append(f"{head} cannot run here: {r['error']} | - | - | - | - | - |")
             continue
-        ref = base.get((r["kind"], r["hidden"], r["gva"], r["dtype"]))
-        ratio = f"{r['saved_bytes_per_token'] / ref:.2f}x" if ref else "-"
-        lines.append(f"{head} {r['saved_bytes_per_token'] / 1e3:.1f} | {ratio} | {r['fwd_aten']}+{r['fwd_triton']} | "
-                     f"{r['bwd_aten']}+{r['bwd_triton']} | {r['kernels']} |")
+        refs = (base.get((r["kind"], r["hidden"], r["gva"], r["dtype"])) for base in bases)
+        ratios = " | ".join(f"{r['saved_bytes_per_token'] / ref:.2f}x" if ref else "-" for ref in refs)
+        bwd = f"{r['bwd_aten']}+{r['bwd_triton']} | {r['kernels']}" if "kernels" in r else "not measured | -"
+        lines.append(f"{head} {r['saved_bytes_per_token'] / 1e3:.1f} | {ratios} | {r['fwd_aten']}+{r['fwd_triton']} | "
+                     f"{bwd} |")
     return "\n".join(lines)
 
 
@@ -345,8 +389,18 @@ def main(argv=None):
     parser.add_argument("--impls", nargs="+", choices=sorted(NAMES), default=None, help="default: all")
     parser.add_argument("--T", type=int, default=64, help="tokens (B = 1)")
     parser.add_argument("--breakdown", action="store_true", help="per-node saved bytes and per-op kernel counts")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="saved bytes and forward kernels only (no backward: a third of the interpreter's time)")
+    parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
+                        help="publish the rows of these --json files as one table (measures nothing)")
     add_output_args(parser)
     args = parser.parse_args(argv)
+    if args.write_docs and args.json is None:
+        args.json = DOCS_JSON
+    if args.merge:
+        result = merge(args.merge)
+        publish(result, markdown(result["rows"], result["meta"]), args, "layer_memory", "### Measured")
+        return
     reason = triton_interpreter.available()
     if reason is not None:
         raise RuntimeError(f"benchmarks/layer_memory.py runs FLA's kernels through Triton's interpreter: {reason}")
@@ -365,9 +419,7 @@ def main(argv=None):
                         for impl in IMPLS[kind]:
                             if args.impls is None or impl in args.impls:
                                 rows.append(measure(kind, impl, hidden, gva == "yes", getattr(torch, dtype),
-                                                    args.T, args.breakdown))
-        if args.write_docs and args.json is None:
-            args.json = DOCS_JSON
+                                                    args.T, args.breakdown, args.forward_only))
         # the section's heading and the before/after notes stand above the markers in docs/benchmarks.md
         publish(dict(meta=meta, rows=rows), markdown(rows, meta), args, "layer_memory", "### Measured")
 

@@ -133,12 +133,15 @@ class DeltaMixer(MegatronModule):
             raise ValueError(f"{name}: A_init_range must be (low, high) with 0 < low <= high, got {self.A_init_range}")
         self.norm_eps = float(opts["norm_eps"] if opts["norm_eps"] is not None else config.layernorm_epsilon)
         self.backend = opts["backend"]
-        get_backend(self.backend)  # validates the name; a missing optional backend raises RuntimeError now
+        backend_module = get_backend(self.backend)  # validates the name; a missing optional backend raises now
         self.cp_method, self.cp_ulysses_degree = resolve_cp_method(name, opts, cp_comm_type, config)
         self.cp_layout = opts["cp_layout"]
         # --recompute-modules hp_conv / hp_gated_norm (layers/recompute.py): outputs freed, recomputed in backward
         self.recompute_conv = recomputes(config, "hp_conv")
         self.recompute_norm = recomputes(config, "hp_gated_norm")
+        # with hp_conv, a backend whose standalone q/k L2 norm is its in-kernel one (triton: FLA's l2norm) normalises
+        # q/k inside the recomputed part and runs the op without it: the op then keeps the part's freed outputs
+        self._part_l2norm = getattr(backend_module, "qk_l2norm", None) if self.recompute_conv else None
         if self.cp_layout not in CP_LAYOUTS:
             raise ValueError(f"{name}: cp_layout must be one of {CP_LAYOUTS}, got {self.cp_layout!r}")
         self.cp_group_size = opts["cp_group_size"]
@@ -343,7 +346,8 @@ class DeltaMixer(MegatronModule):
         qkv = x[..., :self.conv_dim // self.tp_size]  # in_proj starts with query, key, value
         conv_part = PartRecompute() if self.recompute_conv else None
         q, k, v = self._conv_qkv(conv_part, qkv, cu_seqlens, ctx)
-        core, gate = self._delta_rule(q, k, v, parts, hidden_states, cu_seqlens, ctx)
+        core, gate = self._delta_rule(q, k, v, parts, hidden_states, cu_seqlens, ctx,
+                                      l2norm_in_kernel=conv_part is None or self._part_l2norm is None)
         if conv_part is not None:
             conv_part.discard(core)   # q, k, v refilled before the op's backward
         if self.recompute_norm:
@@ -361,7 +365,9 @@ class DeltaMixer(MegatronModule):
         ``[b, s, HV_local, V]`` (views of the conv output). With ``part`` the graph is left out and q, k, v are
         contiguous copies, so that the op keeps them as given (FLA's kernels copy strided inputs) and they are
         freed with the part; the recompute re-runs the conv, with CP its halo exchange, on every rank in the
-        same backward order."""
+        same backward order. With ``part`` and the backend's ``qk_l2norm`` q and k leave the part L2-normalised
+        (the op then runs with ``use_qk_l2norm_in_kernel=False``; normalising per token commutes with every CP
+        method's exchange)."""
         batch, seq = qkv.shape[:2]
         kd, vd = self.key_heads_local * self.key_head_dim, self.value_heads_local * self.value_head_dim
 
@@ -372,7 +378,11 @@ class DeltaMixer(MegatronModule):
             q = q.reshape(batch, seq, self.key_heads_local, self.key_head_dim)
             k = k.reshape(batch, seq, self.key_heads_local, self.key_head_dim)
             v = v.reshape(batch, seq, self.value_heads_local, self.value_head_dim)
-            return (q, k, v) if part is None else (q.contiguous(), k.contiguous(), v.contiguous())
+            if part is None:
+                return q, k, v
+            if self._part_l2norm is not None:   # contiguous outputs of FLA's l2norm
+                q, k = self._part_l2norm(q), self._part_l2norm(k)
+            return q.contiguous(), k.contiguous(), v.contiguous()
 
         tensors = (qkv, self.conv1d.weight) + ((self.conv1d.bias,) if self.conv1d.bias is not None else ())
         return conv(*tensors) if part is None else part.run(conv, *tensors)
@@ -419,8 +429,9 @@ class DeltaMixer(MegatronModule):
     def _extra_layouts(self) -> list:
         raise NotImplementedError
 
-    def _delta_rule(self, q, k, v, parts, hidden_states, cu_seqlens, cp_context):
-        """Return ``(core [b, s, HV_local, V], gate [b, s, HV_local, V])``."""
+    def _delta_rule(self, q, k, v, parts, hidden_states, cu_seqlens, cp_context, *, l2norm_in_kernel=True):
+        """Return ``(core [b, s, HV_local, V], gate [b, s, HV_local, V])``; ``l2norm_in_kernel`` False: q and k
+        arrive L2-normalised (see :meth:`_conv_qkv`)."""
         raise NotImplementedError
 
     def _recurrence_inputs(self, parts, hidden_states, batch, seq):

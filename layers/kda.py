@@ -104,7 +104,7 @@ class KimiDeltaAttention(DeltaMixer):
             layouts.append(ParamLayout("output_gate_up_proj.bias", 0, (Part(None, (HV * V,), constant_init(0.0)),)))
         return layouts
 
-    def _delta_rule(self, q, k, v, parts, hidden_states, cu_seqlens, cp_context):
+    def _delta_rule(self, q, k, v, parts, hidden_states, cu_seqlens, cp_context, *, l2norm_in_kernel=True):
         batch, seq = v.shape[:2]
         forget_low, output_low = self.gate_down_proj(hidden_states).chunk(2, dim=-1)  # [s(/tp), b, r] each
         forget, _ = self.forget_gate_up_proj(forget_low.contiguous())  # [s, b, HV_local * K]
@@ -112,7 +112,8 @@ class KimiDeltaAttention(DeltaMixer):
         forget = forget.transpose(0, 1).reshape(batch, seq, self.value_heads_local, self.key_head_dim)
         gate = gate.transpose(0, 1).reshape(batch, seq, self.value_heads_local, self.value_head_dim)
         core, _ = chunk_kda(
-            q, k, v, g=forget, beta=parts["beta"].contiguous(), use_qk_l2norm_in_kernel=True,
+            q, k, v, g=forget, beta=parts["beta"].contiguous(),
+            use_qk_l2norm_in_kernel=l2norm_in_kernel,
             use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
             lower_bound=self.lower_bound, safe_gate=self.safe_gate, cu_seqlens=cu_seqlens, cp_context=cp_context,
             backend=self.backend)

@@ -10,6 +10,10 @@ A backend is a module exposing, with already-validated inputs (see ``layers/ops/
     delta_rule_final_state(kind, k, v, g, beta, *, initial_state, cu_seqlens, **flags) -> final [N,HV,K,V]
         (final states only, for the CP engine's affine summaries; see layers/ops/summary.py)
 
+Optional: ``qk_l2norm(x) -> x / sqrt(sum x^2 + 1e-6)`` (differentiable) where it is the very kernel the ops run with
+``use_qk_l2norm_in_kernel`` (triton: FLA's ``l2norm``); the mixers' ``hp_conv`` recompute part then normalises q/k
+itself (layers/delta_mixer.py).
+
 Backends hold no CP code: native CP decompositions live with the CP engine (``layers/cp/state_parallel.py``'s
 ``NATIVE_CP``).
 

@@ -2,7 +2,10 @@
 hp_gated_norm hp_mla_up_proj``; layers/recompute.py): the GDN / KDA / MLA layer with recompute must give the same output, input gradient and
 every parameter gradient as the same layer without, bit for bit (fp32, CPU): the recompute re-runs the same ops on
 the same saved inputs. Single rank (BSHD and packed THD documents; eager, and triton through Triton's interpreter)
-and on two gloo ranks under TP2 + SP and CP2 (MLA: TP2 + SP; its recompute is CP 1 only).
+and on two gloo ranks under TP2 + SP and CP2 (MLA: TP2 + SP; its recompute is CP 1 only). On the triton backend
+``hp_conv`` also moves q/k's L2 norm from FLA's op into the recomputed part (FLA's own l2norm kernel, the op then
+without ``use_qk_l2norm_in_kernel``): checked single rank on packed documents and under CP2 on both triton CP
+paths (FLA's own KCP for allgather on a contiguous packed sequence, FLA's kernels with our exchange for p2p zigzag).
 Also: the config / command-line split of our names from megatron-core's, and the one-line error for bad names.
 """
 from __future__ import annotations
@@ -33,13 +36,14 @@ def _config(tp, cp, sp, recompute):
                                    **extra)
 
 
-def _run(kind, tp, cp, sp, recompute, x, dy, packed=None, backend="eager"):
+def _run(kind, tp, cp, sp, recompute, x, dy, packed=None, backend="eager", cp_options=None):
     """Output, input gradient and parameter gradients of a freshly built layer (same seed every call)."""
     torch.manual_seed(5)
     tp_group, cp_group = groups(tp, cp)
     layer = build_layer(kind, tp_group, cp_group, _config(tp, cp, sp, recompute),
-                        dict(cp_method="allgather", backend=backend))
+                        dict(cp_options or {"cp_method": "allgather"}, backend=backend))
     assert (layer.recompute_conv, layer.recompute_norm) == (recompute, recompute)
+    assert (layer._part_l2norm is not None) == (recompute and backend == "triton")
     x = x.clone().requires_grad_(True)
     y, _ = layer(x, packed_seq_params=packed)
     y.backward(dy)
@@ -60,13 +64,13 @@ def _run_mla(tp, sp, recompute, x, dy):
     return y.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
 
 
-def _compare(kind, tp, cp, sp, x, dy, packed=None, backend="eager"):
+def _compare(kind, tp, cp, sp, x, dy, packed=None, backend="eager", cp_options=None):
     """Names of the results that differ between recompute and no recompute (empty: identical)."""
     if kind == "mla":
         ref, got = _run_mla(tp, sp, False, x, dy), _run_mla(tp, sp, True, x, dy)
     else:
-        ref = _run(kind, tp, cp, sp, False, x, dy, packed, backend)
-        got = _run(kind, tp, cp, sp, True, x, dy, packed, backend)
+        ref = _run(kind, tp, cp, sp, False, x, dy, packed, backend, cp_options)
+        got = _run(kind, tp, cp, sp, True, x, dy, packed, backend, cp_options)
     diff = [name for name, a, b in (("out", ref[0], got[0]), ("x_grad", ref[1], got[1])) if not torch.equal(a, b)]
     assert sorted(ref[2]) == sorted(got[2])
     return diff + [n for n in ref[2] if not _same(kind, n, ref[2][n], got[2][n])]
@@ -100,20 +104,50 @@ def _packed_docs():
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=24, max_seqlen_kv=24)
 
 
-def _triton_worker(rank, world):
-    """One process with Triton's interpreter on before FLA is imported: the triton backend's layers."""
-    from hp_megatron.platform import single_rank_megatron
+# CP2 cases of the triton backend: (cp options, packed documents) per kind, one per CP path of layers/cp/triton.py
+TRITON_CP2 = {"gdn": ({"cp_method": "allgather", "cp_layout": "contiguous"}, True),   # FLA's own KCP
+              "kda": ({"cp_method": "p2p", "cp_layout": "zigzag"}, False)}          # FLA's kernels, our exchange
 
-    triton_interpreter.enable()
+
+def _cp2_index(layout, rank):
+    if layout == "contiguous":
+        return torch.arange(rank * SEQ // 2, (rank + 1) * SEQ // 2)
+    zig = SEQ // 4   # zigzag: chunks rank and 3 - rank
+    return torch.cat([torch.arange(c * zig, (c + 1) * zig) for c in (rank, 3 - rank)])
+
+
+def _triton_worker(rank, world):
+    """Two ranks with Triton's interpreter on before FLA is imported: the triton backend's layers under CP2, then
+    single rank on packed documents (GDN on rank 0, KDA on rank 1)."""
+    triton_interpreter.enable()   # before megatron-core, which imports triton
+    from megatron.core import parallel_state
+
+    from hp_megatron.platform import apply_cpu_shims
+    from tests.support.triton_cases import accept_stacked_all_gather_on_gloo
+
+    accept_stacked_all_gather_on_gloo()
+    parallel_state.initialize_model_parallel(1, 1)
+    for layout in ((1, 1), (1, 2)):
+        groups(*layout)
+    apply_cpu_shims(2024)
     x, dy = _inputs(SEQ, 1)
-    with single_rank_megatron(0):
-        return {kind: _compare(kind, 1, 1, False, x, dy, _packed_docs(), backend="triton") for kind in ("gdn", "kda")}
+    results = {}
+    for kind, (options, thd) in TRITON_CP2.items():
+        index = _cp2_index(options["cp_layout"], rank)
+        results[f"{kind}-cp2-{options['cp_method']}"] = _compare(
+            kind, 1, 2, False, x[index], dy[index], _packed_docs() if thd else None, "triton", options)
+    kind = ("gdn", "kda")[rank]
+    results[f"{kind}-packed"] = _compare(kind, 1, 1, False, x, dy, _packed_docs(), backend="triton")
+    parallel_state.destroy_model_parallel()
+    return results
 
 
 @pytest.mark.skipif(triton_interpreter.available() is not None,
                     reason=f"triton interpreter: {triton_interpreter.available()}")
-def test_recompute_is_exact_triton_backend_packed():
-    assert run_distributed(_triton_worker, 1)[0] == {"gdn": [], "kda": []}
+def test_recompute_is_exact_triton_backend_packed_and_cp2():
+    cp2 = {f"{kind}-cp2-{options['cp_method']}": [] for kind, (options, _) in TRITON_CP2.items()}
+    for rank, results in enumerate(run_distributed(_triton_worker, 2)):
+        assert results == {**cp2, f"{('gdn', 'kda')[rank]}-packed": []}, (rank, results)
 
 
 def test_mla_up_proj_recompute_is_exact_single_rank(single_rank):

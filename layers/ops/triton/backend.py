@@ -17,7 +17,7 @@ from layers.ops.triton.runtime import (check_available, check_inputs, check_tens
 from layers.ops.triton.step import causal_conv1d_step, delta_rule_step  # decode steps (layers/ops/step.py)
 
 __all__ = ["check_available", "chunk_gated_delta_rule", "chunk_kda", "causal_conv1d", "delta_rule_final_state",
-           "history_to_fla_cache", "delta_rule_step", "causal_conv1d_step"]
+           "history_to_fla_cache", "delta_rule_step", "causal_conv1d_step", "qk_l2norm"]
 
 
 def check_gdn_backward(*inputs) -> None:
@@ -61,6 +61,17 @@ def chunk_kda(q, k, v, g, beta, *, scale, initial_state, output_final_state, use
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, safe_gate=safe_gate, lower_bound=lower_bound,
         cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, **gate)
+
+
+def qk_l2norm(x: torch.Tensor) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + 1e-6)`` over the last dim, differentiable, in x's dtype, with FLA's ``l2norm``: the
+    ``l2norm_fwd`` / ``l2norm_bwd`` kernels FLA's GDN and KDA ops run with ``use_qk_l2norm_in_kernel``, so a q/k
+    normalised here and given to the op with that flag off has the values the flag would give (forward bit for bit;
+    in backward the op hands over dq/dk cast to x's dtype, a rounding only below fp32). The mixers call it inside
+    their ``hp_conv`` recompute part (layers/delta_mixer.py), so the op keeps the part's freed outputs instead of
+    its own normalised copies."""
+    check_tensor_device("x", x)
+    return load_fla().l2norm(x)
 
 
 def delta_rule_final_state(kind, k, v, g, beta, *, initial_state, cu_seqlens, safe_gate=False, **kw):

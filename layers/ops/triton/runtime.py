@@ -64,10 +64,11 @@ def _fmt(version: tuple[int, ...]) -> str:
 
 @dataclass(frozen=True)
 class FLA:
-    """The three FLA entry points this backend calls, plus the versions found."""
+    """The FLA entry points this backend calls, plus the versions found."""
     chunk_gated_delta_rule: Callable
     chunk_kda: Callable
     causal_conv1d: Callable
+    l2norm: Callable   # fla.modules.norm.l2norm.l2norm: the l2norm_fwd / l2norm_bwd kernels the two ops run in-kernel
     fla_version: tuple[int, ...]
     triton_version: tuple[int, ...]
     interpreted: bool  # Triton's interpreter was on when FLA's kernels were loaded (they then take CPU tensors)
@@ -113,12 +114,14 @@ def load_fla() -> FLA:
         gdn = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
         kda = importlib.import_module("fla.ops.kda").chunk_kda
         conv = importlib.import_module("fla.modules.causal_conv1d").causal_conv1d
+        l2norm = importlib.import_module("fla.modules.norm.l2norm").l2norm
     except (ImportError, AttributeError) as error:
         raise RuntimeError(f"backend='triton': flash-linear-attention {_fmt(fla_version)} does not expose "
-                           f"chunk_gated_delta_rule / chunk_kda / causal_conv1d ({error}); need {PACKAGES}") from error
+                           f"chunk_gated_delta_rule / chunk_kda / causal_conv1d / l2norm ({error}); "
+                           f"need {PACKAGES}") from error
     for name, fn in (("chunk_gated_delta_rule", gdn), ("chunk_kda", kda), ("causal_conv1d", conv)):
         _check_signature(name, fn)
-    return FLA(gdn, kda, conv, fla_version, triton_version, interpreted=_interpreter_env())
+    return FLA(gdn, kda, conv, l2norm, fla_version, triton_version, interpreted=_interpreter_env())
 
 
 def _interpreter_env() -> bool:
