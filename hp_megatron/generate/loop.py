@@ -120,6 +120,7 @@ class StaticGenerator:
         self.max_batch_size = int(max_batch_size)
         self.max_sequence_length = int(max_sequence_length)
         self.pad_id = int(pad_id)
+        self.context = None  # the StaticInferenceContext of the last generate() (its caches)
 
     def generate(self, prompts, params, *, seed: int = 0, stop_id: int | None = None) -> GenerationResult:
         """Generate ``params.num_tokens_to_generate`` tokens after each prompt (lists of token ids, different
@@ -140,7 +141,7 @@ class StaticGenerator:
             hidden_size=config.hidden_size, params_dtype=config.params_dtype,
             inference_batch_times_seqlen_threshold=-1, padded_vocab_size=self.model.vocab_size,
             inference_max_requests=self.max_batch_size, inference_max_seq_length=self.max_sequence_length)
-        context = StaticInferenceContext(self.max_batch_size, self.max_sequence_length)
+        context = self.context = StaticInferenceContext(self.max_batch_size, self.max_sequence_length)
         wrapper = GPTInferenceWrapper(self.model, wrapper_config, context)
         controller = TextGenerationController(wrapper, _PadTokenizer(self.pad_id))
         controller.sampling_rng.manual_seed(seed)
