@@ -35,10 +35,12 @@ from layers.choices import CP_LAYOUTS
 from layers.cp.sequence import packed_cu_seqlens
 from layers.delta_checkpoint import delta_sharded_state_dict
 from layers.delta_cp import cp_context
+from layers.delta_decode import delta_inference_forward
 from layers.delta_options import (COMMON_OPTIONS, check_cp_auto_options, positive_int, resolve_cp_method,
                                   resolve_options)
 from layers.delta_params import (ParamLayout, Part, ShortConvWeights, constant_init, initialize, megatron_init,
                                  skip_init, uniform_init)
+from layers.inference import static_context
 from layers.keywords import check_keywords, declared_keywords
 from layers.masks import check_causal_mask
 from layers.norm import GATE_ACTIVATIONS, GatedRMSNorm
@@ -311,8 +313,6 @@ class DeltaMixer(MegatronModule):
                 **kwargs):
         """``hidden_states [s, b, h]`` -> ``(output [s, b, h], bias or None)``; positional embeddings are unused."""
         name = type(self).__name__
-        if inference_context is not None or inference_params is not None:
-            raise ValueError(f"{name} does not support inference (KV/state caches); got an inference context")
         if key_value_states is not None:
             raise ValueError(f"{name} is a self-attention mixer; key_value_states must be None")
         if attention_bias is not None:
@@ -323,6 +323,11 @@ class DeltaMixer(MegatronModule):
                              f"{getattr(hidden_states, 'shape', type(hidden_states).__name__)}")
         cp_group = self.cp_group_for(packed_seq_params)
         cp_size = _group_size(cp_group)
+        context = static_context(name, self, inference_context, inference_params, cp_size=cp_size,
+                                 sequence_parallel=self.config.sequence_parallel and self.tp_size > 1,
+                                 packed_seq_params=packed_seq_params)
+        if context is not None:   # generation: state caches in megatron's static context (layers/delta_decode.py)
+            return delta_inference_forward(self, hidden_states, context, attention_mask)
         cu_global = packed_cu_seqlens(packed_seq_params)
         check_causal_mask(attention_mask, self.cp_layout, cp_size, _group_rank(cp_group), cu_global,
                           owner=type(self).__name__)
@@ -414,6 +419,11 @@ class DeltaMixer(MegatronModule):
 
     def _delta_rule(self, q, k, v, parts, hidden_states, cu_seqlens, cp_context):
         """Return ``(core [b, s, HV_local, V], gate [b, s, HV_local, V])``."""
+        raise NotImplementedError
+
+    def _recurrence_inputs(self, parts, hidden_states, batch, seq):
+        """For the inference path: ``(g, beta, output gate [b, s, HV_local, V], gate keywords of the op)`` with g
+        and beta raw (the op applies the in-kernel gate and sigmoid)."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:

@@ -64,3 +64,8 @@ class GatedDeltaNet(DeltaMixer):
             A_log=self.A_log, dt_bias=self.dt_bias, cu_seqlens=cu_seqlens, cp_context=cp_context,
             backend=self.backend)
         return core, z
+
+    def _recurrence_inputs(self, parts, hidden_states, batch, seq):
+        z = parts["z"].reshape(batch, seq, self.value_heads_local, self.value_head_dim)
+        return (parts["alpha"].contiguous(), parts["beta"].contiguous(), z,
+                dict(A_log=self.A_log, dt_bias=self.dt_bias))

@@ -117,3 +117,12 @@ class KimiDeltaAttention(DeltaMixer):
             lower_bound=self.lower_bound, safe_gate=self.safe_gate, cu_seqlens=cu_seqlens, cp_context=cp_context,
             backend=self.backend)
         return core, gate
+
+    def _recurrence_inputs(self, parts, hidden_states, batch, seq):
+        forget_low, output_low = self.gate_down_proj(hidden_states).chunk(2, dim=-1)
+        forget, _ = self.forget_gate_up_proj(forget_low.contiguous())
+        gate, _ = self.output_gate_up_proj(output_low.contiguous())
+        forget = forget.transpose(0, 1).reshape(batch, seq, self.value_heads_local, self.key_head_dim)
+        gate = gate.transpose(0, 1).reshape(batch, seq, self.value_heads_local, self.value_head_dim)
+        return (forget, parts["beta"].contiguous(), gate,
+                dict(A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound, safe_gate=self.safe_gate))

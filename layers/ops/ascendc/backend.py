@@ -14,6 +14,10 @@ from layers.ops.ascendc.kda import chunk_kda
 
 __all__ = ["check_available", "chunk_gated_delta_rule", "chunk_kda", "causal_conv1d"]
 
+# No delta_rule_step / causal_conv1d_step: layers.ops.step raises this instead (docs/backends.md).
+NO_DECODE_STEP = ("backend='ascendc' has no decode step: fla-npu exports no fused recurrent GDN/KDA kernel (only "
+                  "chunked ones); generate with backend='eager' (runs on the NPU tensors) or 'triton'")
+
 
 def check_available() -> None:
     """RuntimeError naming fla-npu / torch_npu / the NPU when the backend cannot run here."""

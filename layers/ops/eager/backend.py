@@ -10,6 +10,7 @@ from functools import partial
 from layers.ops.eager import conv
 from layers.ops.eager.chunk import chunked_delta_rule
 from layers.ops.eager.recompute import recompute
+from layers.ops.eager.step import causal_conv1d_step, delta_rule_step  # noqa: F401  decode steps (inference)
 
 
 def _delta_rule(kind, q, k, v, g, beta, *, A_log=None, dt_bias=None, initial_state=None, **kw):

@@ -14,8 +14,10 @@ import torch
 from layers.ops.triton.runtime import (check_available, check_inputs, check_tensor_device, device_cu_seqlens,
                                        gdn_backward_blocker, load_fla)
 
+from layers.ops.triton.step import causal_conv1d_step, delta_rule_step  # noqa: E402  decode (layers/ops/step.py)
+
 __all__ = ["check_available", "chunk_gated_delta_rule", "chunk_kda", "causal_conv1d", "delta_rule_final_state",
-           "history_to_fla_cache"]
+           "history_to_fla_cache", "delta_rule_step", "causal_conv1d_step"]
 
 
 def check_gdn_backward(*inputs) -> None:

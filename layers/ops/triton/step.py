@@ -1,0 +1,55 @@
+"""Decode steps on flash-linear-attention 0.6's fused recurrent kernels (backend interface; inputs validated).
+
+``fused_recurrent_gated_delta_rule`` / ``fused_recurrent_kda`` run one token from the cached state (FLA returns a
+new final state, copied into the cache: one ``[N,HV,K,V]`` copy per step); ``causal_conv1d_update`` rolls FLA's
+conv cache ``[N, D, W]``, built from and written back to our ``[N, W-1, D]`` history (two small copies).
+"""
+from __future__ import annotations
+
+import importlib
+from functools import lru_cache
+
+from layers.ops.triton.runtime import INSTALL_HINT, PACKAGES, check_inputs, check_tensor_device, load_fla
+
+
+@lru_cache(maxsize=1)
+def _recurrent_ops():
+    load_fla()   # versions and the interpreter flag first
+    try:
+        gdn = importlib.import_module("fla.ops.gated_delta_rule").fused_recurrent_gated_delta_rule
+        kda = importlib.import_module("fla.ops.kda").fused_recurrent_kda
+        conv = importlib.import_module("fla.modules.causal_conv1d").causal_conv1d_update
+    except (ImportError, AttributeError) as error:
+        raise RuntimeError(f"backend='triton' decode needs flash-linear-attention's fused_recurrent_gated_delta_rule"
+                           f", fused_recurrent_kda and causal_conv1d_update ({error}); need {PACKAGES}. "
+                           f"Install: {INSTALL_HINT}") from error
+    return gdn, kda, conv
+
+
+def delta_rule_step(kind, q, k, v, g, beta, state, *, scale, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                    use_gate_in_kernel, A_log, dt_bias, lower_bound=None):
+    """One token through FLA's fused recurrent kernel; ``state`` [N,HV,K,V] fp32 updated in place."""
+    check_inputs(q, k, v, g, beta)
+    gdn, kda, _ = _recurrent_ops()
+    common = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=state, output_final_state=True,
+                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                  use_gate_in_kernel=use_gate_in_kernel)
+    gate = {"A_log": A_log, "dt_bias": dt_bias} if use_gate_in_kernel else {}
+    if kind == "gdn":
+        o, final = gdn(**common, **gate)
+    else:
+        o, final = kda(**common, **gate, lower_bound=lower_bound)
+    state.copy_(final)
+    return o
+
+
+def causal_conv1d_step(x, history, weight, *, bias=None, activation=None):
+    """One token through FLA's ``causal_conv1d_update``; ``history`` [N,W-1,D] shifted in place."""
+    from layers.ops.triton.backend import history_to_fla_cache
+
+    check_tensor_device("x", x)
+    _, _, conv = _recurrent_ops()
+    cache = history_to_fla_cache(history.to(x.dtype))                     # [N, D, W]
+    y, cache = conv(x=x, cache=cache, weight=weight, bias=bias, activation=activation)
+    history.copy_(cache[:, :, 1:].transpose(1, 2))
+    return y
