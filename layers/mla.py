@@ -38,8 +38,10 @@ from layers.cp.cost_model import MLALayerShape
 from layers.cp.mla import STRATEGIES, MLADims, check_strategy, expand_keys_values, mla_context_parallel
 from layers.cp.plan import check_layout
 from layers.cp.sequence import packed_cu_seqlens, plan_for_batch
+from layers.inference import static_context
 from layers.keywords import check_keywords, declared_keywords
 from layers.masks import check_causal_mask
+from layers.mla_decode import mla_inference_forward
 from layers.recompute import PartRecompute, recomputes
 from layers.rotary import MLARotary, apply_mla_rope, mla_softmax_scale
 
@@ -223,12 +225,16 @@ class MultiLatentAttention(MegatronModule):
         ValueError); positions come from the CP layout and ``packed_seq_params`` (THD: global
         ``cu_seqlens_q_padded`` or ``cu_seqlens_q``).
         """
-        self._check_forward_args(hidden_states, key_value_states, inference_context, inference_params,
-                                 rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,
-                                 attention_bias, position_ids, packed_seq_params)
+        self._check_forward_args(hidden_states, key_value_states, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin,
+                                 rotary_pos_cos_sin, attention_bias, position_ids, packed_seq_params)
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
         cp_group = self._cp_group(packed_seq_params)
         cp_size = _group_size(cp_group)
+        context = static_context("MultiLatentAttention", self, inference_context, inference_params, cp_size=cp_size,
+                                 sequence_parallel=self.config.sequence_parallel and self.tp_size > 1,
+                                 packed_seq_params=packed_seq_params)
+        if context is not None:   # generation: the latent cache in megatron's static context (layers/mla_decode.py)
+            return mla_inference_forward(self, hidden_states, context, attention_mask)
         cp_rank = torch.distributed.get_rank(cp_group) if cp_size > 1 else 0
         check_causal_mask(attention_mask, self.cp_layout, cp_size, cp_rank, cu_seqlens, owner="MultiLatentAttention")
         dims = self.dims
@@ -292,14 +298,10 @@ class MultiLatentAttention(MegatronModule):
         micro-batches CP groups of several sizes)."""
         return self.cp_auto_choices.get(cp_group)
 
-    def _check_forward_args(self, hidden_states, key_value_states, inference_context, inference_params,
-                            rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, attention_bias,
-                            position_ids, packed_seq_params):
+    def _check_forward_args(self, hidden_states, key_value_states, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin,
+                            rotary_pos_cos_sin, attention_bias, position_ids, packed_seq_params):
         if hidden_states.dim() != 3:
             raise ValueError(f"hidden_states must be [s, b, hidden], got shape {tuple(hidden_states.shape)}")
-        if inference_context is not None or inference_params is not None:
-            raise ValueError("MultiLatentAttention does not support inference contexts (KV caches); "
-                             "got inference_context/inference_params")
         if key_value_states is not None:
             raise ValueError("MultiLatentAttention is self-attention only; key_value_states must be None")
         if rotary_pos_emb is not None or rotary_pos_cos is not None or rotary_pos_sin is not None or \
