@@ -122,11 +122,13 @@ class StaticGenerator:
         self.pad_id = int(pad_id)
         self.context = None  # the StaticInferenceContext of the last generate() (its caches)
 
-    def generate(self, prompts, params, *, seed: int = 0, stop_id: int | None = None) -> GenerationResult:
+    def generate(self, prompts, params, *, seed: int = 0, stop_id: int | None = None,
+                 clock=time.perf_counter) -> GenerationResult:
         """Generate ``params.num_tokens_to_generate`` tokens after each prompt (lists of token ids, different
         lengths allowed), sampling with ``params`` (:func:`sampling_params`) from a generator seeded with
         ``seed``; a sequence stops after ``stop_id`` (the loop stops when all have). Every check runs before the
-        first forward."""
+        first forward. ``clock``: the timer of the timings (wall clock; ``time.process_time`` gives this
+        process's CPU seconds, the fairer measure on a shared machine)."""
         from megatron.core.inference.contexts import StaticInferenceContext
         from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
         from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
@@ -164,11 +166,11 @@ class StaticGenerator:
             while end < total:
                 window = wrapper.get_batch_for_context_window(inputs, start, end)
                 context.materialize_only_last_token_logits = True
-                began = time.perf_counter()
+                began = clock()
                 logits = wrapper.run_one_forward_step(window)[:, -1, :self.vocab_size]
                 sampled = controller.sample_from_logits(logits, params, self.vocab_size)
                 _synchronize()
-                seconds.append(time.perf_counter() - began)
+                seconds.append(clock() - began)
                 started = lengths_dev <= end          # sequences whose prompt is consumed: `end` is a new token
                 tokens[:, end] = torch.where(started, sampled, tokens[:, end])
                 step = (end - lengths_dev).clamp(0, new - 1)
