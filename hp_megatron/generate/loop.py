@@ -150,7 +150,8 @@ class StaticGenerator:
 
         batch = len(prompts)
         lengths = torch.tensor([len(p) for p in prompts])
-        first, total = int(lengths.min()), int(lengths.max()) + new
+        first, longest = int(lengths.min()), int(lengths.max())
+        total = longest + new
         tokens = controller.pad_input_prompt_tokens([[int(t) for t in p] for p in prompts], batch, total)
         device = tokens.device
         lengths_dev = lengths.to(device)
@@ -181,26 +182,24 @@ class StaticGenerator:
                 if stop_id is not None:
                     stopped |= keep & (sampled == stop_id)
                 start, end = end, end + 1
-                if bool(started.all()):
+                if end > longest:  # every prompt is consumed
                     context.enable_decode_mode()
                     if stop_id is not None and bool(stopped.all()):
                         break
-        counts = self._lengths(out_tokens, lengths, new, stop_id)
+        counts = _kept_lengths(out_tokens, stop_id)
         tokens_list = [out_tokens[i, :counts[i]].tolist() for i in range(batch)]
         log_probs_list = [out_log_probs[i, :counts[i]].tolist() for i in range(batch)]
         return GenerationResult(tokens_list, log_probs_list, prefill_tokens=batch * first, prefill_seconds=seconds[0],
                                 decode_tokens=batch * (len(seconds) - 1), decode_seconds=sum(seconds[1:]))
 
-    @staticmethod
-    def _lengths(out_tokens, lengths, new: int, stop_id) -> list:
-        """New tokens kept per sequence: ``new``, or up to and including the first ``stop_id``."""
-        counts = [new] * out_tokens.shape[0]
-        if stop_id is not None:
-            hits = (out_tokens == stop_id).int()
-            for i in range(out_tokens.shape[0]):
-                if bool(hits[i].any()):
-                    counts[i] = int(hits[i].argmax()) + 1
-        return counts
+
+def _kept_lengths(out_tokens, stop_id) -> list:
+    """New tokens kept per sequence: all, or up to and including the first ``stop_id``."""
+    new = out_tokens.shape[1]
+    if stop_id is None:
+        return [new] * out_tokens.shape[0]
+    hits = out_tokens == stop_id
+    return torch.where(hits.any(1), hits.int().argmax(1) + 1, new).tolist()
 
 
 def _synchronize():

@@ -80,6 +80,25 @@ def test_greedy_tokens_equal_transformers(arch, converted, single_rank):
     assert result.decode_tokens == 3 * (max(PROMPT_LENGTHS) + NEW_TOKENS - min(PROMPT_LENGTHS) - 1)
 
 
+def test_stop_token_ends_each_sequence(converted, single_rank):
+    """``stop_id``: each sequence is its unstopped greedy continuation up to and including the first stop token."""
+    from hp_megatron.convert.safetensors_io import load_hf_config
+    from hp_megatron.generate import StaticGenerator, sampling_params
+    from hp_megatron.generate.model import build_model
+
+    _, hf_dir, ckpt = converted("llama")
+    hf_config = load_hf_config(hf_dir)
+    generator = StaticGenerator(build_model(hf_config, load=ckpt), vocab_size=hf_config["vocab_size"],
+                                max_positions=64, max_batch_size=3, max_sequence_length=64)
+    prompts, params = prompts_for(hf_config["vocab_size"]), sampling_params(max_new_tokens=12)
+    full = generator.generate(prompts, params).tokens
+    stop = full[0][2]
+    stopped = generator.generate(prompts, params, stop_id=stop)
+    expected = [seq[:seq.index(stop) + 1] if stop in seq else seq for seq in full]
+    assert stopped.tokens == expected and len(stopped.tokens[0]) <= 3
+    assert [len(lp) for lp in stopped.log_probs] == [len(t) for t in expected]
+
+
 def test_command_generates_and_reports_speed(converted, tmp_path):
     """One run of ``python -m hp_megatron.generate`` on a converted Qwen3-Next: the HF config comes from the
     checkpoint, prompts as token ids; the tokens equal transformers' greedy ones."""
