@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from layers.inference import cache_rows, check_inference_mask, layer_cache
+from layers.inference import inference_window, layer_cache
 from layers.ops import causal_conv1d, chunk_gated_delta_rule, chunk_kda
 from layers.ops.step import causal_conv1d_step, check_decode_backend, delta_rule_step
 
@@ -44,10 +44,7 @@ def conv_tail(history, x, width: int):
 def delta_inference_forward(mixer, hidden_states, context, attention_mask):
     """``hidden_states [s, b, h]`` -> ``(out [s, b, h], bias)``, reading and updating the layer's cache rows."""
     owner = type(mixer).__name__
-    seq, batch = hidden_states.shape[:2]
-    offset = context.sequence_len_offset
-    rows = cache_rows(owner, context, batch, seq)
-    check_inference_mask(owner, attention_mask, offset, seq)
+    rows, offset, seq, batch = inference_window(owner, context, hidden_states, attention_mask)
     check_decode_backend(mixer.backend)   # refuse before the prefill, not at the first decode step
     conv_cache, state_cache = layer_cache(owner, context, mixer.layer_number,
                                           cache_specs(mixer, context.max_batch_size))

@@ -311,7 +311,9 @@ class DeltaMixer(MegatronModule):
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
                 attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None,
                 **kwargs):
-        """``hidden_states [s, b, h]`` -> ``(output [s, b, h], bias or None)``; positional embeddings are unused."""
+        """``hidden_states [s, b, h]`` -> ``(output [s, b, h], bias or None)``; positional embeddings are unused.
+        With megatron-core's ``StaticInferenceContext`` (eval mode) the layer keeps its state cache there
+        (``layers/delta_decode.py``)."""
         name = type(self).__name__
         if key_value_states is not None:
             raise ValueError(f"{name} is a self-attention mixer; key_value_states must be None")

@@ -5,8 +5,9 @@ A layer keeps its cache in ``context.key_value_memory_dict[layer_number]``: a tu
 ``context.max_batch_size`` sequences (batch first), of which a forward uses rows ``[batch_size_offset,
 batch_size_offset + b)``. ``sequence_len_offset`` is the number of tokens of each sequence already in the cache:
 0 means prefill (the cache rows are overwritten), > 0 continues them (one token: a decode step). megatron's
-inference wrapper advances ``sequence_len_offset`` after each forward. Static batching only: megatron-core 0.16's
-``DynamicInferenceContext`` (paged KV blocks, CUDA graphs, CUDA-only buffers) is refused with a ValueError.
+inference wrapper advances ``sequence_len_offset`` after each forward. Static batching only: megatron-core 0.16.1's
+``DynamicInferenceContext`` is refused with a ValueError (its attention path needs flash-attn's GPU kernels, so it
+does not run on CPU; docs/layers.md, "Generation").
 """
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ def static_context(owner: str, module, inference_context, inference_params, *, c
     return context
 
 
-def cache_rows(owner: str, context, batch: int, seq: int) -> slice:
-    """The rows of the cache this forward uses; ValueError beyond the context's batch or sequence capacity."""
+def inference_window(owner: str, context, hidden_states, attention_mask):
+    """``(rows, offset, seq, batch)`` of a forward of ``hidden_states [s, b, h]``: the cache rows it uses, the tokens
+    already cached; ValueError beyond the context's batch or sequence capacity or for a non-causal mask."""
+    seq, batch = hidden_states.shape[:2]
     start, offset = context.batch_size_offset, context.sequence_len_offset
     if start + batch > context.max_batch_size:
         raise ValueError(f"{owner}: batch rows [{start}, {start + batch}) exceed the inference context's "
@@ -48,7 +51,8 @@ def cache_rows(owner: str, context, batch: int, seq: int) -> slice:
     if offset + seq > context.max_sequence_length:
         raise ValueError(f"{owner}: tokens [{offset}, {offset + seq}) exceed the inference context's "
                          f"max_sequence_length={context.max_sequence_length}")
-    return slice(start, start + batch)
+    check_inference_mask(owner, attention_mask, offset, seq)
+    return slice(start, start + batch), offset, seq, batch
 
 
 def layer_cache(owner: str, context, layer_number, specs) -> tuple:

@@ -31,7 +31,9 @@ def check_causal_mask(mask, layout: str, cp_size: int, cp_rank: int, cu_seqlens=
     if sq * cp_size != skv:
         raise ValueError(f"attention_mask [.., s_q={sq}, s_kv={skv}] does not match a causal mask for "
                          f"context-parallel size {cp_size} (expected s_kv = s_q * cp)")
-    rows = local_seq_index(cp_size, cp_rank, layout, skv, cu_seqlens).to(mask.device)
+    # without CP every layout is the identity (and any length is valid, odd ones too)
+    rows = torch.arange(skv) if cp_size == 1 else local_seq_index(cp_size, cp_rank, layout, skv, cu_seqlens)
+    rows = rows.to(mask.device)
     if rows.numel() != sq:
         raise ValueError(f"attention_mask has {sq} query rows but this rank holds {rows.numel()} tokens in the "
                          f"{layout} layout of {skv} tokens over {cp_size} CP ranks")

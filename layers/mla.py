@@ -223,7 +223,8 @@ class MultiLatentAttention(MegatronModule):
 
         ``attention_mask`` must be None or megatron's plain causal mask (the layer is causal; other masks raise
         ValueError); positions come from the CP layout and ``packed_seq_params`` (THD: global
-        ``cu_seqlens_q_padded`` or ``cu_seqlens_q``).
+        ``cu_seqlens_q_padded`` or ``cu_seqlens_q``). With megatron-core's ``StaticInferenceContext`` (eval mode)
+        the layer keeps its latent cache there and decodes in the absorbed form (``layers/mla_decode.py``).
         """
         self._check_forward_args(hidden_states, key_value_states, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin,
                                  rotary_pos_cos_sin, attention_bias, position_ids, packed_seq_params)

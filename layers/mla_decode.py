@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from layers.cp.mla import expand_keys_values
-from layers.inference import cache_rows, check_inference_mask, layer_cache
+from layers.inference import inference_window, layer_cache
 from layers.rotary import apply_mla_rope
 
 
@@ -52,10 +52,7 @@ def absorbed_attention(query, payload, kv_weight, dims, scale: float, offset: in
 def mla_inference_forward(attn, hidden_states, context, attention_mask):
     """``hidden_states [s, b, hidden]`` -> ``(output [s, b, hidden], bias)``, reading and filling the latent cache."""
     owner = type(attn).__name__
-    seq, batch = hidden_states.shape[:2]
-    offset = context.sequence_len_offset
-    rows = cache_rows(owner, context, batch, seq)
-    check_inference_mask(owner, attention_mask, offset, seq)
+    rows, offset, seq, batch = inference_window(owner, context, hidden_states, attention_mask)
     dims = attn.dims
     latent, rope_key = attn._kv_latent(hidden_states)                     # [s, b, r], [s, b, p]
     latent, rope_key = latent.transpose(0, 1), rope_key.transpose(0, 1)

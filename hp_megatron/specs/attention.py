@@ -5,7 +5,8 @@ TE's attention needs TE. :class:`ContextParallelDotProductAttention` takes the s
 forward arguments, so it can be the ``core_attention`` of the standard attention layers ("A" in
 "GGGA") on any device:
 
-* CP = 1: causal (per document for THD) attention of the local sequence.
+* CP = 1: causal (per document for THD) attention of the local sequence; under megatron's static inference
+  context the keys are the cached tokens plus these queries, which attend causally from their positions.
 * CP > 1: all-gather K and V over the CP group and put them in global token order with the micro-batch's
   sequence plan (``layers.cp.sequence.gather_sequence``; the backward reduce-scatters their gradients back
   to their owners), and let the local (zigzag or contiguous) queries attend with global causal positions.
@@ -20,6 +21,7 @@ from torch import nn
 
 from layers.cp.plan import check_layout
 from layers.cp.sequence import gather_sequence, packed_cu_seqlens, plan_for_batch
+from layers.inference import check_inference_mask
 from layers.keywords import check_keywords, declared_keywords
 from layers.masks import check_causal_mask
 
@@ -77,8 +79,13 @@ class ContextParallelDotProductAttention(nn.Module):
         group = self.cp_group
         cp_size = group.size() if group is not None else 1
         cp_rank = group.rank() if cp_size > 1 else 0
-        check_causal_mask(attention_mask, self.layout, cp_size, cp_rank, cu, owner=type(self).__name__)
         q_ids = None
+        cached = key.shape[0] - s_local   # megatron's static inference: keys = the cache up to these queries
+        if cp_size == 1 and not thd and cached > 0:
+            check_inference_mask(type(self).__name__, attention_mask, cached, s_local)
+            q_ids = torch.arange(cached, cached + s_local)
+        else:
+            check_causal_mask(attention_mask, self.layout, cp_size, cp_rank, cu, owner=type(self).__name__)
         if cp_size > 1:
             plan = plan_for_batch(packed_seq_params, cp_size, cp_rank, self.layout, s_local * cp_size)
             key = gather_sequence(key, plan, group)

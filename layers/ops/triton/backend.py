@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from layers.ops.triton.runtime import (check_available, check_inputs, check_tensor_device, device_cu_seqlens,
-                                       gdn_backward_blocker, load_fla)
+                                       gdn_backward_blocker, history_to_fla_cache, load_fla)
 
-from layers.ops.triton.step import causal_conv1d_step, delta_rule_step  # noqa: E402  decode (layers/ops/step.py)
+from layers.ops.triton.step import causal_conv1d_step, delta_rule_step  # decode steps (layers/ops/step.py)
 
 __all__ = ["check_available", "chunk_gated_delta_rule", "chunk_kda", "causal_conv1d", "delta_rule_final_state",
            "history_to_fla_cache", "delta_rule_step", "causal_conv1d_step"]
@@ -73,14 +73,6 @@ def delta_rule_final_state(kind, k, v, g, beta, *, initial_state, cu_seqlens, sa
     _, final = op(k, k, v.to(k.dtype), g, beta, scale=1.0, initial_state=initial_state, output_final_state=True,
                   cu_seqlens=cu_seqlens, **extra, **kw)
     return final
-
-
-def history_to_fla_cache(history: torch.Tensor) -> torch.Tensor:
-    """``[N, W-1, D]`` (oldest token first) -> FLA's conv cache ``[N, D, W]``: slot 0 unused, slots 1..W-1 hold
-    the W-1 previous tokens in order (FLA reads token t-j, j=1..W-1, from slot W-j). Differentiable."""
-    N, _, D = history.shape
-    padded = torch.cat([history.new_zeros(N, 1, D), history], dim=1)
-    return padded.transpose(1, 2).contiguous()
 
 
 def causal_conv1d(x, weight, *, bias, activation, cu_seqlens, history):

@@ -231,3 +231,11 @@ def device_cu_seqlens(cu_seqlens: torch.Tensor | None, device: torch.device):
         _CU_CACHE.clear()
     _CU_CACHE[key] = (cu_seqlens, on_device)
     return on_device, cu_seqlens
+
+
+def history_to_fla_cache(history: torch.Tensor) -> torch.Tensor:
+    """``[N, W-1, D]`` (oldest token first) -> FLA's conv cache ``[N, D, W]``: slot 0 unused, slots 1..W-1 hold
+    the W-1 previous tokens in order (FLA reads token t-j, j=1..W-1, from slot W-j). Differentiable."""
+    N, _, D = history.shape
+    padded = torch.cat([history.new_zeros(N, 1, D), history], dim=1)
+    return padded.transpose(1, 2).contiguous()

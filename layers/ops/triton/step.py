@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 from functools import lru_cache
 
-from layers.ops.triton.runtime import INSTALL_HINT, PACKAGES, check_inputs, check_tensor_device, load_fla
+from layers.ops.triton.runtime import (INSTALL_HINT, PACKAGES, check_inputs, check_tensor_device,
+                                       history_to_fla_cache, load_fla)
 
 
 @lru_cache(maxsize=1)
@@ -45,8 +46,6 @@ def delta_rule_step(kind, q, k, v, g, beta, state, *, scale, use_qk_l2norm_in_ke
 
 def causal_conv1d_step(x, history, weight, *, bias=None, activation=None):
     """One token through FLA's ``causal_conv1d_update``; ``history`` [N,W-1,D] shifted in place."""
-    from layers.ops.triton.backend import history_to_fla_cache
-
     check_tensor_device("x", x)
     _, _, conv = _recurrent_ops()
     cache = history_to_fla_cache(history.to(x.dtype))                     # [N, D, W]
