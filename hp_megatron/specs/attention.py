@@ -32,9 +32,7 @@ class ContextParallelDotProductAttention(nn.Module):
     forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
     packed_seq_params=None): BSHD ``query [s, b, np, hn]``, ``key/value [s, b, ng, hn]`` (GQA groups,
     np % ng == 0) -> ``[s, b, np*hn]``; THD ``[t, np, hn]`` -> ``[t, np*hn]``. ``s``/``t`` are this CP
-    rank's tokens. ``attention_mask`` is not read: masking is causal, per document for THD. Under megatron-core's
-    static inference (no CP) ``key/value`` are the cache up to the current token and ``query`` the last ``s`` of
-    them: each query sees the keys up to its own position.
+    rank's tokens. ``attention_mask`` is not read: masking is causal, per document for THD.
     """
 
     def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self",
@@ -91,8 +89,6 @@ class ContextParallelDotProductAttention(nn.Module):
             key = gather_sequence(key, plan, group)
             value = gather_sequence(value, plan, group)
             q_ids = plan.local_index
-        elif key.shape[0] > s_local:  # megatron-core's inference: the new tokens after the cached ones
-            q_ids = torch.arange(key.shape[0] - s_local, key.shape[0], device=query.device)
         repeat = heads // key.shape[2]
         if repeat > 1:
             key = key.repeat_interleave(repeat, dim=2)
