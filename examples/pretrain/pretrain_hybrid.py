@@ -44,6 +44,7 @@ from hp_megatron.arguments import apply_hp_config  # noqa: E402
 from hp_megatron.cp_subgroups import register_cp_subgroups_from_args  # noqa: E402
 from hp_megatron.platform import CPU_SAFE_CONFIG, apply_cpu_training_shims  # noqa: E402
 from hp_megatron.training.gpt_model import hybrid_gpt_model  # noqa: E402
+from hp_megatron.training.moe import ExpertBiasChange, load_balancing_losses  # noqa: E402
 from hp_megatron.training.optimizer import get_optimizer  # noqa: E402
 from training import (BatchLoader, ProgressDisplay, build_scheduler, describe_data, describe_model,  # noqa: E402
                       log_line, reduce_lm_loss, run_summary, validation_log_lines)
@@ -67,7 +68,9 @@ def initialize(args):
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size)
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     args.data_parallel_size = parallel_state.get_data_parallel_world_size()
     register_cp_subgroups_from_args(args)   # every rank, here: CP groups smaller than the world need it
     if on_gpu:
@@ -111,8 +114,20 @@ def build_config(args, vocab_size):
                context_parallel_size=args.context_parallel_size, sequence_parallel=args.sequence_parallel,
                init_method_std=args.init_method_std, params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
                **CPU_SAFE_CONFIG)
+    if args.num_experts is not None:  # how the experts are split and balanced: this run's flags
+        run.update(expert_model_parallel_size=args.expert_model_parallel_size,
+                   expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+                   moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+                   moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+                   moe_router_bias_update_rate=args.moe_router_bias_update_rate)
     if args.hp_preset is not None:
         return apply_hp_config(args.hp_preset.transformer_config(**run), args)
+    if args.num_experts is not None:  # the experts themselves: megatron-core's MoELayer, SequentialMLP experts
+        run.update(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                   moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                   moe_router_score_function=args.moe_router_score_function,
+                   moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+                   moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
@@ -314,6 +329,7 @@ def train(args):
         if not args.save:
             print("no --save: no checkpoint will be written", flush=True)
     fwd_bwd = get_forward_backward_func()
+    bias_change = ExpertBiasChange([model])
     history, saved_to = [], None
     first_iteration, train_seconds = iteration, 0.0
     model.train()
@@ -322,10 +338,14 @@ def train(args):
         progress.start(iteration + 1)
         optimizer.zero_grad()
         model.zero_grad_buffer()
+        bias_change.before_step()
         losses = fwd_bwd(forward_step_func=step_func,
                          data_iterator=loader.global_batch(consumed), model=model, num_microbatches=num_micro,
                          seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                          decoder_seq_length=args.seq_length, forward_only=False)
+        moe_log = load_balancing_losses(run.config, num_micro)
+        if bias_change.enabled:  # finalize_model_grads (the end of fwd_bwd) updated the routers' expert bias
+            moe_log["expert bias update"] = bias_change.after_step()
         update_ok, grad_norm, _ = optimizer.step()
         if not update_ok:
             raise RuntimeError(f"optimizer step failed at iteration {iteration + 1} (non-finite gradients?)")
@@ -337,11 +357,12 @@ def train(args):
         elapsed = time.perf_counter() - start
         train_seconds += elapsed
         lr = optimizer.param_groups[0]["lr"]
-        history.append({"iteration": iteration, "lm_loss": lm_loss, "grad_norm": float(grad_norm), "lr": lr})
+        history.append({"iteration": iteration, "lm_loss": lm_loss, "grad_norm": float(grad_norm), "lr": lr,
+                        **moe_log})
         if is_log_rank and iteration % args.log_interval == 0:
             tokens = args.global_batch_size * args.seq_length
             print(log_line(iteration, args.train_iters, consumed, elapsed, lr, args.global_batch_size,
-                           lm_loss, grad_norm, tokens / elapsed), flush=True)
+                           lm_loss, grad_norm, tokens / elapsed, moe_log), flush=True)
         last = iteration == args.train_iters or bool(args.exit_interval and iteration % args.exit_interval == 0)
         if valid_loader is not None and (last or (args.eval_interval and iteration % args.eval_interval == 0)):
             progress.start(iteration)
