@@ -44,7 +44,7 @@ from hp_megatron.arguments import apply_hp_config  # noqa: E402
 from hp_megatron.cp_subgroups import register_cp_subgroups_from_args  # noqa: E402
 from hp_megatron.platform import CPU_SAFE_CONFIG, apply_cpu_training_shims  # noqa: E402
 from hp_megatron.training.gpt_model import hybrid_gpt_model  # noqa: E402
-from hp_megatron.training.moe import ExpertBiasChange, load_balancing_losses  # noqa: E402
+from hp_megatron.training.moe import MoELog  # noqa: E402
 from hp_megatron.training.optimizer import get_optimizer  # noqa: E402
 from training import (BatchLoader, ProgressDisplay, build_scheduler, describe_data, describe_model,  # noqa: E402
                       log_line, reduce_lm_loss, run_summary, validation_log_lines)
@@ -329,7 +329,7 @@ def train(args):
         if not args.save:
             print("no --save: no checkpoint will be written", flush=True)
     fwd_bwd = get_forward_backward_func()
-    bias_change = ExpertBiasChange([model])
+    moe_log = MoELog([model], run.config, num_micro)
     history, saved_to = [], None
     first_iteration, train_seconds = iteration, 0.0
     model.train()
@@ -338,14 +338,12 @@ def train(args):
         progress.start(iteration + 1)
         optimizer.zero_grad()
         model.zero_grad_buffer()
-        bias_change.before_step()
+        moe_log.before_step()
         losses = fwd_bwd(forward_step_func=step_func,
                          data_iterator=loader.global_batch(consumed), model=model, num_microbatches=num_micro,
                          seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                          decoder_seq_length=args.seq_length, forward_only=False)
-        moe_log = load_balancing_losses(run.config, num_micro)
-        if bias_change.enabled:  # finalize_model_grads (the end of fwd_bwd) updated the routers' expert bias
-            moe_log["expert bias update"] = bias_change.after_step()
+        moe_entries = moe_log.after_step()  # finalize_model_grads (in fwd_bwd) updated the routers' expert bias
         update_ok, grad_norm, _ = optimizer.step()
         if not update_ok:
             raise RuntimeError(f"optimizer step failed at iteration {iteration + 1} (non-finite gradients?)")
@@ -358,11 +356,11 @@ def train(args):
         train_seconds += elapsed
         lr = optimizer.param_groups[0]["lr"]
         history.append({"iteration": iteration, "lm_loss": lm_loss, "grad_norm": float(grad_norm), "lr": lr,
-                        **moe_log})
+                        **moe_entries})
         if is_log_rank and iteration % args.log_interval == 0:
             tokens = args.global_batch_size * args.seq_length
             print(log_line(iteration, args.train_iters, consumed, elapsed, lr, args.global_batch_size,
-                           lm_loss, grad_norm, tokens / elapsed, moe_log), flush=True)
+                           lm_loss, grad_norm, tokens / elapsed, moe_entries), flush=True)
         last = iteration == args.train_iters or bool(args.exit_interval and iteration % args.exit_interval == 0)
         if valid_loader is not None and (last or (args.eval_interval and iteration % args.eval_interval == 0)):
             progress.start(iteration)

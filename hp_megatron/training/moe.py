@@ -1,14 +1,15 @@
-"""What a training loop logs of its MoE layers, from megatron-core's own bookkeeping:
+"""What a training loop logs of its MoE layers, from megatron-core's own bookkeeping (:class:`MoELog`):
 
-  :func:`load_balancing_losses`  the routers' auxiliary losses of the last global batch, as Megatron-LM's
-                                 ``training_log`` reports them (megatron-core's aux-loss tracker reduced by
-                                 ``track_moe_metrics``: mean over MoE layers and micro-batches, over the
-                                 pipeline stages and the data-parallel ranks)
-  :class:`ExpertBiasChange`      the step the routers' expert bias (aux-loss-free balancing,
-                                 ``moe_router_enable_expert_bias``) took at the last optimizer step: megatron-core
-                                 updates it in ``finalize_model_grads`` by ``sign(mean load - expert load) x
-                                 moe_router_bias_update_rate``; the mean |change| over experts and MoE layers of
-                                 every pipeline stage (0 when every expert got exactly the mean load)
+* the routers' load-balancing losses of the global batch, as Megatron-LM's ``training_log`` reports them:
+  megatron-core's aux-loss tracker reduced by ``track_moe_metrics`` (mean over MoE layers and micro-batches,
+  summed over the pipeline stages, averaged over the data-parallel ranks), under Megatron-LM's keys
+  (``load_balancing_loss``, ``seq_load_balancing_loss``, ``global_load_balancing_loss``, ``z_loss``); like
+  Megatron-LM, only the non-zero ones;
+* ``expert bias update``: the step the routers' expert bias (aux-loss-free balancing,
+  ``moe_router_enable_expert_bias``) took in the step's ``finalize_model_grads``, which megatron-core updates by
+  ``sign(mean load - expert load) x moe_router_bias_update_rate`` from the loads all-reduced over TP x CP x DP:
+  the mean |change| over the experts of every MoE layer of every pipeline stage (the rate when no expert got
+  exactly the mean load).
 """
 from __future__ import annotations
 
@@ -24,62 +25,55 @@ def _device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _balancing_types(config) -> list:
+def track_names(config) -> list:
+    """The tracker names of ``config``'s load-balancing types (and ``z_loss``), as Megatron-LM selects them."""
     types = config.moe_router_load_balancing_type
-    return [types] if isinstance(types, str) else list(types)
+    names = [TRACK_NAMES[t] for t in ([types] if isinstance(types, str) else types) if t in TRACK_NAMES]
+    return names + (["z_loss"] if config.moe_z_loss_coeff is not None else [])
 
 
-def load_balancing_losses(config, num_microbatches: int) -> dict:
-    """``{Megatron-LM log key: value}`` of the last global batch's non-zero load-balancing (and z-) losses, then
-    the tracker is cleared; ``{}`` for a model without experts. Call it on every rank after the forward-backward step (it
-    reduces over the pipeline and data-parallel groups)."""
-    if not getattr(config, "num_moe_experts", None):
-        return {}
-    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+class MoELog:
+    """The MoE entries of a training loop's iteration line. Build it on every rank after the model (it clears
+    megatron-core's aux-loss tracker, which a previous run in this process may have left bound to destroyed
+    groups); per iteration call :meth:`before_step` before the forward-backward step and :meth:`after_step` after
+    it (both on every rank: they reduce over the pipeline and data-parallel groups)."""
 
-    names = [TRACK_NAMES[t] for t in _balancing_types(config) if t in TRACK_NAMES]
-    if config.moe_z_loss_coeff is not None:
-        names.append("z_loss")
-    if not names:
-        return {}
-    totals = {}
-    track_moe_metrics(loss_scale=1.0 / num_microbatches, iteration=0, total_loss_dict=totals, force_initialize=True,
-                      track_names=names, num_layers=config.num_layers, moe_layer_freq=config.moe_layer_freq,
-                      mtp_num_layers=config.mtp_num_layers)
-    return {name: float(value) for name, value in totals.items() if value > 0}  # Megatron-LM logs the non-zero
+    def __init__(self, model_chunks, config, num_microbatches: int):
+        from megatron.core import parallel_state
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-
-class ExpertBiasChange:
-    """Measure the expert-bias update of one training step: :meth:`before_step` (before the forward-backward
-    step, whose ``finalize_model_grads`` updates the bias) snapshots the biases of this rank's routers,
-    :meth:`after_step` returns the mean |change| over the MoE layers of all pipeline stages (None when the model
-    has no expert bias). Both on every rank."""
-
-    def __init__(self, model_chunks):
+        get_moe_layer_wise_logging_tracker().clear()
+        self.config, self.num_microbatches = config, num_microbatches
+        self.names = track_names(config) if getattr(config, "num_moe_experts", None) else []
         self.biases = [m.expert_bias for chunk in model_chunks for m in chunk.modules()
                        if getattr(m, "expert_bias", None) is not None]
-        self.enabled = bool(self.biases) or self._any_rank_has_bias()
-        self._before = None
-
-    def _any_rank_has_bias(self) -> bool:
-        from megatron.core import parallel_state
-
-        flag = torch.tensor([float(bool(self.biases))], device=_device())
-        dist.all_reduce(flag, group=parallel_state.get_pipeline_model_parallel_group())
-        return bool(flag.item())
+        has_bias = torch.tensor([float(bool(self.biases))], device=_device())  # some stage may have no MoE layer
+        dist.all_reduce(has_bias, group=parallel_state.get_pipeline_model_parallel_group())
+        self.watch_bias = bool(has_bias.item())
+        self._before = []
 
     def before_step(self) -> None:
-        if self.enabled:
+        if self.watch_bias:
             self._before = [b.detach().clone() for b in self.biases]
 
-    def after_step(self):
-        if not self.enabled:
-            return None
-        from megatron.core import parallel_state
+    def after_step(self) -> dict:
+        """``{log key: value}``: the non-zero load-balancing losses, then ``expert bias update``."""
+        out = {}
+        if self.names:
+            from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
-        total = torch.zeros(2, dtype=torch.float64, device=_device())  # sum |change|, entries
-        for bias, before in zip(self.biases, self._before):
-            total[0] += (bias.detach() - before).abs().double().sum()
-            total[1] += bias.numel()
-        dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
-        return float(total[0] / total[1])
+            totals = {}
+            track_moe_metrics(loss_scale=1.0 / self.num_microbatches, iteration=0, total_loss_dict=totals,
+                              force_initialize=True, track_names=self.names, num_layers=self.config.num_layers,
+                              moe_layer_freq=self.config.moe_layer_freq, mtp_num_layers=self.config.mtp_num_layers)
+            out.update((name, float(value)) for name, value in totals.items() if value > 0)
+        if self.watch_bias:
+            from megatron.core import parallel_state
+
+            total = torch.zeros(2, dtype=torch.float64, device=_device())  # sum of |change|, entries
+            for bias, before in zip(self.biases, self._before):
+                total[0] += (bias.detach() - before).abs().double().sum()
+                total[1] += bias.numel()
+            dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+            out["expert bias update"] = float(total[0] / total[1])
+        return out

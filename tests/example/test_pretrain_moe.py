@@ -1,0 +1,149 @@
+"""Expert parallelism in examples/pretrain/pretrain_hybrid.py on converted tiny Hugging Face checkpoints.
+
+Tiny random Qwen3-Next (softmax router, shared-expert gate; trained here with megatron-core's aux loss,
+``--moe-aux-loss-coeff``) and DeepSeek-V3 (grouped sigmoid router with expert bias, aux-loss-free balancing),
+converted with ``hp_megatron.convert`` and trained from ``--load``. Each layout's first iteration equals a
+single-rank run of the same model (relative 1e-4): the lm loss, the gradient norm (megatron-core DDP's
+data-parallel and expert-data-parallel reductions, the norm over dense and expert parameters), the logged
+load-balancing loss and the expert-bias update (the router loads all-reduced before the update):
+
+* DeepSeek-V3 at EP2 on 4 ranks (DP4, each expert on 2 data-parallel ranks) and at EP2 x PP2;
+* Qwen3-Next at EP2 x TP2 with sequence parallelism.
+
+Two spawns: 4 ranks for the three layouts (each case streamed, so a failing layout fails its own test only),
+1 rank for both references. The flags' checks (EP not dividing the experts, EP without experts...) are parse-time
+cases without a launch.
+"""
+import os
+import sys
+
+import pytest
+
+from tests.support.dist import DistributedTestError, case_result, case_started, run_distributed, run_distributed_cases
+from tests.support.paths import EXAMPLE
+
+SEQ, GBS = 32, 4
+ARCH_FLAGS = {"deepseek_v3": [], "qwen3_next": ["--moe-aux-loss-coeff", "1e-2"]}
+LAYOUTS = {
+    "ep2": ("deepseek_v3", ["--expert-model-parallel-size", "2"]),
+    "ep2_pp2": ("deepseek_v3", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    "ep2_tp2": ("qwen3_next", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                               "--sequence-parallel"]),
+}
+
+
+def _argv(root, arch, extra=()):
+    return ["--data-path", f"{root}/data/pydoc_text_document", "--tokenizer", f"{root}/data/tokenizer.json",
+            "--hp-hf-config", f"{root}/{arch}_hf", "--load", f"{root}/{arch}_ckpt", "--seq-length", str(SEQ),
+            "--micro-batch-size", "1", "--global-batch-size", str(GBS), "--train-iters", "1", "--no-progress",
+            "--split", "100,0,0", *ARCH_FLAGS[arch], *extra]
+
+
+def _example():
+    if EXAMPLE not in sys.path:
+        sys.path.insert(0, EXAMPLE)
+    import pretrain_hybrid
+
+    return pretrain_hybrid
+
+
+def _train(argv):
+    pretrain_hybrid = _example()
+    return pretrain_hybrid.train(pretrain_hybrid.parse_args(argv))[0]
+
+
+def _layouts_worker(rank, world_size, root):
+    out = {}
+    for name, (arch, flags) in LAYOUTS.items():
+        case_started(name)
+        out[name] = _train(_argv(root, arch, flags))
+        case_result(name, out[name])
+    return out
+
+
+def _single_worker(rank, world_size, root):
+    return {arch: _train(_argv(root, arch)) for arch in ARCH_FLAGS}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """A folder with the data and, per architecture, the tiny HF checkpoint and its conversion."""
+    _example()
+    from prepare_data import BPETokenizer, build
+
+    from hp_megatron.convert import hf_to_mcore
+    from hp_megatron.models import get_architecture
+    from hp_megatron.models.tiny import build_tiny_hf_model
+
+    path = tmp_path_factory.mktemp("pretrain_moe")
+    build(str(path / "data"), vocab_size=512)
+    vocab = BPETokenizer(str(path / "data" / "tokenizer.json")).vocab_size
+    for arch in ARCH_FLAGS:
+        build_tiny_hf_model(arch, seed=3, vocab_size=vocab).save_pretrained(str(path / f"{arch}_hf"))
+        hf_to_mcore(str(path / f"{arch}_hf"), str(path / f"{arch}_ckpt"), get_architecture(arch))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def runs(root):
+    """(layout reader: the last rank's first iteration, {arch: single-rank first iteration})."""
+    def layout(name):
+        return run_distributed_cases(_layouts_worker, 4, name, root)[-1]
+
+    try:
+        layout("ep2_tp2")
+    except (DistributedTestError, KeyError):
+        pass  # each test reports what it misses
+    return layout, run_distributed(_single_worker, 1, root)[0]
+
+
+def _rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_first_iteration_matches_single_rank(runs, name):
+    layout, single = runs
+    got, ref = layout(name), single[LAYOUTS[name][0]]
+    for key in ("lm_loss", "grad_norm"):
+        assert _rel(got[key], ref[key]) <= 1e-4, (key, got, ref)
+    if LAYOUTS[name][0] == "qwen3_next":  # softmax router with the aux loss
+        assert ref["load_balancing_loss"] > 0 and "expert bias update" not in ref, ref
+        assert _rel(got["load_balancing_loss"], ref["load_balancing_loss"]) <= 1e-4, (got, ref)
+    else:  # sigmoid router with expert bias, no aux loss: every expert's bias moved by the rate (none at the mean)
+        assert "load_balancing_loss" not in ref, ref
+        assert ref["expert bias update"] == pytest.approx(1e-3, rel=1e-4), ref
+        assert got["expert bias update"] == pytest.approx(ref["expert bias update"], rel=1e-6), (got, ref)
+
+
+def _parse(root, arch, flags, world_size):
+    old = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world_size)
+    try:
+        return _example().parse_args(_argv(root, arch, flags))
+    finally:
+        if old is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = old
+
+
+def test_moe_flags_checked_at_parse_time(root):
+    args = _parse(root, "qwen3_next", ["--expert-model-parallel-size", "4"], 4)
+    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size, args.expert_tensor_parallel_size,
+            args.moe_aux_loss_coeff, args.moe_router_load_balancing_type) == (4, 2, 16, 1, 1e-2, "aux_loss")
+    with pytest.raises(ValueError, match=r"^--num-experts 8 is not divisible by --expert-model-parallel-size 3$"):
+        _parse(root, "deepseek_v3", ["--expert-model-parallel-size", "3", "--global-batch-size", "12"], 3)
+    with pytest.raises(ValueError, match=r"--num-experts 6 conflicts with --hp-hf-config .*num_experts 4"):
+        _parse(root, "qwen3_next", ["--num-experts", "6"], 1)
+    with pytest.raises(ValueError, match=r"needs --sequence-parallel"):
+        _parse(root, "qwen3_next", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"], 4)
+    pretrain_hybrid = _example()  # the flags' own model (no --hp-hf-config): dense unless --num-experts
+    base = ["--data-path", f"{root}/data/pydoc_text_document", "--tokenizer", f"{root}/data/tokenizer.json"]
+    with pytest.raises(ValueError, match=r"^--expert-model-parallel-size 2 needs a model with experts "
+                                         r"\(no --num-experts\)$"):
+        pretrain_hybrid.parse_args(base + ["--expert-model-parallel-size", "2"])
+    with pytest.raises(ValueError, match=r"--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"):
+        pretrain_hybrid.parse_args(base + ["--num-experts", "4", "--moe-router-enable-expert-bias"])
+    args = pretrain_hybrid.parse_args(base + ["--num-experts", "4", "--ffn-hidden-size", "96"])
+    assert (args.moe_ffn_hidden_size, args.moe_router_topk, args.expert_model_parallel_size) == (96, 2, 1)
