@@ -323,9 +323,6 @@ def check_moe_args(args, world_size: int) -> None:
     if world_size % (etp * ep * pp):
         raise ValueError(f"world size {world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
                          f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = {etp * ep * pp}")
-    if etp != tp:
-        raise ValueError(f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size {tp}: "
-                         "the example builds experts with the dense layers' tensor parallelism only")
     if ep > 1 and tp > 1 and not args.sequence_parallel:
         raise ValueError(f"--expert-model-parallel-size {ep} with --tensor-model-parallel-size {tp} needs "
                          "--sequence-parallel (megatron-core's MoE layers under TP and EP require it)")
@@ -362,6 +359,7 @@ KNOWN_STARTUP_WARNINGS = (
     r"Apex is not installed",
     r"full scope is deprecated",
     r".*torch\.distributed\._(all_gather|reduce_scatter)_base.*deprecated",
+    r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
     r"`load_state_dict` is deprecated",
 )
 

@@ -8,7 +8,8 @@ data-parallel and expert-data-parallel reductions, the norm over dense and exper
 load-balancing loss and the expert-bias update (the router loads all-reduced before the update):
 
 * DeepSeek-V3 at EP2 on 4 ranks (DP4, each expert on 2 data-parallel ranks) and at EP2 x PP2;
-* Qwen3-Next at EP2 x TP2 with sequence parallelism.
+* Qwen3-Next at EP2 x TP2 with sequence parallelism, experts split over TP too (ETP2, the default) and whole
+  (``--expert-tensor-parallel-size 1``: expert data parallel 2).
 
 Two spawns: 4 ranks for the three layouts (each case streamed, so a failing layout fails its own test only),
 1 rank for both references. The flags' checks (EP not dividing the experts, EP without experts...) are parse-time
@@ -29,6 +30,8 @@ LAYOUTS = {
     "ep2_pp2": ("deepseek_v3", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     "ep2_tp2": ("qwen3_next", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                "--sequence-parallel"]),
+    "ep2_tp2_etp1": ("qwen3_next", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                    "--sequence-parallel", "--expert-tensor-parallel-size", "1"]),
 }
 
 
