@@ -60,6 +60,12 @@ class HybridFields:
     """Layer symbols repeated over the global layer numbers: G=GDN, K=KDA, M=MLA, A=softmax attention
     (``--hp-layer-pattern``; read by ``HybridLayer`` specs without a pattern of their own)."""
 
+    hp_mtp_layer_kind: Optional[str] = None
+    """The layer symbol of the multi-token-prediction layers (``--mtp-num-layers``) of a ``HybridLayer`` spec whose
+    pattern has several symbols and declares no MTP kind itself (e.g. ``"A"`` for Qwen3-Next, ``"M"`` for
+    DeepSeek-V3; the presets set it). MTP layers have this fixed kind, not the one the pattern gives their layer
+    number."""
+
     hp_cp_layout: str = "zigzag"
     """Token layout over the CP ranks of every mixer (GDN, KDA, MLA, attention) and the data path: ``zigzag``
     (Megatron's load-balanced split) or ``contiguous`` (``--hp-cp-layout``)."""
@@ -189,6 +195,12 @@ def check_hybrid_fields(config) -> None:
             validate_pattern(config.hp_layer_pattern, SYMBOLS)
         except ValueError as err:
             raise ValueError(f"{owner}.hp_layer_pattern {config.hp_layer_pattern!r}: {err}") from None
+    kind = config.hp_mtp_layer_kind
+    if kind is not None:
+        from hp_megatron.specs.layer_specs import SYMBOLS
+
+        if kind not in SYMBOLS:
+            raise ValueError(f"{owner}.hp_mtp_layer_kind must be one of {sorted(SYMBOLS)} or None, got {kind!r}")
 
 
 @dataclass

@@ -13,6 +13,12 @@ MLP: with ``config.num_moe_experts`` set (Megatron's ``--num-experts``), the lay
 DeepSeek-V3's first dense layers) get :attr:`HybridLayerSubmodules.moe_mlp` (megatron-core's ``MoELayer``)
 instead of the dense MLP; a spec without ``moe_mlp`` refuses a MoE config rather than build dense layers.
 
+Multi-token prediction: the ``transformer_layer`` of megatron-core's MTP layers is a ``HybridLayer`` with
+``params={"mtp": True}`` (``hp_megatron.specs.get_mtp_block_spec``). It has a fixed kind, not the one the pattern
+gives its layer number (past ``num_layers``): :func:`mtp_layer_symbol` (the spec's ``mtp_symbol``, else
+``config.hp_mtp_layer_kind``, else the pattern's only symbol); its MLP is the MoE MLP whenever the model has
+experts (DeepSeek-V3's and Qwen3-Next's MTP layers are MoE layers, as transformers' ``get_mtp_config`` has them).
+
 Checkpoints: mixers of different types (and dense and MoE MLPs) have different parameter names, so they cannot
 be stacked along megatron's layer axis. :meth:`HybridLayer.sharded_state_dict` then writes per-layer keys
 ``decoder.layers.<global index>.…`` (megatron's "non-homogeneous" naming), which stay valid under any
@@ -39,6 +45,32 @@ class HybridLayerSubmodules:
     own_positions: Tuple[str, ...] = ()
     # the mlp of MoE layers (megatron-core MoELayer spec); None: the spec has no MoE
     moe_mlp: Optional[object] = None
+    # the symbol of multi-token-prediction layers; None: config.hp_mtp_layer_kind, else the pattern's only symbol
+    mtp_symbol: Optional[str] = None
+
+    @property
+    def self_attention(self):
+        """The mixer spec of a one-kind spec (megatron-core's MTP layer reads its attention mask type here)."""
+        if len(self.layer_types) != 1:
+            raise AttributeError(f"a HybridLayerSubmodules of several kinds {sorted(self.layer_types)} has no single "
+                                 "self_attention")
+        return next(iter(self.layer_types.values())).self_attention
+
+
+def mtp_layer_symbol(submodules: HybridLayerSubmodules, pattern: str, config) -> str:
+    """The fixed layer symbol of the multi-token-prediction layers of a spec with ``pattern``; a one-line
+    ValueError when a pattern of several symbols declares none."""
+    kind = submodules.mtp_symbol or getattr(config, "hp_mtp_layer_kind", None)
+    if kind is None and len(set(pattern)) == 1:
+        kind = pattern[0]
+    if kind is None:
+        raise ValueError(f"multi-token prediction (mtp_num_layers={getattr(config, 'mtp_num_layers', None)}) with "
+                         f"the hybrid pattern {pattern!r} needs the kind of its MTP layers, which the spec does not "
+                         f"declare: set config.hp_mtp_layer_kind (one of {sorted(set(pattern))}) or "
+                         "get_hybrid_layer_spec(..., mtp_symbol=...)")
+    if kind not in submodules.layer_types:
+        raise ValueError(f"MTP layer kind {kind!r} has no layer spec; known symbols: {sorted(submodules.layer_types)}")
+    return kind
 
 
 def moe_layer_flags(config) -> list:
@@ -61,6 +93,11 @@ def with_layer_mlp(config, layer: TransformerLayerSubmodules, moe_mlp, global_la
     """``layer`` with the MoE MLP when ``moe_layer_flags`` marks this 1-based global layer, else unchanged."""
     if not moe_layer_flags(config)[global_layer_number - 1]:
         return layer
+    return with_moe_mlp(config, layer, moe_mlp)
+
+
+def with_moe_mlp(config, layer: TransformerLayerSubmodules, moe_mlp):
+    """``layer`` with the MoE MLP ``moe_mlp`` (ValueError when the spec has none or asks for grouped GEMM)."""
     if moe_mlp is None:
         raise ValueError(f"config.num_moe_experts={config.num_moe_experts} asks for MoE layers but this layer "
                          "spec has no MoE MLP (HybridLayerSubmodules.moe_mlp is None)")
@@ -144,7 +181,7 @@ class HybridLayer(TransformerLayer):
     """
 
     def __init__(self, config, submodules: HybridLayerSubmodules, layer_number: int = 1, *args,
-                 pattern: Optional[str] = None, **kwargs):
+                 pattern: Optional[str] = None, mtp: bool = False, **kwargs):
         if not isinstance(submodules, HybridLayerSubmodules):
             raise TypeError(f"HybridLayer needs HybridLayerSubmodules, got {type(submodules).__name__}")
         if pattern is None:
@@ -155,12 +192,19 @@ class HybridLayer(TransformerLayer):
         pattern = validate_pattern(pattern, submodules.layer_types)
         offset = stage_layer_offset(config, kwargs.get("vp_stage"), kwargs.get("pg_collection"),
                                     kwargs.get("model_comm_pgs"), kwargs.get("pp_layer_offset"))
-        self.layer_symbol = symbol_for_layer(pattern, layer_number + offset)
         self.layer_pattern = pattern
+        if mtp:  # a multi-token-prediction layer: fixed kind, MoE whenever the model has experts
+            self.layer_symbol = mtp_layer_symbol(submodules, pattern, config)
+            layer = submodules.layer_types[self.layer_symbol]
+            if getattr(config, "num_moe_experts", None):
+                layer = with_moe_mlp(config, layer, submodules.moe_mlp)
+            self.homogeneous = True  # megatron's MTP block asks for its layers' keys without a layer-axis offset
+        else:
+            self.layer_symbol = symbol_for_layer(pattern, layer_number + offset)
+            self.homogeneous = len(set(pattern)) == 1 and len(set(moe_layer_flags(config))) == 1
+            layer = with_layer_mlp(config, submodules.layer_types[self.layer_symbol], submodules.moe_mlp,
+                                   layer_number + offset)
         self.drops_rotary = self.layer_symbol in submodules.own_positions
-        self.homogeneous = len(set(pattern)) == 1 and len(set(moe_layer_flags(config))) == 1
-        layer = with_layer_mlp(config, submodules.layer_types[self.layer_symbol], submodules.moe_mlp,
-                               layer_number + offset)
         layer = resolve_qk_norm(config, layer)
         super().__init__(config, layer, layer_number, *args, **kwargs)
 

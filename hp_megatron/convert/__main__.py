@@ -5,7 +5,9 @@
 
 The architecture comes from config.json's ``model_type`` (the table of ``hp_megatron.models``: this entry point
 imports it, the engine does not); ``--rules`` / ``--model-builder`` (``package.module:function``) replace its
-conversion rules / model builder.
+conversion rules / model builder. ``--mtp-num-layers N`` converts DeepSeek-V3's / Qwen3-Next's
+multi-token-prediction layers too (N: config.json's ``num_nextn_predict_layers`` / ``mtp_num_hidden_layers``);
+mcore-to-hf takes the checkpoint's MTP depth unless given.
 """
 from __future__ import annotations
 
@@ -34,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--hf-config", default=None,
                        help="config.json (file or directory) when the checkpoint does not carry one")
     to_hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    to_mcore.add_argument("--mtp-num-layers", type=int, default=0,
+                          help="build the model with the checkpoint's N multi-token-prediction layers and convert "
+                               "them (DeepSeek-V3, Qwen3-Next; default 0: none)")
+    to_hf.add_argument("--mtp-num-layers", type=int, default=None,
+                       help="multi-token-prediction layers to convert (default: those the checkpoint holds)")
     for p in (to_mcore, to_hf):
         p.add_argument("--rules", default=None, help="package.module:function returning the TensorRules")
         p.add_argument("--model-builder", default=None, help="package.module:function building the GPTModel")
@@ -58,15 +65,16 @@ def main(argv=None) -> int:
 
 
 def _convert(args):
-    from hp_megatron.convert.engine import hf_to_mcore, mcore_to_hf, stored_hf_config
+    from hp_megatron.convert.engine import hf_to_mcore, mcore_to_hf, stored_hf_config, stored_mtp_depth
     from hp_megatron.convert.safetensors_io import load_hf_config
 
     if args.direction == "hf-to-mcore":
-        architecture = _architecture(load_hf_config(args.load), args)
+        architecture = _architecture(load_hf_config(args.load), args).with_mtp(args.mtp_num_layers)
         return hf_to_mcore(args.load, args.save, architecture, iteration=args.ckpt_iteration,
                            overwrite=args.overwrite, drop_unmodeled=args.drop_unmodeled)
     hf_config = load_hf_config(args.hf_config) if args.hf_config else stored_hf_config(args.load)
-    return mcore_to_hf(args.load, args.save, _architecture(hf_config, args), hf_config=hf_config,
+    depth = stored_mtp_depth(args.load) if args.mtp_num_layers is None else args.mtp_num_layers
+    return mcore_to_hf(args.load, args.save, _architecture(hf_config, args).with_mtp(depth), hf_config=hf_config,
                        max_shard_size=args.max_shard_size, overwrite=args.overwrite)
 
 

@@ -69,6 +69,9 @@ class ConversionReport:
 def build_layout(build_model, hf_config: dict, metadata: dict | None = None) -> CheckpointLayout:
     """The checkpoint layout of ``build_model(hf_config)`` built at TP=PP=EP=1 on the ``meta`` device (no
     weights are allocated; parameters a module places on an explicit device stay small)."""
+    # imported outside the meta context: megatron-core's module-level tensors (the MTP loss scale) stay real
+    import megatron.core.models.gpt  # noqa: F401
+
     with single_rank_megatron(), torch.device("meta"):
         model = build_model(hf_config, perform_initialization=False, use_cpu_initialization=True)
         layout = checkpoint_layout(model, metadata)
@@ -167,6 +170,14 @@ def stored_hf_config(load: str) -> dict:
     return _hf_config_of(_read_common(ckpt), ckpt)
 
 
+def stored_mtp_depth(load: str) -> int:
+    """How many multi-token-prediction layers (megatron-core ``mtp.layers.<k>.*`` tensors) a checkpoint holds."""
+    import re
+
+    keys = ChunkReader(checkpoint_directory(load)).tensors
+    return len({m.group(1) for k in keys if (m := re.match(r"mtp\.layers\.(\d+)\.", k))})
+
+
 def _hf_config_of(common: dict, ckpt: str) -> dict:
     if common.get("hf_config") is None:
         raise CheckpointError(f"{ckpt}/{COMMON}: no hf_config stored; pass the HF config.json (--hf-config)")
@@ -203,8 +214,9 @@ def hf_to_mcore(hf_dir: str, save: str, architecture, *, iteration: int | None =
                               f"it ({len(unexpected)} such tensors: {unexpected[:5]})")
     if dropped and not drop_unmodeled:
         raise CheckpointError(f"{hf_dir}: {len(dropped)} tensors of parts the megatron model does not build: "
-                              f"{sorted(set(parts[k] for k in dropped))} (e.g. {dropped[0]}); pass "
-                              "drop_unmodeled=True (--drop-unmodeled) to convert the rest without them")
+                              f"{sorted(set(parts[k] for k in dropped))} (e.g. {dropped[0]}); build the model with "
+                              "them (multi-token prediction: --mtp-num-layers) or pass drop_unmodeled=True "
+                              "(--drop-unmodeled) to convert the rest without them")
     chunks, owners = [], []
     for index, (rule, entry) in enumerate(matched):
         for key in rule.hf_keys:

@@ -8,7 +8,8 @@ shape); it never imports this package. Adding an architecture: a module with ``M
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -31,13 +32,15 @@ class Architecture:
     ``conversion_rules(hf_config) -> list[TensorRule]``; ``unmodeled_tensors(hf_config) -> {HF key prefix: what it
     holds}``, checkpoint tensors of parts the model does not build (DeepSeek-V3's and Qwen3-Next's
     multi-token-prediction modules), which ``hf_to_mcore`` drops only when asked; ``model_builder``, when set,
-    builds the model in place of the preset's GPTModel (the converter's ``--model-builder``)."""
+    builds the model in place of the preset's GPTModel (the converter's ``--model-builder``); ``mtp_num_layers``:
+    the multi-token-prediction layers the model is built with and converted (:meth:`with_mtp`; 0: none)."""
 
     model_type: str
     preset: Callable[[dict], ModelPreset] | None
     conversion_rules: Callable[[dict], list]
     unmodeled_tensors: Callable[[dict], dict] = no_unmodeled_tensors
     model_builder: Callable | None = None
+    mtp_num_layers: int = 0
 
     def __post_init__(self):
         if self.preset is None and self.model_builder is None:
@@ -50,6 +53,8 @@ class Architecture:
 
         from hp_megatron.platform import CPU_SAFE_CONFIG
 
+        if self.mtp_num_layers:
+            config_overrides = {"mtp_num_layers": self.mtp_num_layers, **config_overrides}
         if self.model_builder is not None:
             return self.model_builder(hf_config, **config_overrides)
         preset = self.preset(hf_config)
@@ -58,6 +63,21 @@ class Architecture:
         return preset.gpt_model(config, max_sequence_length=hf_config.get("max_position_embeddings") or 4096,
                                 pre_process=parallel_state.is_pipeline_first_stage(),
                                 post_process=parallel_state.is_pipeline_last_stage())
+
+    def with_mtp(self, mtp_num_layers: int) -> "Architecture":
+        """This architecture with its model built, and its checkpoints converted, with ``mtp_num_layers``
+        multi-token-prediction layers (the checkpoint's: config.json's count; 0: this architecture unchanged);
+        their tensors are then modeled, no longer ``unmodeled_tensors``. ValueError for a negative count or an
+        architecture whose rules take no MTP layers."""
+        if isinstance(mtp_num_layers, bool) or not isinstance(mtp_num_layers, int) or mtp_num_layers < 0:
+            raise ValueError(f"mtp_num_layers must be an int >= 0, got {mtp_num_layers!r}")
+        if not mtp_num_layers:
+            return self
+        if self.model_type not in MTP_ARCHITECTURES or self.mtp_num_layers:
+            raise ValueError(f"{self.model_type}: multi-token-prediction layers are converted for "
+                             f"{sorted(MTP_ARCHITECTURES)}, got mtp_num_layers={mtp_num_layers}")
+        return replace(self, mtp_num_layers=mtp_num_layers, unmodeled_tensors=no_unmodeled_tensors,
+                       conversion_rules=functools.partial(self.conversion_rules, mtp_num_layers=mtp_num_layers))
 
 
 ARCHITECTURES = {arch.model_type: arch for arch in (
@@ -68,6 +88,9 @@ ARCHITECTURES = {arch.model_type: arch for arch in (
                  deepseek_v3.unmodeled_tensors),
     Architecture(kimi_linear.MODEL_TYPE, kimi_linear.megatron_config, kimi_linear.conversion_rules),
 )}
+
+
+MTP_ARCHITECTURES = (deepseek_v3.MODEL_TYPE, qwen3_next.MODEL_TYPE)  # conversion_rules(hf, mtp_num_layers)
 
 
 def get_architecture(model_type: str) -> Architecture:

@@ -32,6 +32,8 @@ class ModelPreset:
     mixer_fields: dict = field(default_factory=dict)
     gpt_model_kwargs: dict = field(default_factory=dict)
     qk_layernorm: bool = False
+    mtp_symbol: str | None = None   # the kind of the multi-token-prediction layers (DeepSeek-V3 "M", Qwen3-Next "A")
+    mtp_num_layers: int = 0          # the MTP depth config.json declares (the checkpoint's MTP layers)
 
     def transformer_config(self, **overrides):
         """A ``hp_megatron.config.HybridTransformerConfig`` of this preset (``transformer_fields``, ``mixer_fields``
@@ -48,7 +50,8 @@ class ModelPreset:
         """The ``HybridLayer`` spec of this preset (``kwargs``: ``linear``, ``cp_layout``)."""
         from hp_megatron.specs import get_hybrid_layer_spec
 
-        return get_hybrid_layer_spec(self.pattern, backend, qk_layernorm=self.qk_layernorm, **kwargs)
+        return get_hybrid_layer_spec(self.pattern, backend, qk_layernorm=self.qk_layernorm,
+                                     mtp_symbol=self.mtp_symbol, **kwargs)
 
     def gpt_model(self, config, backend="eager", *, max_sequence_length: int, pre_process: bool = True,
                   post_process: bool = True, vp_stage=None, **spec_kwargs):
@@ -58,7 +61,8 @@ class ModelPreset:
 
         return hybrid_gpt_model(config, self.layer_spec(backend, **spec_kwargs),
                                 max_sequence_length=max_sequence_length, pre_process=pre_process,
-                                post_process=post_process, vp_stage=vp_stage, **self.gpt_model_kwargs)
+                                post_process=post_process, vp_stage=vp_stage, backend=backend,
+                                **self.gpt_model_kwargs)
 
 
 def refuse(model_type: str, name: str, value, supported) -> None:
@@ -171,9 +175,56 @@ def model_rules(tied: bool) -> list[TensorRule]:
 
 
 def layer_norm_rules(i: int) -> list[TensorRule]:
-    mcore, hf = layer_prefix(i), f"model.layers.{i}."
+    return norm_rules(layer_prefix(i), f"model.layers.{i}.")
+
+
+def norm_rules(mcore: str, hf: str) -> list[TensorRule]:
+    """A decoder layer's two norms (megatron ``input_layernorm`` / ``pre_mlp_layernorm``) under the prefixes."""
     return [identity_rule(mcore + "input_layernorm.weight", hf + "input_layernorm.weight"),
             identity_rule(mcore + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight")]
+
+
+# ---- multi-token prediction (DeepSeek-V3, Qwen3-Next) ------------------------------------------------------------
+def mtp_prefix(k: int) -> str:
+    """megatron-core's key prefix of MTP layer ``k`` (0-based): ``enorm``, ``hnorm``, ``eh_proj``,
+    ``transformer_layer.*``, ``final_layernorm``."""
+    return f"mtp.layers.{k}."
+
+
+def mtp_head_rules(k: int, *, enorm: str, hnorm: str, eh_proj: str, final_norm: str) -> list[TensorRule]:
+    """MTP layer ``k``'s norms and projection from the HF keys (the decoder layer's rules come separately)."""
+    mcore = mtp_prefix(k)
+    return [identity_rule(mcore + "enorm.weight", enorm), identity_rule(mcore + "hnorm.weight", hnorm),
+            identity_rule(mcore + "eh_proj.weight", eh_proj),
+            identity_rule(mcore + "final_layernorm.weight", final_norm)]
+
+
+def with_duplicates(rule: TensorRule, copies: tuple) -> TensorRule:
+    """``rule`` (one HF tensor) also reading ``copies``, HF tensors the checkpoint stores as exact duplicates of it
+    (DeepSeek-V3's per-MTP-layer ``embed_tokens`` / ``shared_head.head``): the model keeps one tensor, the
+    conversion checks the copies equal it (CheckpointError naming the first that differs) and writes them back."""
+    from hp_megatron.convert.safetensors_io import CheckpointError
+
+    if len(rule.hf_keys) != 1:
+        raise ValueError(f"{rule.mcore_key}: duplicates need a one-tensor rule, got {rule.hf_keys}")
+    keys = rule.hf_keys + tuple(copies)
+
+    def to_mcore(ts):
+        first = ts[0]
+        for key, t in zip(keys[1:], ts[1:]):
+            if t.shape != first.shape or (first.device.type != "meta" and not torch.equal(t, first)):
+                raise CheckpointError(f"{key} differs from {keys[0]}; megatron's multi-token prediction shares the "
+                                      f"model's tensor ({rule.mcore_key}), so the checkpoint must hold a copy of it")
+        return rule.to_mcore(ts[:1])
+
+    return TensorRule(rule.mcore_key, keys, to_mcore, lambda t: tuple(rule.to_hf(t)) * len(keys))
+
+
+def check_mtp_depth(model_type: str, field_name: str, declared: int, mtp_num_layers: int) -> None:
+    """The MTP depth to convert must be the checkpoint's (config.json ``field_name``)."""
+    if mtp_num_layers != declared:
+        raise ValueError(f"{model_type}: mtp_num_layers={mtp_num_layers} (--mtp-num-layers) but config.json declares "
+                         f"{field_name}={declared}; the conversion keeps the checkpoint's MTP layers, all of them")
 
 
 def layer_mlp_rules(i: int, is_moe: bool, num_experts: int, **moe_keys) -> list[TensorRule]:

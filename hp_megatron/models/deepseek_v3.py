@@ -2,26 +2,38 @@
 ``first_k_dense_replace`` layers dense, MoE after them: sigmoid router with expert bias (``e_score_correction_bias``),
 grouped top-k (``n_group`` / ``topk_group``), ``routed_scaling_factor``, ``n_shared_experts`` shared experts.
 
-Multi-token-prediction layers (``num_nextn_predict_layers``) are not part of transformers' forward pass, nor of
-the model built here; their checkpoint tensors (``model.layers.<num_hidden_layers + i>.``) are listed by
-``unmodeled_tensors``, and the converter drops them only when asked (``--drop-unmodeled``).
+Multi-token-prediction layers (``num_nextn_predict_layers``, checkpoint keys ``model.layers.<num_hidden_layers +
+k>.``: ``enorm``, ``hnorm``, ``eh_proj``, an MLA + MoE decoder layer, ``shared_head.norm``) are not part of
+transformers' forward pass (its ``MtpModel`` loads them for drafting). Built with MTP (``conversion_rules(hf,
+mtp_num_layers)``, the converter's ``--mtp-num-layers``) they are megatron-core's ``mtp.layers.<k>.*``; the
+layers' ``embed_tokens`` / ``shared_head.head`` are copies of the model's embedding / head in the released
+checkpoint (transformers' ``MtpModel`` ignores them too): the conversion checks them equal and writes them back as
+copies. Without MTP, ``unmodeled_tensors`` lists them and the converter drops them only when asked
+(``--drop-unmodeled``).
 """
 from __future__ import annotations
 
 from hp_megatron.convert.rules import TensorRule
-from hp_megatron.models.common import (ModelPreset, decoder_config, field_of, layer_mlp_rules, layer_norm_rules,
-                                       layer_prefix, mla_fields, mla_rules, model_rules, moe_router_config, refuse,
-                                       require, rope_parameters)
+from hp_megatron.models.common import (ModelPreset, check_mtp_depth, decoder_config, field_of, layer_prefix,
+                                       mla_fields, mla_rules, mlp_rules, model_rules, moe_router_config, moe_rules,
+                                       mtp_head_rules, mtp_prefix, norm_rules, refuse, require, rope_parameters,
+                                       with_duplicates)
 
 MODEL_TYPE = "deepseek_v3"
+MTP_FIELD = "num_nextn_predict_layers"
 
 
 def unmodeled_tensors(hf: dict) -> dict:
     """``{HF key prefix: what it holds}`` of the multi-token-prediction layers (``num_nextn_predict_layers``)."""
     layers = field_of(hf, MODEL_TYPE, "num_hidden_layers")
-    mtp = hf.get("num_nextn_predict_layers") or 0
+    mtp = mtp_depth(hf)
     return {f"model.layers.{layers + i}.": f"DeepSeek-V3 multi-token-prediction layer {i} "
             f"(num_nextn_predict_layers={mtp})" for i in range(mtp)}
+
+
+def mtp_depth(hf: dict) -> int:
+    """The multi-token-prediction layers config.json declares (``num_nextn_predict_layers``; 0 when absent)."""
+    return hf.get(MTP_FIELD) or 0
 
 
 def moe_layers(hf: dict) -> list:
@@ -57,22 +69,45 @@ def megatron_config(hf: dict) -> ModelPreset:
         if shared:
             config["moe_shared_expert_intermediate_size"] = shared * hf["moe_intermediate_size"]
     mixer = mla_fields(hf, MODEL_TYPE, rope_type, rope)
+    mixer["hp_mtp_layer_kind"] = "M"
     gpt = dict(vocab_size=field_of(hf, MODEL_TYPE, "vocab_size"), position_embedding_type="none",
                share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)))
     return ModelPreset(MODEL_TYPE, "M" * hf["num_hidden_layers"], transformer_fields=config, mixer_fields=mixer,
-                       gpt_model_kwargs=gpt)
+                       gpt_model_kwargs=gpt, mtp_symbol="M", mtp_num_layers=mtp_depth(hf))
 
 
-def conversion_rules(hf: dict) -> list[TensorRule]:
-    """One rule per megatron-core tensor of the model of :func:`megatron_config`."""
+def _decoder_layer_rules(mcore: str, hf_prefix: str, hf: dict, preset: ModelPreset, is_moe: bool) -> list[TensorRule]:
+    rules = mla_rules(mcore + "self_attention.", hf_prefix + "self_attn.", preset.mixer_fields,
+                      preset.transformer_fields["num_attention_heads"], rope_interleave=hf.get("rope_interleave", True))
+    rules += norm_rules(mcore, hf_prefix)
+    if not is_moe:
+        return rules + mlp_rules(mcore + "mlp.", hf_prefix + "mlp.")
+    shared = "shared_experts." if hf.get("n_shared_experts") else None
+    return rules + moe_rules(mcore + "mlp.", hf_prefix + "mlp.", hf.get("n_routed_experts", 0), router="gate.weight",
+                             expert_bias="gate.e_score_correction_bias", shared=shared)
+
+
+def conversion_rules(hf: dict, mtp_num_layers: int = 0) -> list[TensorRule]:
+    """One rule per megatron-core tensor of the model of :func:`megatron_config`, with ``mtp_num_layers`` MTP layers
+    (0 or config.json's ``num_nextn_predict_layers``)."""
     preset = megatron_config(hf)
     rules = model_rules(preset.gpt_model_kwargs["share_embeddings_and_output_weights"])
-    shared = "shared_experts." if hf.get("n_shared_experts") else None
     for i, is_moe in enumerate(moe_layers(hf)):
-        rules += mla_rules(layer_prefix(i) + "self_attention.", f"model.layers.{i}.self_attn.", preset.mixer_fields,
-                           preset.transformer_fields["num_attention_heads"],
-                           rope_interleave=hf.get("rope_interleave", True))
-        rules += layer_norm_rules(i)
-        rules += layer_mlp_rules(i, is_moe, hf.get("n_routed_experts", 0), router="gate.weight",
-                                 expert_bias="gate.e_score_correction_bias", shared=shared)
+        rules += _decoder_layer_rules(layer_prefix(i), f"model.layers.{i}.", hf, preset, is_moe)
+    if not mtp_num_layers:
+        return rules
+    check_mtp_depth(MODEL_TYPE, MTP_FIELD, mtp_depth(hf), mtp_num_layers)
+    hf_layers = [f"model.layers.{hf['num_hidden_layers'] + k}." for k in range(mtp_num_layers)]
+    # the MTP layers' embedding and head copies ride on the model's (the head is the embedding when tied)
+    tied = preset.gpt_model_kwargs["share_embeddings_and_output_weights"]
+    embeds = [p + "embed_tokens.weight" for p in hf_layers]
+    heads = [p + "shared_head.head.weight" for p in hf_layers]
+    copies = {"model.embed_tokens.weight": embeds + heads} if tied else \
+        {"model.embed_tokens.weight": embeds, "lm_head.weight": heads}
+    rules = [with_duplicates(r, tuple(copies[r.hf_keys[0]])) if r.hf_keys[0] in copies else r for r in rules]
+    for k, prefix in enumerate(hf_layers):
+        rules += mtp_head_rules(k, enorm=prefix + "enorm.weight", hnorm=prefix + "hnorm.weight",
+                                eh_proj=prefix + "eh_proj.weight", final_norm=prefix + "shared_head.norm.weight")
+        rules += _decoder_layer_rules(mtp_prefix(k) + "transformer_layer.", prefix, hf, preset,
+                                      bool(preset.transformer_fields.get("num_moe_experts")))
     return rules

@@ -6,21 +6,32 @@ q/k RMSNorm (``qk_layernorm``), partial rotary (``rotary_percent``), ``layernorm
 norm except the GDN output norm (``gated_norm_zero_centered_gamma=False``: Qwen3-Next stores that one plainly),
 softmax top-k router (``moe_router_pre_softmax`` when ``norm_topk_prob`` is false), ``moe_shared_expert_gate``.
 
-The released checkpoints also hold a multi-token-prediction module (``mtp.*``: ``fc``, ``pre_fc_norm_*``, ``norm``,
-``layers.0``), which transformers skips on load and the model built here does not have; ``unmodeled_tensors``
-lists it, and the converter drops it only when asked (``--drop-unmodeled``).
+The released checkpoints also hold a multi-token-prediction module (``mtp.*``, config.json
+``mtp_num_hidden_layers``: 1), which transformers skips on load. Built with MTP (``conversion_rules(hf,
+mtp_num_layers=1)``, the converter's ``--mtp-num-layers 1``) it is megatron-core's ``mtp.layers.0.*``:
+``pre_fc_norm_embedding`` -> ``enorm``, ``pre_fc_norm_hidden`` -> ``hnorm``, ``fc`` -> ``eh_proj`` (input
+``[embedding; hidden]``), ``layers.0`` (gated attention + MoE) -> ``transformer_layer``, ``norm`` ->
+``final_layernorm``, all zero-centred norms as the model's. Without MTP ``unmodeled_tensors`` lists the module and
+the converter drops it only when asked (``--drop-unmodeled``).
 """
 from __future__ import annotations
 
 import torch
 
 from hp_megatron.convert.rules import TensorRule, identity_rule
-from hp_megatron.models.common import (ModelPreset, decoder_config, field_of, layer_mlp_rules, layer_norm_rules,
-                                       layer_prefix, model_rules, moe_router_config, refuse, require, rope_parameters)
+from hp_megatron.models.common import (ModelPreset, check_mtp_depth, decoder_config, field_of, layer_mlp_rules,
+                                       layer_norm_rules, layer_prefix, mlp_rules, model_rules, moe_router_config, moe_rules,
+                                       mtp_head_rules, mtp_prefix, norm_rules, refuse, require, rope_parameters)
 from layers.convert import GDN_IN_PROJ_PARTS, join_qwen3_next_in_proj, split_qwen3_next_in_proj
 
 MODEL_TYPE = "qwen3_next"
 LAYER_SYMBOLS = {"linear_attention": "G", "full_attention": "A"}
+MTP_FIELD = "mtp_num_hidden_layers"
+
+
+def mtp_depth(hf: dict) -> int:
+    """The multi-token-prediction layers config.json declares (``mtp_num_hidden_layers``; 0 when absent)."""
+    return hf.get(MTP_FIELD) or 0
 
 
 def unmodeled_tensors(hf: dict) -> dict:
@@ -80,13 +91,15 @@ def megatron_config(hf: dict) -> ModelPreset:
     dims = _gdn_dims(hf)
     mixer = dict(linear_num_key_heads=dims["num_key_heads"], linear_num_value_heads=dims["num_value_heads"],
                  linear_key_head_dim=dims["key_head_dim"], linear_value_head_dim=dims["value_head_dim"],
-                 linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4), gated_norm_zero_centered_gamma=False)
+                 linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4), gated_norm_zero_centered_gamma=False,
+                 hp_mtp_layer_kind="A")
     gpt = dict(vocab_size=field_of(hf, MODEL_TYPE, "vocab_size"), position_embedding_type="rope",
                rotary_percent=float(rope.get("partial_rotary_factor", 0.25)),
                rotary_base=float(rope.get("rope_theta", 10000.0)),
                share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)))
     return ModelPreset(MODEL_TYPE, "".join(LAYER_SYMBOLS[t] for t in types), transformer_fields=config,
-                       mixer_fields=mixer, gpt_model_kwargs=gpt, qk_layernorm=True)
+                       mixer_fields=mixer, gpt_model_kwargs=gpt, qk_layernorm=True, mtp_symbol="A",
+                       mtp_num_layers=mtp_depth(hf))
 
 
 def _gated_qkv_rule(mcore_key: str, hf: str, heads: int, groups: int, head_dim: int) -> TensorRule:
@@ -140,8 +153,25 @@ def _gdn_rules(mcore: str, hf: str, dims: dict) -> list[TensorRule]:
             identity_rule(mcore + "out_proj.weight", hf + "out_proj.weight")]
 
 
-def conversion_rules(hf: dict) -> list[TensorRule]:
-    """One rule per megatron-core tensor of the model of :func:`megatron_config`."""
+def _mtp_rules(hf: dict, preset: ModelPreset, mtp_num_layers: int) -> list[TensorRule]:
+    check_mtp_depth(MODEL_TYPE, MTP_FIELD, mtp_depth(hf), mtp_num_layers)
+    if mtp_num_layers != 1:
+        raise ValueError(f"{MODEL_TYPE}: one MTP layer is supported (mtp.fc and its norms are shared by mtp.layers.*; "
+                         f"megatron-core has them per layer), got {MTP_FIELD}={mtp_num_layers}")
+    mcore = mtp_prefix(0) + "transformer_layer."
+    rules = mtp_head_rules(0, enorm="mtp.pre_fc_norm_embedding.weight", hnorm="mtp.pre_fc_norm_hidden.weight",
+                           eh_proj="mtp.fc.weight", final_norm="mtp.norm.weight")
+    rules += _attention_rules(mcore + "self_attention.", "mtp.layers.0.self_attn.", preset)
+    rules += norm_rules(mcore, "mtp.layers.0.")
+    if preset.transformer_fields.get("num_moe_experts"):
+        return rules + moe_rules(mcore + "mlp.", "mtp.layers.0.mlp.", hf["num_experts"], router="gate.weight",
+                                 shared="shared_expert.", shared_gate="shared_expert_gate.weight")
+    return rules + mlp_rules(mcore + "mlp.", "mtp.layers.0.mlp.")
+
+
+def conversion_rules(hf: dict, mtp_num_layers: int = 0) -> list[TensorRule]:
+    """One rule per megatron-core tensor of the model of :func:`megatron_config`, with ``mtp_num_layers`` MTP layers
+    (0 or config.json's ``mtp_num_hidden_layers``)."""
     preset = megatron_config(hf)
     dims = _gdn_dims(hf)
     rules = model_rules(preset.gpt_model_kwargs["share_embeddings_and_output_weights"])
@@ -154,4 +184,4 @@ def conversion_rules(hf: dict) -> list[TensorRule]:
         rules += layer_norm_rules(i)
         rules += layer_mlp_rules(i, is_moe, hf.get("num_experts", 0), router="gate.weight",
                                  shared="shared_expert.", shared_gate="shared_expert_gate.weight")
-    return rules
+    return rules + (_mtp_rules(hf, preset, mtp_num_layers) if mtp_num_layers else [])

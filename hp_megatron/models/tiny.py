@@ -3,6 +3,8 @@
 tests and for trying the HF -> megatron-core -> training path (``examples/pretrain/tiny_hf_checkpoint.py``)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 TINY_VOCAB, TINY_HIDDEN = 64, 32
@@ -100,3 +102,89 @@ def build_tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = TINY_VOCAB):
     model = cls(cfg).float().eval()
     perturb_parameters(model, seed)
     return model
+
+
+MTP_LAYER_TYPE = {"qwen3_next": dict(layer_types=["full_attention"], mlp_only_layers=[]),
+                  "deepseek_v3": dict(first_k_dense_replace=0)}
+
+
+def tiny_mtp_tensors(arch: str, seed: int = 0, vocab_size: int = TINY_VOCAB, main_state: dict | None = None) -> tuple:
+    """(config.json fields, tensors) of one random multi-token-prediction layer of the tiny ``arch`` model under the
+    released checkpoints' names and shapes, which ``save_pretrained`` never writes: DeepSeek-V3
+    ``model.layers.<num_hidden_layers>.*`` (``enorm``, ``hnorm``, ``eh_proj``, an MLA + MoE decoder layer,
+    ``shared_head.norm``, and ``embed_tokens`` / ``shared_head.head``: copies of ``main_state``'s embedding and
+    head), ``num_nextn_predict_layers: 1``; Qwen3-Next ``mtp.*`` (``pre_fc_norm_embedding``,
+    ``pre_fc_norm_hidden``, ``fc``, a gated-attention + MoE ``layers.0``, ``norm``), ``mtp_num_hidden_layers: 1``.
+
+    The decoder layer is a one-layer model of the same config (that layer kind) saved by transformers, so its
+    tensors have the checkpoint's names (per-expert keys)."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    if arch not in MTP_LAYER_TYPE:
+        raise ValueError(f"no multi-token-prediction layer for {arch!r}; supported: {sorted(MTP_LAYER_TYPE)}")
+    cls, cfg = tiny_hf_config(arch, vocab_size)
+    layers = cfg.num_hidden_layers
+    cfg.num_hidden_layers = 1
+    for name, value in MTP_LAYER_TYPE[arch].items():
+        setattr(cfg, name, value)
+    torch.manual_seed(seed + 1)
+    one_layer = cls(cfg).float()
+    perturb_parameters(one_layer, seed + 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        one_layer.save_pretrained(tmp)
+        saved = {}
+        for name in sorted(os.listdir(tmp)):
+            if name.endswith(".safetensors"):
+                saved.update(load_file(os.path.join(tmp, name)))
+    gen = torch.Generator().manual_seed(seed + 2)
+    hidden = cfg.hidden_size
+    centred = arch == "qwen3_next"   # Qwen3-Next's norms store weight - 1
+
+    def norm():
+        return (0.0 if centred else 1.0) + 0.1 * torch.randn(hidden, generator=gen)
+
+    proj = torch.randn(hidden, 2 * hidden, generator=gen) / (2 * hidden) ** 0.5
+    decoder = {k[len("model.layers.0."):]: v for k, v in saved.items() if k.startswith("model.layers.0.")}
+    if arch == "qwen3_next":
+        tensors = {f"mtp.layers.0.{k}": v for k, v in decoder.items()}
+        tensors.update({"mtp.pre_fc_norm_embedding.weight": norm(), "mtp.pre_fc_norm_hidden.weight": norm(),
+                        "mtp.fc.weight": proj, "mtp.norm.weight": norm()})
+        return {"mtp_num_hidden_layers": 1}, tensors
+    if main_state is None:
+        raise ValueError("DeepSeek-V3's MTP layer holds copies of the model's embedding and head: pass main_state")
+    prefix = f"model.layers.{layers}."
+    tensors = {prefix + k: v for k, v in decoder.items()}
+    head = main_state.get("lm_head.weight", main_state["model.embed_tokens.weight"])
+    tensors.update({prefix + "enorm.weight": norm(), prefix + "hnorm.weight": norm(), prefix + "eh_proj.weight": proj,
+                    prefix + "shared_head.norm.weight": norm(),
+                    prefix + "embed_tokens.weight": main_state["model.embed_tokens.weight"].clone(),
+                    prefix + "shared_head.head.weight": head.clone()})
+    return {"num_nextn_predict_layers": 1}, tensors
+
+
+def add_tiny_mtp_layer(directory: str, arch: str, seed: int = 0) -> dict:
+    """Write :func:`tiny_mtp_tensors` into the ``save_pretrained`` directory of a tiny ``arch`` model (one
+    ``model.safetensors`` with every tensor, config.json with the MTP depth); returns the new config.json dict."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    files = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+    state = {}
+    for name in files:
+        state.update(load_file(os.path.join(directory, name)))
+    with open(os.path.join(directory, "config.json")) as f:
+        config = json.load(f)
+    fields, tensors = tiny_mtp_tensors(arch, seed, config["vocab_size"], state)
+    config.update(fields)
+    tmp = os.path.join(directory, "model.safetensors.tmp")
+    save_file({**state, **tensors}, tmp, metadata={"format": "pt"})
+    for name in files + ["model.safetensors.index.json"]:
+        if os.path.exists(os.path.join(directory, name)):
+            os.remove(os.path.join(directory, name))
+    os.replace(tmp, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return config

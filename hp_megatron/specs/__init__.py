@@ -26,6 +26,7 @@ from hp_megatron.specs.providers import (AscendCSpecProvider, EagerSpecProvider,
                                          get_spec_provider)
 
 READY_PATTERNS = {"kimi_linear": "KKKM", "qwen3_next": "GGGA"}
+READY_MTP_SYMBOLS = {"qwen3_next": "A"}  # the kind of the MTP layers (Qwen3-Next's: gated attention + MoE)
 _SUFFIX = {"eager": "", "triton": "_triton", "ascendc": "_ascendc"}
 
 
@@ -33,7 +34,8 @@ def _ready_specs():
     specs = {}
     for backend, suffix in _SUFFIX.items():
         for name, pattern in READY_PATTERNS.items():
-            specs[f"{name}{suffix}_spec"] = get_hybrid_layer_spec(pattern, backend, qk_layernorm="config")
+            specs[f"{name}{suffix}_spec"] = get_hybrid_layer_spec(pattern, backend, qk_layernorm="config",
+                                                                    mtp_symbol=READY_MTP_SYMBOLS.get(name))
         specs[f"hybrid{suffix}_spec"] = get_hybrid_layer_spec(None, backend, qk_layernorm="config")
         for mixer in MIXERS:
             specs[f"{mixer}{suffix}_spec"] = get_layer_spec(mixer, backend, qk_layernorm="config")

@@ -151,7 +151,8 @@ def get_layer_spec(mixer: str, backend="eager", *, qk_layernorm: bool | str = Fa
 
 
 def get_hybrid_layer_spec(pattern: str | None, backend="eager", *, qk_layernorm: bool | str = False,
-                          linear: str = "local", cp_layout: str | None = None) -> ModuleSpec:
+                          linear: str = "local", cp_layout: str | None = None,
+                          mtp_symbol: str | None = None) -> ModuleSpec:
     """``ModuleSpec(HybridLayer)`` for a repeating layer pattern such as ``"KKKM"`` or ``"GGGA"``.
 
     Layer ``i`` (global, 1-based) gets the mixer of ``pattern[(i - 1) % len(pattern)]``, resolved when the
@@ -159,11 +160,19 @@ def get_hybrid_layer_spec(pattern: str | None, backend="eager", *, qk_layernorm:
     holds every symbol and reads the pattern from ``config.hp_layer_pattern`` (``--hp-layer-pattern``)
     when the layers are built. ``qk_layernorm``: q/k RMSNorms in the attention (``A``) layers: True, False, or
     ``"config"``: as ``config.qk_layernorm`` (``--qk-layernorm``) says when the layers are built.
+    ``mtp_symbol``: the kind of the multi-token-prediction layers built from this spec
+    (``hp_megatron.specs.get_mtp_block_spec``); None: ``config.hp_mtp_layer_kind``, else the pattern's only symbol.
     """
     symbols = sorted(SYMBOLS) if pattern is None else sorted(set(validate_pattern(pattern, SYMBOLS)))
+    if mtp_symbol is not None:
+        validate_pattern(mtp_symbol, SYMBOLS)
+        if len(mtp_symbol) != 1:
+            raise ValueError(f"mtp_symbol must be one layer symbol of {sorted(SYMBOLS)}, got {mtp_symbol!r}")
+        symbols = sorted(set(symbols) | {mtp_symbol})
     layer_types = {symbol: get_layer_submodules(SYMBOLS[symbol], backend, qk_layernorm=qk_layernorm,
                                                 linear=linear, cp_layout=cp_layout)
                    for symbol in symbols}
     return ModuleSpec(module=HybridLayer, params={"pattern": pattern},
                       submodules=HybridLayerSubmodules(layer_types=layer_types, own_positions=OWN_POSITIONS,
-                                                       moe_mlp=_moe_mlp_spec(get_spec_provider(backend, linear))))
+                                                       moe_mlp=_moe_mlp_spec(get_spec_provider(backend, linear)),
+                                                       mtp_symbol=mtp_symbol))
