@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="aux-loss-free balancing: a per-expert routing bias updated after every step (sigmoid routers)")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
                    help="step of the expert-bias update (sign of the expert's load deficit x this rate)")
+    g = parser.add_argument_group("multi-token prediction (Megatron-LM names)")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="MTP depths: each predicts one token further (None: no MTP; on the last pipeline stage)")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="weight of the mean MTP loss over the depths, added to the lm loss's gradient")
     g = parser.add_argument_group("training (Megatron-LM names)")
     g.add_argument("--micro-batch-size", type=int, default=2)
     g.add_argument("--global-batch-size", type=int, default=8)
@@ -252,6 +257,10 @@ def check_args(args, world_size: int) -> None:
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
                          f"{args.micro_batch_size} x data-parallel size {dp} (world {world_size} / TP x PP x CP)")
     check_moe_args(args, world_size)
+    if args.mtp_num_layers is not None and args.mtp_num_layers < 0:
+        raise ValueError(f"--mtp-num-layers must be non-negative, got {args.mtp_num_layers}")
+    if args.mtp_num_layers and args.mtp_loss_scaling_factor < 0:
+        raise ValueError(f"--mtp-loss-scaling-factor must be non-negative, got {args.mtp_loss_scaling_factor}")
     if args.num_layers % pp:
         raise ValueError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
     if args.hidden_size % args.num_attention_heads:

@@ -44,7 +44,7 @@ from hp_megatron.arguments import apply_hp_config  # noqa: E402
 from hp_megatron.cp_subgroups import register_cp_subgroups_from_args  # noqa: E402
 from hp_megatron.platform import CPU_SAFE_CONFIG, apply_cpu_training_shims  # noqa: E402
 from hp_megatron.training.gpt_model import hybrid_gpt_model  # noqa: E402
-from hp_megatron.training.moe import MoELog  # noqa: E402
+from hp_megatron.training.aux_losses import AuxLossLog  # noqa: E402
 from hp_megatron.training.optimizer import get_optimizer  # noqa: E402
 from training import (BatchLoader, ProgressDisplay, build_scheduler, describe_data, describe_model,  # noqa: E402
                       log_line, reduce_lm_loss, run_summary, validation_log_lines)
@@ -120,6 +120,8 @@ def build_config(args, vocab_size):
                    moe_router_load_balancing_type=args.moe_router_load_balancing_type,
                    moe_aux_loss_coeff=args.moe_aux_loss_coeff,
                    moe_router_bias_update_rate=args.moe_router_bias_update_rate)
+    if args.mtp_num_layers:  # megatron-core's multi-token-prediction block on the last stage (hybrid_gpt_model)
+        run.update(mtp_num_layers=args.mtp_num_layers, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
     if args.hp_preset is not None:
         return apply_hp_config(args.hp_preset.transformer_config(**run), args)
     if args.num_experts is not None:  # the experts themselves: megatron-core's MoELayer, SequentialMLP experts
@@ -153,6 +155,7 @@ def build_model(args, config, vocab_size):
                                      cp_layout=args.hp_cp_layout)
         uses_rope = "A" in args.hp_layer_pattern  # zigzag with CP: checked by validate_hp_args
         model = hybrid_gpt_model(config, spec, vocab_size=vocab_size, max_sequence_length=args.seq_length, **stage,
+                                 backend=args.hp_backend,
                                  share_embeddings_and_output_weights=False,
                                  position_embedding_type="rope" if uses_rope else "none", rotary_base=args.rotary_base)
     if torch.cuda.is_available():
@@ -250,7 +253,7 @@ def forward_step(progress, data_iterator, model):
     batch = next(data_iterator)  # BatchLoader: this rank's micro-batch, CP share and packing included
     progress.microbatch_started()
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                   packed_seq_params=batch.get("packed_seq_params"))
+                   loss_mask=batch["loss_mask"], packed_seq_params=batch.get("packed_seq_params"))
     return output, partial(loss_func, batch["loss_mask"])
 
 
@@ -329,7 +332,7 @@ def train(args):
         if not args.save:
             print("no --save: no checkpoint will be written", flush=True)
     fwd_bwd = get_forward_backward_func()
-    moe_log = MoELog([model], run.config, num_micro)
+    aux_log = AuxLossLog([model], run.config, num_micro)
     history, saved_to = [], None
     first_iteration, train_seconds = iteration, 0.0
     model.train()
@@ -338,12 +341,12 @@ def train(args):
         progress.start(iteration + 1)
         optimizer.zero_grad()
         model.zero_grad_buffer()
-        moe_log.before_step()
+        aux_log.before_step()
         losses = fwd_bwd(forward_step_func=step_func,
                          data_iterator=loader.global_batch(consumed), model=model, num_microbatches=num_micro,
                          seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                          decoder_seq_length=args.seq_length, forward_only=False)
-        moe_entries = moe_log.after_step()  # finalize_model_grads (in fwd_bwd) updated the routers' expert bias
+        aux_entries = aux_log.after_step()  # finalize_model_grads (in fwd_bwd) updated the routers' expert bias
         update_ok, grad_norm, _ = optimizer.step()
         if not update_ok:
             raise RuntimeError(f"optimizer step failed at iteration {iteration + 1} (non-finite gradients?)")
@@ -356,11 +359,11 @@ def train(args):
         train_seconds += elapsed
         lr = optimizer.param_groups[0]["lr"]
         history.append({"iteration": iteration, "lm_loss": lm_loss, "grad_norm": float(grad_norm), "lr": lr,
-                        **moe_entries})
+                        **aux_entries})
         if is_log_rank and iteration % args.log_interval == 0:
             tokens = args.global_batch_size * args.seq_length
             print(log_line(iteration, args.train_iters, consumed, elapsed, lr, args.global_batch_size,
-                           lm_loss, grad_norm, tokens / elapsed, moe_entries), flush=True)
+                           lm_loss, grad_norm, tokens / elapsed, aux_entries), flush=True)
         last = iteration == args.train_iters or bool(args.exit_interval and iteration % args.exit_interval == 0)
         if valid_loader is not None and (last or (args.eval_interval and iteration % args.eval_interval == 0)):
             progress.start(iteration)

@@ -97,6 +97,9 @@ def describe_model(args, vocab_size, n_params, device) -> str:
              f"{' SP' if args.sequence_parallel else ''}"]
     if args.num_experts is not None:
         parts.append(describe_moe(args))
+    if args.mtp_num_layers:
+        parts.append(f"MTP: {args.mtp_num_layers} depth(s) on the last stage, loss scaling factor "
+                     f"{args.mtp_loss_scaling_factor:g}")
     cp = args.context_parallel_size
     if set(pattern) & {"G", "K"}:
         text = f"GDN/KDA: backend {args.hp_backend}"
@@ -144,7 +147,7 @@ def reduce_lm_loss(losses_reduced, device):
 
 def log_line(iteration, train_iters, consumed, elapsed_s, lr, gbs, lm_loss, grad_norm, tokens_per_s, extra=None):
     """Megatron-LM's iteration line; ``extra``: further ``{name: value}`` after the lm loss, as Megatron-LM adds
-    the MoE load-balancing losses (``hp_megatron.training.moe``)."""
+    the MoE load-balancing and MTP losses (``hp_megatron.training.aux_losses``)."""
     more = "".join(f" {name}: {value:.6E} |" for name, value in (extra or {}).items())
     return (f" iteration {iteration:8d}/{train_iters:8d} | consumed samples: {consumed:12d} | "
             f"elapsed time per iteration (ms): {elapsed_s * 1000:.1f} | learning rate: {lr:.6E} | "

@@ -1,4 +1,4 @@
-"""What a training loop logs of its MoE layers, from megatron-core's own bookkeeping (:class:`MoELog`):
+"""What a training loop logs beside the lm loss, from megatron-core's own bookkeeping (:class:`AuxLossLog`):
 
 * the routers' load-balancing losses of the global batch, as Megatron-LM's ``training_log`` reports them:
   megatron-core's aux-loss tracker reduced by ``track_moe_metrics`` (mean over MoE layers and micro-batches,
@@ -9,7 +9,10 @@
   ``moe_router_enable_expert_bias``) took in the step's ``finalize_model_grads``, which megatron-core updates by
   ``sign(mean load - expert load) x moe_router_bias_update_rate`` from the loads all-reduced over TP x CP x DP:
   the mean |change| over the experts of every MoE layer of every pipeline stage (the rate when no expert got
-  exactly the mean load).
+  exactly the mean load);
+* the multi-token-prediction loss per depth (``mtp_1 loss``, ...), as Megatron-LM logs it: megatron-core's
+  ``MTPLossLoggingHelper.track_mtp_metrics`` (the token mean of each depth, averaged over micro-batches and
+  data-parallel ranks; on the last pipeline stage, where the MTP block is).
 """
 from __future__ import annotations
 
@@ -32,17 +35,20 @@ def track_names(config) -> list:
     return names + (["z_loss"] if config.moe_z_loss_coeff is not None else [])
 
 
-class MoELog:
-    """The MoE entries of a training loop's iteration line. Build it on every rank after the model (it clears
-    megatron-core's aux-loss tracker, which a previous run in this process may have left bound to destroyed
-    groups); per iteration call :meth:`before_step` before the forward-backward step and :meth:`after_step` after
-    it (both on every rank: they reduce over the pipeline and data-parallel groups)."""
+class AuxLossLog:
+    """The MoE and MTP entries of a training loop's iteration line. Build it on every rank after the model (it
+    clears megatron-core's aux-loss and MTP trackers, which a previous run in this process may have left bound to
+    destroyed groups); per iteration call :meth:`before_step` before the forward-backward step and
+    :meth:`after_step` after it (both on every rank: they reduce over the pipeline and data-parallel groups)."""
 
     def __init__(self, model_chunks, config, num_microbatches: int):
         from megatron.core import parallel_state
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
         get_moe_layer_wise_logging_tracker().clear()
+        MTPLossLoggingHelper.tracker.clear()
+        self.mtp = bool(getattr(config, "mtp_num_layers", None))
         self.config, self.num_microbatches = config, num_microbatches
         self.names = track_names(config) if getattr(config, "num_moe_experts", None) else []
         self.biases = [m.expert_bias for chunk in model_chunks for m in chunk.modules()
@@ -57,7 +63,8 @@ class MoELog:
             self._before = [b.detach().clone() for b in self.biases]
 
     def after_step(self) -> dict:
-        """``{log key: value}``: the non-zero load-balancing losses, then ``expert bias update``."""
+        """``{log key: value}``: the non-zero load-balancing losses, ``expert bias update``, then the MTP losses
+        (on the last pipeline stage)."""
         out = {}
         if self.names:
             from megatron.core.transformer.moe.moe_utils import track_moe_metrics
@@ -76,4 +83,10 @@ class MoELog:
                 total[1] += bias.numel()
             dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
             out["expert bias update"] = float(total[0] / total[1])
+        if self.mtp:
+            from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+            totals = {}
+            MTPLossLoggingHelper.track_mtp_metrics(1.0 / self.num_microbatches, 0, None, total_loss_dict=totals)
+            out.update((name, float(value)) for name, value in totals.items())
         return out
