@@ -16,14 +16,12 @@ Two spawns: 4 ranks for the three layouts (each case streamed, so a failing layo
 cases without a launch.
 """
 import os
-import sys
 
 import pytest
 
+from tests.support.converted_runs import example, example_argv, first_iteration, write_converted
 from tests.support.dist import DistributedTestError, case_result, case_started, run_distributed, run_distributed_cases
-from tests.support.paths import EXAMPLE
 
-SEQ, GBS = 32, 4
 ARCH_FLAGS = {"deepseek_v3": [], "qwen3_next": ["--moe-aux-loss-coeff", "1e-2"]}
 LAYOUTS = {
     "ep2": ("deepseek_v3", ["--expert-model-parallel-size", "2"]),
@@ -36,55 +34,26 @@ LAYOUTS = {
 
 
 def _argv(root, arch, extra=()):
-    return ["--data-path", f"{root}/data/pydoc_text_document", "--tokenizer", f"{root}/data/tokenizer.json",
-            "--hp-hf-config", f"{root}/{arch}_hf", "--load", f"{root}/{arch}_ckpt", "--seq-length", str(SEQ),
-            "--micro-batch-size", "1", "--global-batch-size", str(GBS), "--train-iters", "1", "--no-progress",
-            "--split", "100,0,0", *ARCH_FLAGS[arch], *extra]
-
-
-def _example():
-    if EXAMPLE not in sys.path:
-        sys.path.insert(0, EXAMPLE)
-    import pretrain_hybrid
-
-    return pretrain_hybrid
-
-
-def _train(argv):
-    pretrain_hybrid = _example()
-    return pretrain_hybrid.train(pretrain_hybrid.parse_args(argv))[0]
+    return example_argv(root, arch, *ARCH_FLAGS[arch], *extra)
 
 
 def _layouts_worker(rank, world_size, root):
     out = {}
     for name, (arch, flags) in LAYOUTS.items():
         case_started(name)
-        out[name] = _train(_argv(root, arch, flags))
+        out[name] = first_iteration(_argv(root, arch, flags))
         case_result(name, out[name])
     return out
 
 
 def _single_worker(rank, world_size, root):
-    return {arch: _train(_argv(root, arch)) for arch in ARCH_FLAGS}
+    return {arch: first_iteration(_argv(root, arch)) for arch in ARCH_FLAGS}
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    """A folder with the data and, per architecture, the tiny HF checkpoint and its conversion."""
-    _example()
-    from prepare_data import BPETokenizer, build
-
-    from hp_megatron.convert import hf_to_mcore
-    from hp_megatron.models import get_architecture
-    from hp_megatron.models.tiny import build_tiny_hf_model
-
-    path = tmp_path_factory.mktemp("pretrain_moe")
-    build(str(path / "data"), vocab_size=512)
-    vocab = BPETokenizer(str(path / "data" / "tokenizer.json")).vocab_size
-    for arch in ARCH_FLAGS:
-        build_tiny_hf_model(arch, seed=3, vocab_size=vocab).save_pretrained(str(path / f"{arch}_hf"))
-        hf_to_mcore(str(path / f"{arch}_hf"), str(path / f"{arch}_ckpt"), get_architecture(arch))
-    return str(path)
+    """The data and, per architecture, the tiny HF checkpoint and its conversion."""
+    return write_converted(str(tmp_path_factory.mktemp("pretrain_moe")), ARCH_FLAGS)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +92,7 @@ def _parse(root, arch, flags, world_size):
     old = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(world_size)
     try:
-        return _example().parse_args(_argv(root, arch, flags))
+        return example().parse_args(_argv(root, arch, flags))
     finally:
         if old is None:
             del os.environ["WORLD_SIZE"]
@@ -141,7 +110,7 @@ def test_moe_flags_checked_at_parse_time(root):
         _parse(root, "qwen3_next", ["--num-experts", "6"], 1)
     with pytest.raises(ValueError, match=r"needs --sequence-parallel"):
         _parse(root, "qwen3_next", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"], 4)
-    pretrain_hybrid = _example()  # the flags' own model (no --hp-hf-config): dense unless --num-experts
+    pretrain_hybrid = example()  # the flags' own model (no --hp-hf-config): dense unless --num-experts
     base = ["--data-path", f"{root}/data/pydoc_text_document", "--tokenizer", f"{root}/data/tokenizer.json"]
     with pytest.raises(ValueError, match=r"^--expert-model-parallel-size 2 needs a model with experts "
                                          r"\(no --num-experts\)$"):
