@@ -188,7 +188,7 @@ PRESET_LAYER_ATTRS = {
     "hp_kda_gate_low_rank_dim": "kda_gate_low_rank_dim", "hp_kda_safe_gate": "kda_safe_gate",
     "hp_mla_q_lora_rank": "q_lora_rank", "hp_mla_kv_lora_rank": "kv_lora_rank", "hp_mla_qk_head_dim": "qk_head_dim",
     "hp_mla_qk_pos_emb_head_dim": "qk_pos_emb_head_dim", "hp_mla_v_head_dim": "v_head_dim",
-    "hp_mla_rope_type": "rope_type", "hp_mla_cp": "mla_cp_strategy"}
+    "hp_mla_rope_type": "rope_type", "hp_mla_cp": "mla_cp_strategy", "hp_mtp_layer_kind": "hp_mtp_layer_kind"}
 
 
 def _given_on_command_line(parser, argv, dest: str) -> bool:
@@ -257,10 +257,7 @@ def check_args(args, world_size: int) -> None:
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
                          f"{args.micro_batch_size} x data-parallel size {dp} (world {world_size} / TP x PP x CP)")
     check_moe_args(args, world_size)
-    if args.mtp_num_layers is not None and args.mtp_num_layers < 0:
-        raise ValueError(f"--mtp-num-layers must be non-negative, got {args.mtp_num_layers}")
-    if args.mtp_num_layers and args.mtp_loss_scaling_factor < 0:
-        raise ValueError(f"--mtp-loss-scaling-factor must be non-negative, got {args.mtp_loss_scaling_factor}")
+    check_mtp_args(args)
     if args.num_layers % pp:
         raise ValueError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
     if args.hidden_size % args.num_attention_heads:
@@ -340,6 +337,28 @@ def check_moe_args(args, world_size: int) -> None:
                          f"{args.moe_router_score_function})")
     if args.moe_aux_loss_coeff < 0:
         raise ValueError(f"--moe-aux-loss-coeff must be non-negative, got {args.moe_aux_loss_coeff}")
+
+
+def check_mtp_args(args) -> None:
+    """``--mtp-num-layers`` and its layer kind (ValueError naming the flags)."""
+    from hp_megatron.specs.mtp import ATTENTION_KINDS
+
+    depth = args.mtp_num_layers
+    if depth is not None and depth < 0:
+        raise ValueError(f"--mtp-num-layers must be non-negative, got {depth}")
+    if not depth or args.hp_preset is not None:  # a preset declares its MTP kind
+        return
+    if args.mtp_loss_scaling_factor < 0:
+        raise ValueError(f"--mtp-loss-scaling-factor must be non-negative, got {args.mtp_loss_scaling_factor}")
+    symbols = set(args.hp_layer_pattern)
+    kind = args.hp_mtp_layer_kind or (symbols.pop() if len(symbols) == 1 else None)
+    if kind is None:
+        raise ValueError(f"--mtp-num-layers {depth} with --hp-layer-pattern {args.hp_layer_pattern}: the MTP layers "
+                         f"have one fixed kind; add --hp-mtp-layer-kind ({' or '.join(ATTENTION_KINDS)})")
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"--mtp-num-layers {depth} with MTP layer kind {kind} (--hp-layer-pattern "
+                         f"{args.hp_layer_pattern}): megatron-core's MTP layer is an attention layer; use "
+                         f"--hp-mtp-layer-kind {' or '.join(ATTENTION_KINDS)}")
 
 
 def _check_writable_dir(flag, path):

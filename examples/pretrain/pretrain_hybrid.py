@@ -151,9 +151,10 @@ def build_model(args, config, vocab_size):
         model = args.hp_preset.gpt_model(config, args.hp_backend, max_sequence_length=args.seq_length, **stage,
                                          linear=args.hp_linear, cp_layout=args.hp_cp_layout)
     else:
+        mtp_kind = args.hp_mtp_layer_kind if args.mtp_num_layers else None  # MTP layers of a kind the pattern lacks
         spec = get_hybrid_layer_spec(args.hp_layer_pattern, backend=args.hp_backend, linear=args.hp_linear,
-                                     cp_layout=args.hp_cp_layout)
-        uses_rope = "A" in args.hp_layer_pattern  # zigzag with CP: checked by validate_hp_args
+                                     cp_layout=args.hp_cp_layout, mtp_symbol=mtp_kind)
+        uses_rope = "A" in args.hp_layer_pattern + (mtp_kind or "")  # zigzag with CP: checked by validate_hp_args
         model = hybrid_gpt_model(config, spec, vocab_size=vocab_size, max_sequence_length=args.seq_length, **stage,
                                  backend=args.hp_backend,
                                  share_embeddings_and_output_weights=False,

@@ -14,7 +14,7 @@ Two spawns: 4 ranks for the three layouts (each case streamed), 1 rank for both 
 """
 import pytest
 
-from tests.support.converted_runs import example_argv, first_iteration, write_converted
+from tests.support.converted_runs import example, example_argv, first_iteration, write_converted
 from tests.support.dist import DistributedTestError, case_result, case_started, run_distributed, run_distributed_cases
 
 MTP = ["--mtp-num-layers", "1"]
@@ -47,10 +47,15 @@ def _single_worker(rank, world_size, root):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(layout reader: the last rank's first iteration, {reference: single-rank first iteration})."""
-    root = write_converted(str(tmp_path_factory.mktemp("pretrain_mtp")), ("deepseek_v3", "qwen3_next"),
+def root(tmp_path_factory):
+    """The data and the tiny DeepSeek-V3 / Qwen3-Next checkpoints with an MTP layer, converted with it."""
+    return write_converted(str(tmp_path_factory.mktemp("pretrain_mtp")), ("deepseek_v3", "qwen3_next"),
                            mtp_num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def runs(root):
+    """(layout reader: the last rank's first iteration, {reference: single-rank first iteration})."""
 
     def layout(name):
         return run_distributed_cases(_layouts_worker, 4, name, root)[-1]
@@ -87,3 +92,19 @@ def test_mtp_layout_first_iteration_grad_norm_matches_single_rank(runs, name):
     layout, single = runs
     got, ref = layout(name), single[LAYOUTS[name][0]]
     assert _rel(got["grad_norm"], ref["grad_norm"]) <= 1e-4, (got, ref)
+
+
+def test_mtp_flags_checked_at_parse_time(root):
+    parse = example().parse_args
+    args = parse(_argv(root, "deepseek_v3"))
+    assert (args.mtp_num_layers, args.mtp_loss_scaling_factor) == (1, 0.1)  # Megatron-LM's default factor
+    data = ["--data-path", f"{root}/data/pydoc_text_document", "--tokenizer", f"{root}/data/tokenizer.json"]
+    assert parse(data).mtp_num_layers is None
+    with pytest.raises(ValueError, match=r"^--mtp-num-layers 1 with --hp-layer-pattern KKKM: the MTP layers have "
+                                         r"one fixed kind; add --hp-mtp-layer-kind \(A or M\)$"):
+        parse(data + MTP)
+    with pytest.raises(ValueError, match=r"MTP layer kind K .*megatron-core's MTP layer is an attention layer"):
+        parse(data + MTP + ["--hp-layer-pattern", "KKKK"])
+    assert parse(data + MTP + ["--hp-mtp-layer-kind", "A"]).hp_mtp_layer_kind == "A"
+    with pytest.raises(ValueError, match=r"--hp-mtp-layer-kind A conflicts with --hp-hf-config .*hp_mtp_layer_kind M"):
+        parse(_argv(root, "deepseek_v3", ["--hp-mtp-layer-kind", "A"]))
