@@ -59,22 +59,28 @@ class HybridMultiTokenPredictionLayer(MultiTokenPredictionLayer):
     def _get_embeddings(self, input_ids, position_ids, embedding, hidden_states, packed_seq_params=None):
         layout = getattr(self.config, "hp_cp_layout", "zigzag")
         input_ids = roll_to_next_token(input_ids, self.cp_group, layout, packed_seq_params)
-        position_ids = roll_to_next_token(position_ids, self.cp_group, layout, packed_seq_params)
+        if position_ids is not None:  # read only by learned absolute position embeddings
+            position_ids = roll_to_next_token(position_ids, self.cp_group, layout, packed_seq_params)
         decoder_input = embedding(input_ids=input_ids, position_ids=position_ids)
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
         return input_ids, position_ids, decoder_input, hidden_states
 
 
-def _save_mtp_loss(loss: torch.Tensor, depth: int, depths: int, cp_group) -> None:
-    """Megatron's MTP loss tracker (``track_mtp_metrics`` logs "mtp_<d> loss"): the CP group's terms summed, the
-    data-parallel replicas averaged. The tracker's buffer is made on the loss's device (megatron makes it on CUDA)."""
+def _save_mtp_loss(loss: torch.Tensor, depth: int, depths: int) -> None:
+    """Megatron's MTP loss tracker (``track_mtp_metrics`` logs "mtp_<d> loss"): ``loss`` (this rank's term of its
+    CP group's mean) over the data-parallel size, summed over data x context parallel ranks when logged: the mean
+    of the data-parallel replicas (a SUM, not megatron's AVG reduction, which gloo lacks). The tracker's buffer is
+    made on the loss's device (megatron makes it on CUDA)."""
     from megatron.core import parallel_state
 
     tracker = MTPLossLoggingHelper.tracker
     if "values" not in tracker or tracker["values"].shape[0] != depths:
         tracker["values"] = torch.zeros(depths, device=loss.device)
-    avg_group = parallel_state.get_data_parallel_group() if parallel_state.model_parallel_is_initialized() else None
-    MTPLossLoggingHelper.save_loss_to_tracker(loss, depth, depths, reduce_group=cp_group, avg_group=avg_group)
+    group = None
+    if parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        loss = loss / parallel_state.get_data_parallel_world_size()
+    MTPLossLoggingHelper.save_loss_to_tracker(loss, depth, depths, reduce_group=group)
 
 
 def attach_mtp_losses(model: GPTModel, hidden_states: torch.Tensor, depth_states, labels: torch.Tensor, loss_mask,
@@ -97,7 +103,7 @@ def attach_mtp_losses(model: GPTModel, hidden_states: torch.Tensor, depth_states
         if cp_group is not None:
             torch.distributed.all_reduce(count, group=cp_group)
         if model.training:
-            _save_mtp_loss(losses.sum() / count, depth, config.mtp_num_layers, cp_group)
+            _save_mtp_loss(losses.sum() / count, depth, config.mtp_num_layers)
         term = losses if config.calculate_per_token_loss else losses / count
         hidden_states = MTPLossAutoScaler.apply(hidden_states, scale * term)
     return hidden_states
@@ -106,6 +112,18 @@ def attach_mtp_losses(model: GPTModel, hidden_states: torch.Tensor, depth_states
 class HybridGPTModel(GPTModel):
     """megatron-core ``GPTModel`` whose multi-token-prediction losses use :func:`attach_mtp_losses` (global token
     shift and normalisation over the CP group); without MTP, or in inference, it is ``GPTModel`` unchanged."""
+
+    def setup_embeddings_and_output_layer(self):
+        """megatron-core's, also on a CPU-only torch: with pipeline parallelism it gives the MTP stage its copy of the
+        embedding with ``weight.data.cuda()`` before the all-reduce; without CUDA that move is the identity here."""
+        if torch.cuda.is_available():
+            return super().setup_embeddings_and_output_layer()
+        to_cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
+        try:
+            return super().setup_embeddings_and_output_layer()
+        finally:
+            torch.Tensor.cuda = to_cuda
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
                      rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None, decoder_input=None,
