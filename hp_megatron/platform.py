@@ -14,7 +14,6 @@ command line plus what its training loop needs on gloo (tests/test_training_libr
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 
@@ -140,48 +139,18 @@ def _get_pos_emb_on_this_cp_rank_cpu(pos_emb, seq_dim, cp_group):
     return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
 
 
-@contextlib.contextmanager
-def _tensor_cuda_is_identity():
-    """``Tensor.cuda()`` returns the tensor itself for the duration (a CPU-only process)."""
-    original = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = original
-
-
-def _without_cuda_moves(method):
-    """``method`` with :func:`_tensor_cuda_is_identity` around each call."""
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        with _tensor_cuda_is_identity():
-            return method(*args, **kwargs)
-    wrapper.hp_cpu_shim = True
-    return wrapper
-
-
 def apply_cpu_training_shims(seed: int | None = None) -> bool:
     """:func:`apply_cpu_shims` plus what training on CPU needs: megatron's pipeline schedules (which
-    allocate their token counter with ``device="cuda"``), the MoE and MTP loss trackers (``device="cuda"``,
-    ``ReduceOp.AVG``, which gloo lacks), the CP slice of rotary tables (``.cuda()``) and the last pipeline stage's
-    copy of the word embedding (``.cuda()`` before its all-reduce; MTP, tied embeddings).
+    allocate their token counter with ``device="cuda"``), the MoE loss tracker (``device="cuda"``,
+    ``ReduceOp.AVG``, which gloo lacks) and the CP slice of rotary tables (``.cuda()``).
     Returns True when shims were applied (no CUDA device)."""
     if not apply_cpu_shims(seed):
         return False
     import importlib
 
-    # the schedules' token counter; the MoE / MTP loss trackers (zeros on "cuda", ReduceOp.AVG over data-parallel)
-    for name in ("megatron.core.pipeline_parallel.schedules", "megatron.core.transformer.moe.moe_utils",
-                 "megatron.core.transformer.multi_token_prediction"):
+    # the schedules' token counter; the MoE loss tracker (zeros on "cuda", ReduceOp.AVG over data-parallel)
+    for name in ("megatron.core.pipeline_parallel.schedules", "megatron.core.transformer.moe.moe_utils"):
         importlib.import_module(name).torch = _CpuDeviceTorch()
-    # the copy of the word embedding on the last pipeline stage (MTP, tied embeddings) is synchronised with
-    # weight.data.cuda() before its all-reduce
-    from megatron.core.models.common.language_module.language_module import LanguageModule
-
-    if not getattr(LanguageModule.setup_embeddings_and_output_layer, "hp_cpu_shim", False):
-        LanguageModule.setup_embeddings_and_output_layer = _without_cuda_moves(
-            LanguageModule.setup_embeddings_and_output_layer)
     for name in ("megatron.core.models.common.embeddings.rope_utils",
                  "megatron.core.models.common.embeddings.rotary_pos_embedding",
                  "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding"):
