@@ -11,7 +11,9 @@ Megatron-LM keeps in ``megatron/training`` (here: this file's ``train`` with ``t
 
 Without ``--data-path`` the default dataset (CPython's documentation text, BPE tokenizer trained
 offline, Megatron indexed format; see prepare_data.py) is built under ``out/data/pydoc`` on first use.
-Parallelism: TP, SP, CP (our mixers' CP methods), PP (megatron-core's schedules, also on gloo). Model:
+Parallelism: TP, SP, CP (our mixers' CP methods), PP (megatron-core's schedules, also on gloo), EP (megatron-core's
+expert groups, ``--expert-model-parallel-size``). MoE (``--num-experts``...) and multi-token prediction
+(``--mtp-num-layers``) with Megatron-LM's flags; their losses are logged as Megatron-LM logs them. Model:
 megatron-core ``GPTModel`` with ``hp_megatron.specs.get_hybrid_layer_spec(--hp-layer-pattern)``, or with
 ``--hp-hf-config HF_DIR`` the preset's model of a Qwen3-Next / Kimi Linear / DeepSeek-V3 config.json (start it from
 ``python -m hp_megatron.convert hf-to-mcore`` output with ``--load``; docs/models.md); both built by

@@ -19,8 +19,7 @@ import os
 
 import pytest
 
-from tests.support.converted_runs import example, example_argv, first_iteration, write_converted
-from tests.support.dist import DistributedTestError, case_result, case_started, run_distributed, run_distributed_cases
+from tests.support.converted_runs import example, example_argv, layouts_and_references, write_converted
 
 ARCH_FLAGS = {"deepseek_v3": [], "qwen3_next": ["--moe-aux-loss-coeff", "1e-2"]}
 LAYOUTS = {
@@ -37,19 +36,6 @@ def _argv(root, arch, extra=()):
     return example_argv(root, arch, *ARCH_FLAGS[arch], *extra)
 
 
-def _layouts_worker(rank, world_size, root):
-    out = {}
-    for name, (arch, flags) in LAYOUTS.items():
-        case_started(name)
-        out[name] = first_iteration(_argv(root, arch, flags))
-        case_result(name, out[name])
-    return out
-
-
-def _single_worker(rank, world_size, root):
-    return {arch: first_iteration(_argv(root, arch)) for arch in ARCH_FLAGS}
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     """The data and, per architecture, the tiny HF checkpoint and its conversion."""
@@ -59,14 +45,8 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(root):
     """(layout reader: the last rank's first iteration, {arch: single-rank first iteration})."""
-    def layout(name):
-        return run_distributed_cases(_layouts_worker, 4, name, root)[-1]
-
-    try:
-        layout("ep2_tp2")
-    except (DistributedTestError, KeyError):
-        pass  # each test reports what it misses
-    return layout, run_distributed(_single_worker, 1, root)[0]
+    return layouts_and_references({name: _argv(root, arch, flags) for name, (arch, flags) in LAYOUTS.items()},
+                                  {arch: _argv(root, arch) for arch in ARCH_FLAGS})
 
 
 def _rel(a, b):

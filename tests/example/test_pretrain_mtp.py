@@ -14,8 +14,7 @@ Two spawns: 4 ranks for the three layouts (each case streamed), 1 rank for both 
 """
 import pytest
 
-from tests.support.converted_runs import example, example_argv, first_iteration, write_converted
-from tests.support.dist import DistributedTestError, case_result, case_started, run_distributed, run_distributed_cases
+from tests.support.converted_runs import example, example_argv, layouts_and_references, write_converted
 
 MTP = ["--mtp-num-layers", "1"]
 PACKED = ["--reset-position-ids", "--reset-attention-mask"]
@@ -33,19 +32,6 @@ def _argv(root, reference, extra=()):
     return example_argv(root, arch, *MTP, *flags, *extra)
 
 
-def _layouts_worker(rank, world_size, root):
-    out = {}
-    for name, (reference, flags) in LAYOUTS.items():
-        case_started(name)
-        out[name] = first_iteration(_argv(root, reference, flags))
-        case_result(name, out[name])
-    return out
-
-
-def _single_worker(rank, world_size, root):
-    return {name: first_iteration(_argv(root, name)) for name in REFERENCES}
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     """The data and the tiny DeepSeek-V3 / Qwen3-Next checkpoints with an MTP layer, converted with it."""
@@ -56,15 +42,8 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(root):
     """(layout reader: the last rank's first iteration, {reference: single-rank first iteration})."""
-
-    def layout(name):
-        return run_distributed_cases(_layouts_worker, 4, name, root)[-1]
-
-    try:
-        layout("tp2_cp2_sp_packed")
-    except (DistributedTestError, KeyError):
-        pass  # each test reports what it misses
-    return layout, run_distributed(_single_worker, 1, root)[0]
+    return layouts_and_references({name: _argv(root, ref, flags) for name, (ref, flags) in LAYOUTS.items()},
+                                  {name: _argv(root, name) for name in REFERENCES})
 
 
 def _rel(a, b):

@@ -1,12 +1,14 @@
 """The example (examples/pretrain/pretrain_hybrid.py) on converted tiny Hugging Face checkpoints, in-process:
 :func:`write_converted` makes the data and the checkpoints once per test module, :func:`example_argv` the flags
 that train one of them from ``--load``, :func:`first_iteration` runs the example and returns its first
-iteration's record (lm loss, grad norm, the MoE / MTP log entries)."""
+iteration's record (lm loss, grad norm, the MoE / MTP log entries), :func:`layouts_and_references` runs
+parallel layouts in one 4-rank spawn and their references in one 1-rank spawn."""
 from __future__ import annotations
 
 import os
 import sys
 
+from tests.support.dist import DistributedTestError, case_result, case_started, run_distributed, run_distributed_cases
 from tests.support.paths import EXAMPLE
 
 SEQ, GBS = 32, 4
@@ -55,3 +57,30 @@ def first_iteration(argv) -> dict:
     """Run the example with ``argv`` on this process's ranks; the first iteration's record."""
     pretrain_hybrid = example()
     return pretrain_hybrid.train(pretrain_hybrid.parse_args(argv))[0]
+
+
+def _first_iterations(rank, world_size, cases):
+    """In a worker: :func:`first_iteration` of each ``(name, argv)`` case, each result streamed."""
+    out = {}
+    for name, argv in cases:
+        case_started(name)
+        out[name] = first_iteration(list(argv))
+        case_result(name, out[name])
+    return out
+
+
+def layouts_and_references(layouts: dict, references: dict):
+    """``layouts`` (``{name: argv}``) in one spawn of 4 ranks, then ``references`` on one rank; returns (a reader
+    ``layout(name)`` of the last rank's first iteration, which raises that case's spawn error, and
+    ``{reference: its first iteration}``)."""
+    cases = tuple((name, tuple(argv)) for name, argv in layouts.items())
+
+    def layout(name):
+        return run_distributed_cases(_first_iterations, 4, name, cases)[-1]
+
+    try:
+        layout(cases[-1][0])
+    except (DistributedTestError, KeyError):
+        pass  # each test reports what it misses
+    single = tuple((name, tuple(argv)) for name, argv in references.items())
+    return layout, run_distributed(_first_iterations, 1, single)[0]
