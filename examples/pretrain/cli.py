@@ -346,10 +346,10 @@ def check_mtp_args(args) -> None:
     depth = args.mtp_num_layers
     if depth is not None and depth < 0:
         raise ValueError(f"--mtp-num-layers must be non-negative, got {depth}")
+    if depth and args.mtp_loss_scaling_factor < 0:
+        raise ValueError(f"--mtp-loss-scaling-factor must be non-negative, got {args.mtp_loss_scaling_factor}")
     if not depth or args.hp_preset is not None:  # a preset declares its MTP kind
         return
-    if args.mtp_loss_scaling_factor < 0:
-        raise ValueError(f"--mtp-loss-scaling-factor must be non-negative, got {args.mtp_loss_scaling_factor}")
     symbols = set(args.hp_layer_pattern)
     kind = args.hp_mtp_layer_kind or (symbols.pop() if len(symbols) == 1 else None)
     if kind is None:
