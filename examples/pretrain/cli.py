@@ -179,7 +179,8 @@ def parse_args(argv=None, parser=None):
 PRESET_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                "rotary_base", "hp_layer_pattern", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
                "moe_router_score_function", "moe_router_enable_expert_bias")
-# how the router is balanced is a training choice: these flags keep their command-line values over the preset's
+# how the router is balanced is a training choice: given on the command line, these flags (all three, with
+# Megatron-LM's defaults for those not given) replace the preset's balancing (none: transformers' loss has no aux loss)
 TRAINING_MOE_ARGS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_router_bias_update_rate")
 PRESET_LAYER_ATTRS = {
     "hp_linear_num_key_heads": "linear_num_key_heads", "hp_linear_num_value_heads": "linear_num_value_heads",
@@ -222,8 +223,9 @@ def apply_hf_preset(parser, args, argv):
                              f"({preset.model_type}: {attr} {preset.mixer_fields.get(attr)})")
     training_choices = {dest: getattr(args, dest) for dest in TRAINING_MOE_ARGS}
     preset = apply_hf_config_to_args(args)
-    for dest, value in training_choices.items():
-        setattr(args, dest, value)
+    if any(_given_on_command_line(parser, argv, dest) for dest in TRAINING_MOE_ARGS):
+        for dest, value in training_choices.items():
+            setattr(args, dest, value)
     return preset
 
 
