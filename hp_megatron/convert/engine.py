@@ -23,6 +23,7 @@ the engine knows no architecture itself (``hp_megatron.models`` imports it, neve
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import shutil
@@ -70,7 +71,7 @@ def build_layout(build_model, hf_config: dict, metadata: dict | None = None) -> 
     """The checkpoint layout of ``build_model(hf_config)`` built at TP=PP=EP=1 on the ``meta`` device (no
     weights are allocated; parameters a module places on an explicit device stay small)."""
     # imported outside the meta context: megatron-core's module-level tensors (the MTP loss scale) stay real
-    import megatron.core.models.gpt  # noqa: F401
+    importlib.import_module("megatron.core.models.gpt")
 
     with single_rank_megatron(), torch.device("meta"):
         model = build_model(hf_config, perform_initialization=False, use_cpu_initialization=True)

@@ -73,9 +73,11 @@ class Architecture:
             raise ValueError(f"mtp_num_layers must be an int >= 0, got {mtp_num_layers!r}")
         if not mtp_num_layers:
             return self
-        if self.model_type not in MTP_ARCHITECTURES or self.mtp_num_layers:
+        if self.model_type not in MTP_ARCHITECTURES:
             raise ValueError(f"{self.model_type}: multi-token-prediction layers are converted for "
                              f"{sorted(MTP_ARCHITECTURES)}, got mtp_num_layers={mtp_num_layers}")
+        if self.mtp_num_layers:
+            raise ValueError(f"{self.model_type}: the architecture has {self.mtp_num_layers} MTP layers already")
         return replace(self, mtp_num_layers=mtp_num_layers, unmodeled_tensors=no_unmodeled_tensors,
                        conversion_rules=functools.partial(self.conversion_rules, mtp_num_layers=mtp_num_layers))
 

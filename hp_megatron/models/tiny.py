@@ -180,7 +180,12 @@ def add_tiny_mtp_layer(directory: str, arch: str, seed: int = 0) -> dict:
     fields, tensors = tiny_mtp_tensors(arch, seed, config["vocab_size"], state)
     config.update(fields)
     tmp = os.path.join(directory, "model.safetensors.tmp")
-    save_file({**state, **tensors}, tmp, metadata={"format": "pt"})
+    try:
+        save_file({**state, **tensors}, tmp, metadata={"format": "pt"})
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     for name in files + ["model.safetensors.index.json"]:
         if os.path.exists(os.path.join(directory, name)):
             os.remove(os.path.join(directory, name))

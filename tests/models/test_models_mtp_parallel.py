@@ -25,7 +25,7 @@ CASES = {"qwen3_next": ("tp2cp2", "pp2", "ep2", "cp2_packed"), "deepseek_v3": ("
 COMPARED = ("mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
             "mtp.layers.0.final_layernorm.weight", "mtp.layers.0.transformer_layer.input_layernorm.weight",
             "mtp.layers.0.transformer_layer.mlp.router.weight", "embedding.word_embeddings.weight")
-SEQ, BATCH, DOCS = 12, 2, (0, 8, 16)   # BSHD rows; packed: one row of two documents
+SEQ, BATCH, DOCS = 12, 4, (0, 8, 16)   # BSHD rows; packed: one row of two documents
 
 
 def _checkpoint(arch):
