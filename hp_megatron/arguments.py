@@ -39,6 +39,8 @@ def _non_negative(text):
 
 def add_hp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--hp-*`` flags (one argument group) and return the parser."""
+    from hp_megatron.specs.mtp import ATTENTION_KINDS as MTP_LAYER_KINDS
+
     g = parser.add_argument_group("hp_megatron (GDN / KDA / MLA layers)")
     g.add_argument("--hp-layer-pattern", default=None,
                    help="repeating layer pattern over the global layer numbers: G=GDN, K=KDA, M=MLA, A=attention "
@@ -91,6 +93,10 @@ def add_hp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "(hp_megatron.models.args.apply_hf_config_to_args; docs/models.md)")
     g.add_argument("--hp-mla-rope-type", choices=ROPE_TYPES, default="rope",
                    help="MLA rotary embedding (none = NoPE, as Kimi Linear's MLA layers)")
+    g.add_argument("--hp-mtp-layer-kind", choices=MTP_LAYER_KINDS, default=None,
+                   help="the mixer of the multi-token-prediction layers (--mtp-num-layers) under a layer pattern with "
+                        "several symbols (M=MLA, A=attention: megatron-core's MTP layer is an attention layer); None: "
+                        "the spec's declared kind or the pattern's only symbol")
     return parser
 
 
@@ -146,6 +152,7 @@ def hp_config_from_args(args) -> dict:
         "qk_pos_emb_head_dim": args.hp_mla_qk_pos_emb_head_dim or max(hidden // heads // 2, 8),
         "v_head_dim": args.hp_mla_v_head_dim or hidden // heads,
         "rope_type": args.hp_mla_rope_type,
+        "hp_mtp_layer_kind": getattr(args, "hp_mtp_layer_kind", None),
     }
     if getattr(args, "rotary_base", None) is not None:   # --rotary-base: the MLA layers' RoPE base too
         fields["rotary_base"] = float(args.rotary_base)

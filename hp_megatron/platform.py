@@ -90,10 +90,30 @@ def single_rank_megatron(seed: int | None = None, *, model_parallel: bool = True
             dist.destroy_process_group()
 
 
+class _GlooDistributed:
+    """``torch.distributed`` for a megatron module that averages with ``ReduceOp.AVG``, which gloo lacks: such an
+    all-reduce is a SUM divided by the group's size; everything else is ``torch.distributed``'s."""
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        if op != torch.distributed.ReduceOp.AVG:
+            return torch.distributed.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        if async_op:
+            raise ValueError("an averaging all-reduce on gloo is emulated synchronously; async_op=True is unsupported")
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, group=group)
+        tensor.div_(torch.distributed.get_world_size(group))
+        return None
+
+
 class _CpuDeviceTorch:
-    """``torch`` for a megatron module that hard-codes ``device="cuda"`` in factory calls: maps it to CPU."""
+    """``torch`` for a megatron module that hard-codes ``device="cuda"`` in factory calls: maps it to CPU; its
+    ``torch.distributed`` averages on gloo (:class:`_GlooDistributed`)."""
 
     _factories = ("zeros", "ones", "empty", "tensor", "full")
+    distributed = _GlooDistributed()
 
     def __getattr__(self, name):
         attr = getattr(torch, name)
@@ -121,14 +141,16 @@ def _get_pos_emb_on_this_cp_rank_cpu(pos_emb, seq_dim, cp_group):
 
 def apply_cpu_training_shims(seed: int | None = None) -> bool:
     """:func:`apply_cpu_shims` plus what training on CPU needs: megatron's pipeline schedules (which
-    allocate their token counter with ``device="cuda"``) and the CP slice of rotary tables (``.cuda()``).
+    allocate their token counter with ``device="cuda"``), the MoE loss tracker (``device="cuda"``,
+    ``ReduceOp.AVG``, which gloo lacks) and the CP slice of rotary tables (``.cuda()``).
     Returns True when shims were applied (no CUDA device)."""
     if not apply_cpu_shims(seed):
         return False
     import importlib
 
-    schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
-    schedules.torch = _CpuDeviceTorch()
+    # the schedules' token counter; the MoE loss tracker (zeros on "cuda", ReduceOp.AVG over data-parallel)
+    for name in ("megatron.core.pipeline_parallel.schedules", "megatron.core.transformer.moe.moe_utils"):
+        importlib.import_module(name).torch = _CpuDeviceTorch()
     for name in ("megatron.core.models.common.embeddings.rope_utils",
                  "megatron.core.models.common.embeddings.rotary_pos_embedding",
                  "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding"):

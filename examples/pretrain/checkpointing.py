@@ -27,7 +27,12 @@ SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_de
 
 
 def _model_sharded_state_dict(model):
-    return model.module.sharded_state_dict()
+    """The DDP-wrapped model's sharded state dict; the metadata names the data x context parallel group, which
+    megatron-core reads where a stage holds a tied copy of a tensor (the MTP stage's word embedding)."""
+    from megatron.core import parallel_state
+
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    return model.module.sharded_state_dict(metadata=metadata)
 
 
 def _make_dir_on_rank0(path):

@@ -79,6 +79,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--bf16", action="store_true")
+    g = parser.add_argument_group("mixture of experts (Megatron-LM names; with --hp-hf-config the model's own MoE)")
+    g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (None: no MoE)")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="an expert's FFN size (None: --ffn-hidden-size)")
+    g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="ranks the experts are split across (within the data-parallel x CP ranks)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="tensor parallelism inside each expert (None: --tensor-model-parallel-size)")
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                   choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "none"))
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                   help="weight of the load-balancing loss (1e-2 is Megatron-LM's suggested start; 0: none)")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free balancing: a per-expert routing bias updated after every step (sigmoid routers)")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="step of the expert-bias update (sign of the expert's load deficit x this rate)")
+    g = parser.add_argument_group("multi-token prediction (Megatron-LM names)")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="MTP depths: each predicts one token further (None: no MTP; on the last pipeline stage)")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="weight of the mean MTP loss over the depths, added to the lm loss's gradient")
     g = parser.add_argument_group("training (Megatron-LM names)")
     g.add_argument("--micro-batch-size", type=int, default=2)
     g.add_argument("--global-batch-size", type=int, default=8)
@@ -140,6 +162,10 @@ def parse_args(argv=None, parser=None):
     args.hp_preset = apply_hf_preset(parser, args, sys.argv[1:] if argv is None else argv)
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 64 * math.ceil(8 * args.hidden_size / 3 / 64)
+    if args.num_experts is not None and args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.hp_layer_pattern is None:
@@ -151,7 +177,11 @@ def parse_args(argv=None, parser=None):
 # --hp-hf-config: the example's model flags -> the preset's Megatron argument (hp_megatron.models.args) or the
 # config field of our layers it sets (ModelPreset.mixer_fields)
 PRESET_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-               "rotary_base", "hp_layer_pattern")
+               "rotary_base", "hp_layer_pattern", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+               "moe_router_score_function", "moe_router_enable_expert_bias")
+# how the router is balanced is a training choice: given on the command line, these flags (all three, with
+# Megatron-LM's defaults for those not given) replace the preset's balancing (none: transformers' loss has no aux loss)
+TRAINING_MOE_ARGS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_router_bias_update_rate")
 PRESET_LAYER_ATTRS = {
     "hp_linear_num_key_heads": "linear_num_key_heads", "hp_linear_num_value_heads": "linear_num_value_heads",
     "hp_linear_key_head_dim": "linear_key_head_dim", "hp_linear_value_head_dim": "linear_value_head_dim",
@@ -159,7 +189,7 @@ PRESET_LAYER_ATTRS = {
     "hp_kda_gate_low_rank_dim": "kda_gate_low_rank_dim", "hp_kda_safe_gate": "kda_safe_gate",
     "hp_mla_q_lora_rank": "q_lora_rank", "hp_mla_kv_lora_rank": "kv_lora_rank", "hp_mla_qk_head_dim": "qk_head_dim",
     "hp_mla_qk_pos_emb_head_dim": "qk_pos_emb_head_dim", "hp_mla_v_head_dim": "v_head_dim",
-    "hp_mla_rope_type": "rope_type", "hp_mla_cp": "mla_cp_strategy"}
+    "hp_mla_rope_type": "rope_type", "hp_mla_cp": "mla_cp_strategy", "hp_mtp_layer_kind": "hp_mtp_layer_kind"}
 
 
 def _given_on_command_line(parser, argv, dest: str) -> bool:
@@ -191,7 +221,12 @@ def apply_hf_preset(parser, args, argv):
         if _given_on_command_line(parser, argv, dest) and getattr(args, dest) != preset.mixer_fields.get(attr):
             raise ValueError(f"--{dest.replace('_', '-')} {getattr(args, dest)} conflicts with {source} "
                              f"({preset.model_type}: {attr} {preset.mixer_fields.get(attr)})")
-    return apply_hf_config_to_args(args)
+    training_choices = {dest: getattr(args, dest) for dest in TRAINING_MOE_ARGS}
+    preset = apply_hf_config_to_args(args)
+    if any(_given_on_command_line(parser, argv, dest) for dest in TRAINING_MOE_ARGS):
+        for dest, value in training_choices.items():
+            setattr(args, dest, value)
+    return preset
 
 
 def split_weights(split: str):
@@ -223,6 +258,8 @@ def check_args(args, world_size: int) -> None:
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
                          f"{args.micro_batch_size} x data-parallel size {dp} (world {world_size} / TP x PP x CP)")
+    check_moe_args(args, world_size)
+    check_mtp_args(args)
     if args.num_layers % pp:
         raise ValueError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
     if args.hidden_size % args.num_attention_heads:
@@ -267,6 +304,65 @@ def check_args(args, world_size: int) -> None:
     validate_hp_args(args)
 
 
+def check_moe_args(args, world_size: int) -> None:
+    """The MoE and expert-parallel flags against the model and the world size (ValueError naming them)."""
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    for flag, value in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp),
+                        ("--moe-router-topk", args.moe_router_topk)):
+        if value < 1:
+            raise ValueError(f"{flag} must be positive, got {value}")
+    experts = args.num_experts
+    if experts is None:
+        source = f"--hp-hf-config {args.hp_hf_config} has no MoE layers" if args.hp_preset else "no --num-experts"
+        asked = [f"{flag} {value}" for flag, value, default in (
+            ("--expert-model-parallel-size", ep, 1), ("--expert-tensor-parallel-size", etp, tp),
+            ("--moe-aux-loss-coeff", args.moe_aux_loss_coeff, 0.0),
+            ("--moe-router-enable-expert-bias", args.moe_router_enable_expert_bias, False)) if value != default]
+        if asked:
+            raise ValueError(f"{', '.join(asked)} needs a model with experts ({source})")
+        return
+    if experts < 1:
+        raise ValueError(f"--num-experts must be positive, got {experts}")
+    if experts % ep:
+        raise ValueError(f"--num-experts {experts} is not divisible by --expert-model-parallel-size {ep}")
+    if args.moe_router_topk > experts:
+        raise ValueError(f"--moe-router-topk {args.moe_router_topk} exceeds --num-experts {experts}")
+    if world_size % (etp * ep * pp):
+        raise ValueError(f"world size {world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
+                         f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = {etp * ep * pp}")
+    if ep > 1 and tp > 1 and not args.sequence_parallel:
+        raise ValueError(f"--expert-model-parallel-size {ep} with --tensor-model-parallel-size {tp} needs "
+                         "--sequence-parallel (megatron-core's MoE layers under TP and EP require it)")
+    if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
+        raise ValueError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (got "
+                         f"{args.moe_router_score_function})")
+    if args.moe_aux_loss_coeff < 0:
+        raise ValueError(f"--moe-aux-loss-coeff must be non-negative, got {args.moe_aux_loss_coeff}")
+
+
+def check_mtp_args(args) -> None:
+    """``--mtp-num-layers`` and its layer kind (ValueError naming the flags)."""
+    from hp_megatron.specs.mtp import ATTENTION_KINDS
+
+    depth = args.mtp_num_layers
+    if depth is not None and depth < 0:
+        raise ValueError(f"--mtp-num-layers must be non-negative, got {depth}")
+    if depth and args.mtp_loss_scaling_factor < 0:
+        raise ValueError(f"--mtp-loss-scaling-factor must be non-negative, got {args.mtp_loss_scaling_factor}")
+    if not depth or args.hp_preset is not None:  # a preset declares its MTP kind
+        return
+    symbols = set(args.hp_layer_pattern)
+    kind = args.hp_mtp_layer_kind or (symbols.pop() if len(symbols) == 1 else None)
+    if kind is None:
+        raise ValueError(f"--mtp-num-layers {depth} with --hp-layer-pattern {args.hp_layer_pattern}: the MTP layers "
+                         f"have one fixed kind; add --hp-mtp-layer-kind ({' or '.join(ATTENTION_KINDS)})")
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"--mtp-num-layers {depth} with MTP layer kind {kind} (--hp-layer-pattern "
+                         f"{args.hp_layer_pattern}): megatron-core's MTP layer is an attention layer; use "
+                         f"--hp-mtp-layer-kind {' or '.join(ATTENTION_KINDS)}")
+
+
 def _check_writable_dir(flag, path):
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a file, not a directory")
@@ -293,6 +389,7 @@ KNOWN_STARTUP_WARNINGS = (
     r"Apex is not installed",
     r"full scope is deprecated",
     r".*torch\.distributed\._(all_gather|reduce_scatter)_base.*deprecated",
+    r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
     r"`load_state_dict` is deprecated",
 )
 

@@ -11,7 +11,9 @@ Megatron-LM keeps in ``megatron/training`` (here: this file's ``train`` with ``t
 
 Without ``--data-path`` the default dataset (CPython's documentation text, BPE tokenizer trained
 offline, Megatron indexed format; see prepare_data.py) is built under ``out/data/pydoc`` on first use.
-Parallelism: TP, SP, CP (our mixers' CP methods), PP (megatron-core's schedules, also on gloo). Model:
+Parallelism: TP, SP, CP (our mixers' CP methods), PP (megatron-core's schedules, also on gloo), EP (megatron-core's
+expert groups, ``--expert-model-parallel-size``). MoE (``--num-experts``...) and multi-token prediction
+(``--mtp-num-layers``) with Megatron-LM's flags; their losses are logged as Megatron-LM logs them. Model:
 megatron-core ``GPTModel`` with ``hp_megatron.specs.get_hybrid_layer_spec(--hp-layer-pattern)``, or with
 ``--hp-hf-config HF_DIR`` the preset's model of a Qwen3-Next / Kimi Linear / DeepSeek-V3 config.json (start it from
 ``python -m hp_megatron.convert hf-to-mcore`` output with ``--load``; docs/models.md); both built by
@@ -44,6 +46,7 @@ from hp_megatron.arguments import apply_hp_config  # noqa: E402
 from hp_megatron.cp_subgroups import register_cp_subgroups_from_args  # noqa: E402
 from hp_megatron.platform import CPU_SAFE_CONFIG, apply_cpu_training_shims  # noqa: E402
 from hp_megatron.training.gpt_model import hybrid_gpt_model  # noqa: E402
+from hp_megatron.training.aux_losses import AuxLossLog  # noqa: E402
 from hp_megatron.training.optimizer import get_optimizer  # noqa: E402
 from training import (BatchLoader, ProgressDisplay, build_scheduler, describe_data, describe_model,  # noqa: E402
                       log_line, reduce_lm_loss, run_summary, validation_log_lines)
@@ -67,7 +70,9 @@ def initialize(args):
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size)
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     args.data_parallel_size = parallel_state.get_data_parallel_world_size()
     register_cp_subgroups_from_args(args)   # every rank, here: CP groups smaller than the world need it
     if on_gpu:
@@ -111,8 +116,22 @@ def build_config(args, vocab_size):
                context_parallel_size=args.context_parallel_size, sequence_parallel=args.sequence_parallel,
                init_method_std=args.init_method_std, params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
                **CPU_SAFE_CONFIG)
+    if args.num_experts is not None:  # how the experts are split and balanced: this run's flags
+        run.update(expert_model_parallel_size=args.expert_model_parallel_size,
+                   expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+                   moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+                   moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+                   moe_router_bias_update_rate=args.moe_router_bias_update_rate)
+    if args.mtp_num_layers:  # megatron-core's multi-token-prediction block on the last stage (hybrid_gpt_model)
+        run.update(mtp_num_layers=args.mtp_num_layers, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
     if args.hp_preset is not None:
         return apply_hp_config(args.hp_preset.transformer_config(**run), args)
+    if args.num_experts is not None:  # the experts themselves: megatron-core's MoELayer, SequentialMLP experts
+        run.update(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                   moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                   moe_router_score_function=args.moe_router_score_function,
+                   moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+                   moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
@@ -134,10 +153,12 @@ def build_model(args, config, vocab_size):
         model = args.hp_preset.gpt_model(config, args.hp_backend, max_sequence_length=args.seq_length, **stage,
                                          linear=args.hp_linear, cp_layout=args.hp_cp_layout)
     else:
+        mtp_kind = args.hp_mtp_layer_kind if args.mtp_num_layers else None  # MTP layers of a kind the pattern lacks
         spec = get_hybrid_layer_spec(args.hp_layer_pattern, backend=args.hp_backend, linear=args.hp_linear,
-                                     cp_layout=args.hp_cp_layout)
-        uses_rope = "A" in args.hp_layer_pattern  # zigzag with CP: checked by validate_hp_args
+                                     cp_layout=args.hp_cp_layout, mtp_symbol=mtp_kind)
+        uses_rope = "A" in args.hp_layer_pattern + (mtp_kind or "")  # zigzag with CP: checked by validate_hp_args
         model = hybrid_gpt_model(config, spec, vocab_size=vocab_size, max_sequence_length=args.seq_length, **stage,
+                                 backend=args.hp_backend,
                                  share_embeddings_and_output_weights=False,
                                  position_embedding_type="rope" if uses_rope else "none", rotary_base=args.rotary_base)
     if torch.cuda.is_available():
@@ -235,7 +256,7 @@ def forward_step(progress, data_iterator, model):
     batch = next(data_iterator)  # BatchLoader: this rank's micro-batch, CP share and packing included
     progress.microbatch_started()
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                   packed_seq_params=batch.get("packed_seq_params"))
+                   loss_mask=batch["loss_mask"], packed_seq_params=batch.get("packed_seq_params"))
     return output, partial(loss_func, batch["loss_mask"])
 
 
@@ -314,6 +335,7 @@ def train(args):
         if not args.save:
             print("no --save: no checkpoint will be written", flush=True)
     fwd_bwd = get_forward_backward_func()
+    aux_log = AuxLossLog([model], run.config, num_micro)
     history, saved_to = [], None
     first_iteration, train_seconds = iteration, 0.0
     model.train()
@@ -322,10 +344,12 @@ def train(args):
         progress.start(iteration + 1)
         optimizer.zero_grad()
         model.zero_grad_buffer()
+        aux_log.before_step()
         losses = fwd_bwd(forward_step_func=step_func,
                          data_iterator=loader.global_batch(consumed), model=model, num_microbatches=num_micro,
                          seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                          decoder_seq_length=args.seq_length, forward_only=False)
+        aux_entries = aux_log.after_step()  # finalize_model_grads (in fwd_bwd) updated the routers' expert bias
         update_ok, grad_norm, _ = optimizer.step()
         if not update_ok:
             raise RuntimeError(f"optimizer step failed at iteration {iteration + 1} (non-finite gradients?)")
@@ -337,11 +361,12 @@ def train(args):
         elapsed = time.perf_counter() - start
         train_seconds += elapsed
         lr = optimizer.param_groups[0]["lr"]
-        history.append({"iteration": iteration, "lm_loss": lm_loss, "grad_norm": float(grad_norm), "lr": lr})
+        history.append({"iteration": iteration, "lm_loss": lm_loss, "grad_norm": float(grad_norm), "lr": lr,
+                        **aux_entries})
         if is_log_rank and iteration % args.log_interval == 0:
             tokens = args.global_batch_size * args.seq_length
             print(log_line(iteration, args.train_iters, consumed, elapsed, lr, args.global_batch_size,
-                           lm_loss, grad_norm, tokens / elapsed), flush=True)
+                           lm_loss, grad_norm, tokens / elapsed, aux_entries), flush=True)
         last = iteration == args.train_iters or bool(args.exit_interval and iteration % args.exit_interval == 0)
         if valid_loader is not None and (last or (args.eval_interval and iteration % args.eval_interval == 0)):
             progress.start(iteration)

@@ -95,6 +95,11 @@ def describe_model(args, vocab_size, n_params, device) -> str:
              f"TP={args.tensor_model_parallel_size} CP={args.context_parallel_size} "
              f"PP={args.pipeline_model_parallel_size} DP={args.data_parallel_size}"
              f"{' SP' if args.sequence_parallel else ''}"]
+    if args.num_experts is not None:
+        parts.append(describe_moe(args))
+    if args.mtp_num_layers:
+        parts.append(f"MTP: {args.mtp_num_layers} depth(s) on the last stage, loss scaling factor "
+                     f"{args.mtp_loss_scaling_factor:g}")
     cp = args.context_parallel_size
     if set(pattern) & {"G", "K"}:
         text = f"GDN/KDA: backend {args.hp_backend}"
@@ -114,6 +119,19 @@ def describe_model(args, vocab_size, n_params, device) -> str:
     return "; ".join(parts)
 
 
+def describe_moe(args) -> str:
+    """The MoE part of the header: experts, routing, expert parallelism, load balancing."""
+    text = (f"MoE: {args.num_experts} experts of FFN {args.moe_ffn_hidden_size}, top-{args.moe_router_topk} "
+            f"{args.moe_router_score_function} router, EP={args.expert_model_parallel_size} "
+            f"ETP={args.expert_tensor_parallel_size} ({args.num_experts // args.expert_model_parallel_size} experts "
+            f"per rank)")
+    if args.moe_aux_loss_coeff > 0 and args.moe_router_load_balancing_type != "none":
+        text += f", {args.moe_router_load_balancing_type} coeff {args.moe_aux_loss_coeff:g}"
+    if args.moe_router_enable_expert_bias:
+        text += f", expert bias update rate {args.moe_router_bias_update_rate:g}"
+    return text
+
+
 def reduce_lm_loss(losses_reduced, device):
     """Mean token loss of the global batch (last pipeline stage; NaN elsewhere), as Megatron-LM reports it."""
     from megatron.core import parallel_state
@@ -127,10 +145,13 @@ def reduce_lm_loss(losses_reduced, device):
     return float(total[0] / total[1])
 
 
-def log_line(iteration, train_iters, consumed, elapsed_s, lr, gbs, lm_loss, grad_norm, tokens_per_s):
+def log_line(iteration, train_iters, consumed, elapsed_s, lr, gbs, lm_loss, grad_norm, tokens_per_s, extra=None):
+    """Megatron-LM's iteration line; ``extra``: further ``{name: value}`` after the lm loss, as Megatron-LM adds
+    the MoE load-balancing and MTP losses (``hp_megatron.training.aux_losses``)."""
+    more = "".join(f" {name}: {value:.6E} |" for name, value in (extra or {}).items())
     return (f" iteration {iteration:8d}/{train_iters:8d} | consumed samples: {consumed:12d} | "
             f"elapsed time per iteration (ms): {elapsed_s * 1000:.1f} | learning rate: {lr:.6E} | "
-            f"global batch size: {gbs:5d} | lm loss: {lm_loss:.6E} | grad norm: {grad_norm:.3f} | "
+            f"global batch size: {gbs:5d} | lm loss: {lm_loss:.6E} |{more} grad norm: {grad_norm:.3f} | "
             f"tokens/s: {tokens_per_s:.0f} |")
 
 

@@ -5,6 +5,8 @@ would otherwise provide; one job per module, imported by ``examples/pretrain`` a
                  norm (the one builder of the example, the launcher and ``ModelPreset.gpt_model``)
   ``packing``    ``pack_documents``: a micro-batch of documents as one THD row with its ``PackedSeqParams``
   ``optimizer``  ``get_optimizer``: megatron-core's optimizer on GPU, ``TorchOptimizer`` (same interface) on CPU
+  ``aux_losses`` ``AuxLossLog``: the MoE load-balancing losses, expert-bias update and MTP losses of an iteration,
+                 from megatron-core's trackers, as Megatron-LM logs them
 
 The checkpoint directory layout is ``hp_megatron.checkpoint_dirs`` (the converter reads it too), the CPU-safe
 config fields ``hp_megatron.platform.CPU_SAFE_CONFIG``.

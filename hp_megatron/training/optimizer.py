@@ -30,8 +30,10 @@ class TorchOptimizer:
     """``torch.optim.AdamW`` over megatron DDP's ``main_grad`` buffers with megatron's optimizer interface
     (``step() -> (ok, grad_norm, None)``, ``param_groups``, ``sharded_state_dict``), for CPU runs.
 
-    Gradient norm: L2 over parameters that are not tensor-parallel duplicates, summed over the
-    model-parallel group (TP x PP); clipping scales all gradients by ``clip / (norm + 1e-6)`` when < 1.
+    Gradient norm, as megatron-core's optimizers for dense and expert parameters together: L2 over parameters
+    that are not tensor-parallel duplicates, the squares of dense parameters summed over the model-parallel group
+    (TP x PP), those of expert parameters (``allreduce=False``, split over expert parallelism) over the expert
+    group (expert TP x EP x PP); clipping scales all gradients by ``clip / (norm + 1e-6)`` when < 1.
     """
 
     def __init__(self, model_chunks, lr, weight_decay, betas, eps, clip_grad):
@@ -59,13 +61,17 @@ class TorchOptimizer:
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
         from megatron.core.transformer.module import param_is_not_shared
 
-        grads = [p.grad for p in self._params() if p.grad is not None and param_is_not_shared(p)
-                 and param_is_not_tensor_parallel_duplicate(p)]
-        total = torch.zeros((), dtype=torch.float64)
-        for g in grads:
-            total += g.detach().double().pow(2).sum().cpu()
-        dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
-        return float(total.sqrt())
+        squares = {True: torch.zeros((), dtype=torch.float64), False: torch.zeros((), dtype=torch.float64)}
+        expert_tp = parallel_state.get_expert_tensor_parallel_group()
+        for p in self._params():
+            expert = not getattr(p, "allreduce", True)
+            if p.grad is None or not param_is_not_shared(p) or not param_is_not_tensor_parallel_duplicate(
+                    p, expert_tp if expert else None):
+                continue
+            squares[expert] += p.grad.detach().double().pow(2).sum().cpu()
+        dist.all_reduce(squares[False], group=parallel_state.get_model_parallel_group())
+        dist.all_reduce(squares[True], group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+        return float((squares[False] + squares[True]).sqrt())
 
     def step(self):
         for p in self._params():

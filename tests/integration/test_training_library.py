@@ -56,7 +56,7 @@ def _launcher_args(**overrides):
     args = dict(spec=["hp_megatron.specs", "attn_spec"], padded_vocab_size=128, max_position_embeddings=16,
                 fp16_lm_cross_entropy=False, untie_embeddings_and_output_weights=True,
                 position_embedding_type="rope", rotary_percent=1.0, rotary_base=10000, use_rope_scaling=False,
-                use_legacy_models=False, mtp_num_layers=None, yaml_cfg=None)
+                use_legacy_models=False, mtp_num_layers=None, yaml_cfg=None, hp_backend="eager")
     return SimpleNamespace(**{**args, **overrides})
 
 
@@ -76,8 +76,8 @@ def test_launcher_builds_its_model_with_the_library_builder(single_rank, monkeyp
     assert type(model.decoder.final_layernorm) is RMSNorm
     assert model.embedding.word_embeddings.weight.shape == (128, 32) and model.output_layer.weight.shape == (128, 32)
     assert not model.share_embeddings_and_output_weights and model.position_embedding_type == "rope"
-    with pytest.raises(ValueError, match="--mtp-num-layers is not supported with --spec hp_megatron.specs"):
-        _hybrid_gpt_builder(_launcher_args(mtp_num_layers=1), True, True, config=_config())
+    with pytest.raises(ValueError, match="--yaml-cfg is not supported with --spec hp_megatron.specs"):
+        _hybrid_gpt_builder(_launcher_args(yaml_cfg="run.yaml"), True, True, config=_config())
 
 
 def test_checkpoint_directories_follow_megatron_lm(tmp_path):

@@ -14,11 +14,11 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
-from hp_megatron.platform import MEGATRON_LM_CPU_FLAGS
+from tests.support.megatron_lm_runs import GBS, ITERS, LR, SEQ, TINY, write_data
+from tests.support.megatron_lm_runs import run_script as launch
 from tests.support.paths import EXAMPLE, MEGATRON_LM, REPO
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -32,11 +32,6 @@ pytestmark = pytest.mark.skipif(
     MEGATRON_LM is None, reason="Megatron-LM's training code not found: set MEGATRON_LM_PATH to a checkout of "
     "https://github.com/NVIDIA/Megatron-LM at the tag of the installed megatron-core (default ../shared/megatron-lm)")
 
-# docs/usage.md's CPU flags (hp_megatron.platform) and the tiny dims (fp32: DTYPE=fp32 drops the scripts' --bf16).
-CPU_FLAGS = list(MEGATRON_LM_CPU_FLAGS)
-TINY = ["--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
-        "--hp-linear-num-key-heads", "4", "--hp-linear-key-head-dim", "8", "--hp-linear-value-head-dim", "8"]
-NORM_EPS = ["--norm-epsilon", "1e-6"]  # pretrain_hybrid.py's fixed RMSNorm epsilon (Megatron-LM's default: 1e-5)
 PATTERNS = {
     "KKKM": ("train_kimi_linear_like.sh",
              ["--hp-mla-kv-lora-rank", "16", "--hp-mla-qk-head-dim", "8", "--hp-mla-qk-pos-emb-head-dim", "8",
@@ -49,37 +44,17 @@ PATTERNS = {
 PARALLEL = {"cp2_allgather": {"CP": "2", "CP_METHOD": "allgather"}, "cp2_p2p": {"CP": "2", "CP_METHOD": "p2p"},
             "cp2_ulysses": {"CP": "2", "CP_METHOD": "ulysses"}, "cp2_auto": {"CP": "2", "CP_METHOD": "auto"},
             "tp2": {"TP": "2"}}
-SEQ, GBS, ITERS, LR = 32, 2, 3, 1e-2
 
 
 def run_script(pattern, workdir, sites_dir, env_vars, extra):
     """One launch of the pattern's script; returns (per-iteration records, log text)."""
     script, dims, _ = PATTERNS[pattern]
-    record_dir = tempfile.mkdtemp(prefix="record", dir=workdir)  # one per run; runs may share a checkpoint
-    env = dict(os.environ, PYTHONPATH=f"{HERE}/site:{REPO}", MEGATRON_LM_PATH=MEGATRON_LM, PET_STANDALONE="1",
-               OMP_NUM_THREADS="1", HP_MEGATRON_LM_SITES_DIR=sites_dir, HP_MEGATRON_LM_RECORD_DIR=record_dir,
-               GPUS="1", TP="1", CP="1", BACKEND="eager", DTYPE="fp32", SEQ=str(SEQ), GBS=str(GBS),
-               ITERS=str(ITERS), LR=str(LR), CKPT=os.path.join(workdir, "ckpt"))
-    env.pop("MEGATRON_LM", None)
-    env.update(env_vars)
-    env["GPUS"] = str(int(env["TP"]) * int(env["CP"]))
-    argv = ["bash", os.path.join(SCRIPTS, script), *CPU_FLAGS, *TINY, *NORM_EPS, *dims, *extra]
-    done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    log = done.stdout + done.stderr
-    assert done.returncode == 0, log[-6000:]
-    with open(os.path.join(record_dir, "train.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f], log
+    return launch(script, dims, workdir, sites_dir, env_vars, extra)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from prepare_data import build
-    from hf_tokenizer import write_tokenizer_dir
-
-    out = str(tmp_path_factory.mktemp("pydoc"))
-    prefix = build(out, vocab_size=512)
-    return {"DATA": prefix, "TOKENIZER": write_tokenizer_dir(os.path.join(out, "tokenizer.json"),
-                                                              os.path.join(out, "hf"))}
+    return write_data(str(tmp_path_factory.mktemp("pydoc")))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,9 @@ Needs a Megatron-LM checkout on PYTHONPATH (``pretrain_gpt.py``, ``megatron/trai
 * the model provider first registers the CP sub-groups of the ``--hp-*`` CP flags on every rank
   (``hp_megatron.cp_subgroups.register_cp_subgroups_from_args``), then builds the model with Megatron-LM's
   ``GPTModel`` keywords through ``hp_megatron.training.gpt_model.hybrid_gpt_model`` (the block-final norm is our
-  RMSNorm, as in the layers, on every install; megatron-core's module-level ``LayerNormImpl`` is not patched).
+  RMSNorm, as in the layers, on every install; megatron-core's module-level ``LayerNormImpl`` is not patched;
+  with ``--mtp-num-layers`` the multi-token-prediction block of the spec's declared MTP kind, in place of
+  Megatron-LM's ``mtp_block_spec``, and Megatron-LM logs ``mtp_1 loss`` ... as for its own models).
 
 Everything else (data, schedules, optimizer, checkpoints, logging) is Megatron-LM's. Megatron and our package
 are imported in :func:`main` only: megatron-core's checkpoint writer starts a ``spawn`` process, which re-runs
@@ -114,16 +116,17 @@ def _hybrid_gpt_builder(args, pre_process, post_process, vp_stage=None, config=N
 
     from hp_megatron.training.gpt_model import hybrid_gpt_model
 
-    for flag in ("--use-legacy-models", "--mtp-num-layers", "--yaml-cfg"):
+    for flag in ("--use-legacy-models", "--yaml-cfg"):
         if getattr(args, flag[2:].replace("-", "_"), None):
             raise ValueError(f"{flag} is not supported with --spec hp_megatron.specs (the launcher builds the hybrid "
-                             "megatron-core GPTModel from the command-line flags, without multi-token prediction)")
+                             "megatron-core GPTModel from the command-line flags)")
     if config is None:
         config = _with_hp_config(core_transformer_config_from_args)(args)
     return hybrid_gpt_model(
         config, import_module(args.spec), vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
-        vp_stage=vp_stage, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+        vp_stage=vp_stage, backend=args.hp_backend, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling, pg_collection=pg_collection)

@@ -1,0 +1,101 @@
+"""Expert parallelism in examples/pretrain/pretrain_hybrid.py on converted tiny Hugging Face checkpoints.
+
+Tiny random Qwen3-Next (softmax router, shared-expert gate; trained here with megatron-core's aux loss,
+``--moe-aux-loss-coeff``) and DeepSeek-V3 (grouped sigmoid router with expert bias, aux-loss-free balancing),
+converted with ``hp_megatron.convert`` and trained from ``--load``. Each layout's first iteration equals a
+single-rank run of the same model (relative 1e-4): the lm loss, the gradient norm (megatron-core DDP's
+data-parallel and expert-data-parallel reductions, the norm over dense and expert parameters), the logged
+load-balancing loss and the expert-bias update (the router loads all-reduced before the update):
+
+* DeepSeek-V3 at EP2 on 4 ranks (DP4, each expert on 2 data-parallel ranks) and at EP2 x PP2;
+* Qwen3-Next at EP2 x TP2 with sequence parallelism, experts split over TP too (ETP2, the default) and whole
+  (``--expert-tensor-parallel-size 1``: expert data parallel 2).
+
+Two spawns: 4 ranks for the three layouts (each case streamed, so a failing layout fails its own test only),
+1 rank for both references. The flags' checks (EP not dividing the experts, EP without experts...) are parse-time
+cases without a launch.
+"""
+import os
+
+import pytest
+
+from tests.support.converted_runs import example, example_argv, layouts_and_references, write_converted
+
+ARCH_FLAGS = {"deepseek_v3": [], "qwen3_next": ["--moe-aux-loss-coeff", "1e-2"]}
+LAYOUTS = {
+    "ep2": ("deepseek_v3", ["--expert-model-parallel-size", "2"]),
+    "ep2_pp2": ("deepseek_v3", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    "ep2_tp2": ("qwen3_next", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                               "--sequence-parallel"]),
+    "ep2_tp2_etp1": ("qwen3_next", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                    "--sequence-parallel", "--expert-tensor-parallel-size", "1"]),
+}
+
+
+def _argv(root, arch, extra=()):
+    return example_argv(root, arch, *ARCH_FLAGS[arch], *extra)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """The data and, per architecture, the tiny HF checkpoint and its conversion."""
+    return write_converted(str(tmp_path_factory.mktemp("pretrain_moe")), ARCH_FLAGS)
+
+
+@pytest.fixture(scope="module")
+def runs(root):
+    """(layout reader: the last rank's first iteration, {arch: single-rank first iteration})."""
+    return layouts_and_references({name: _argv(root, arch, flags) for name, (arch, flags) in LAYOUTS.items()},
+                                  {arch: _argv(root, arch) for arch in ARCH_FLAGS})
+
+
+def _rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_first_iteration_matches_single_rank(runs, name):
+    layout, single = runs
+    got, ref = layout(name), single[LAYOUTS[name][0]]
+    for key in ("lm_loss", "grad_norm"):
+        assert _rel(got[key], ref[key]) <= 1e-4, (key, got, ref)
+    if LAYOUTS[name][0] == "qwen3_next":  # softmax router with the aux loss
+        assert ref["load_balancing_loss"] > 0 and "expert bias update" not in ref, ref
+        assert _rel(got["load_balancing_loss"], ref["load_balancing_loss"]) <= 1e-4, (got, ref)
+    else:  # sigmoid router with expert bias, no aux loss: every expert's bias moved by the rate (none at the mean)
+        assert "load_balancing_loss" not in ref, ref
+        assert ref["expert bias update"] == pytest.approx(1e-3, rel=1e-4), ref
+        assert got["expert bias update"] == pytest.approx(ref["expert bias update"], rel=1e-6), (got, ref)
+
+
+def _parse(root, arch, flags, world_size):
+    old = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world_size)
+    try:
+        return example().parse_args(_argv(root, arch, flags))
+    finally:
+        if old is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = old
+
+
+def test_moe_flags_checked_at_parse_time(root):
+    args = _parse(root, "qwen3_next", ["--expert-model-parallel-size", "4"], 4)
+    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size, args.expert_tensor_parallel_size,
+            args.moe_aux_loss_coeff, args.moe_router_load_balancing_type) == (4, 2, 16, 1, 1e-2, "aux_loss")
+    with pytest.raises(ValueError, match=r"^--num-experts 8 is not divisible by --expert-model-parallel-size 3$"):
+        _parse(root, "deepseek_v3", ["--expert-model-parallel-size", "3", "--global-batch-size", "12"], 3)
+    with pytest.raises(ValueError, match=r"--num-experts 6 conflicts with --hp-hf-config .*num_experts 4"):
+        _parse(root, "qwen3_next", ["--num-experts", "6"], 1)
+    with pytest.raises(ValueError, match=r"needs --sequence-parallel"):
+        _parse(root, "qwen3_next", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"], 4)
+    pretrain_hybrid = example()  # the flags' own model (no --hp-hf-config): dense unless --num-experts
+    base = ["--data-path", f"{root}/data/pydoc_text_document", "--tokenizer", f"{root}/data/tokenizer.json"]
+    with pytest.raises(ValueError, match=r"^--expert-model-parallel-size 2 needs a model with experts "
+                                         r"\(no --num-experts\)$"):
+        pretrain_hybrid.parse_args(base + ["--expert-model-parallel-size", "2"])
+    with pytest.raises(ValueError, match=r"--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"):
+        pretrain_hybrid.parse_args(base + ["--num-experts", "4", "--moe-router-enable-expert-bias"])
+    args = pretrain_hybrid.parse_args(base + ["--num-experts", "4", "--ffn-hidden-size", "96"])
+    assert (args.moe_ffn_hidden_size, args.moe_router_topk, args.expert_model_parallel_size) == (96, 2, 1)

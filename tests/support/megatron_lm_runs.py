@@ -1,0 +1,57 @@
+"""Launches of Megatron-LM's ``pretrain_gpt.py`` with our specs through the documented launch scripts
+(``examples/pretrain/megatron_lm/train_*.sh``: torchrun -> pretrain_gpt_hp.py -> Megatron-LM's ``pretrain``) on
+CPU/gloo, in the CPU mode of tests/megatron_lm/cpu_mode.py (its ``site`` folder's ``sitecustomize`` on
+PYTHONPATH), with tiny dims and docs/usage.md's CPU flags. :func:`run_script` returns the per-iteration records of
+tests/megatron_lm/record.py and the log."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+
+from hp_megatron.platform import MEGATRON_LM_CPU_FLAGS
+from tests.support.paths import EXAMPLE, MEGATRON_LM, REPO
+
+SITE = os.path.join(REPO, "tests", "megatron_lm", "site")
+SCRIPTS = os.path.join(EXAMPLE, "megatron_lm")
+# docs/usage.md's CPU flags (hp_megatron.platform) and the tiny dims (fp32: DTYPE=fp32 drops the scripts' --bf16).
+CPU_FLAGS = list(MEGATRON_LM_CPU_FLAGS)
+TINY = ["--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
+        "--hp-linear-num-key-heads", "4", "--hp-linear-key-head-dim", "8", "--hp-linear-value-head-dim", "8"]
+NORM_EPS = ["--norm-epsilon", "1e-6"]  # pretrain_hybrid.py's fixed RMSNorm epsilon (Megatron-LM's default: 1e-5)
+SEQ, GBS, ITERS, LR = 32, 2, 3, 1e-2
+
+
+def run_script(script, dims, workdir, sites_dir, env_vars, extra):
+    """One launch of ``script`` (a train_*.sh) with the model ``dims``; returns (per-iteration records, log text)."""
+    record_dir = tempfile.mkdtemp(prefix="record", dir=workdir)  # one per run; runs may share a checkpoint
+    env = dict(os.environ, PYTHONPATH=f"{SITE}:{REPO}", MEGATRON_LM_PATH=MEGATRON_LM, PET_STANDALONE="1",
+               OMP_NUM_THREADS="1", HP_MEGATRON_LM_SITES_DIR=sites_dir, HP_MEGATRON_LM_RECORD_DIR=record_dir,
+               GPUS="1", TP="1", CP="1", BACKEND="eager", DTYPE="fp32", SEQ=str(SEQ), GBS=str(GBS),
+               ITERS=str(ITERS), LR=str(LR), CKPT=os.path.join(workdir, "ckpt"))
+    env.pop("MEGATRON_LM", None)
+    env.update(env_vars)
+    env["GPUS"] = str(int(env["TP"]) * int(env["CP"]))
+    argv = ["bash", os.path.join(SCRIPTS, script), *CPU_FLAGS, *TINY, *NORM_EPS, *dims, *extra]
+    done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-6000:]
+    with open(os.path.join(record_dir, "train.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f], log
+
+
+def write_data(out: str) -> dict:
+    """The pydoc dataset (vocabulary 512) under ``out`` and its tokenizer as a HF tokenizer directory:
+    ``{"DATA": prefix, "TOKENIZER": directory}`` (the launch scripts' variables)."""
+    import sys
+
+    for path in (EXAMPLE, SCRIPTS):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    from hf_tokenizer import write_tokenizer_dir
+    from prepare_data import build
+
+    prefix = build(out, vocab_size=512)
+    return {"DATA": prefix, "TOKENIZER": write_tokenizer_dir(os.path.join(out, "tokenizer.json"),
+                                                              os.path.join(out, "hf"))}
