@@ -88,9 +88,11 @@ def attach_mtp_losses(model: GPTModel, hidden_states: torch.Tensor, depth_states
     """``hidden_states`` (the decoder's, ``[s, b, h]``) carrying each MTP depth's loss into the backward
     (``MTPLossAutoScaler``); ``depth_states``: the MTP block's hidden states per depth. Depth ``k`` predicts
     ``labels`` shifted ``k`` tokens (:func:`roll_to_next_token`); its loss is the mean over the loss mask of the
-    whole CP group (the sum with ``calculate_per_token_loss``)."""
+    whole CP group (the sum with ``calculate_per_token_loss``); each CP rank's term is scaled by the CP size
+    because megatron-core's DDP averages gradients over the data x context group."""
     config = model.config
     cp_group = model.cp_group if model.cp_group is not None and model.cp_group.size() > 1 else None
+    cp_size = cp_group.size() if cp_group is not None else 1
     layout = getattr(config, "hp_cp_layout", "zigzag")
     mask = torch.ones_like(labels, dtype=torch.float) if loss_mask is None else loss_mask
     scale = config.mtp_loss_scaling_factor / config.mtp_num_layers
@@ -104,7 +106,9 @@ def attach_mtp_losses(model: GPTModel, hidden_states: torch.Tensor, depth_states
             torch.distributed.all_reduce(count, group=cp_group)
         if model.training:
             _save_mtp_loss(losses.sum() / count, depth, config.mtp_num_layers)
-        term = losses if config.calculate_per_token_loss else losses / count
+        # megatron-core's DDP averages gradients over data x context ranks (sums them with per-token loss), as the
+        # schedule's main loss expects; so each CP rank carries CP times its share of the group's mean
+        term = losses if config.calculate_per_token_loss else losses * cp_size / count
         hidden_states = MTPLossAutoScaler.apply(hidden_states, scale * term)
     return hidden_states
 

@@ -50,13 +50,6 @@ def _rel(a, b):
     return abs(a - b) / abs(b)
 
 
-# hp_megatron/mtp.py (attach_mtp_losses) normalises each CP rank's MTP term by the whole CP group's token count,
-# while megatron-core's DDP averages gradients over data-parallel x CP ranks: under CP the MTP loss's gradient
-# arrives 1/CP too small (the losses agree; measured: CP2 with the term times the CP size gives the single
-# rank's gradient norm). Strict: this fails as XPASS once the model code scales the term by the CP size.
-CP_MTP_GRADIENT = pytest.mark.xfail(strict=True, reason="MTP gradient 1/CP too small under CP (hp_megatron/mtp.py)")
-
-
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_mtp_layout_first_iteration_losses_match_single_rank(runs, name):
     layout, single = runs
@@ -66,7 +59,7 @@ def test_mtp_layout_first_iteration_losses_match_single_rank(runs, name):
         assert _rel(got[key], ref[key]) <= 1e-4, (key, got, ref)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=CP_MTP_GRADIENT) if "cp2" in n else n for n in LAYOUTS])
+@pytest.mark.parametrize("name", LAYOUTS)
 def test_mtp_layout_first_iteration_grad_norm_matches_single_rank(runs, name):
     layout, single = runs
     got, ref = layout(name), single[LAYOUTS[name][0]]

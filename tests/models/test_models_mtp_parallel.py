@@ -113,7 +113,8 @@ def _step(model, ids, labels, mask, sizes, packed_seq_params=None, cols=None):
         out.backward(grad)
         mtp = None
     else:
-        (out * local[2]).sum().div(mask.sum()).backward()
+        # as megatron's schedule: the main loss times the CP size (the DDP averages over data x context)
+        (out * local[2]).sum().div(mask.sum()).mul(ps.get_context_parallel_world_size()).backward()
         if not first:
             dist.send(recv.grad.contiguous(), ps.get_pipeline_model_parallel_prev_rank())
         MTPLossLoggingHelper.reduce_loss_in_tracker()
@@ -122,21 +123,21 @@ def _step(model, ids, labels, mask, sizes, packed_seq_params=None, cols=None):
 
 
 def _reduced_grads(model, sizes):
-    """Gradients of ``COMPARED`` after megatron's reductions: sum over data x context (experts: expert data) and
-    sequence-parallel weights over TP, averaged over the data-parallel replicas; the embedding copy of the MTP stage
+    """Gradients of ``COMPARED`` after megatron's DDP reductions: sum over data x context (experts: expert data)
+    divided by the data x context size, and sequence-parallel weights over TP; the embedding copy of the MTP stage
     summed with the first stage's (the embedding group)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     out = {}
-    dp = ps.get_data_parallel_world_size()
+    dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)
     for key, t in model.named_parameters():
         if t.grad is None:
             continue
         expert = "local_experts" in key
         group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group(with_context_parallel=True)
         dist.all_reduce(t.grad, group=group)
-        t.grad /= dp
+        t.grad /= dp_cp
         if getattr(t, "sequence_parallel", False):
             dist.all_reduce(t.grad, group=ps.get_tensor_model_parallel_group())
         if key == "embedding.word_embeddings.weight" and sizes["pp"] > 1:
