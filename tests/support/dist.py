@@ -18,6 +18,7 @@ import os
 import pickle
 import queue as queue_module
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -30,6 +31,7 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("HP_TEST_CASE_TIMEOUT", "900"))
 # Ranks are forked from one server process per pytest process that imported these once (several CPU seconds per
 # rank under "spawn", which imports them again in every rank). Each rank still gets the parent's environment,
 # working directory, sys.path and stdout/stderr as they are when the spawn starts (_ParentStreams, _entry).
+# Workers of modules that use Triton's interpreter still spawn (_uses_triton_interpreter).
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state", "megatron.core.transformer",
            "megatron.core.models.gpt"]
 STARTUP_S = 300.0  # start-up (imports, process group) before a worker's first case, times the load factor
@@ -153,6 +155,21 @@ def _drain(queue, ranks, wait_s=1.0):
             ranks.results[rank] = payload
 
 
+_INTERPRETER = "tests.support.triton_interpreter"
+
+
+def _uses_triton_interpreter(fn, args) -> bool:
+    """Whether ``fn``'s module (or that of a shared job) uses tests/support/triton_interpreter.py: its ranks must
+    start before anything imports triton (the fork server has, through megatron-core), so they spawn."""
+    fns = [fn] + ([job for job, _ in args[0]] if fn is _run_jobs else [])
+    for f in fns:
+        module = sys.modules.get(getattr(f, "__module__", None) or "")
+        for value in vars(module).values() if module is not None else ():
+            if getattr(value, "__name__", None) == _INTERPRETER or getattr(value, "__module__", None) == _INTERPRETER:
+                return True
+    return False
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results indexed by rank.
 
@@ -160,13 +177,15 @@ def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT
     case (see the module docstring), times :func:`load_factor`. Raises :class:`DistributedTestError`
     naming the rank and case on a rank's exception, death or deadline.
     """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx = mp.get_context("spawn" if _uses_triton_interpreter(fn, args) else "forkserver")
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
     queue = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="hp_dist_")
     store_path = os.path.join(store_dir, "store")
-    procs = [ctx.Process(target=_entry, args=(r, world_size, store_path, fn, args, queue, dict(os.environ),
-                                              _ParentStreams()))
+    forked = ctx.get_start_method() == "forkserver"
+    procs = [ctx.Process(target=_entry, args=(r, world_size, store_path, fn, args, queue,
+                                              *((dict(os.environ), _ParentStreams()) if forked else ())))
              for r in range(world_size)]
     for p in procs:
         p.start()
