@@ -1,5 +1,8 @@
 """Spawn gloo process groups on CPU for multi-rank tests, robust on a busy machine.
 
+Ranks fork from a server that has imported torch and megatron-core once (``PRELOAD``), with the environment and
+stdout/stderr of the spawning test; workers of modules that use Triton's interpreter spawn fresh processes.
+
 One spawn should serve many cases: a worker loops over its cases and returns all results, and the
 test module turns them into parametrized assertions (see ``tests/cp/test_cp_*.py``).
 
@@ -85,8 +88,6 @@ class _ParentStreams:
 
 
 def _redirect_streams(out, err):
-    import sys
-
     for stream, dup_fd in ((sys.stdout, out), (sys.stderr, err)):
         fd = dup_fd.detach()
         stream.flush()
@@ -177,13 +178,13 @@ def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT
     case (see the module docstring), times :func:`load_factor`. Raises :class:`DistributedTestError`
     naming the rank and case on a rank's exception, death or deadline.
     """
-    ctx = mp.get_context("spawn" if _uses_triton_interpreter(fn, args) else "forkserver")
-    if ctx.get_start_method() == "forkserver":
+    forked = not _uses_triton_interpreter(fn, args)
+    ctx = mp.get_context("forkserver" if forked else "spawn")
+    if forked:
         ctx.set_forkserver_preload(PRELOAD)
     queue = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="hp_dist_")
     store_path = os.path.join(store_dir, "store")
-    forked = ctx.get_start_method() == "forkserver"
     procs = [ctx.Process(target=_entry, args=(r, world_size, store_path, fn, args, queue,
                                               *((dict(os.environ), _ParentStreams()) if forked else ())))
              for r in range(world_size)]
