@@ -39,3 +39,21 @@ def test_cases_finished_before_a_failure_still_pass():
     assert run_distributed_cases(_raises_in_b, 2, "a") == [0, 1]
     with pytest.raises(DistributedTestError, match=r"rank 0 raised in case 'b'[\s\S]*broken case"):
         run_distributed_cases(_raises_in_b, 2, "c")
+
+
+def _reports_environment(rank, world_size):
+    import os
+
+    print(f"rank {rank} writes to the test's stdout", flush=True)
+    return os.environ.get("HP_TEST_DIST_PROBE")
+
+
+def test_ranks_get_the_environment_and_output_of_the_spawn(monkeypatch, capfd):
+    """Ranks fork from a server started at the first spawn (tests/support/dist.py PRELOAD); each still sees the
+    environment and stdout of the test that spawns it."""
+    run_distributed(_reports_environment, 1)  # the fork server runs now, with the environment before this test's
+    monkeypatch.setenv("HP_TEST_DIST_PROBE", "set by the test")
+    capfd.readouterr()
+    assert run_distributed(_reports_environment, 2) == ["set by the test"] * 2
+    out = capfd.readouterr().out
+    assert "rank 0 writes to the test's stdout" in out and "rank 1 writes to the test's stdout" in out, out

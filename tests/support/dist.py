@@ -1,5 +1,8 @@
 """Spawn gloo process groups on CPU for multi-rank tests, robust on a busy machine.
 
+Ranks fork from a server that has imported torch and megatron-core once (``PRELOAD``), with the environment and
+stdout/stderr of the spawning test; workers of modules that use Triton's interpreter spawn fresh processes.
+
 One spawn should serve many cases: a worker loops over its cases and returns all results, and the
 test module turns them into parametrized assertions (see ``tests/cp/test_cp_*.py``).
 
@@ -18,6 +21,7 @@ import os
 import pickle
 import queue as queue_module
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -27,6 +31,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("HP_TEST_CASE_TIMEOUT", "900"))
+# Ranks are forked from one server process per pytest process that imported these once (several CPU seconds per
+# rank under "spawn", which imports them again in every rank). Each rank still gets the parent's environment,
+# working directory, sys.path and stdout/stderr as they are when the spawn starts (_ParentStreams, _entry).
+# Workers of modules that use Triton's interpreter still spawn (_uses_triton_interpreter).
+PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state", "megatron.core.transformer",
+           "megatron.core.models.gpt"]
 STARTUP_S = 300.0  # start-up (imports, process group) before a worker's first case, times the load factor
 POLL_S = 1.0
 _QUEUE = None  # the parent's queue, in a spawned worker
@@ -67,9 +77,30 @@ def case_result(key, value) -> None:
         _send(_QUEUE, _RANK, "result", (key, value))
 
 
-def _entry(rank, world_size, store_path, fn, args, queue):
+class _ParentStreams:
+    """The parent's current stdout and stderr, handed to a forked rank as file descriptors: the fork server's own
+    are those of the moment it started (another test's captured output under pytest)."""
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        return _redirect_streams, (DupFd(1), DupFd(2))
+
+
+def _redirect_streams(out, err):
+    for stream, dup_fd in ((sys.stdout, out), (sys.stderr, err)):
+        fd = dup_fd.detach()
+        stream.flush()
+        os.dup2(fd, stream.fileno())
+        os.close(fd)
+
+
+def _entry(rank, world_size, store_path, fn, args, queue, environ=None, streams=None):
     global _QUEUE, _RANK
     _QUEUE, _RANK = queue, rank
+    if environ is not None:  # the parent's environment at the spawn, not the fork server's
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
@@ -125,6 +156,21 @@ def _drain(queue, ranks, wait_s=1.0):
             ranks.results[rank] = payload
 
 
+_INTERPRETER = "tests.support.triton_interpreter"
+
+
+def _uses_triton_interpreter(fn, args) -> bool:
+    """Whether ``fn``'s module (or that of a shared job) uses tests/support/triton_interpreter.py: its ranks must
+    start before anything imports triton (the fork server has, through megatron-core), so they spawn."""
+    fns = [fn] + ([job for job, _ in args[0]] if fn is _run_jobs else [])
+    for f in fns:
+        module = sys.modules.get(getattr(f, "__module__", None) or "")
+        for value in vars(module).values() if module is not None else ():
+            if getattr(value, "__name__", None) == _INTERPRETER or getattr(value, "__module__", None) == _INTERPRETER:
+                return True
+    return False
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results indexed by rank.
 
@@ -132,11 +178,15 @@ def run_distributed(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT
     case (see the module docstring), times :func:`load_factor`. Raises :class:`DistributedTestError`
     naming the rank and case on a rank's exception, death or deadline.
     """
-    ctx = mp.get_context("spawn")
+    forked = not _uses_triton_interpreter(fn, args)
+    ctx = mp.get_context("forkserver" if forked else "spawn")
+    if forked:
+        ctx.set_forkserver_preload(PRELOAD)
     queue = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="hp_dist_")
     store_path = os.path.join(store_dir, "store")
-    procs = [ctx.Process(target=_entry, args=(r, world_size, store_path, fn, args, queue))
+    procs = [ctx.Process(target=_entry, args=(r, world_size, store_path, fn, args, queue,
+                                              *((dict(os.environ), _ParentStreams()) if forked else ())))
              for r in range(world_size)]
     for p in procs:
         p.start()
