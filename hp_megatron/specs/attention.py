@@ -106,7 +106,7 @@ class ContextParallelDotProductAttention(nn.Module):
         """A decode step (one query token per sequence at position ``q_ids[0]``) with GQA, without repeating the
         cached K/V per query head: the ``repeat`` query heads of each K/V group become ``repeat`` query rows at the
         same position (all see the whole cache), ``[1, b, ng*r, d] -> [b, r, ng, d]``. Equal to repeating K/V."""
-        _, b, heads, dim = query.shape
+        _, b, _, dim = query.shape
         groups = key.shape[2]
         rows = query.reshape(b, groups, repeat, dim).transpose(1, 2)               # [b, r, ng, d]
         out = causal_attention(rows, key.transpose(0, 1), value.transpose(0, 1), scale=self.softmax_scale,
