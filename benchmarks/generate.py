@@ -15,8 +15,10 @@ prompts of ``--prompt`` random tokens, ``--new`` greedy tokens (``eos`` off, so 
   formula.
 
 Times are this process's CPU seconds (``time.process_time``, all torch threads), the measure that survives a
-shared machine; the load average at the start is in the table. Both sides run a short warm-up generation first
-(one-time costs: kernel selection, allocations, lazy imports).
+shared machine; the load average at the start is in the table. Both sides run a warm-up generation of the measured
+prompts (2 new tokens) first, and the training forward one warm-up forward: one-time costs (kernel selection,
+allocations, lazy imports, and megatron-core's ``torch.compile`` of the attention output gate, which compiles
+per new shape and grad mode) stay out of the timings.
 
 Usage: ``python benchmarks/generate.py [--batch 8 --prompt 512 --new 128] [--json out.json] [--write-docs]``
 """
@@ -94,7 +96,7 @@ def _hf_generate(model, prompts, new: int):
 
 def measure_transformers(model, prompts, new: int) -> dict:
     with torch.no_grad():
-        _hf_generate(model, prompts[:, :8], 2)  # warm-up
+        _hf_generate(model, prompts, 2)  # warm-up at the measured prompt length, as for ours
         began = CLOCK()
         model(input_ids=prompts, use_cache=True)
         prefill = CLOCK() - began
@@ -116,10 +118,14 @@ def measure_ours(hf_dir: str, ckpt: str, prompts, new: int) -> dict:
     batch, length = prompts.shape
     generator = StaticGenerator(model, vocab_size=VOCAB, max_positions=model.max_sequence_length,
                                 max_batch_size=batch, max_sequence_length=length + new)
-    generator.generate(prompts[:, :8].tolist(), sampling_params(max_new_tokens=2))  # warm-up
+    # warm-up at the measured prompt length: megatron-core compiles its attention output gate (``jit_fuser`` =
+    # torch.compile, Qwen3-Next) per new shape and grad mode, so a warm-up on shorter prompts left one compile
+    # inside the timed prefill (and one inside the timed training forward, which runs under no_grad)
+    generator.generate(prompts.tolist(), sampling_params(max_new_tokens=2))
     result = generator.generate(prompts.tolist(), sampling_params(max_new_tokens=new), clock=CLOCK)
     positions = torch.arange(length).expand(batch, length)
     with torch.no_grad():
+        model(prompts, positions, None)  # warm-up (see above)
         began = CLOCK()
         model(prompts, positions, None)
         forward = CLOCK() - began

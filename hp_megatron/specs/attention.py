@@ -90,6 +90,8 @@ class ContextParallelDotProductAttention(nn.Module):
             value = gather_sequence(value, plan, group)
             q_ids = plan.local_index
         repeat = heads // key.shape[2]
+        if repeat > 1 and q_ids is not None and s_local == 1 and cp_size == 1:
+            return self._grouped_decode(query, key, value, repeat, q_ids, causal_attention)
         if repeat > 1:
             key = key.repeat_interleave(repeat, dim=2)
             value = value.repeat_interleave(repeat, dim=2)
@@ -99,3 +101,14 @@ class ContextParallelDotProductAttention(nn.Module):
                                cu_seqlens=cu, backend=self.backend)
         out = out.transpose(0, 1).reshape(s_local, b, -1)
         return out.squeeze(1) if thd else out
+
+    def _grouped_decode(self, query, key, value, repeat, q_ids, causal_attention):
+        """A decode step (one query token per sequence at position ``q_ids[0]``) with GQA, without repeating the
+        cached K/V per query head: the ``repeat`` query heads of each K/V group become ``repeat`` query rows at the
+        same position (all see the whole cache), ``[1, b, ng*r, d] -> [b, r, ng, d]``. Equal to repeating K/V."""
+        _, b, _, dim = query.shape
+        groups = key.shape[2]
+        rows = query.reshape(b, groups, repeat, dim).transpose(1, 2)               # [b, r, ng, d]
+        out = causal_attention(rows, key.transpose(0, 1), value.transpose(0, 1), scale=self.softmax_scale,
+                               q_ids=q_ids.expand(repeat), backend=self.backend)   # [b, r, ng, dv]
+        return out.transpose(1, 2).reshape(1, b, -1)
