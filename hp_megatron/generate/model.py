@@ -56,8 +56,8 @@ def hf_directory(hf_config: str | None) -> str | None:
 
 
 class ModelSource:
-    """What the command builds: ``kind`` ``"hf"`` (``hf_config``: an HF config.json dict, a preset's model) or
-    ``"args"`` (``model_args``: the example's stored flags, ``hp_megatron.training.model_args``); ``vocab_size``
+    """What the command builds: ``kind`` ``"hf"`` (``description``: an HF config.json dict, a preset's model) or
+    ``"args"`` (``description``: the example's stored flags, ``hp_megatron.training.model_args``); ``vocab_size``
     (the ids sampling may return), ``max_positions`` and ``tokenizer`` (the default tokenizer path, or None)."""
 
     def __init__(self, kind: str, description: dict, vocab_size: int, max_positions: int, tokenizer: str | None):
@@ -123,16 +123,17 @@ def build_model_from_args(stored: dict, *, tensor_model_parallel_size: int = 1, 
     """The example's ``GPTModel`` of the stored flags ``stored`` (``hp_megatron.training.model_args``) at
     ``tensor_model_parallel_size`` on this rank, without the MTP layers (generation reads the main head only),
     weights from ``load``, in eval mode."""
+    from hp_megatron.arguments import validate_hp_args
     from hp_megatron.platform import CPU_SAFE_CONFIG
     from hp_megatron.training.model_args import args_from_stored, hybrid_config_from_args, hybrid_model_from_args
 
     args = args_from_stored(stored)
-    vocab = int(stored["padded_vocab_size"])
-    tp = tensor_model_parallel_size
-    for what, count in (("padded vocabulary", vocab), ("attention heads", args.num_attention_heads),
-                        ("query groups", args.num_query_groups or args.num_attention_heads)):
-        if count % tp:
-            raise ValueError(f"the checkpoint's {what} {count} is not divisible by --tensor-model-parallel-size {tp}")
+    vocab, tp = int(stored["padded_vocab_size"]), tensor_model_parallel_size
+    if vocab % tp:
+        raise ValueError(f"the checkpoint's padded vocabulary {vocab} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    args.tensor_model_parallel_size, args.context_parallel_size = tp, 1
+    validate_hp_args(args)  # the GDN/KDA heads against TP, named by their flags
     config = hybrid_config_from_args(args, tensor_model_parallel_size=tp, params_dtype=params_dtype,
                                      pipeline_dtype=params_dtype, **CPU_SAFE_CONFIG)
     model = hybrid_model_from_args(args, config, vocab_size=vocab)
