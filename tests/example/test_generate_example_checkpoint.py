@@ -86,6 +86,7 @@ def test_generate_from_example_checkpoint_equals_training_forward(trained, tmp_p
 
 
 def test_checkpoint_without_model_description_is_refused_in_one_line(trained, tmp_path, capsys):
+    import torch
     from megatron.core import dist_checkpointing
 
     from hp_megatron.checkpoint_dirs import find_checkpoint
@@ -98,8 +99,6 @@ def test_checkpoint_without_model_description_is_refused_in_one_line(trained, tm
     common = dist_checkpointing.load_common_state_dict(bare)
     assert MODEL_ARGS_KEY in common and "hf_config" not in common
     del common[MODEL_ARGS_KEY]
-    import torch
-
     torch.save(common, os.path.join(bare, "common.pt"))
     capsys.readouterr()
     assert main(["--load", bare, "--prompt-ids", "1,2"]) == 2
