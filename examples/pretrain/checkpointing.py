@@ -53,8 +53,11 @@ def _make_dir_on_rank0(path):
                       + (f": {error}" if error is not None else " (see rank 0)"))
 
 
-def save_checkpoint(root, iteration, consumed, model, optimizer, scheduler):
-    """Write ``<root>/iter_XXXXXXX`` and the tracker; returns the checkpoint directory."""
+def save_checkpoint(root, iteration, consumed, model, optimizer, scheduler, model_description=None):
+    """Write ``<root>/iter_XXXXXXX`` and the tracker; returns the checkpoint directory. ``model_description``
+    (a plain dict: ``{"hp_model_args": ...}`` or ``{"hf_config": ...}``) goes into the common state, as
+    Megatron-LM stores its ``args``: what rebuilds the model (``python -m hp_megatron.generate``); loading for
+    training does not read it, so checkpoints without it load alike."""
     from megatron.core import dist_checkpointing
 
     path = iteration_directory(root, iteration)
@@ -62,7 +65,7 @@ def save_checkpoint(root, iteration, consumed, model, optimizer, scheduler):
     model_sd = _model_sharded_state_dict(model)
     state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=False),
              "opt_param_scheduler": scheduler.state_dict(), "iteration": iteration,
-             "consumed_samples": consumed, "checkpoint_version": CHECKPOINT_VERSION}
+             "consumed_samples": consumed, "checkpoint_version": CHECKPOINT_VERSION, **(model_description or {})}
     dist_checkpointing.save(state, path)
     dist.barrier()
     if dist.get_rank() == 0:

@@ -45,7 +45,8 @@ from cli import parse_args, quiet_known_warnings, run_reporting_errors, same_on_
 from hp_megatron.arguments import apply_hp_config  # noqa: E402
 from hp_megatron.cp_subgroups import register_cp_subgroups_from_args  # noqa: E402
 from hp_megatron.platform import CPU_SAFE_CONFIG, apply_cpu_training_shims  # noqa: E402
-from hp_megatron.training.gpt_model import hybrid_gpt_model  # noqa: E402
+from hp_megatron.training.model_args import (MODEL_ARGS_KEY, hybrid_config_from_args,  # noqa: E402
+                                             hybrid_model_from_args, stored_model_args)
 from hp_megatron.training.aux_losses import AuxLossLog  # noqa: E402
 from hp_megatron.training.optimizer import get_optimizer  # noqa: E402
 from training import (BatchLoader, ProgressDisplay, build_scheduler, describe_data, describe_model,  # noqa: E402
@@ -107,9 +108,6 @@ def model_vocab_size(args, tokenizer_vocab: int) -> int:
 def build_config(args, vocab_size):
     """The declared ``HybridTransformerConfig`` of the flags (or of ``--hp-hf-config``'s architecture with this
     run's parallelism and dtype), with ``hp_megatron.platform.CPU_SAFE_CONFIG`` (no fused Apex/TE kernels)."""
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     run = dict(tensor_model_parallel_size=args.tensor_model_parallel_size,
                pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -126,18 +124,7 @@ def build_config(args, vocab_size):
         run.update(mtp_num_layers=args.mtp_num_layers, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
     if args.hp_preset is not None:
         return apply_hp_config(args.hp_preset.transformer_config(**run), args)
-    if args.num_experts is not None:  # the experts themselves: megatron-core's MoELayer, SequentialMLP experts
-        run.update(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
-                   moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-                   moe_router_score_function=args.moe_router_score_function,
-                   moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
-                   moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
-    config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, **run)
-    return apply_hp_config(config, args)
+    return hybrid_config_from_args(args, **run)
 
 
 def build_model(args, config, vocab_size):
@@ -145,22 +132,13 @@ def build_model(args, config, vocab_size):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from hp_megatron.specs import get_hybrid_layer_spec
-
     stage = dict(pre_process=parallel_state.is_pipeline_first_stage(),
                  post_process=parallel_state.is_pipeline_last_stage())
     if args.hp_preset is not None:  # exactly the model the conversion rules of --hp-hf-config target
         model = args.hp_preset.gpt_model(config, args.hp_backend, max_sequence_length=args.seq_length, **stage,
                                          linear=args.hp_linear, cp_layout=args.hp_cp_layout)
     else:
-        mtp_kind = args.hp_mtp_layer_kind if args.mtp_num_layers else None  # MTP layers of a kind the pattern lacks
-        spec = get_hybrid_layer_spec(args.hp_layer_pattern, backend=args.hp_backend, linear=args.hp_linear,
-                                     cp_layout=args.hp_cp_layout, mtp_symbol=mtp_kind)
-        uses_rope = "A" in args.hp_layer_pattern + (mtp_kind or "")  # zigzag with CP: checked by validate_hp_args
-        model = hybrid_gpt_model(config, spec, vocab_size=vocab_size, max_sequence_length=args.seq_length, **stage,
-                                 backend=args.hp_backend,
-                                 share_embeddings_and_output_weights=False,
-                                 position_embedding_type="rope" if uses_rope else "none", rotary_base=args.rotary_base)
+        model = hybrid_model_from_args(args, config, vocab_size=vocab_size, **stage)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -283,7 +261,19 @@ def setup(args):
     config.no_sync_func = model.no_sync
     iteration, consumed = resume(args, model, optimizer, scheduler)
     return SimpleNamespace(device=device, tokenizer=tokenizer, vocab_size=vocab_size, config=config, model=model,
-                           optimizer=optimizer, scheduler=scheduler, iteration=iteration, consumed=consumed)
+                           optimizer=optimizer, scheduler=scheduler, iteration=iteration, consumed=consumed,
+                           model_description=model_description(args, vocab_size, tokenizer.vocab_size))
+
+
+def model_description(args, vocab_size, tokenizer_vocab):
+    """What each checkpoint stores to rebuild the model, as Megatron-LM stores ``args``: ``--hp-hf-config``'s
+    config.json (``{"hf_config": ...}``, as a converted checkpoint) or the model flags
+    (``hp_megatron.training.model_args.stored_model_args``); ``python -m hp_megatron.generate --load`` reads them."""
+    if args.hp_preset is not None:
+        from hp_megatron.convert.safetensors_io import load_hf_config
+
+        return {"hf_config": load_hf_config(args.hp_hf_config)}
+    return {MODEL_ARGS_KEY: stored_model_args(args, padded_vocab_size=vocab_size, vocab_size=tokenizer_vocab)}
 
 
 def evaluate(args, model, loader, forward_step_func, num_micro, device):
@@ -376,11 +366,13 @@ def train(args):
             if is_log_rank:
                 print("\n".join(validation_log_lines(iteration, valid_loss)), flush=True)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            saved_to = save_checkpoint(args.save, iteration, consumed, model, optimizer, scheduler)
+            saved_to = save_checkpoint(args.save, iteration, consumed, model, optimizer, scheduler,
+                                       run.model_description)
         if last:
             break
     if args.save and (not args.save_interval or iteration % args.save_interval):
-        saved_to = save_checkpoint(args.save, iteration, consumed, model, optimizer, scheduler)
+        saved_to = save_checkpoint(args.save, iteration, consumed, model, optimizer, scheduler,
+                                   run.model_description)
     progress.close()
     if is_log_rank:
         other_seconds = time.perf_counter() - run_start - train_seconds

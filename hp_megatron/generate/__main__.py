@@ -1,6 +1,7 @@
 """python -m hp_megatron.generate: generate text from a converted or trained checkpoint.
 
     python -m hp_megatron.generate --hp-hf-config HF_DIR --load CKPT --prompt "def main(" --max-new-tokens 32
+    python -m hp_megatron.generate --load EXAMPLE_CKPT --prompt "def "     # the example's stored model arguments
     torchrun --nproc-per-node 2 -m hp_megatron.generate ... --tensor-model-parallel-size 2
 
 Prints each prompt's continuation and the prefill / decode tokens per second (rank 0). Bad input (an empty
@@ -22,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HF config.json or model directory (default: the config a converted --load stores)")
     g.add_argument("--load", default=None, help="megatron-core checkpoint (tracker directory or iteration "
                                                 "directory); without it the weights are random")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="build the model from the arguments --load stores (the example's checkpoints; the default "
+                        "when it stores no HF config)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g = p.add_argument_group("prompts")
     g.add_argument("--prompt", action="append", default=[], help="a text prompt (repeat for a batch)")
@@ -29,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-ids", action="append", default=[],
                    help="a prompt as comma-separated token ids (repeat for a batch; no tokenizer needed)")
     g.add_argument("--tokenizer", default=None, help="HF tokenizer directory or tokenizers JSON file "
-                                                     "(default: the --hp-hf-config directory's tokenizer)")
+                                                     "(default: the --hp-hf-config directory's tokenizer, or "
+                                                     "the one the example's checkpoint names)")
     g = p.add_argument_group("generation")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=1.0)
@@ -64,14 +69,13 @@ def read_prompts(args, tokenizer):
     return texts, [tokenizer.encode(t) for t in texts]
 
 
-def _tokenizer(args):
-    from hp_megatron.generate.model import hf_directory
-    from hp_megatron.generate.tokenizer import has_tokenizer, load_tokenizer
+def _tokenizer(args, default: str | None):
+    """``--tokenizer``, else ``default`` (the model's own) for text prompts, else None."""
+    from hp_megatron.generate.tokenizer import load_tokenizer
 
     if args.tokenizer is not None:
         return load_tokenizer(args.tokenizer)
-    directory = hf_directory(args.hp_hf_config)
-    return load_tokenizer(directory) if has_tokenizer(directory) and not args.prompt_ids else None
+    return load_tokenizer(default) if default is not None and not args.prompt_ids else None
 
 
 def _init_distributed(tp: int, seed: int) -> bool:
@@ -106,21 +110,20 @@ def _init_distributed(tp: int, seed: int) -> bool:
 def run(args) -> dict:
     """Generate for ``args`` (parsed :func:`build_parser` flags); returns what rank 0 prints and writes."""
     from hp_megatron.generate.loop import check_batch, sampling_params
-    from hp_megatron.generate.model import model_hf_config
+    from hp_megatron.generate.model import model_source
 
-    hf_config = model_hf_config(args.hp_hf_config, args.load)
-    tokenizer = _tokenizer(args)
+    source = model_source(args.hp_hf_config, args.load, args.use_checkpoint_args)
+    tokenizer = _tokenizer(args, source.tokenizer)
     texts, prompts = read_prompts(args, tokenizer)
     params = sampling_params(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                              top_p=args.top_p)
-    vocab_size = int(hf_config["vocab_size"])
-    positions = int(hf_config.get("max_position_embeddings") or 4096)
-    limits = dict(max_positions=positions, max_batch_size=args.inference_max_requests,
+    vocab_size = source.vocab_size
+    limits = dict(max_positions=source.max_positions, max_batch_size=args.inference_max_requests,
                   max_sequence_length=args.inference_max_seq_length)
     check_batch(prompts, args.max_new_tokens, vocab_size=vocab_size, **limits)
     created = _init_distributed(args.tensor_model_parallel_size, args.seed)
     try:
-        return _generate(args, hf_config, tokenizer, texts, prompts, params, vocab_size, limits)
+        return _generate(args, source, tokenizer, texts, prompts, params, vocab_size, limits)
     finally:
         if created:
             import torch.distributed as dist
@@ -130,13 +133,12 @@ def run(args) -> dict:
             dist.destroy_process_group()
 
 
-def _generate(args, hf_config, tokenizer, texts, prompts, params, vocab_size, limits) -> dict:
+def _generate(args, source, tokenizer, texts, prompts, params, vocab_size, limits) -> dict:
     import torch.distributed as dist
 
     from hp_megatron.generate.loop import StaticGenerator
-    from hp_megatron.generate.model import build_model
 
-    model = build_model(hf_config, tensor_model_parallel_size=args.tensor_model_parallel_size, load=args.load)
+    model = source.build(tensor_model_parallel_size=args.tensor_model_parallel_size, load=args.load)
     stop_id = None if args.ignore_eos or tokenizer is None else tokenizer.stop_id
     generator = StaticGenerator(model, vocab_size=vocab_size, pad_id=stop_id or 0, **limits)
     result = generator.generate(prompts, params, seed=args.seed, stop_id=stop_id)

@@ -1,24 +1,14 @@
-"""The model to generate from: a ``GPTModel`` from an HF config (``hp_megatron.models``' presets) with a
-megatron-core ``torch_dist`` checkpoint loaded into it (a converted one, or one the example or Megatron-LM
-saved), on the current megatron parallel state."""
+"""The model to generate from: a ``GPTModel`` from an HF config (``hp_megatron.models``' presets), or from the
+model arguments the example's checkpoints store (``hp_megatron.training.model_args``, as Megatron-LM's
+``--use-checkpoint-args``), with a megatron-core ``torch_dist`` checkpoint loaded into it (a converted one, or one
+the example or Megatron-LM saved), on the current megatron parallel state (:func:`model_source` chooses)."""
 from __future__ import annotations
 
 import os
 
 import torch
 
-
-def model_hf_config(hf_config: str | None, load: str | None) -> dict:
-    """The HF config.json (dict) of the model: ``hf_config`` (a directory or file), else the one a converted
-    checkpoint stores (``hp_megatron.convert``); ValueError when neither is there."""
-    from hp_megatron.convert.engine import stored_hf_config
-    from hp_megatron.convert.safetensors_io import load_hf_config
-
-    if hf_config is not None:
-        return load_hf_config(hf_config)
-    if load is None:
-        raise ValueError("--hp-hf-config is required without --load (the model's HF config.json)")
-    return stored_hf_config(load)
+from hp_megatron.training.model_args import MODEL_ARGS_KEY
 
 
 def load_weights(model, load: str) -> str:
@@ -63,3 +53,92 @@ def hf_directory(hf_config: str | None) -> str | None:
     if hf_config is None:
         return None
     return hf_config if os.path.isdir(hf_config) else os.path.dirname(os.path.abspath(hf_config))
+
+
+class ModelSource:
+    """What the command builds: ``kind`` ``"hf"`` (``description``: an HF config.json dict, a preset's model) or
+    ``"args"`` (``description``: the example's stored flags, ``hp_megatron.training.model_args``); ``vocab_size``
+    (the ids sampling may return), ``max_positions`` and ``tokenizer`` (the default tokenizer path, or None)."""
+
+    def __init__(self, kind: str, description: dict, vocab_size: int, max_positions: int, tokenizer: str | None):
+        self.kind, self.description = kind, description
+        self.vocab_size, self.max_positions, self.tokenizer = vocab_size, max_positions, tokenizer
+
+    def build(self, *, tensor_model_parallel_size: int = 1, load: str | None = None):
+        """The ``GPTModel`` on this rank (weights from ``load``), in eval mode."""
+        if self.kind == "hf":
+            return build_model(self.description, tensor_model_parallel_size=tensor_model_parallel_size, load=load)
+        return build_model_from_args(self.description, tensor_model_parallel_size=tensor_model_parallel_size,
+                                     load=load)
+
+
+def model_source(hf_config: str | None, load: str | None, use_checkpoint_args: bool = False) -> ModelSource:
+    """The model of the command: ``--hp-hf-config``; else what ``--load``'s common state stores, its HF config
+    (a converted checkpoint, the example's ``--hp-hf-config`` runs) or the example's model flags (those first
+    with ``use_checkpoint_args``, Megatron-LM's ``--use-checkpoint-args``). ValueError (one line) when the
+    checkpoint stores neither."""
+    from hp_megatron.convert.safetensors_io import load_hf_config
+    from hp_megatron.generate.tokenizer import has_tokenizer
+
+    if use_checkpoint_args and (load is None or hf_config is not None):
+        raise ValueError("--use-checkpoint-args takes the model from --load's stored arguments: give --load "
+                         "and no --hp-hf-config")
+    if hf_config is not None:
+        config, directory = load_hf_config(hf_config), hf_directory(hf_config)
+        tokenizer = directory if has_tokenizer(directory) else None
+    elif load is None:
+        raise ValueError("--hp-hf-config is required without --load (the model's HF config.json)")
+    else:
+        path, common = _common_state(load)
+        stored = common.get(MODEL_ARGS_KEY)
+        if stored is not None and (use_checkpoint_args or common.get("hf_config") is None):
+            return ModelSource("args", stored, int(stored["vocab_size"]), int(stored["seq_length"]),
+                               stored.get("tokenizer"))
+        if use_checkpoint_args:
+            raise ValueError(f"--use-checkpoint-args: checkpoint {path} stores no model arguments "
+                             f"({MODEL_ARGS_KEY}, which the example's checkpoints store)")
+        if common.get("hf_config") is None:
+            raise ValueError(f"checkpoint {path} stores neither an HF config nor the example's model arguments; "
+                             "pass --hp-hf-config")
+        config, tokenizer = common["hf_config"], None
+    return ModelSource("hf", config, int(config["vocab_size"]), int(config.get("max_position_embeddings") or 4096),
+                       tokenizer)
+
+
+def _common_state(load: str) -> tuple[str, dict]:
+    """(checkpoint directory, its common state) of ``load`` (tracker or iteration directory), read with
+    megatron-core's ``dist_checkpointing.load_common_state_dict``; ValueError naming a missing file."""
+    from megatron.core import dist_checkpointing
+
+    from hp_megatron.checkpoint_dirs import verify_checkpoint_files
+    from hp_megatron.convert.engine import checkpoint_directory
+
+    path = checkpoint_directory(load)
+    verify_checkpoint_files(path)
+    return path, dist_checkpointing.load_common_state_dict(path)
+
+
+def build_model_from_args(stored: dict, *, tensor_model_parallel_size: int = 1, load: str | None = None,
+                          params_dtype: torch.dtype = torch.float32):
+    """The example's ``GPTModel`` of the stored flags ``stored`` (``hp_megatron.training.model_args``) at
+    ``tensor_model_parallel_size`` on this rank, without the MTP layers (generation reads the main head only),
+    weights from ``load``, in eval mode."""
+    from hp_megatron.arguments import validate_hp_args
+    from hp_megatron.platform import CPU_SAFE_CONFIG
+    from hp_megatron.training.model_args import args_from_stored, hybrid_config_from_args, hybrid_model_from_args
+
+    args = args_from_stored(stored)
+    vocab, tp = int(stored["padded_vocab_size"]), tensor_model_parallel_size
+    if vocab % tp:
+        raise ValueError(f"the checkpoint's padded vocabulary {vocab} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    args.tensor_model_parallel_size, args.context_parallel_size = tp, 1
+    validate_hp_args(args)  # the GDN/KDA heads against TP, named by their flags
+    config = hybrid_config_from_args(args, tensor_model_parallel_size=tp, params_dtype=params_dtype,
+                                     pipeline_dtype=params_dtype, **CPU_SAFE_CONFIG)
+    model = hybrid_model_from_args(args, config, vocab_size=vocab)
+    if torch.cuda.is_available():
+        model.cuda()
+    if load is not None:
+        load_weights(model, load)
+    return model.eval()

@@ -3,6 +3,8 @@ would otherwise provide; one job per module, imported by ``examples/pretrain`` a
 
   ``gpt_model``  ``hybrid_gpt_model``: megatron-core ``GPTModel`` over a hybrid layer spec, our RMSNorm as the final
                  norm (the one builder of the example, the launcher and ``ModelPreset.gpt_model``)
+  ``model_args`` the example's model flags -> config and ``GPTModel``, and the dict of them its checkpoints store
+                 (``hp_model_args``), from which ``python -m hp_megatron.generate --load`` rebuilds the model
   ``packing``    ``pack_documents``: a micro-batch of documents as one THD row with its ``PackedSeqParams``
   ``optimizer``  ``get_optimizer``: megatron-core's optimizer on GPU, ``TorchOptimizer`` (same interface) on CPU
   ``aux_losses`` ``AuxLossLog``: the MoE load-balancing losses, expert-bias update and MTP losses of an iteration,

@@ -1,0 +1,90 @@
+"""The example's model from its flags, and those flags stored in its checkpoints, as Megatron-LM stores ``args``.
+
+``examples/pretrain/pretrain_hybrid.py`` (without ``--hp-hf-config``) builds its model with
+:func:`hybrid_config_from_args` and :func:`hybrid_model_from_args`; ``save_checkpoint`` stores
+:func:`stored_model_args` (a plain dict: the flags these two read, the vocabulary and the tokenizer path) in the
+checkpoint's common state under :data:`MODEL_ARGS_KEY`. ``python -m hp_megatron.generate`` reads it back
+(:func:`args_from_stored`) and builds the same ``GPTModel`` at any TP, like Megatron-LM's tools with
+``--use-checkpoint-args``. Parallel layout, CP method and training choices are not stored: they do not change the
+weights, and ``dist_checkpointing`` reshards the tensors.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+MODEL_ARGS_KEY = "hp_model_args"
+
+# the example's flags (``args`` attribute names) that define its model's tensors and forward
+MODEL_ARG_NAMES = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "seq_length",
+    "rotary_base", "bf16", "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function",
+    "moe_router_enable_expert_bias", "mtp_num_layers", "hp_layer_pattern", "hp_backend", "hp_linear",
+    "hp_linear_num_key_heads", "hp_linear_num_value_heads", "hp_linear_key_head_dim", "hp_linear_value_head_dim",
+    "hp_linear_conv_kernel_dim", "hp_kda_lower_bound", "hp_kda_gate_low_rank_dim", "hp_kda_safe_gate",
+    "hp_mla_q_lora_rank", "hp_mla_kv_lora_rank", "hp_mla_qk_head_dim", "hp_mla_qk_pos_emb_head_dim",
+    "hp_mla_v_head_dim", "hp_mla_rope_type", "hp_mtp_layer_kind")
+
+
+def hybrid_config_from_args(args, **run):
+    """The ``HybridTransformerConfig`` of the model flags ``args`` (``--num-layers``, ``--hidden-size``, ...,
+    ``--num-experts``, the ``--hp-*`` layer flags); ``run`` holds the other ``TransformerConfig`` fields (parallel
+    sizes, dtype, init, MTP depth, MoE balancing)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from hp_megatron.arguments import apply_hp_config
+
+    if args.num_experts is not None:  # the experts themselves: megatron-core's MoELayer, SequentialMLP experts
+        run.update(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                   moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                   moe_router_score_function=args.moe_router_score_function,
+                   moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+                   moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, **run)
+    return apply_hp_config(config, args)
+
+
+def hybrid_model_from_args(args, config, *, vocab_size: int, pre_process: bool = True, post_process: bool = True):
+    """This pipeline stage's ``GPTModel`` (``hybrid_gpt_model``) of the flags ``args`` over
+    ``get_hybrid_layer_spec(--hp-layer-pattern)``: RoPE when the pattern (or the MTP layers) has attention,
+    untied output layer; the MTP block when ``config.mtp_num_layers``."""
+    from hp_megatron.specs import get_hybrid_layer_spec
+    from hp_megatron.training.gpt_model import hybrid_gpt_model
+
+    mtp_kind = args.hp_mtp_layer_kind if getattr(config, "mtp_num_layers", None) else None
+    spec = get_hybrid_layer_spec(args.hp_layer_pattern, backend=args.hp_backend, linear=args.hp_linear,
+                                 cp_layout=args.hp_cp_layout, mtp_symbol=mtp_kind)
+    uses_rope = "A" in args.hp_layer_pattern + (mtp_kind or "")  # zigzag with CP: checked by validate_hp_args
+    return hybrid_gpt_model(config, spec, vocab_size=vocab_size, max_sequence_length=args.seq_length,
+                            pre_process=pre_process, post_process=post_process, backend=args.hp_backend,
+                            share_embeddings_and_output_weights=False,
+                            position_embedding_type="rope" if uses_rope else "none", rotary_base=args.rotary_base)
+
+
+def stored_model_args(args, *, padded_vocab_size: int, vocab_size: int) -> dict:
+    """The plain dict a checkpoint stores: :data:`MODEL_ARG_NAMES` of ``args``, ``padded_vocab_size`` (the
+    embedding rows), ``vocab_size`` (the tokenizer's ids) and ``tokenizer`` (its absolute path, or None)."""
+    stored = {name: getattr(args, name) for name in MODEL_ARG_NAMES}
+    tokenizer = getattr(args, "tokenizer", None)
+    stored.update(padded_vocab_size=int(padded_vocab_size), vocab_size=int(vocab_size),
+                  tokenizer=os.path.abspath(tokenizer) if tokenizer else None)
+    return stored
+
+
+def args_from_stored(stored: dict) -> argparse.Namespace:
+    """The flags of a stored dict as an ``args`` namespace for :func:`hybrid_config_from_args`: the ``--hp-*``
+    defaults (single-rank CP settings) overridden by the stored values; ValueError naming missing entries."""
+    from hp_megatron.arguments import add_hp_arguments
+
+    missing = [name for name in MODEL_ARG_NAMES + ("padded_vocab_size",) if name not in stored]
+    if missing:
+        raise ValueError(f"the checkpoint's {MODEL_ARGS_KEY} lacks {missing}")
+    args = add_hp_arguments(argparse.ArgumentParser(add_help=False)).parse_args([])
+    for name, value in stored.items():
+        setattr(args, name, value)
+    return args
