@@ -115,8 +115,14 @@ def _worker(rank, world_size, cases):
     apply_cpu_shims(0)
     from megatron.core import parallel_state
 
-    if parallel_state._GLOBAL_MEMORY_BUFFER is None:     # sequence-parallel linears all-gather into it
-        parallel_state._set_global_memory_buffer()
+    parallel_state._set_global_memory_buffer()     # sequence-parallel linears all-gather into it (freed below)
+    try:
+        return _run_cases(rank, world_size, cases)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _run_cases(rank, world_size, cases):
     singles = [dist.new_group([r]) for r in range(world_size)]
     groups_by_tp = {}
     for tp in sorted({c["tp"] for c in cases}):

@@ -298,13 +298,23 @@ def _shared_index(fn, world_size, args):
 
 
 def _run_jobs(rank, world_size, jobs):
-    """In a worker: each job in order; its result is streamed under the job's index."""
+    """In a worker: each job in order; its result is streamed under the job's index. A job must leave
+    megatron-core's parallel state as it found it (uninitialized): the next job of another module starts there."""
     results = {}
     for index, (fn, args) in enumerate(jobs):
         case_started(f"{fn.__module__}.{fn.__qualname__}")
         results[index] = fn(rank, world_size, *args)
+        _check_parallel_state_released(fn)
         case_result(index, results[index])
     return results
+
+
+def _check_parallel_state_released(fn) -> None:
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None and (parallel_state.model_parallel_is_initialized()
+                                       or parallel_state._GLOBAL_MEMORY_BUFFER is not None):
+        raise RuntimeError(f"shared-spawn job {fn.__module__}.{fn.__qualname__} left megatron-core's parallel state "
+                           "initialized; call parallel_state.destroy_model_parallel() before it returns")
 
 
 def _shared_results(fn, world_size, args):
