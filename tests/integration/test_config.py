@@ -115,9 +115,14 @@ def test_example_configs_keep_megatron_fields(monkeypatch, tmp_path):
     from hp_megatron.models import preset_from_hf
     from hp_megatron.models.tiny import TINY_ARCHITECTURES, tiny_hf_config
 
+    import hp_megatron.arguments
+
     seen = []
-    apply = pretrain_hybrid.apply_hp_config
-    monkeypatch.setattr(pretrain_hybrid, "apply_hp_config", lambda config, args: seen.append(config) or apply(config, args))
+    apply = hp_megatron.arguments.apply_hp_config
+    recording = lambda config, args: seen.append(config) or apply(config, args)  # noqa: E731
+    # the flags' path applies it in hp_megatron.training.model_args (imported at call time), a preset's in the example
+    monkeypatch.setattr(hp_megatron.arguments, "apply_hp_config", recording)
+    monkeypatch.setattr(pretrain_hybrid, "apply_hp_config", recording)
     monkeypatch.setenv("WORLD_SIZE", "1")
     tiny = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
             "--micro-batch-size", "1", "--global-batch-size", "2"]
