@@ -89,6 +89,17 @@ def _check_signature(name: str, fn: Callable) -> None:
                            f"(A_log/dt_bias/use_gate_in_kernel); need {PACKAGES}")
 
 
+def import_fla_functions(who: str, *paths: str) -> tuple[Callable, ...]:
+    """FLA functions named ``"module:attribute"``, in order; a RuntimeError naming them (and ``who`` needs them)."""
+    try:
+        return tuple(getattr(importlib.import_module(module), name)
+                     for module, name in (path.split(":") for path in paths))
+    except (ImportError, AttributeError) as error:
+        names = ", ".join(path.split(":")[1] for path in paths)
+        raise RuntimeError(f"backend='triton': {who} needs flash-linear-attention's {names} ({error}); "
+                           f"need {PACKAGES}. Install: {INSTALL_HINT}") from error
+
+
 @lru_cache(maxsize=1)
 def load_fla() -> FLA:
     """Import FLA's public ops once; RuntimeError naming the missing package or version otherwise."""
@@ -110,15 +121,9 @@ def load_fla() -> FLA:
     if fla_version < MIN_FLA:
         raise RuntimeError(f"backend='triton' found flash-linear-attention {getattr(fla, '__version__', '?')}, "
                            f"too old; need {PACKAGES}. Install: {INSTALL_HINT}")
-    try:
-        gdn = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
-        kda = importlib.import_module("fla.ops.kda").chunk_kda
-        conv = importlib.import_module("fla.modules.causal_conv1d").causal_conv1d
-        l2norm = importlib.import_module("fla.modules.norm.l2norm").l2norm
-    except (ImportError, AttributeError) as error:
-        raise RuntimeError(f"backend='triton': flash-linear-attention {_fmt(fla_version)} does not expose "
-                           f"chunk_gated_delta_rule / chunk_kda / causal_conv1d / l2norm ({error}); "
-                           f"need {PACKAGES}") from error
+    gdn, kda, conv, l2norm = import_fla_functions(
+        f"training (flash-linear-attention {_fmt(fla_version)} found)", "fla.ops.gated_delta_rule:chunk_gated_delta_rule",
+        "fla.ops.kda:chunk_kda", "fla.modules.causal_conv1d:causal_conv1d", "fla.modules.norm.l2norm:l2norm")
     for name, fn in (("chunk_gated_delta_rule", gdn), ("chunk_kda", kda), ("causal_conv1d", conv)):
         _check_signature(name, fn)
     return FLA(gdn, kda, conv, l2norm, fla_version, triton_version, interpreted=_interpreter_env())

@@ -6,25 +6,17 @@ conv cache ``[N, D, W]``, built from and written back to our ``[N, W-1, D]`` his
 """
 from __future__ import annotations
 
-import importlib
 from functools import lru_cache
 
-from layers.ops.triton.runtime import (INSTALL_HINT, PACKAGES, check_inputs, check_tensor_device,
-                                       history_to_fla_cache, load_fla)
+from layers.ops.triton.runtime import (check_inputs, check_tensor_device, history_to_fla_cache,
+                                       import_fla_functions, load_fla)
 
 
 @lru_cache(maxsize=1)
 def _recurrent_ops():
     load_fla()   # versions and the interpreter flag first
-    try:
-        gdn = importlib.import_module("fla.ops.gated_delta_rule").fused_recurrent_gated_delta_rule
-        kda = importlib.import_module("fla.ops.kda").fused_recurrent_kda
-        conv = importlib.import_module("fla.modules.causal_conv1d").causal_conv1d_update
-    except (ImportError, AttributeError) as error:
-        raise RuntimeError(f"backend='triton' decode needs flash-linear-attention's fused_recurrent_gated_delta_rule"
-                           f", fused_recurrent_kda and causal_conv1d_update ({error}); need {PACKAGES}. "
-                           f"Install: {INSTALL_HINT}") from error
-    return gdn, kda, conv
+    return import_fla_functions("decoding", "fla.ops.gated_delta_rule:fused_recurrent_gated_delta_rule",
+                                "fla.ops.kda:fused_recurrent_kda", "fla.modules.causal_conv1d:causal_conv1d_update")
 
 
 def delta_rule_step(kind, q, k, v, g, beta, state, *, scale, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
