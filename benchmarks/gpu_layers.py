@@ -193,9 +193,11 @@ def _op_fn(kind: str, which: str):
     return lambda **kw: fn(**kw, backend="triton")
 
 
-def measure_pair(builds: dict, tokens: int, iters: int, repeats: int, min_window_s: float = 0.05) -> dict:
-    """Time two or more steps in alternating windows (ABBA order over ``max(2 * repeats, 4)`` rounds), so clock
-    and thermal drift hit every side alike; per side the :func:`measure` fields (median window). Measuring rows
+def measure_pair(builds: dict, tokens: int, iters: int, repeats: int, warmup: int = 1,
+                 min_window_s: float = 0.05) -> dict:
+    """Time two or more steps in alternating windows (ABBA order over ``2 * repeats`` rounds) after ``warmup``
+    untimed steps each, so clock and thermal drift hit every side alike; per side the :func:`measure` fields
+    (median window). Measuring rows
     one after another instead showed +-20% between identical kernel sequences on the H200 (docs/benchmarks.md,
     "our triton ops against bare FLA")."""
     cuda = DEVICE == "cuda"
@@ -207,7 +209,8 @@ def measure_pair(builds: dict, tokens: int, iters: int, repeats: int, min_window
             torch.cuda.reset_peak_memory_stats()
         t0 = time.monotonic()
         steps[name] = build()
-        steps[name]()  # warm-up (the first call may autotune)
+        for _ in range(warmup):  # the first call may autotune
+            steps[name]()
         if cuda:
             torch.cuda.synchronize()
             peaks[name] = round((torch.cuda.max_memory_allocated() - base) / 2 ** 20, 1)
@@ -222,7 +225,7 @@ def measure_pair(builds: dict, tokens: int, iters: int, repeats: int, min_window
     n = max(iters, min(200, int(min_window_s / max(max(probe), 1e-6)) + 1))
     device = {name: [] for name in steps}
     host = {name: [] for name in steps}
-    for r in range(max(2 * repeats, 4)):
+    for r in range(2 * repeats):
         for name in (list(steps) if r % 2 == 0 else list(reversed(steps))):
             if cuda:
                 torch.cuda.synchronize()
@@ -277,7 +280,7 @@ def _ops_pair(rows, budget, kind, op, B, T, mode, iters):
         try:
             tensors, flags = op_inputs(kind, B, T)
             measured = measure_pair({s: (lambda s=s: _op_step(_op_fn(kind, s), tensors, flags, mode)) for s in "ab"},
-                                     B * T, iters, TIMING["repeats"])
+                                     B * T, iters, **TIMING)
         except Exception as error:  # noqa: BLE001 - recorded in the table
             measured = {s: {"error": _short_error(error), "traceback": traceback.format_exc()[-2000:]} for s in "ab"}
         finally:
