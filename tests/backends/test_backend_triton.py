@@ -100,18 +100,17 @@ def test_device_cu_seqlens_uploads_once_per_buffer_version():
     from layers.ops.triton import runtime
     from layers.ops.validation import normalize_cu_seqlens
 
-    runtime._CU_CACHE.clear()
+    cache = runtime.DeviceCuSeqlens()
     cu = torch.tensor([0, 10, 40, 64])
     cpu = torch.device("cpu")
-    first = [runtime.device_cu_seqlens(normalize_cu_seqlens(cu, 1, 64), cpu) for _ in range(3)]
-    assert len(runtime._CU_CACHE) == 1 and all(d is first[0][0] for d, _ in first)
+    first = [cache(normalize_cu_seqlens(cu, 1, 64), cpu) for _ in range(3)]
+    assert len(cache) == 1 and all(d is first[0][0] for d, _ in first)
     cu[1] = 11
-    on_device, host = runtime.device_cu_seqlens(normalize_cu_seqlens(cu, 1, 64), cpu)
-    assert len(runtime._CU_CACHE) == 2 and on_device.tolist() == [0, 11, 40, 64] == host.tolist()
+    on_device, host = cache(normalize_cu_seqlens(cu, 1, 64), cpu)
+    assert len(cache) == 2 and on_device.tolist() == [0, 11, 40, 64] == host.tolist()
     other = torch.tensor([0, 10, 40, 64])  # equal values, other buffer: its own entry
-    assert runtime.device_cu_seqlens(other, cpu)[0].tolist() == [0, 10, 40, 64]
-    assert runtime.device_cu_seqlens(None, cpu) == (None, None)
-    runtime._CU_CACHE.clear()
+    assert cache(other, cpu)[0].tolist() == [0, 10, 40, 64]
+    assert cache(None, cpu) == (None, None)
 
 
 def test_warm_shapes_match_tests():

@@ -214,12 +214,9 @@ def gdn_backward_blocker(device: torch.device) -> str | None:
     return reason
 
 
-_CU_CACHE: dict = {}
-_CU_CACHE_SIZE = 32
-
-
-def device_cu_seqlens(cu_seqlens: torch.Tensor | None, device: torch.device):
-    """``(cu on device, cu on CPU)`` for FLA. The CPU copy lets FLA build chunk indices without a sync.
+class DeviceCuSeqlens:
+    """``cache(cu_seqlens, device)`` -> ``(cu on device, cu on CPU)`` for FLA. The CPU copy lets FLA build chunk
+    indices without a sync.
 
     Device copies are cached per CPU buffer: (data pointer, offset, shape, stride, version counter, device). The
     public ops hand over a fresh ``detach()`` of the caller's tensor on every call; it shares the buffer and
@@ -227,18 +224,30 @@ def device_cu_seqlens(cu_seqlens: torch.Tensor | None, device: torch.device):
     tensor bumps the version and uploads again. The cache holds the CPU tensor, so its buffer cannot be
     freed and reused by another tensor while the entry lives.
     """
-    if cu_seqlens is None:
-        return None, None
-    key = (cu_seqlens.data_ptr(), cu_seqlens.storage_offset(), cu_seqlens.shape, cu_seqlens.stride(),
-           tensor_version(cu_seqlens), device)
-    hit = _CU_CACHE.get(key)
-    if hit is not None:
-        return hit[1], cu_seqlens
-    on_device = cu_seqlens.to(device=device, dtype=torch.int64, non_blocking=True)
-    if len(_CU_CACHE) >= _CU_CACHE_SIZE:
-        _CU_CACHE.clear()
-    _CU_CACHE[key] = (cu_seqlens, on_device)
-    return on_device, cu_seqlens
+
+    def __init__(self, size: int = 32):
+        self.size = size
+        self._entries: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __call__(self, cu_seqlens: torch.Tensor | None, device: torch.device):
+        if cu_seqlens is None:
+            return None, None
+        key = (cu_seqlens.data_ptr(), cu_seqlens.storage_offset(), cu_seqlens.shape, cu_seqlens.stride(),
+               tensor_version(cu_seqlens), device)
+        hit = self._entries.get(key)
+        if hit is not None:
+            return hit[1], cu_seqlens
+        on_device = cu_seqlens.to(device=device, dtype=torch.int64, non_blocking=True)
+        if len(self._entries) >= self.size:
+            self._entries.clear()
+        self._entries[key] = (cu_seqlens, on_device)
+        return on_device, cu_seqlens
+
+
+device_cu_seqlens = DeviceCuSeqlens()  # the one cache of this process, used by the ops
 
 
 def history_to_fla_cache(history: torch.Tensor) -> torch.Tensor:
