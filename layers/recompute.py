@@ -67,16 +67,19 @@ def _swap(pairs) -> None:
 def _refill(kept_outputs, new_outputs) -> tuple:
     """Give each freed output storage the recomputed output's memory; returns the swapped ``(kept, new)`` storage
     pairs (empty when bytes were copied). Outputs sharing a storage are refilled once."""
-    pairs, seen = [], set()
+    pairs, done = [], {}   # kept storage -> recomputed storage (one to one)
     for kept, new in zip(kept_outputs, new_outputs):
-        if (kept.shape, kept.stride(), kept.storage_offset()) != (new.shape, new.stride(), new.storage_offset()):
+        kept_storage, new_storage = kept.untyped_storage(), new.untyped_storage()
+        key, value = kept_storage._cdata, new_storage._cdata
+        if ((kept.shape, kept.stride(), kept.storage_offset()) != (new.shape, new.stride(), new.storage_offset())
+                or done.get(key, value) != value or (key not in done and value in done.values())):
             raise RuntimeError(f"recompute: the part's output changed layout between forward and recompute: "
                                f"{tuple(kept.shape)} / {kept.stride()} at {kept.storage_offset()} vs "
-                               f"{tuple(new.shape)} / {new.stride()} at {new.storage_offset()}")
-        kept_storage, new_storage = kept.untyped_storage(), new.untyped_storage()
-        if kept_storage._cdata in seen:
+                               f"{tuple(new.shape)} / {new.stride()} at {new.storage_offset()}, or shares its "
+                               "storage with other outputs differently")
+        if key in done:
             continue
-        seen.add(kept_storage._cdata)
+        done[key] = value
         if _SWAPS:
             kept_storage._swap_data_ptr_(new_storage)
             pairs.append((kept_storage, new_storage))
