@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import sys
 import traceback
 from collections import Counter
@@ -322,10 +323,18 @@ NAMES = {"triton": "ours (triton)", "eager": "ours (eager)", "triton" + RECOMPUT
          "mcore": "megatron-core GatedDeltaNet", "hf": "transformers (pure PyTorch)"}
 
 
+def _covers(command: str):
+    """Predicate: does the measuring ``command`` (``python benchmarks/layer_memory.py ARGS``) produce this row?"""
+    args = _parser().parse_args(shlex.split(command)[2:])
+    return lambda r: (r["kind"] in args.kinds and r["hidden"] in args.hidden and r["dtype"] in args.dtypes
+                      and ("yes" if r["gva"] else "no") in args.gva and (args.impls is None or r["impl"] in args.impls))
+
+
 def merge(paths) -> dict:
     """One result from several ``--json`` files: rows keyed by (layer, implementation, shape), later files win,
-    in main()'s loop order; the commands joined, the other metadata of the last file (same software versions
-    required)."""
+    in main()'s loop order; the other metadata of the last file (same software versions required). The commands:
+    those that measured a row of the result (each row taken from the last command, in file order, whose options
+    cover it), so that a command whose rows were all measured again later drops out."""
     rows, metas = {}, []
     for path in paths:
         result = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -341,9 +350,11 @@ def merge(paths) -> dict:
                        IMPLS[r["kind"]].index(r["impl"]))
     commands = []
     for m in metas:   # a merged file's command is already a "` + `" list; the --json paths are the inputs here
-        commands += [c for c in (re.sub(r" --json \S+", "", c) for c in m["command"].split("` + `"))
-                     if c not in commands]
-    return dict(meta=dict(metas[-1], command="` + `".join(commands)), rows=sorted(rows.values(), key=order))
+        commands += [c for c in (re.sub(r" --json \S+", "", c) for c in m["command"].split("` + `"))]
+    covers = [_covers(c) for c in commands]
+    used = {max(i for i, cover in enumerate(covers) if cover(r)) for r in rows.values()}
+    kept = [c for i, c in enumerate(commands) if i in used and c not in commands[i + 1:]]
+    return dict(meta=dict(metas[-1], command="` + `".join(kept)), rows=sorted(rows.values(), key=order))
 
 
 def markdown(rows, meta) -> str:
@@ -379,7 +390,7 @@ def markdown(rows, meta) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
+def _parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"])
@@ -394,7 +405,11 @@ def main(argv=None):
     parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
                         help="publish the rows of these --json files as one table (measures nothing)")
     add_output_args(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
     if args.write_docs and args.json is None:
         args.json = DOCS_JSON
     if args.merge:

@@ -341,9 +341,13 @@ class DeltaMixer(MegatronModule):
         seq, batch = projected.shape[:2]
         cu_seqlens, ctx = cp_context(self, packed_seq_params, cu_global, cp_group, cp_size, seq, batch, hidden_states)
         x = projected.transpose(0, 1)  # [b, s, D_local]
-        sizes = [rows // self.tp_size for _, rows in self._in_parts]
-        parts = dict(zip((n for n, _ in self._in_parts), torch.split(x, sizes, dim=-1)))
-        qkv = x[..., :self.conv_dim // self.tp_size]  # in_proj starts with query, key, value
+        # in_proj starts with query, key, value: one piece for the conv, so that every piece of the split gets a
+        # gradient and its backward is one cat (q/k/v pieces left unused would each add a zero-filled gradient,
+        # and a separate conv slice a slice_backward and an add)
+        names = [n for n, _ in self._in_parts[3:]]
+        sizes = [self.conv_dim // self.tp_size] + [rows // self.tp_size for _, rows in self._in_parts[3:]]
+        qkv, *rest = torch.split(x, sizes, dim=-1)
+        parts = dict(zip(names, rest))
         conv_part = PartRecompute() if self.recompute_conv else None
         q, k, v = self._conv_qkv(conv_part, qkv, cu_seqlens, ctx)
         core, gate = self._delta_rule(q, k, v, parts, hidden_states, cu_seqlens, ctx,
@@ -430,7 +434,8 @@ class DeltaMixer(MegatronModule):
         raise NotImplementedError
 
     def _delta_rule(self, q, k, v, parts, hidden_states, cu_seqlens, cp_context, *, l2norm_in_kernel=True):
-        """Return ``(core [b, s, HV_local, V], gate [b, s, HV_local, V])``; ``l2norm_in_kernel`` False: q and k
+        """Return ``(core [b, s, HV_local, V], gate [b, s, HV_local, V])``; ``parts``: the in-projection's parts
+        after query, key and value (``[b, s, rows_local]`` views, by name); ``l2norm_in_kernel`` False: q and k
         arrive L2-normalised (see :meth:`_conv_qkv`)."""
         raise NotImplementedError
 

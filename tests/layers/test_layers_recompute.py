@@ -6,7 +6,7 @@ and on two gloo ranks under TP2 + SP and CP2 (MLA: TP2 + SP; its recompute is CP
 ``hp_conv`` also moves q/k's L2 norm from FLA's op into the recomputed part (FLA's own l2norm kernel, the op then
 without ``use_qk_l2norm_in_kernel``): checked single rank on packed documents and under CP2 on both triton CP
 paths (FLA's own KCP for allgather on a contiguous packed sequence, FLA's kernels with our exchange for p2p zigzag).
-Also: the config / command-line split of our names from megatron-core's, and the one-line error for bad names.
+Also: the refill of a freed output by a storage pointer swap (no copy) with the part's own graph still exact, the config / command-line split of our names from megatron-core's, and the one-line error for bad names.
 """
 from __future__ import annotations
 
@@ -179,6 +179,41 @@ def test_recompute_frees_the_parts_outputs(single_rank):
     norm_out = SEQ * 2 * 8 * 8 * 4
     assert DIMS["gdn"]["num_key_heads"] == 4 and DIMS["gdn"]["num_value_heads"] == 8
     assert held[False] - held[True] >= conv_out + norm_out - SEQ * 2 * HIDDEN * 4, held
+
+
+def test_part_refill_moves_no_bytes_and_its_graph_keeps_the_output():
+    """The refill gives the freed storage the recomputed output's memory (no copy kernel where torch has the
+    storage pointer swap); the part's own recomputed graph saved that output (exp keeps its result) and still
+    backpropagates it exactly; after backward the kept output holds its values again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from layers.recompute import _SWAPS, PartRecompute
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(7)
+    x0, w, dz = (torch.randn(8, 4, generator=gen) for _ in range(3))
+    x = x0.clone().requires_grad_(True)
+    part = PartRecompute()
+    y = part.run(torch.exp, x)
+    z = y * w   # keeps y for its backward
+    part.discard(z)
+    assert y.untyped_storage().nbytes() == 0
+    ops = Ops()
+    with ops:
+        z.backward(dz)
+    x_ref = x0.clone().requires_grad_(True)
+    (torch.exp(x_ref) * w).backward(dz)
+    assert torch.equal(x.grad, x_ref.grad)
+    assert torch.equal(y.detach(), torch.exp(x0))
+    assert ("copy_" in ops.names) == (not _SWAPS), ops.names
 
 
 def _worker(rank, world_size):
