@@ -46,7 +46,10 @@ CP_LAYOUTS = [
 ]
 # allgather on one row with FLA's partition (contiguous, or zigzag of one sequence) runs FLA's own KCP path
 FLA_CP_LAYOUTS = ("zigzag_bshd1", "contiguous_thd")
-CP_PROBLEM = dict(H=4, HV=4, K=16, V=16, l2norm_in_kernel=True, beta_sigmoid=True, gate_in_kernel=True)
+# Two heads (the interpreter's cost grows with the heads in each kernel's grid); four where full Ulysses spreads
+# them over the P = 4 ranks.
+CP_PROBLEM = dict(H=2, HV=2, K=16, V=16, l2norm_in_kernel=True, beta_sigmoid=True, gate_in_kernel=True)
+ULYSSES_CP_PROBLEM = dict(CP_PROBLEM, H=4, HV=4)
 CP_CASES = ([(kind, layout, method, {}) for kind in ("gdn", "kda") for method in ("p2p", "allgather")
              for layout, *_ in CP_LAYOUTS]
             + [(kind, "zigzag_bshd", method, opts) for kind in ("gdn", "kda")
@@ -60,12 +63,14 @@ CP_VARIANTS = {
 }
 CONV_CP_CASES = [(layout, method) for layout, *_ in CP_LAYOUTS for method in ("p2p", "allgather", "ulysses")]
 # GDN / KDA layers with backend="triton" on megatron TP x CP groups against the single-rank eager layer with the
-# same initialisation (tests/support/delta_layer_cases.py builds and compares; only the backend differs).
+# same initialisation (tests/support/delta_layer_cases.py builds and compares; only the backend differs). Half the
+# heads of tests/layers' cases: GDN keeps GVA (one key and two value heads per TP rank), KDA one head per Ulysses rank.
 LAYER_CASES = [
     ("layer-gdn-tp2-cp2-sp-thd-contiguous-allgather", dict(  # FLA's own KCP path
-        kind="gdn", tp=2, cp=2, sp=True, thd=True, packed_cp_group=False,
+        kind="gdn", tp=2, cp=2, sp=True, thd=True, packed_cp_group=False, dims=dict(num_key_heads=2, num_value_heads=4),
         options={"backend": "triton", "cp_method": "allgather", "cp_layout": "contiguous"})),
     ("layer-kda-tp1-cp4-bshd-ulysses2_p2p", dict(kind="kda", tp=1, cp=4, sp=False, thd=False, packed_cp_group=False,
+                                                 dims=dict(num_key_heads=2, num_value_heads=2),
                                                  options={"backend": "triton", "cp_method": "p2p",
                                                           "cp_ulysses_degree": 2})),
 ]
@@ -107,7 +112,8 @@ def worker(rank, world):
         else:
             attempt(key, conv_single_case, key)
     for kind, layout, method, opts in CP_CASES:
-        attempt(f"{kind}-{layout}-{method}", cp_case, kind, CP_LAYOUTS, layout, CP_PROBLEM, method, opts,
+        problem = ULYSSES_CP_PROBLEM if method == "ulysses" else CP_PROBLEM
+        attempt(f"{kind}-{layout}-{method}", cp_case, kind, CP_LAYOUTS, layout, problem, method, opts,
                 "triton", "cpu", torch.float32, 11, _fla_cp_taken, collective=True)
     for key, (kind, problem) in CP_VARIANTS.items():
         attempt(key, cp_case, kind, CP_LAYOUTS, "zigzag_thd", problem, "p2p", {}, "triton", "cpu", torch.float32,

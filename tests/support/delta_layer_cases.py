@@ -122,7 +122,7 @@ def build_layer(kind, tp_group, cp_group, config, options):
         groups = {"pg_collection": pgc.ProcessGroupCollection(tp=tp_group, cp=cp_group)}
     else:
         groups = {"model_comm_pgs": pgc.ModelCommProcessGroups(tp=tp_group, cp=cp_group)}
-    return cls(config, None, layer_number=3, **groups, **DIMS[kind], **options)
+    return cls(config, None, layer_number=3, **groups, **{**DIMS[kind], **options})
 
 
 def _packed(thd, cp_group=None):
@@ -155,8 +155,9 @@ def run_case(case):
     grad_out = torch.randn(SEQ, batch, HIDDEN, generator=gen)
     packed = _packed(thd)
 
+    dims = case.get("dims", {})  # head counts / dims replacing DIMS[kind] in both layers
     solo = groups(1, 1)
-    ref = build_layer(kind, *solo, layer_config(1, 1, False), {})
+    ref = build_layer(kind, *solo, layer_config(1, 1, False), dict(dims))
     x_ref = x.clone().requires_grad_(True)
     y_ref, _ = ref(x_ref, attention_mask=_causal_mask(torch.arange(SEQ)), packed_seq_params=packed)
     y_ref.backward(grad_out)
@@ -167,9 +168,9 @@ def run_case(case):
         if "cp_group" not in getattr(_packed(True), "__dataclass_fields__", {}):
             return {"skipped": "PackedSeqParams has no cp_group before megatron-core 0.16"}
         packed = _packed(thd, cp_group)
-        layer = build_layer(kind, tp_group, groups(tp, 1)[1], layer_config(tp, cp, sp), options)
+        layer = build_layer(kind, tp_group, groups(tp, 1)[1], layer_config(tp, cp, sp), {**dims, **options})
     else:
-        layer = build_layer(kind, tp_group, cp_group, layer_config(tp, cp, sp), options)
+        layer = build_layer(kind, tp_group, cp_group, layer_config(tp, cp, sp), {**dims, **options})
     cp_index = cp_token_index(options.get("cp_layout", "zigzag"), cp, dist.get_rank(cp_group), thd)
     index = cp_index.chunk(tp)[dist.get_rank(tp_group)] if sp else cp_index
     x_local = x[index].clone().requires_grad_(True)
