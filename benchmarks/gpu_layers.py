@@ -73,9 +73,10 @@ def _short_error(error: BaseException) -> str:
 def measure(build, tokens: int, iters: int, warmup: int = 1, repeats: int = 3, min_window_s: float = 0.05) -> dict:
     """``build()`` returns ``step()`` doing one fwd+bwd. After ``warmup`` steps (the first includes Triton
     autotuning) times ``repeats`` windows of at least ``iters`` steps (more for short steps, so a window lasts
-    ``min_window_s``) with CUDA events; ``ms`` is the median window's mean. ``host_ms`` is the CPU time per step
-    spent enqueueing work (before the final synchronize): when it is close to ``ms`` the step is bound by
-    Python/launch overhead, not by the GPU. Peak memory is measured above what existed before build.
+    ``min_window_s``, sized by one probe step; with ``warmup`` 0 no probe: windows of ``iters`` steps) with CUDA
+    events; ``ms`` is the median window's mean. ``host_ms`` is the CPU time per step spent enqueueing work
+    (before the final synchronize): when it is close to ``ms`` the step is bound by Python/launch overhead, not
+    by the GPU. Peak memory is measured above what existed before build.
     Off CUDA (smoke runs) windows are host-timed and peak memory is not measured."""
     cuda = DEVICE == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -90,10 +91,12 @@ def measure(build, tokens: int, iters: int, warmup: int = 1, repeats: int = 3, m
         step()
     sync()
     warm_s = time.monotonic() - t0
-    t1 = time.perf_counter()
-    step()
-    sync()
-    n = max(iters, min(200, int(min_window_s / max(time.perf_counter() - t1, 1e-6)) + 1))
+    n = iters
+    if warmup:  # one probe step sizes the windows; --warmup 0 (smoke runs) times exactly ``iters`` steps
+        t1 = time.perf_counter()
+        step()
+        sync()
+        n = max(iters, min(200, int(min_window_s / max(time.perf_counter() - t1, 1e-6)) + 1))
     windows, host = [], []
     for _ in range(repeats):
         if cuda:
@@ -215,14 +218,16 @@ def measure_pair(builds: dict, tokens: int, iters: int, repeats: int, warmup: in
             torch.cuda.synchronize()
             peaks[name] = round((torch.cuda.max_memory_allocated() - base) / 2 ** 20, 1)
         warm[name] = round(time.monotonic() - t0, 1)
-    probe = []
-    for step in steps.values():
-        t1 = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-        probe.append(time.perf_counter() - t1)
-    n = max(iters, min(200, int(min_window_s / max(max(probe), 1e-6)) + 1))
+    n = iters
+    if warmup:  # one probe step per side sizes the windows, as in :func:`measure`
+        probe = []
+        for step in steps.values():
+            t1 = time.perf_counter()
+            step()
+            if cuda:
+                torch.cuda.synchronize()
+            probe.append(time.perf_counter() - t1)
+        n = max(iters, min(200, int(min_window_s / max(max(probe), 1e-6)) + 1))
     device = {name: [] for name in steps}
     host = {name: [] for name in steps}
     for r in range(2 * repeats):
