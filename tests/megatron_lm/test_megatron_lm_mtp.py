@@ -27,9 +27,9 @@ LAYOUTS = {"single": {}, "cp2": {"CP": "2", "CP_METHOD": "allgather"}}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(pydoc_data, tmp_path_factory):
     """``{layout: (first-iteration record, its log line, log)}`` and the CUDA-sites folder."""
-    data = write_data(str(tmp_path_factory.mktemp("pydoc")))
+    data = write_data(pydoc_data, str(tmp_path_factory.mktemp("tokenizer")))
     sites_dir = str(tmp_path_factory.mktemp("cuda_sites"))
     out = {}
     for name, env_vars in LAYOUTS.items():

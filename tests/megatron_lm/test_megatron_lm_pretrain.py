@@ -53,8 +53,8 @@ def run_script(pattern, workdir, sites_dir, env_vars, extra):
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_data(str(tmp_path_factory.mktemp("pydoc")))
+def data(pydoc_data, tmp_path_factory):
+    return write_data(pydoc_data, str(tmp_path_factory.mktemp("tokenizer")))
 
 
 @pytest.fixture(scope="module")
