@@ -1,8 +1,8 @@
 """The example (examples/pretrain/pretrain_hybrid.py) on converted tiny Hugging Face checkpoints, in-process:
-:func:`write_converted` makes the checkpoints once per test module (next to the session's dataset), :func:`example_argv` the flags
-that train one of them from ``--load``, :func:`first_iteration` runs the example and returns its first
-iteration's record (lm loss, grad norm, the MoE / MTP log entries), :func:`layouts_and_references` runs
-parallel layouts in one 4-rank spawn and their references in one 1-rank spawn."""
+:func:`write_converted` makes the checkpoints once per test module (next to the session's dataset),
+:func:`example_argv` the flags that train one of them from ``--load``, :func:`first_iteration` runs the example
+and returns its first iteration's record (lm loss, grad norm, the MoE / MTP log entries),
+:func:`layouts_and_references` runs parallel layouts in one 4-rank spawn and their references in one 1-rank spawn."""
 from __future__ import annotations
 
 import os

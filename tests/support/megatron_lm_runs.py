@@ -21,6 +21,9 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "64", "
         "--hp-linear-num-key-heads", "4", "--hp-linear-key-head-dim", "8", "--hp-linear-value-head-dim", "8"]
 NORM_EPS = ["--norm-epsilon", "1e-6"]  # pretrain_hybrid.py's fixed RMSNorm epsilon (Megatron-LM's default: 1e-5)
 SEQ, GBS, ITERS, LR = 32, 2, 3, 1e-2
+# No checkpoint: Megatron-LM saves at --exit-interval and after the last iteration whenever --save is set (the
+# scripts always set it), ~10 CPU s per run; runs whose saves repeat another run's turn it off (the last flag wins).
+NO_SAVE = ["--save", ""]
 
 
 def run_script(script, dims, workdir, sites_dir, env_vars, extra):
