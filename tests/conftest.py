@@ -1,9 +1,13 @@
-"""What every test folder shares: one torch thread per test process and the single-rank megatron fixture."""
+"""What every test folder shares: one torch thread per test process, the single-rank megatron fixture and the
+example's pydoc dataset."""
+import sys
+
 import pytest
 import torch
 
 from hp_megatron.platform import single_rank_megatron
 from tests.support.dist import select_shared_modules
+from tests.support.paths import EXAMPLE
 
 
 def pytest_collection_finish(session):
@@ -27,3 +31,17 @@ def single_rank():
     parallel state at TP=PP=CP=EP=1 and the CPU shims, torch's RNG seeded 0 (hp_megatron.platform)."""
     with single_rank_megatron(0) as group:
         yield group
+
+
+@pytest.fixture(scope="session")
+def pydoc_data(tmp_path_factory):
+    """The folder of examples/pretrain/prepare_data.py's pydoc dataset at vocabulary 512 (``tokenizer.json``,
+    ``pydoc_text_document.{bin,idx}``), built once per session for every test that trains on it. Tests only
+    read it; runs on it add megatron-core's GPTDataset index cache there (file names keyed by their settings)."""
+    if EXAMPLE not in sys.path:
+        sys.path.insert(0, EXAMPLE)
+    from prepare_data import build
+
+    path = str(tmp_path_factory.mktemp("pydoc512"))
+    build(path, vocab_size=512)
+    return path

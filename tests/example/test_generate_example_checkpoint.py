@@ -53,16 +53,10 @@ def _train_and_reference(rank, world_size, data_dir, ckpt_dir):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(pydoc_data, tmp_path_factory):
     """(checkpoint root, the reference worker's result)."""
-    if EXAMPLE not in sys.path:
-        sys.path.insert(0, EXAMPLE)
-    from prepare_data import build
-
-    data_dir = str(tmp_path_factory.mktemp("pydoc"))
-    build(data_dir, vocab_size=512)
     ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
-    return ckpt_dir, run_distributed(_train_and_reference, 1, data_dir, ckpt_dir)[0]
+    return ckpt_dir, run_distributed(_train_and_reference, 1, pydoc_data, ckpt_dir)[0]
 
 
 def test_generate_from_example_checkpoint_equals_training_forward(trained, tmp_path):

@@ -57,14 +57,9 @@ def _single_worker(rank, world_size, data_dir, ckpt_dir):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(pydoc_data, tmp_path_factory):
     """(parallel case reader, single-rank results); the 4-rank spawn runs first (it writes the checkpoint)."""
-    if EXAMPLE not in sys.path:
-        sys.path.insert(0, EXAMPLE)
-    from prepare_data import build
-
-    data_dir = str(tmp_path_factory.mktemp("pydoc"))
-    build(data_dir, vocab_size=512)
+    data_dir = pydoc_data
     ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
 
     def parallel(key):  # the last rank's result (last PP stage, logs)

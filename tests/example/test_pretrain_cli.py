@@ -29,12 +29,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from prepare_data import build
-
-    path = tmp_path_factory.mktemp("pydoc")
-    build(str(path), vocab_size=512)
-    return str(path)
+def data_dir(pydoc_data):
+    return pydoc_data
 
 
 def _data(data_dir):

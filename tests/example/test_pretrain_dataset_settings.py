@@ -18,11 +18,10 @@ if EXAMPLE not in sys.path:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    from prepare_data import build
-
-    path = str(tmp_path_factory.mktemp("pydoc512"))
-    build(path, vocab_size=512)
+def built(pydoc_data, tmp_path_factory):
+    """A copy of the session's 512-token dataset (these tests try to overwrite it)."""
+    path = os.path.join(str(tmp_path_factory.mktemp("settings")), "pydoc512")
+    shutil.copytree(pydoc_data, path, ignore=shutil.ignore_patterns("cache"))
     return path
 
 

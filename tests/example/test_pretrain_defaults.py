@@ -17,11 +17,8 @@ GBS, SEQ, ITERS = 2, 32, 3
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    from prepare_data import build
-
-    data = str(tmp_path_factory.mktemp("pydoc"))
-    build(data, vocab_size=512)
+def run(pydoc_data):
+    data = pydoc_data
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",
             "--seq-length", str(SEQ), "--micro-batch-size", "1", "--global-batch-size", str(GBS), "--no-progress",
             "--hp-layer-pattern", "KM", "--train-iters", str(ITERS), "--eval-interval", "2", "--eval-iters", "1",

@@ -22,17 +22,16 @@ ARCH, SEQ, GBS = "qwen3_next", 32, 2
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
+def converted(pydoc_data, tmp_path_factory):
     """(data flags, HF directory, converted checkpoint root, the transformers model)."""
-    from prepare_data import BPETokenizer, build
+    from prepare_data import BPETokenizer
 
     from hp_megatron.convert import hf_to_mcore
     from hp_megatron.models import get_architecture
 
     root = tmp_path_factory.mktemp("pretrain_hf")
-    build(str(root / "data"), vocab_size=512)
-    data = ["--data-path", str(root / "data" / "pydoc_text_document"),
-            "--tokenizer", str(root / "data" / "tokenizer.json")]
+    data = ["--data-path", os.path.join(pydoc_data, "pydoc_text_document"),
+            "--tokenizer", os.path.join(pydoc_data, "tokenizer.json")]
     vocab = BPETokenizer(data[-1]).vocab_size
     model, _ = tiny_hf_model(ARCH, str(root / "hf"), seed=3, vocab_size=vocab)
     hf_to_mcore(str(root / "hf"), str(root / "ckpt"), get_architecture(ARCH))

@@ -37,9 +37,9 @@ def _argv(root, arch, extra=()):
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
+def root(pydoc_data, tmp_path_factory):
     """The data and, per architecture, the tiny HF checkpoint and its conversion."""
-    return write_converted(str(tmp_path_factory.mktemp("pretrain_moe")), ARCH_FLAGS)
+    return write_converted(str(tmp_path_factory.mktemp("pretrain_moe")), pydoc_data, ARCH_FLAGS)
 
 
 @pytest.fixture(scope="module")

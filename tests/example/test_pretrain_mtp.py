@@ -33,9 +33,9 @@ def _argv(root, reference, extra=()):
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
+def root(pydoc_data, tmp_path_factory):
     """The data and the tiny DeepSeek-V3 / Qwen3-Next checkpoints with an MTP layer, converted with it."""
-    return write_converted(str(tmp_path_factory.mktemp("pretrain_mtp")), ("deepseek_v3", "qwen3_next"),
+    return write_converted(str(tmp_path_factory.mktemp("pretrain_mtp")), pydoc_data, ("deepseek_v3", "qwen3_next"),
                            mtp_num_layers=1)
 
 

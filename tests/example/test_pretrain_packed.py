@@ -97,13 +97,8 @@ def _worker(rank, world_size, data_dir):
     return out
 
 
-def test_packed_cp2_batch_equals_documents_one_by_one(tmp_path):
-    if EXAMPLE not in sys.path:
-        sys.path.insert(0, EXAMPLE)
-    from prepare_data import build
-
-    build(str(tmp_path), vocab_size=VOCAB)
-    results = run_distributed(_worker, 2, str(tmp_path))
+def test_packed_cp2_batch_equals_documents_one_by_one(pydoc_data):
+    results = run_distributed(_worker, 2, pydoc_data)
     for rank_results in results:
         assert len(rank_results) == sum(len(r) for r in ROWS)
         for n, padded, in_pack, alone in rank_results:

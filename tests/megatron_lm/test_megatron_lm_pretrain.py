@@ -3,23 +3,26 @@
 Every run is ``bash examples/pretrain/megatron_lm/train_*.sh`` (torchrun -> pretrain_gpt_hp.py -> Megatron-LM's
 ``pretrain``) with tiny dims and the CPU flags of docs/usage.md, in the CPU mode of tests/megatron_lm/cpu_mode.py
 (``sitecustomize`` on PYTHONPATH). Per pattern (KKKM, GGGA): one single-rank reference (3 iterations, evaluation,
-torch_dist checkpoint at iteration 2), CP2 with allgather, p2p and ulysses and TP2 (first iteration each), and
-examples/pretrain/pretrain_hybrid.py on the same dims and data. For KKKM a second run loads the iteration-2
-checkpoint (weights only) and continues. Needs Megatron-LM's training code: MEGATRON_LM_PATH, default
-../shared/megatron-lm next to the repository.
+torch_dist checkpoint at the end, for KKKM also at iteration 2), CP2 with allgather, p2p, ulysses and auto and TP2
+(first iteration each; the CP2 allgather and TP2 runs save their checkpoint at exit, the other CP methods would
+save the same shards and save none), and examples/pretrain/pretrain_hybrid.py's training on the same dims and
+data (its ``train`` on one gloo rank of tests/support/dist.py, full precision). For KKKM a second run loads the
+iteration-2 checkpoint (weights only) and continues (without saving). Needs Megatron-LM's training code:
+MEGATRON_LM_PATH, default ../shared/megatron-lm next to the repository.
 """
 import glob
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
-from tests.support.megatron_lm_runs import GBS, ITERS, LR, SEQ, TINY, write_data
+from tests.support.converted_runs import first_iteration
+from tests.support.dist import run_distributed
+from tests.support.megatron_lm_runs import GBS, ITERS, LR, NO_SAVE, SEQ, TINY, write_data
 from tests.support.megatron_lm_runs import run_script as launch
-from tests.support.paths import EXAMPLE, MEGATRON_LM, REPO
+from tests.support.paths import EXAMPLE, MEGATRON_LM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(EXAMPLE, "megatron_lm")
@@ -44,6 +47,7 @@ PATTERNS = {
 PARALLEL = {"cp2_allgather": {"CP": "2", "CP_METHOD": "allgather"}, "cp2_p2p": {"CP": "2", "CP_METHOD": "p2p"},
             "cp2_ulysses": {"CP": "2", "CP_METHOD": "ulysses"}, "cp2_auto": {"CP": "2", "CP_METHOD": "auto"},
             "tp2": {"TP": "2"}}
+SAVING = ("cp2_allgather", "tp2")  # the parallel runs whose checkpoint at exit is not another's repeat
 
 
 def run_script(pattern, workdir, sites_dir, env_vars, extra):
@@ -53,8 +57,8 @@ def run_script(pattern, workdir, sites_dir, env_vars, extra):
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_data(str(tmp_path_factory.mktemp("pydoc")))
+def data(pydoc_data, tmp_path_factory):
+    return write_data(pydoc_data, str(tmp_path_factory.mktemp("tokenizer")))
 
 
 @pytest.fixture(scope="module")
@@ -84,21 +88,24 @@ def runs(data, sites_dir, tmp_path_factory):
 def _launch_all(pattern, data, sites_dir, tmp_path_factory):
     out = {}
     ref_dir = str(tmp_path_factory.mktemp(f"{pattern}_ref"))
-    # reference: 3 iterations, evaluation at 2 (1 batch), checkpoints at 2 and 3
-    out["ref"] = run_script(pattern, ref_dir, sites_dir, {**data, "SAVE_INTERVAL": "2"},
+    # reference: 3 iterations, evaluation at 2 (1 batch), checkpoints at 3 and (KKKM, resumed below) at 2
+    save_interval = "2" if pattern == "KKKM" else "100"
+    out["ref"] = run_script(pattern, ref_dir, sites_dir, {**data, "SAVE_INTERVAL": save_interval},
                             ["--eval-interval", "2", "--eval-iters", "1"])
     for name, env_vars in PARALLEL.items():
         out[name] = run_script(pattern, str(tmp_path_factory.mktemp(f"{pattern}_{name}")), sites_dir,
-                               {**data, **env_vars}, ["--exit-interval", "1", "--eval-iters", "1"])
+                               {**data, **env_vars},
+                               ["--exit-interval", "1", "--eval-iters", "1", *([] if name in SAVING else NO_SAVE)])
     if pattern == "KKKM":  # the same command again resumes: weights of iteration 2, fresh optimizer and RNG
-        out["resumed"] = run_script(pattern, ref_dir, sites_dir, {**data, "SAVE_INTERVAL": "100"},
-                                    ["--ckpt-step", "2", "--no-load-optim", "--no-load-rng", "--eval-iters", "1"])
+        out["resumed"] = run_script(pattern, ref_dir, sites_dir, data,
+                                    ["--ckpt-step", "2", "--no-load-optim", "--no-load-rng", "--eval-iters", "1",
+                                     *NO_SAVE])
     out["hybrid"] = _pretrain_hybrid(pattern, data)
     return out
 
 
 def _pretrain_hybrid(pattern, data):
-    """examples/pretrain/pretrain_hybrid.py's first iteration on the same dims, data, split and iterations."""
+    """examples/pretrain/pretrain_hybrid.py's first-iteration lm loss on the same dims, data, split and iterations."""
     _, _, hybrid_flags = PATTERNS[pattern]
     tokenizer_json = os.path.join(os.path.dirname(data["DATA"]), "tokenizer.json")
     argv = ["--hp-layer-pattern", pattern, "--seq-length", str(SEQ), "--micro-batch-size", "1",
@@ -106,15 +113,13 @@ def _pretrain_hybrid(pattern, data):
             "--eval-iters", "1", "--lr", str(LR), "--lr-warmup-iters", "0", "--split", "99,1,0",
             "--data-path", data["DATA"], "--tokenizer", tokenizer_json, "--no-progress",
             "--hp-linear-conv-kernel-dim", "4", *TINY, *hybrid_flags]
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PET_STANDALONE="1")
-    done = subprocess.run(["torchrun", "--nproc-per-node", "1",
-                           os.path.join(EXAMPLE, "pretrain_hybrid.py"), *argv],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    log = done.stdout + done.stderr
-    assert done.returncode == 0, log[-6000:]
-    losses = [float(m) for m in re.findall(r"iteration\s+1/.*?lm loss: ([0-9.E+-]+)", log)]
-    assert len(losses) == 1, log[-3000:]
-    return losses[0]
+    return run_distributed(_hybrid_first_iteration, 1, argv)[0]["lm_loss"]
+
+
+def _hybrid_first_iteration(rank, world_size, argv):
+    record = first_iteration(argv)
+    assert record["iteration"] == 1, record
+    return record
 
 
 def _rel(a, b):
@@ -147,7 +152,6 @@ def test_auto_calibrates_and_logs_its_choice_through_megatron_lm(runs, pattern):
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_first_iteration_matches_pretrain_hybrid(runs, pattern):
     (ref, _), hybrid = runs(pattern)["ref"], runs(pattern)["hybrid"]
-    # pretrain_hybrid.py prints the loss with 7 significant digits
     assert _rel(ref[0]["lm loss"], hybrid) <= 1e-5, (ref[0], hybrid)
 
 

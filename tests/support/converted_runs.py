@@ -1,8 +1,8 @@
 """The example (examples/pretrain/pretrain_hybrid.py) on converted tiny Hugging Face checkpoints, in-process:
-:func:`write_converted` makes the data and the checkpoints once per test module, :func:`example_argv` the flags
-that train one of them from ``--load``, :func:`first_iteration` runs the example and returns its first
-iteration's record (lm loss, grad norm, the MoE / MTP log entries), :func:`layouts_and_references` runs
-parallel layouts in one 4-rank spawn and their references in one 1-rank spawn."""
+:func:`write_converted` makes the checkpoints once per test module (next to the session's dataset),
+:func:`example_argv` the flags that train one of them from ``--load``, :func:`first_iteration` runs the example
+and returns its first iteration's record (lm loss, grad norm, the MoE / MTP log entries),
+:func:`layouts_and_references` runs parallel layouts in one 4-rank spawn and their references in one 1-rank spawn."""
 from __future__ import annotations
 
 import os
@@ -23,18 +23,19 @@ def example():
     return pretrain_hybrid
 
 
-def write_converted(root: str, archs, mtp_num_layers: int = 0) -> str:
-    """Under ``root``: the pydoc dataset (vocabulary 512) and per architecture a tiny random transformers model
-    (``<arch>_hf``, seed 3; with ``mtp_num_layers`` a released-style MTP layer added) converted by
-    ``hp_megatron.convert`` (``<arch>_ckpt``, its MTP layers kept). Returns ``root``."""
+def write_converted(root: str, data_dir: str, archs, mtp_num_layers: int = 0) -> str:
+    """Under ``root``: ``data``, a link to ``data_dir`` (the pydoc dataset, vocabulary 512: the ``pydoc_data``
+    fixture) and per architecture a tiny random transformers model (``<arch>_hf``, seed 3; with
+    ``mtp_num_layers`` a released-style MTP layer added) converted by ``hp_megatron.convert`` (``<arch>_ckpt``, its
+    MTP layers kept). Returns ``root``."""
     example()
-    from prepare_data import BPETokenizer, build
+    from prepare_data import BPETokenizer
 
     from hp_megatron.convert import hf_to_mcore
     from hp_megatron.models import get_architecture
     from hp_megatron.models.tiny import add_tiny_mtp_layer, build_tiny_hf_model
 
-    build(os.path.join(root, "data"), vocab_size=512)
+    os.symlink(data_dir, os.path.join(root, "data"))
     vocab = BPETokenizer(os.path.join(root, "data", "tokenizer.json")).vocab_size
     for arch in archs:
         hf_dir = os.path.join(root, f"{arch}_hf")

@@ -21,6 +21,9 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "64", "
         "--hp-linear-num-key-heads", "4", "--hp-linear-key-head-dim", "8", "--hp-linear-value-head-dim", "8"]
 NORM_EPS = ["--norm-epsilon", "1e-6"]  # pretrain_hybrid.py's fixed RMSNorm epsilon (Megatron-LM's default: 1e-5)
 SEQ, GBS, ITERS, LR = 32, 2, 3, 1e-2
+# No checkpoint: Megatron-LM saves at --exit-interval and after the last iteration whenever --save is set (the
+# scripts always set it), ~10 CPU s per run; runs whose saves repeat another run's turn it off (the last flag wins).
+NO_SAVE = ["--save", ""]
 
 
 def run_script(script, dims, workdir, sites_dir, env_vars, extra):
@@ -32,6 +35,8 @@ def run_script(script, dims, workdir, sites_dir, env_vars, extra):
                ITERS=str(ITERS), LR=str(LR), CKPT=os.path.join(workdir, "ckpt"))
     env.pop("MEGATRON_LM", None)
     env.update(env_vars)
+    if env["BACKEND"] == "eager":  # FLA serves only the triton backend (tests/megatron_lm/without_fla.py)
+        env["HP_MEGATRON_LM_WITHOUT_FLA"] = "1"
     env["GPUS"] = str(int(env["TP"]) * int(env["CP"]))
     argv = ["bash", os.path.join(SCRIPTS, script), *CPU_FLAGS, *TINY, *NORM_EPS, *dims, *extra]
     done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -41,17 +46,17 @@ def run_script(script, dims, workdir, sites_dir, env_vars, extra):
         return [json.loads(line) for line in f], log
 
 
-def write_data(out: str) -> dict:
-    """The pydoc dataset (vocabulary 512) under ``out`` and its tokenizer as a HF tokenizer directory:
-    ``{"DATA": prefix, "TOKENIZER": directory}`` (the launch scripts' variables)."""
+def write_data(data_dir: str, out: str) -> dict:
+    """The pydoc dataset in ``data_dir`` (vocabulary 512: the ``pydoc_data`` fixture) and its tokenizer written
+    as a HF tokenizer directory under ``out``: ``{"DATA": prefix, "TOKENIZER": directory}`` (the launch scripts'
+    variables)."""
     import sys
 
     for path in (EXAMPLE, SCRIPTS):
         if path not in sys.path:
             sys.path.insert(0, path)
     from hf_tokenizer import write_tokenizer_dir
-    from prepare_data import build
+    from prepare_data import DATA_NAME
 
-    prefix = build(out, vocab_size=512)
-    return {"DATA": prefix, "TOKENIZER": write_tokenizer_dir(os.path.join(out, "tokenizer.json"),
-                                                              os.path.join(out, "hf"))}
+    return {"DATA": os.path.join(data_dir, DATA_NAME),
+            "TOKENIZER": write_tokenizer_dir(os.path.join(data_dir, "tokenizer.json"), os.path.join(out, "hf"))}
