@@ -6,13 +6,22 @@ import pytest
 import torch
 
 from hp_megatron.platform import single_rank_megatron
+from tests.support import background
 from tests.support.dist import select_shared_modules
 from tests.support.paths import EXAMPLE
 
 
+def pytest_collection_modifyitems(items):
+    """Tests that await a background run (tests/support/background.py) go last, giving the run the whole session."""
+    items[:] = background.last(items)
+
+
 def pytest_collection_finish(session):
-    """Shared spawns (tests/support/dist.py ``share_spawn``) run only the jobs of modules with selected tests."""
-    select_shared_modules({item.module.__name__ for item in session.items if getattr(item, "module", None)})
+    """Shared spawns (tests/support/dist.py ``share_spawn``) run only the jobs of modules with selected tests, and
+    those modules' background runs start now (tests/support/background.py)."""
+    modules = {item.module.__name__ for item in session.items if getattr(item, "module", None)}
+    select_shared_modules(modules)
+    background.start_selected(modules)
 
 
 @pytest.fixture(autouse=True, scope="session")

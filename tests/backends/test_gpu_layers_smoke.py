@@ -1,17 +1,17 @@
 """benchmarks/gpu_layers.py end to end on CPU: every section builds and runs its rows (FLA's ops and layers,
 ours, megatron-core's GatedDeltaNet, the CP methods on a fake process group) with FLA's kernels in Triton's
 interpreter, tiny dimensions, fp32. Times mean nothing here; what is checked is that no row fails, so a GPU run
-spends its device time measuring, not debugging. Skips without triton 3.7 and FLA."""
+spends its device time measuring, not debugging. The run starts when collection ends and runs beside the tests
+before this one (tests/support/background.py). Skips without triton 3.7 and FLA."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support import triton_interpreter
+from tests.support import background, triton_interpreter
 
 ROOT = Path(__file__).resolve().parents[2]
 REASON = triton_interpreter.available()
@@ -24,17 +24,18 @@ triton_interpreter.enable()
 sys.argv = ["gpu_layers.py", *sys.argv[1:]]
 runpy.run_path({script!r}, run_name="__main__")
 """
+ARGS = ["--device", "cpu", "--dims", "4,16,16,64", "--shapes", "B1T64", "--cp-shape", "B1T64", "--cp-worlds", "4",
+        "--iters", "1", "--warmup", "0", "--repeats", "1", "--budget-s", "1200", "--out", "{out}"]
+if REASON is None:  # one process on one core: started when collection ends, beside the tests before this one
+    background.declare("gpu_layers_smoke", __name__, [sys.executable, "-c", DRIVER.format(
+        root=str(ROOT), script=str(ROOT / "benchmarks" / "gpu_layers.py")), *ARGS], ROOT)
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"gpu_layers smoke run: {REASON or ''}")
-def test_every_section_runs_on_cpu(tmp_path):
-    driver = DRIVER.format(root=str(ROOT), script=str(ROOT / "benchmarks" / "gpu_layers.py"))
-    args = ["--device", "cpu", "--dims", "4,16,16,64", "--shapes", "B1T64", "--cp-shape", "B1T64",
-            "--cp-worlds", "4", "--iters", "1", "--warmup", "0", "--repeats", "1", "--budget-s", "1200",
-            "--out", str(tmp_path)]
-    proc = subprocess.run([sys.executable, "-c", driver, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=1500)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def test_every_section_runs_on_cpu():
+    code, _, stderr, out = background.result("gpu_layers_smoke", timeout=1500)
+    assert code == 0, stderr[-4000:]
+    tmp_path = Path(out)
     report = json.loads((tmp_path / "gpu_layers.json").read_text(encoding="utf-8"))
     rows = report["rows"]
     failed = [(r["section"], r["name"], r.get("mode"), r["error"]) for r in rows if "error" in r]
