@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.support import triton_interpreter
+from tests.support.delta_layer_cases import HALF_HEADS
 from tests.support.dist import case_result, case_started, run_distributed_cases
 from tests.support.triton_cases import (accept_stacked_all_gather_on_gloo, compare_conv_single_rank,
                                         compare_single_rank, cp_case, cp_conv_case)
@@ -67,10 +68,10 @@ CONV_CP_CASES = [(layout, method) for layout, *_ in CP_LAYOUTS for method in ("p
 # heads of tests/layers' cases: GDN keeps GVA (one key and two value heads per TP rank), KDA one head per Ulysses rank.
 LAYER_CASES = [
     ("layer-gdn-tp2-cp2-sp-thd-contiguous-allgather", dict(  # FLA's own KCP path
-        kind="gdn", tp=2, cp=2, sp=True, thd=True, packed_cp_group=False, dims=dict(num_key_heads=2, num_value_heads=4),
+        kind="gdn", tp=2, cp=2, sp=True, thd=True, packed_cp_group=False, dims=HALF_HEADS["gdn"],
         options={"backend": "triton", "cp_method": "allgather", "cp_layout": "contiguous"})),
     ("layer-kda-tp1-cp4-bshd-ulysses2_p2p", dict(kind="kda", tp=1, cp=4, sp=False, thd=False, packed_cp_group=False,
-                                                 dims=dict(num_key_heads=2, num_value_heads=2),
+                                                 dims=HALF_HEADS["kda"],
                                                  options={"backend": "triton", "cp_method": "p2p",
                                                           "cp_ulysses_degree": 2})),
 ]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.support import triton_interpreter
-from tests.support.delta_layer_cases import DIMS, HIDDEN, SEQ, build_layer, groups
+from tests.support.delta_layer_cases import DIMS, HALF_HEADS, HIDDEN, SEQ, build_layer, groups
 from tests.support.dist import run_distributed
 from tests.support.mla_layer import build_layer as build_mla
 from tests.support.mla_layer import make_config as mla_config
@@ -107,8 +107,6 @@ def _packed_docs():
 # CP2 cases of the triton backend: (cp options, packed documents) per kind, one per CP path of layers/cp/triton.py
 TRITON_CP2 = {"gdn": ({"cp_method": "allgather", "cp_layout": "contiguous"}, True),   # FLA's own KCP
               "kda": ({"cp_method": "p2p", "cp_layout": "zigzag"}, False)}          # FLA's kernels, our exchange
-# the triton cases at half the heads of DIMS (GDN keeps GVA): Triton's interpreter costs per program of each grid
-TRITON_DIMS = {"gdn": dict(num_key_heads=2, num_value_heads=4), "kda": dict(num_key_heads=2, num_value_heads=2)}
 
 
 def _cp2_index(layout, rank):
@@ -138,10 +136,10 @@ def _triton_worker(rank, world):
         index = _cp2_index(options["cp_layout"], rank)
         results[f"{kind}-cp2-{options['cp_method']}"] = _compare(
             kind, 1, 2, False, x[index], dy[index], _packed_docs() if thd else None, "triton",
-            {**options, **TRITON_DIMS[kind]})
+            {**options, **HALF_HEADS[kind]})
     kind = ("gdn", "kda")[rank]
     results[f"{kind}-packed"] = _compare(kind, 1, 1, False, x, dy, _packed_docs(), "triton",
-                                         {"cp_method": "allgather", **TRITON_DIMS[kind]})
+                                         {"cp_method": "allgather", **HALF_HEADS[kind]})
     parallel_state.destroy_model_parallel()
     return results
 
