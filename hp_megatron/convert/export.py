@@ -137,10 +137,18 @@ class HFWeightExporter:
         with single_rank_parallel_state():
             layout = layout_on_meta(architecture.build_model, hf_config, metadata)
         self.matched = _match_rules(list(architecture.conversion_rules(hf_config)), layout, "export")
-        self.local_chunks = [chunk for chunk, _ in local_main_shards(model, metadata)]
+        try:  # a rank that fails here still joins the all-gather: the others would wait there for it
+            self.local_chunks, failure = [chunk for chunk, _ in local_main_shards(model, metadata)], None
+        except Exception as err:  # noqa: BLE001 (re-raised below, on every rank)
+            self.local_chunks, failure = None, err
         gathered = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, (self.rank, self.local_chunks), group=self.group)
-        self.plan = self._plan(gathered)
+        why = None if failure is None else f"{type(failure).__name__}: " + str(failure).partition("\n")[0]
+        dist.all_gather_object(gathered, (self.rank, self.local_chunks, why), group=self.group)
+        failed = [(rank, why) for rank, _, why in gathered if why is not None]
+        if failed:
+            raise CheckpointError(f"export: rank {failed[0][0]} cannot list its shards of the model: {failed[0][1]} "
+                                  f"({len(failed)} of {len(gathered)} ranks failed)") from failure
+        self.plan = self._plan([(rank, chunks) for rank, chunks, _ in gathered])
 
     def _plan(self, gathered) -> list[tuple[torch.dtype, list]]:
         """Per matched rule: (dtype, transfers), a transfer ``(owner rank, index in its shards, template piece,
