@@ -118,8 +118,8 @@ def local_main_shards(model, metadata: dict | None = None) -> list[tuple[Chunk, 
 class HFWeightExporter:
     """The HF tensors of a running ``model`` (this rank's ``GPTModel`` pipeline stage, TP / EP shards, unwrapped
     from DDP / Float16Module) of ``architecture`` (as in ``mcore_to_hf``: ``model_type``, ``conversion_rules``,
-    ``build_model``) built from ``hf_config`` (the config.json dict), over the process group ``group`` (default:
-    the whole world; every rank holding a piece of the model must be in it).
+    ``build_model``; with the model's MTP depth, ``with_mtp``) built from ``hf_config`` (the config.json dict), over
+    the process group ``group`` (default: the whole world; every rank holding a piece of the model must be in it).
 
     Constructing it is collective over ``group`` (the template model is built on ``meta``, the ranks' shard
     metadata all-gathered); so is each call. ``metadata`` is the ``sharded_state_dict`` metadata the model is

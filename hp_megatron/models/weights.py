@@ -8,7 +8,7 @@ from hp_megatron.convert.safetensors_io import load_hf_config
 from hp_megatron.models.architectures import architecture_of
 
 
-def model_mtp_num_layers(model) -> int:
+def _mtp_depth(model) -> int:
     """The multi-token-prediction depth ``model`` (a ``GPTModel``, or a DDP / Float16Module wrapper) is built with:
     its config's ``mtp_num_layers`` (None: 0)."""
     return getattr(model.config, "mtp_num_layers", None) or 0
@@ -20,7 +20,7 @@ def hf_weight_exporter(model, hf_config, *, mtp_num_layers: int | None = None, *
     (its config's ``mtp_num_layers``; ``mtp_num_layers``, when given, must equal it: ValueError otherwise).
     ``kwargs``: ``metadata``, ``group``. Collective."""
     hf = load_hf_config(hf_config)
-    depth = model_mtp_num_layers(model)
+    depth = _mtp_depth(model)
     if mtp_num_layers is not None and mtp_num_layers != depth:
         raise ValueError(f"export: mtp_num_layers={mtp_num_layers!r}, but the model is built with "
                          f"mtp_num_layers={depth}")
