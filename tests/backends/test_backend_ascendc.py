@@ -77,7 +77,7 @@ def test_single_rank_matches_eager(standin, kind, name, problem):
     standin.CALLS.clear()
     errs, dtype = compare(kind, problem, safe_gate=safe_gate)
     assert dtype == torch.float32
-    assert_close(errs, OUT_TOL, GRAD_TOL)
+    assert_close(errs, OUT_TOL, GRAD_TOL, kind)
     expected = ({"npu_chunk_gated_delta_rule_fwd", "npu_chunk_gated_delta_rule_bwd"} if kind == "gdn" else
                 {"npu_chunk_kda_fwd_prepare", "npu_chunk_gated_delta_rule_fwd_h", "npu_chunk_kda_fwd_finalize",
                  "npu_chunk_kda_bwd_prepare", "npu_chunk_gated_delta_rule_bwd_dhu", "npu_chunk_kda_bwd_finalize"})

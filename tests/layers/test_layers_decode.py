@@ -153,17 +153,6 @@ def test_step_op_errors():
         causal_conv1d_step(torch.randn(2, 1, 6), torch.randn(2, 2, 6), torch.randn(6, 4))
 
 
-def test_ascendc_has_no_decode_step(monkeypatch):
-    """fla-npu exports chunked kernels only: the ascendc backend refuses decode with a RuntimeError (checked
-    before the prefill), instead of falling back to another backend."""
-    import layers.ops.step as step
-    from layers.ops.ascendc import backend as ascendc
-
-    monkeypatch.setattr(step, "get_backend", lambda name: ascendc)
-    with pytest.raises(RuntimeError, match="fla-npu exports no fused recurrent"):
-        step.check_decode_backend("ascendc")
-
-
 # -- FLA's kernels in Triton's interpreter (own spawn: the interpreter must be on before FLA is imported) ---------
 TRITON_REASON = triton_interpreter.available()
 TRITON_KINDS = ("gdn", "kda")
