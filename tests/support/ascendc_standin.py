@@ -15,11 +15,12 @@ STANDIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 REAL = os.environ.get("HP_ASCEND_REAL") == "1"
 OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}
 OUT_TOL, GRAD_TOL, BF16_TOL = 1e-5, 1e-4, 2e-2
-# The composite GDN backward takes initial_state and dht in bf16 only, even in an fp32 model. Single-rank cases
-# use bf16-representable values (exact conversion, fp32 tolerances); in GDN CP the terminal gradients are computed
-# inside, so rounding perturbs each by at most u = 2^-9 (relative); gradients are linear in dht and smooth in h0,
-# so their relative L2 error is O(u): bound 4u = 7.8e-3 (measured 2.4e-3). Outputs keep OUT_TOL. KDA CP rounds only
-# the summary's gk to bf16 and keeps GRAD_TOL (measured <= 6.5e-6).
+# The composite GDN backward takes initial_state in bf16 only, even in an fp32 model (the terminal gradient enters
+# as d_o of dummy tokens, in the model's dtype). Single-rank cases use bf16-representable values (exact
+# conversion, fp32 tolerances); in GDN CP the entry states are computed inside, so the backward recomputes the
+# forward from states rounded by at most u = 2^-9 (relative); gradients are smooth in h0, so their relative L2
+# error is O(u): bound 4u = 7.8e-3 (measured 2.4e-3). Outputs keep OUT_TOL. KDA CP rounds only the summary's gk to
+# bf16 and keeps GRAD_TOL (measured <= 6.5e-6).
 BF16_STATE_TOL = 4 * 2.0 ** -9
 # The composite GDN backward also returns dh0 in bf16 ("initial_state and dh0 must use the main BF16 dtype"):
 # one rounding of the initial-state gradient, so GDN's d(initial_state) gets BF16_STATE_TOL too.
