@@ -18,6 +18,7 @@ import torch
 from layers.ops import delta_rule_step
 from layers.ops.ascendc import runtime
 from tests.support.ascendc_standin import STANDIN, forget_fla_npu, install_standin
+from tests.support.generation import generate
 from tests.support.reference import rel_err
 
 pytestmark = pytest.mark.skipif(os.environ.get("HP_ASCEND_REAL") == "1", reason="targets the stand-in")
@@ -173,8 +174,6 @@ def _layer(kind, backend):
 def test_layer_generation(single_rank, standin, kind):
     """Prefill 3 tokens (chunked ops), then 1-token steps (recurrent kernels) for 2 sequences: every position
     equals the ascendc layer's training forward and the eager layer's."""
-    from tests.layers.test_layers_decode import generate
-
     layer, eager = _layer(kind, "ascendc"), _layer(kind, "eager")
     eager.load_state_dict(layer.state_dict())
     x = torch.randn(6, 2, HIDDEN, generator=torch.Generator().manual_seed(7))
