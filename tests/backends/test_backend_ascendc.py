@@ -30,7 +30,7 @@ import torch.distributed as dist
 from layers.ops import chunk_gated_delta_rule, chunk_kda
 from layers.ops.ascendc import runtime
 from tests.support.dist import run_distributed
-from tests.support.ascendc_standin import (BF16_STATE_TOL, BF16_TOL, GRAD_TOL, OPS, OUT_TOL, REAL, STANDIN,
+from tests.support.ascendc_standin import (BF16_STATE_TOL, BF16_TOL, GRAD_TOL, KNOBS, OPS, OUT_TOL, REAL, STANDIN,
                                           StandinDevice, assert_close, compare, forget_fla_npu, install_standin)
 from tests.support.reference import make_problem, rel_err
 
@@ -49,7 +49,7 @@ def standin(monkeypatch):
     if STANDIN in sys.path:
         sys.path.remove(STANDIN)
     forget_fla_npu()
-    for name in ("FLA_NPU_STANDIN_SOC", "FLA_NPU_STANDIN_KDA_BWD_EXPORTED"):
+    for name in KNOBS:
         os.environ.pop(name, None)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from layers.ops import delta_rule_step
 from layers.ops.ascendc import runtime
-from tests.support.ascendc_standin import STANDIN, forget_fla_npu, install_standin
+from tests.support.ascendc_standin import KNOBS, STANDIN, forget_fla_npu, install_standin
 from tests.support.generation import generate
 from tests.support.reference import rel_err
 
@@ -33,6 +33,8 @@ def standin(monkeypatch):
     if STANDIN in sys.path:
         sys.path.remove(STANDIN)
     forget_fla_npu()
+    for name in KNOBS:
+        os.environ.pop(name, None)
 
 
 def _steps(kind, H, HV, flags, seed, dtype=torch.float32):
@@ -185,3 +187,22 @@ def test_layer_generation(single_rank, standin, kind):
     assert max(rel_err(got[t], full[t]) for t in range(6)) <= 1e-4
     assert max(rel_err(got[t], eager_full[t]) for t in range(6)) <= 1e-4
     assert f"npu_recurrent_{'gated_delta_rule' if kind == 'gdn' else 'kda'}" in standin.CALLS
+
+
+def test_build_without_recurrent_exports(standin, monkeypatch):
+    """A build whose export table lacks the recurrent kernels (tag v26.6.0) gets one error naming the build."""
+    import types
+
+    fake = types.ModuleType("fla_npu.ops.ascendc")
+    for name in standin.__all__:
+        if "recurrent" not in name:
+            setattr(fake, name, getattr(standin, name))
+    monkeypatch.setitem(sys.modules, "fla_npu.ops.ascendc", fake)
+    runtime.load_ops.cache_clear()
+    runtime.require_api.cache_clear()
+    q, v = torch.zeros(1, 1, 1, 128), torch.zeros(1, 1, 1, 128)
+    with pytest.raises(RuntimeError, match=r"recurrent_gated_delta_rule \(missing\).*8a63cf3e"):
+        delta_rule_step("gdn", q, q, v, torch.zeros(1, 1, 1), torch.ones(1, 1, 1), torch.zeros(1, 1, 128, 128),
+                        backend="ascendc")
+    runtime.load_ops.cache_clear()
+    runtime.require_api.cache_clear()

@@ -94,7 +94,11 @@ API = {
 ALIASES = {"pre_process_bwd_kernel_merged": ("pre_process_bwd_kernel_merged", "chunk_delta_h_bwd_preprocess")}
 # The fla-npu build that has each feature, for the errors.
 FEATURE_SOURCE = {"kda_bwd": "fla-npu revisions that export npu_chunk_kda_bwd_prepare / npu_chunk_kda_bwd_finalize "
-                             f"(after {PINNED_REVISION[:8]}, whose export table lacks them)"}
+                             f"(after {PINNED_REVISION[:8]}, whose export table lacks them)",
+                  "decode_gdn": "fla-npu from 8a63cf3e (2026-08-13) on, which exports npu_recurrent_gated_delta_rule "
+                                "(tag v26.6.0 does not); or generate with backend='eager'",
+                  "decode_kda": "fla-npu from 5eabe875 (2026-07-20) on, which exports npu_recurrent_kda (tag v26.6.0 "
+                                "does not); or generate with backend='eager'"}
 
 
 @lru_cache(maxsize=1)
