@@ -43,7 +43,7 @@ CHUNK = 64
 # recurrent (decode) kernels; tests add float32 together with the stand-in's ALLOW_FP32.
 KERNEL_DTYPES_REAL = {"gdn": (torch.bfloat16,), "kda": (torch.bfloat16,)}
 KERNEL_DTYPES = dict(KERNEL_DTYPES_REAL)
-# Inputs the real operators demand in bf16 whatever the model dtype (composite backward h0/dht, CP gk).
+# Inputs the real operators demand in bf16 whatever the model dtype (composite backward initial_state, CP gk).
 STATE_DTYPE = torch.bfloat16
 
 # Operator -> keywords the adapter passes. Grouped by feature so a package without one feature still serves
