@@ -1,0 +1,288 @@
+"""``python -m hp_megatron.selfcheck``: the table, the verdicts and the exit status, on CPU.
+
+Two environments stand for hardware (tests/support/selfcheck_env.py sets them up in the self-check's process and,
+through ``rank_setup``, in each spawned CP rank): the fla-npu stand-in for ``--backend ascendc`` (every default row,
+bf16, the stand-in's real-package contract on a declared Ascend950PR) and Triton's interpreter for ``--backend
+triton`` (a few rows: it is slow). Installed versions come from fake distribution metadata and a CANN
+``version.info`` the test puts on the subprocess's paths. A corrupted op (the stand-in's KDA output scaled by 1.1)
+must fail its rows and the exit status; a failing or stalled CP rank must turn the CP rows into ERRORs, not a hang.
+The version table (layers/ops/requirements.py) is checked case by case. Cost on 2 cores: about 110 CPU s, most of
+it the start-up of processes importing torch (and FLA under the interpreter).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from layers.ops import requirements
+from layers.ops.requirements import FAIL, OK, WARN, check
+from tests.support import triton_interpreter
+
+ROOT = Path(__file__).resolve().parents[2]
+STEP_OPS = ("delta_rule_step", "causal_conv1d_step")
+
+
+def _fake_environment(tmp_path, torch_npu="2.7.1.post5", triton_ascend="3.2.1", cann="8.5.0"):
+    """PYTHONPATH entry with distribution metadata of torch_npu / triton-ascend, and a CANN home with version.info."""
+    site = tmp_path / "site"
+    for name, version in (("torch_npu", torch_npu), ("triton_ascend", triton_ascend)):
+        info = site / f"{name}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n")
+    cann_home = tmp_path / "cann" / "latest"
+    cann_home.mkdir(parents=True)
+    (cann_home / "version.info").write_text(f"Version={cann}\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(site)]), ASCEND_HOME_PATH=str(cann_home))
+    env.pop("ASCEND_OPP_PATH", None)
+    return env
+
+
+def _run(args, env=None, timeout=900):
+    """Run a module with ``args``; (exit status, stdout + stderr)."""
+    env = env or dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    return done.returncode, done.stdout + done.stderr
+
+
+def _selfcheck(env_name, args, env=None, corrupt=None):
+    return _run(["tests.support.selfcheck_env", env_name, *([corrupt] if corrupt else []), "--", *args], env)
+
+
+def _rows(output):
+    """{(op, case, phase): (result, note)} from the results table."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("op ") and "result" in line) + 2
+    rows, last = {}, []
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        if line.startswith("    "):      # the reason under a run of rows
+            for key in last:
+                rows[key] = (rows[key][0], line.strip())
+            last = []
+            continue
+        cells = re.split(r"\s{2,}", line.strip())
+        key = (cells[0], cells[1], cells[2])
+        rows[key] = (cells[-1], "")
+        last = [k for k in last if rows[k][0] == cells[-1]] + [key]
+    return rows
+
+
+def _requirement_statuses(output):
+    tail = output[output.index("versions (layers/ops/requirements.py):"):]
+    return {m.group(1): m.group(2) for m in re.finditer(r"^(\S+)\s{2,}.*\s(ok|warn|FAIL)$", tail, re.M)}
+
+
+# ------------------------------------------------------------------------------------------- stand-in (ascendc)
+def test_standin_every_row(tmp_path):
+    """Every default row on the stand-in: all pass except the decode steps, n/a (with the reason) while the ascendc
+    backend has none; the requirement rows read the fake versions; exit 0."""
+    status, out = _selfcheck("standin", ["--backend", "ascendc", "--device", "cpu"], _fake_environment(tmp_path))
+    rows = _rows(out)
+    ops = {op for op, _, _ in rows}
+    assert ops == {"chunk_gated_delta_rule", "chunk_kda", "causal_conv1d", *STEP_OPS}, out
+    cp_rows = {key: value for key, value in rows.items() if key[1].startswith("CP2 ")}
+    assert len(cp_rows) == 2 * 2 * 7 + 2 * 2, out       # (gdn, kda) x 7 method/layouts x (fwd, bwd) + conv halo
+    for (op, case, phase), (result, note) in rows.items():
+        if "recursive_doubling" in case:
+            assert result == "n/a" and "recursive_doubling" in note, (case, result, note)
+        elif op in STEP_OPS and result == "n/a":
+            assert "decode step" in note, note
+        else:
+            assert result == "pass", (op, case, phase, result, note)
+    assert _requirement_statuses(out) == {"torch": OK, "torch_npu": OK, "CANN": OK, "triton-ascend": OK}, out
+    assert "PASSED" in out.splitlines()[-1] and status == 0, out
+
+
+def test_standin_corrupted_op_fails_its_rows(tmp_path):
+    """KDA's output off by 10%: its forward row fails (its gradients come from the untouched backward), GDN's rows
+    still pass, the exit status is 1."""
+    status, out = _selfcheck("standin", ["--backend", "ascendc", "--device", "cpu", "--no-cp", "--only",
+                                         "chunk_kda B=2,chunk_gated_delta_rule B=2"],
+                             _fake_environment(tmp_path), corrupt="kda_finalize")
+    rows = _rows(out)
+    results = {(op, phase): result for (op, _, phase), (result, _) in rows.items()}
+    assert results == {("chunk_gated_delta_rule", "fwd"): "pass", ("chunk_gated_delta_rule", "bwd"): "pass",
+                       ("chunk_kda", "fwd"): "FAIL", ("chunk_kda", "bwd"): "pass"}, out
+    assert "FAILED: 3 pass, 1 fail" in out and status == 1, out
+
+
+@pytest.fixture
+def standin_910b(monkeypatch):
+    """The stand-in in this process on an Ascend 910B (no GDN backward, no GDN CP)."""
+    from layers.ops.ascendc import runtime
+    from tests.support.ascendc_standin import STANDIN, forget_fla_npu, install_standin
+
+    monkeypatch.setattr(runtime, "DEVICE", runtime.DEVICE)
+    monkeypatch.setattr(runtime, "KERNEL_DTYPES", runtime.KERNEL_DTYPES)
+    install_standin(soc="Ascend910B3", fp32=False)
+    yield
+    if STANDIN in sys.path:
+        sys.path.remove(STANDIN)
+    forget_fla_npu()
+    for name in ("FLA_NPU_STANDIN_SOC", "FLA_NPU_STANDIN_KDA_BWD_EXPORTED"):
+        os.environ.pop(name, None)
+
+
+def test_limits_on_910b_are_not_available_rows(standin_910b, monkeypatch, capsys):
+    """What the SoC lacks is asked before running: GDN backward and GDN CP are n/a with the adapter's reason, the
+    GDN forward still runs and passes, KDA is unaffected."""
+    import torch
+
+    from hp_megatron.selfcheck import cli
+    from hp_megatron.selfcheck.limits import probe
+
+    limits = probe("ascendc", torch.device("cpu"))
+    assert "Ascend950" in limits.backward["gdn"] and "Ascend 950" in limits.state_cp["gdn"]
+    assert limits.backward["kda"] is None and limits.state_cp["kda"] is None
+    assert "recursive_doubling" in limits.cp_methods and "p2p" not in limits.cp_methods
+    good = {"torch": "2.7.1", "torch_npu": "2.7.1.post5", "triton-ascend": "3.2.0", "CANN": "8.5.0"}
+    monkeypatch.setattr(cli.requirements, "installed", lambda backend: good)
+    status = cli.main(["--backend", "ascendc", "--device", "cpu", "--no-cp", "--only", "chunk_gated_delta_rule B=2"])
+    out = capsys.readouterr().out
+    results = {phase: (result, note) for (_, _, phase), (result, note) in _rows(out).items()}
+    assert results["fwd"][0] == "pass" and results["bwd"][0] == "n/a" and "Ascend950" in results["bwd"][1], out
+    assert status == 0, out
+
+
+def test_bad_torch_npu_fails_the_check(standin_910b, monkeypatch, capsys):
+    """A torch_npu without fla-npu's stream fix fails the check even when every row passes."""
+    from hp_megatron.selfcheck import cli
+
+    bad = {"torch": "2.8.0", "torch_npu": "2.8.0.post2", "triton-ascend": "3.2.0", "CANN": "8.5.0"}
+    monkeypatch.setattr(cli.requirements, "installed", lambda backend: bad)
+    status = cli.main(["--backend", "ascendc", "--device", "cpu", "--no-cp", "--only", "causal_conv1d B=2"])
+    out = capsys.readouterr().out
+    assert [result for result, _ in _rows(out).values()] == ["pass", "pass"], out
+    assert _requirement_statuses(out)["torch_npu"] == FAIL and "torch_npu>=2.8.0.post5" in out, out
+    assert "requirements not met: torch_npu" in out and status == 1, out
+
+
+def test_backend_missing_says_why(monkeypatch, capsys):
+    from hp_megatron.selfcheck import cli
+    from layers.ops.ascendc import runtime
+
+    monkeypatch.setitem(sys.modules, "fla_npu", None)   # not importable, even if installed
+    runtime.load_ops.cache_clear()
+    try:
+        status = cli.main(["--backend", "ascendc", "--device", "cpu"])
+    finally:
+        runtime.load_ops.cache_clear()
+    out = capsys.readouterr().out
+    assert "backend=ascendc cannot run here" in out and "fla-npu" in out and "FAILED" in out, out
+    assert _requirement_statuses(out)["torch"] == OK
+    assert status == 1
+
+
+# ------------------------------------------------------------------------------------------- CP ranks
+@pytest.mark.parametrize("setup,args,expect", [
+    ("failing_rank", [], "rank setup failed on purpose"),
+    ("stalled_rank", ["--cp-timeout", "8"], "did not finish within 8 s"),
+])
+def test_cp_rank_failure_is_an_error_not_a_hang(setup, args, expect):
+    status, out = _run(["tests.support.selfcheck_env", setup, "--", "--backend", "eager", "--device", "cpu",
+                        "--only", "CP2 halo zigzag", *args], timeout=300)
+    rows = _rows(out)
+    assert set(rows) == {("causal_conv1d", "CP2 halo zigzag B=2 T=64", p) for p in ("fwd", "bwd")}, out
+    assert all(result == "ERROR" and expect in note for result, note in rows.values()), out
+    assert status == 1, out
+
+
+# ------------------------------------------------------------------------------------------- command line
+def test_command_line():
+    """The real entry point (the eager baseline, one row in two dtypes)."""
+    status, out = _run(["hp_megatron.selfcheck", "--backend", "eager", "--device", "cpu", "--no-cp", "--only",
+                        "causal_conv1d_step", "--dtype", "fp32,bf16"])
+    table = [re.split(r"\s{2,}", line) for line in out.splitlines() if line.startswith("causal_conv1d_step")]
+    assert [(cells[3], cells[-1]) for cells in table] == [("fp32", "pass"), ("bf16", "pass")], out
+    assert status == 0, out
+
+
+def test_bad_arguments_exit_2(capsys):
+    from hp_megatron.selfcheck import cli
+
+    for argv, message in ((["--backend", "eager", "--dtype", "fp64"], "--dtype takes"),
+                          (["--backend", "cuda"], "invalid choice")):
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- interpreter (triton)
+@pytest.mark.skipif(triton_interpreter.available() is not None, reason=f"{triton_interpreter.available()}")
+def test_triton_through_the_interpreter():
+    """FLA's kernels on CPU (fp32): single-rank KDA, both decode steps, and GDN CP through FLA's own KCP path
+    (allgather on contiguous packed documents, gloo with the stacked all-gather), in the spawned ranks too."""
+    only = "chunk_kda B=2,delta_rule_step gdn,causal_conv1d_step,chunk_gated_delta_rule CP2 allgather contiguous"
+    status, out = _selfcheck("interpreter", ["--backend", "triton", "--device", "cpu", "--dtype", "fp32",
+                                             "--only", only])
+    rows = _rows(out)
+    assert {(op, phase) for op, _, phase in rows} == {
+        ("chunk_kda", "fwd"), ("chunk_kda", "bwd"), ("delta_rule_step", "step"), ("causal_conv1d_step", "step"),
+        ("chunk_gated_delta_rule", "fwd"), ("chunk_gated_delta_rule", "bwd")}, out
+    assert all(result == "pass" for result, _ in rows.values()), out
+    assert set(_requirement_statuses(out).values()) == {OK} and status == 0, out
+
+
+# ------------------------------------------------------------------------------------------- version table
+@pytest.mark.parametrize("torch_npu,status", [
+    ("2.7.1.post5", OK), ("2.7.1.post4", FAIL), ("2.8.0.post5", OK), ("2.8.0.post2", FAIL), ("2.9.0.post3", OK),
+    ("2.10.0.post1", FAIL), ("2.10.0.post2", OK), ("2.11.0rc2", FAIL), ("2.11.0rc3", OK), ("2.11.0", OK),
+    ("2.12.0rc1", OK), ("2.13.0rc1", OK), ("2.13.0", OK), ("2.14.1", OK), ("2.6.0", WARN), ("2.7.0.post3", WARN),
+    (None, FAIL), ("nonsense", FAIL)])
+def test_torch_npu_stream_fix(torch_npu, status):
+    checks = {c.package: c for c in check("ascendc", {"torch": "2.7.1", "torch_npu": torch_npu, "CANN": "8.5.0",
+                                                      "triton-ascend": "3.2.0"})}
+    assert checks["torch_npu"].status == status, checks["torch_npu"]
+
+
+def test_ascend_floors():
+    base = {"torch": "2.7.1", "torch_npu": "2.7.1.post5", "CANN": "8.5.0", "triton-ascend": "3.2.0"}
+
+    def statuses(soc=None, **versions):
+        return {c.package: c.status for c in check("ascendc", {**base, **versions}, soc)}
+
+    assert statuses() == {"torch": OK, "torch_npu": OK, "CANN": OK, "triton-ascend": OK}
+    assert statuses(torch="2.6.0")["torch"] == WARN and statuses(torch="2.5.1")["torch"] == FAIL  # fast launcher
+    assert statuses(CANN="8.3.0.1.200")["CANN"] == FAIL and statuses(CANN=None)["CANN"] == FAIL
+    assert statuses(CANN="9.1.0")["CANN"] == OK
+    assert statuses("Ascend910B3")["triton-ascend"] == OK and statuses("Ascend950PR")["triton-ascend"] == FAIL
+    assert statuses("Ascend950PR", **{"triton-ascend": "3.2.1"})["triton-ascend"] == OK
+
+
+def test_triton_floors():
+    base = {"torch": "2.13.0", "triton": "3.7.1", "flash-linear-attention": "0.6.0", "fla-core": "0.6.0"}
+
+    def statuses(**versions):
+        return {c.package: c.status for c in check("triton", {**base, **versions})}
+
+    assert set(statuses().values()) == {OK}
+    assert statuses(triton="3.6.0")["triton"] == WARN and statuses(triton="3.2.0")["triton"] == FAIL
+    assert "Hopper" in {c.package: c for c in check("triton", {**base, "triton": "3.6.0"})}["triton"].note
+    assert statuses(**{"flash-linear-attention": "0.7.0"})["flash-linear-attention"] == FAIL
+    assert statuses(**{"fla-core": None})["fla-core"] == FAIL and statuses(torch="2.5.0")["torch"] == FAIL
+
+
+def test_cann_version_file(tmp_path, monkeypatch):
+    home = tmp_path / "ascend-toolkit" / "latest"
+    home.mkdir(parents=True)
+    (home / "version.info").write_text("driver_version=25.5.1\nVersion=9.1.0-beta.1\n")
+    monkeypatch.delenv("ASCEND_OPP_PATH", raising=False)
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(home))
+    assert requirements.cann_version() == "9.1.0"
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path / "missing"))
+    assert requirements.cann_version() is None
+
+
+def test_setup_pins_are_the_table():
+    """setup.py's triton extra and torch floor state what layers/ops/requirements.py checks."""
+    text = (ROOT / "setup.py").read_text()
+    assert f'"triton=={requirements.TRITON_PIN}"' in text and f'"torch>={requirements.MIN_TORCH}"' in text
+    fla = f">={'.'.join(map(str, requirements.MIN_FLA))},<{'.'.join(map(str, requirements.BELOW_FLA))}"
+    assert f'"flash-linear-attention{fla}"' in text and f'"fla-core{fla}"' in text
