@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
-from hp_megatron.selfcheck import cp, device as devices
+from hp_megatron.selfcheck.cp import WORLD, plan
+from hp_megatron.selfcheck.device import (DEVICE_TYPES, accelerator_count, comm_backend, describe,
+                                          resolve)
 from hp_megatron.selfcheck.report import (DTYPE_NAMES, TOLERANCES, dtype_name, format_requirements, format_results,
                                           summary)
 from hp_megatron.selfcheck.select import selector
@@ -18,12 +18,13 @@ VERSIONS = "versions (layers/ops/requirements.py):"
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m hp_megatron.selfcheck",
-                                description="Run every op of a kernel backend (forward, backward, packed, decode, CP on "
-                                            "2 ranks) against the eager backend on the same device; print one table "
-                                            "and the installed versions; exit 0 only when everything passes.")
+    p = argparse.ArgumentParser(
+        prog="python -m hp_megatron.selfcheck",
+        description="Run every op of a kernel backend (forward, backward, packed, decode, CP on 2 ranks) against the "
+                    "eager backend on the same device; print one table and the installed versions; exit 0 only when "
+                    "everything passes.")
     p.add_argument("--backend", required=True, choices=BACKENDS)
-    p.add_argument("--device", default="auto", choices=devices.DEVICE_TYPES,
+    p.add_argument("--device", default="auto", choices=DEVICE_TYPES,
                    help="auto: npu for ascendc, cuda for triton (cpu when no GPU: Triton's interpreter), else the "
                         "first of cuda / npu / cpu")
     p.add_argument("--dtype", default=DEFAULT_DTYPES,
@@ -32,8 +33,9 @@ def parse(argv):
     p.add_argument("--only", default="", help="comma list of substrings of '<op> <case>' selecting rows (e.g. "
                                               "'chunk_kda', 'CP2 p2p'); default: all")
     p.add_argument("--no-cp", action="store_true", help="skip the rows that spawn the 2 CP ranks")
-    p.add_argument("--cp-timeout", type=float, default=900.0, help="seconds the 2 CP ranks may take in all, start-up, kernel compilation and every CP "
-                        "row included (default 900); past it their rows are ERRORs")
+    p.add_argument("--cp-timeout", type=float, default=900.0,
+                   help="seconds the 2 CP ranks may take in all, start-up, kernel compilation and every CP row "
+                        "included (default 900); past it their rows are ERRORs")
     args = p.parse_args(argv)
     try:
         args.dtypes = [DTYPE_NAMES[name.strip()] for name in args.dtype.split(",") if name.strip()]
@@ -61,7 +63,7 @@ def _prepare(backend, requested):
     from hp_megatron.selfcheck.limits import probe
     from layers.ops.backends import get_backend
 
-    device = devices.resolve(backend, requested)
+    device = resolve(backend, requested)
     get_backend(backend)
     return device, probe(backend, device)
 
@@ -81,11 +83,11 @@ def main(argv=None, *, rank_setup=None) -> int:
               file=out)
         print("\nFAILED: the backend is not available", file=out)
         return 1
-    count = devices.accelerator_count(device.type)
-    comm = devices.comm_backend(device.type, count)
+    count = accelerator_count(device.type)
+    comm = comm_backend(device.type, count)
     checks = requirements.check(args.backend, requirements.installed(args.backend), _soc(args.backend, device))
     tolerances = ", ".join(f"{dtype_name(d)} {TOLERANCES[d]:.0e}" for d in args.dtypes)
-    print(f"device: {devices.describe(device)}; dtypes: {', '.join(dtype_name(d) for d in args.dtypes)}; "
+    print(f"device: {describe(device)}; dtypes: {', '.join(dtype_name(d) for d in args.dtypes)}; "
           f"tolerance (relative L2, largest over the row's tensors): {tolerances}", file=out, flush=True)
 
     from hp_megatron.selfcheck.single import single_rows
@@ -95,12 +97,12 @@ def main(argv=None, *, rank_setup=None) -> int:
     rows = []
     for dtype in args.dtypes:
         rows += single_rows(args.backend, device, dtype, limits, wanted)
-    planned = [] if args.no_cp else cp.plan(wanted)
+    planned = [] if args.no_cp else plan(wanted)
     if planned:
-        where = (f"{cp.WORLD} ranks on {device.type}" if device.type == "cpu" or count >= 2 else
-                 f"{cp.WORLD} ranks sharing {device}, gloo with host staging")
+        where = (f"{WORLD} ranks on {device.type}" if device.type == "cpu" or count >= 2 else
+                 f"{WORLD} ranks sharing {device}, gloo with host staging")
         print(f"CP: {where}, {comm}", file=out, flush=True)
-        rows += run_cp(planned, world=cp.WORLD, device_type=device.type, count=count, comm=comm,
+        rows += run_cp(planned, world=WORLD, device_type=device.type, count=count, comm=comm,
                        backend=args.backend, dtypes=args.dtypes, patterns=args.patterns, rank_setup=rank_setup,
                        timeout_s=args.cp_timeout)
     status, line = summary(rows, checks)

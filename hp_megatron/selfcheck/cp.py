@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hp_megatron.selfcheck.problems import CONV_WIDTH, DeltaCase, conv_inputs, cotangents, delta_inputs, head_dims, to_device
+from hp_megatron.selfcheck.problems import (CONV_WIDTH, DeltaCase, conv_inputs, cotangents, delta_inputs, head_dims,
+                                            to_device)
 from hp_megatron.selfcheck.report import Row, error_rows, na_row, rel_err
 from hp_megatron.selfcheck.single import OP_NAMES, OPS
 from layers.ops import causal_conv1d

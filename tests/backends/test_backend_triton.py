@@ -18,13 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hp_megatron.selfcheck.gloo import STAGED, install_gloo_device_staging
+from hp_megatron.selfcheck.gloo import STAGED, accept_stacked_all_gather_on_gloo, install_gloo_device_staging
 from layers.ops import chunk_gated_delta_rule
 from layers.ops.backends import get_backend
 from tests.support.dist import run_distributed
 from tests.support.reference import make_problem, rel_err
-from tests.support.triton_cases import (accept_stacked_all_gather_on_gloo, compare_conv_single_rank,
-                                        compare_single_rank, cp_case, cp_conv_case, to_leaves)
+from tests.support.triton_cases import compare_conv_single_rank, compare_single_rank, cp_case, cp_conv_case, to_leaves
 
 TOL = 2e-2
 # P of the CP tests (benchmarks/gpu_check.sh runs P=2 first, then P=4 when time is left) and an optional comma

@@ -1,13 +1,14 @@
 """``python -m hp_megatron.selfcheck``: the table, the verdicts and the exit status, on CPU.
 
-Two environments stand for hardware (tests/support/selfcheck_env.py sets them up in the self-check's process and,
-through ``rank_setup``, in each spawned CP rank): the fla-npu stand-in for ``--backend ascendc`` (every default row,
-bf16, the stand-in's real-package contract on a declared Ascend950PR) and Triton's interpreter for ``--backend
-triton`` (a few rows: it is slow). Installed versions come from fake distribution metadata and a CANN
-``version.info`` the test puts on the subprocess's paths. A corrupted op (the stand-in's KDA output scaled by 1.1)
-must fail its rows and the exit status; a failing or stalled CP rank must turn the CP rows into ERRORs, not a hang.
-The version table (layers/ops/requirements.py) is checked case by case. Cost on 2 cores: about 110 CPU s, most of
-it the start-up of processes importing torch (and FLA under the interpreter).
+Two environments stand for hardware. ``--backend ascendc``: the fla-npu stand-in in this process (its bf16 contract
+on a declared Ascend950PR; an Ascend910B3 for the SoC limits) and, through ``rank_setup``, in each spawned CP rank
+(tests/support/selfcheck_env.py); every default row runs, with the installed versions read from fake distribution
+metadata and a CANN ``version.info`` the test puts on sys.path and ASCEND_HOME_PATH. ``--backend triton``: Triton's
+interpreter in a subprocess and its ranks (a few rows: it is slow), run in the background from collection on. A
+corrupted op (the stand-in's KDA output scaled by 1.1) must fail its row and the exit status, a torch_npu without
+the stream fix must fail the check, and a failing or stalled CP rank must turn the CP rows into ERRORs, not a hang.
+The version table (layers/ops/requirements.py) is checked case by case. Cost: about 75 CPU s on 2 cores, most of it
+the start-up of processes that import torch (and FLA under the interpreter).
 """
 from __future__ import annotations
 
@@ -21,14 +22,15 @@ import pytest
 
 from layers.ops import requirements
 from layers.ops.requirements import FAIL, OK, WARN, check
-from tests.support import triton_interpreter
+from tests.support import background, triton_interpreter
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP_OPS = ("delta_rule_step", "causal_conv1d_step")
 
 
-def _fake_environment(tmp_path, torch_npu="2.7.1.post5", triton_ascend="3.2.1", cann="8.5.0"):
-    """PYTHONPATH entry with distribution metadata of torch_npu / triton-ascend, and a CANN home with version.info."""
+def _fake_versions(tmp_path, monkeypatch, torch_npu="2.7.1.post5", triton_ascend="3.2.1", cann="8.5.0"):
+    """Distribution metadata of torch_npu / triton-ascend on sys.path and a CANN home with its version.info: what
+    ``layers.ops.requirements.installed`` reads on an Ascend machine."""
     site = tmp_path / "site"
     for name, version in (("torch_npu", torch_npu), ("triton_ascend", triton_ascend)):
         info = site / f"{name}-{version}.dist-info"
@@ -37,9 +39,9 @@ def _fake_environment(tmp_path, torch_npu="2.7.1.post5", triton_ascend="3.2.1", 
     cann_home = tmp_path / "cann" / "latest"
     cann_home.mkdir(parents=True)
     (cann_home / "version.info").write_text(f"Version={cann}\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(site)]), ASCEND_HOME_PATH=str(cann_home))
-    env.pop("ASCEND_OPP_PATH", None)
-    return env
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(cann_home))
+    monkeypatch.delenv("ASCEND_OPP_PATH", raising=False)
 
 
 def _run(args, env=None, timeout=900):
@@ -48,10 +50,6 @@ def _run(args, env=None, timeout=900):
     done = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     return done.returncode, done.stdout + done.stderr
-
-
-def _selfcheck(env_name, args, env=None, corrupt=None):
-    return _run(["tests.support.selfcheck_env", env_name, *([corrupt] if corrupt else []), "--", *args], env)
 
 
 def _rows(output):
@@ -80,10 +78,37 @@ def _requirement_statuses(output):
 
 
 # ------------------------------------------------------------------------------------------- stand-in (ascendc)
-def test_standin_every_row(tmp_path):
-    """Every default row on the stand-in: all pass except the decode steps, n/a (with the reason) while the ascendc
-    backend has none; the requirement rows read the fake versions; exit 0."""
-    status, out = _selfcheck("standin", ["--backend", "ascendc", "--device", "cpu"], _fake_environment(tmp_path))
+@pytest.fixture
+def standin(request, monkeypatch):
+    """The stand-in in this process (bf16 contract) on the SoC ``request.param`` (default Ascend950PR); yields its
+    module. The self-check's CP ranks install the same through ``rank_setup``."""
+    from layers.ops.ascendc import runtime
+    from tests.support.ascendc_standin import STANDIN, forget_fla_npu, install_standin
+
+    monkeypatch.setattr(runtime, "DEVICE", runtime.DEVICE)
+    monkeypatch.setattr(runtime, "KERNEL_DTYPES", runtime.KERNEL_DTYPES)
+    yield install_standin(soc=getattr(request, "param", "Ascend950PR"), fp32=False)
+    if STANDIN in sys.path:
+        sys.path.remove(STANDIN)
+    forget_fla_npu()
+    for name in ("FLA_NPU_STANDIN_SOC", "FLA_NPU_STANDIN_KDA_BWD_EXPORTED"):
+        os.environ.pop(name, None)
+
+
+def _main(argv, capsys, rank_setup=None):
+    from hp_megatron.selfcheck import main
+
+    status = main(argv, rank_setup=rank_setup)
+    return status, capsys.readouterr().out
+
+
+def test_standin_every_row(standin, tmp_path, monkeypatch, capsys):
+    """Every default row on the stand-in: all pass except recursive_doubling (no native path) and the decode steps,
+    n/a with the reason while the ascendc backend has none; the versions come from the environment; exit 0."""
+    from tests.support.selfcheck_env import standin as rank_setup
+
+    _fake_versions(tmp_path, monkeypatch)
+    status, out = _main(["--backend", "ascendc", "--device", "cpu"], capsys, rank_setup)
     rows = _rows(out)
     ops = {op for op, _, _ in rows}
     assert ops == {"chunk_gated_delta_rule", "chunk_kda", "causal_conv1d", *STEP_OPS}, out
@@ -100,37 +125,23 @@ def test_standin_every_row(tmp_path):
     assert "PASSED" in out.splitlines()[-1] and status == 0, out
 
 
-def test_standin_corrupted_op_fails_its_rows(tmp_path):
-    """KDA's output off by 10%: its forward row fails (its gradients come from the untouched backward), GDN's rows
-    still pass, the exit status is 1."""
-    status, out = _selfcheck("standin", ["--backend", "ascendc", "--device", "cpu", "--no-cp", "--only",
-                                         "chunk_kda B=2,chunk_gated_delta_rule B=2"],
-                             _fake_environment(tmp_path), corrupt="kda_finalize")
-    rows = _rows(out)
-    results = {(op, phase): result for (op, _, phase), (result, _) in rows.items()}
+def test_standin_corrupted_op_fails_its_rows(standin, tmp_path, monkeypatch, capsys):
+    """KDA's output off by 10% (the stand-in's chunk_kda_fwd_finalize): its forward row fails (its gradients come
+    from the untouched backward), GDN's rows still pass, the exit status is 1."""
+    from tests.support.selfcheck_env import scaled
+
+    _fake_versions(tmp_path, monkeypatch)
+    monkeypatch.setattr(standin, "chunk_kda_fwd_finalize", scaled(standin.chunk_kda_fwd_finalize))
+    status, out = _main(["--backend", "ascendc", "--device", "cpu", "--no-cp", "--only",
+                         "chunk_kda B=2,chunk_gated_delta_rule B=2"], capsys)
+    results = {(op, phase): result for (op, _, phase), (result, _) in _rows(out).items()}
     assert results == {("chunk_gated_delta_rule", "fwd"): "pass", ("chunk_gated_delta_rule", "bwd"): "pass",
                        ("chunk_kda", "fwd"): "FAIL", ("chunk_kda", "bwd"): "pass"}, out
     assert "FAILED: 3 pass, 1 fail" in out and status == 1, out
 
 
-@pytest.fixture
-def standin_910b(monkeypatch):
-    """The stand-in in this process on an Ascend 910B (no GDN backward, no GDN CP)."""
-    from layers.ops.ascendc import runtime
-    from tests.support.ascendc_standin import STANDIN, forget_fla_npu, install_standin
-
-    monkeypatch.setattr(runtime, "DEVICE", runtime.DEVICE)
-    monkeypatch.setattr(runtime, "KERNEL_DTYPES", runtime.KERNEL_DTYPES)
-    install_standin(soc="Ascend910B3", fp32=False)
-    yield
-    if STANDIN in sys.path:
-        sys.path.remove(STANDIN)
-    forget_fla_npu()
-    for name in ("FLA_NPU_STANDIN_SOC", "FLA_NPU_STANDIN_KDA_BWD_EXPORTED"):
-        os.environ.pop(name, None)
-
-
-def test_limits_on_910b_are_not_available_rows(standin_910b, monkeypatch, capsys):
+@pytest.mark.parametrize("standin", ["Ascend910B3"], indirect=True)
+def test_limits_on_910b_are_not_available_rows(standin, monkeypatch, capsys):
     """What the SoC lacks is asked before running: GDN backward and GDN CP are n/a with the adapter's reason, the
     GDN forward still runs and passes, KDA is unaffected."""
     import torch
@@ -144,21 +155,20 @@ def test_limits_on_910b_are_not_available_rows(standin_910b, monkeypatch, capsys
     assert "recursive_doubling" in limits.cp_methods and "p2p" not in limits.cp_methods
     good = {"torch": "2.7.1", "torch_npu": "2.7.1.post5", "triton-ascend": "3.2.0", "CANN": "8.5.0"}
     monkeypatch.setattr(cli.requirements, "installed", lambda backend: good)
-    status = cli.main(["--backend", "ascendc", "--device", "cpu", "--no-cp", "--only", "chunk_gated_delta_rule B=2"])
-    out = capsys.readouterr().out
+    status, out = _main(["--backend", "ascendc", "--device", "cpu", "--no-cp", "--only", "chunk_gated_delta_rule B=2"],
+                        capsys)
     results = {phase: (result, note) for (_, _, phase), (result, note) in _rows(out).items()}
     assert results["fwd"][0] == "pass" and results["bwd"][0] == "n/a" and "Ascend950" in results["bwd"][1], out
     assert status == 0, out
 
 
-def test_bad_torch_npu_fails_the_check(standin_910b, monkeypatch, capsys):
+def test_bad_torch_npu_fails_the_check(standin, monkeypatch, capsys):
     """A torch_npu without fla-npu's stream fix fails the check even when every row passes."""
     from hp_megatron.selfcheck import cli
 
     bad = {"torch": "2.8.0", "torch_npu": "2.8.0.post2", "triton-ascend": "3.2.0", "CANN": "8.5.0"}
     monkeypatch.setattr(cli.requirements, "installed", lambda backend: bad)
-    status = cli.main(["--backend", "ascendc", "--device", "cpu", "--no-cp", "--only", "causal_conv1d B=2"])
-    out = capsys.readouterr().out
+    status, out = _main(["--backend", "ascendc", "--device", "cpu", "--no-cp", "--only", "causal_conv1d B=2"], capsys)
     assert [result for result, _ in _rows(out).values()] == ["pass", "pass"], out
     assert _requirement_statuses(out)["torch_npu"] == FAIL and "torch_npu>=2.8.0.post5" in out, out
     assert "requirements not met: torch_npu" in out and status == 1, out
@@ -215,19 +225,28 @@ def test_bad_arguments_exit_2(capsys):
 
 
 # ------------------------------------------------------------------------------------------- interpreter (triton)
+# FLA's kernels on CPU (fp32): single-rank KDA, both decode steps, and GDN CP through FLA's own KCP path (allgather on
+# contiguous packed documents: gloo with the stacked all-gather), the interpreter on in the spawned ranks too. Three
+# processes that import FLA (about 35 CPU s), started when collection ends beside the other tests
+# (tests/support/background.py).
+INTERPRETER_ONLY = ("chunk_kda B=2,delta_rule_step gdn,causal_conv1d_step,"
+                    "chunk_gated_delta_rule CP2 allgather contiguous")
+if triton_interpreter.available() is None:
+    background.declare("selfcheck_interpreter", __name__, [
+        sys.executable, "-m", "tests.support.selfcheck_env", "interpreter", "--", "--backend", "triton", "--device",
+        "cpu", "--dtype", "fp32", "--only", INTERPRETER_ONLY], ROOT)
+
+
 @pytest.mark.skipif(triton_interpreter.available() is not None, reason=f"{triton_interpreter.available()}")
 def test_triton_through_the_interpreter():
-    """FLA's kernels on CPU (fp32): single-rank KDA, both decode steps, and GDN CP through FLA's own KCP path
-    (allgather on contiguous packed documents, gloo with the stacked all-gather), in the spawned ranks too."""
-    only = "chunk_kda B=2,delta_rule_step gdn,causal_conv1d_step,chunk_gated_delta_rule CP2 allgather contiguous"
-    status, out = _selfcheck("interpreter", ["--backend", "triton", "--device", "cpu", "--dtype", "fp32",
-                                             "--only", only])
-    rows = _rows(out)
+    status, stdout, stderr, _ = background.result("selfcheck_interpreter", timeout=900)
+    out = stdout + stderr
+    rows = _rows(stdout)
     assert {(op, phase) for op, _, phase in rows} == {
         ("chunk_kda", "fwd"), ("chunk_kda", "bwd"), ("delta_rule_step", "step"), ("causal_conv1d_step", "step"),
         ("chunk_gated_delta_rule", "fwd"), ("chunk_gated_delta_rule", "bwd")}, out
     assert all(result == "pass" for result, _ in rows.values()), out
-    assert set(_requirement_statuses(out).values()) == {OK} and status == 0, out
+    assert set(_requirement_statuses(stdout).values()) == {OK} and status == 0, out
 
 
 # ------------------------------------------------------------------------------------------- version table

@@ -1,6 +1,6 @@
 """Environments in which tests run the self-check (``python -m hp_megatron.selfcheck``) on CPU, and its driver.
 
-``python -m tests.support.selfcheck_env ENV [CORRUPT] -- <self-check arguments>`` sets ENV up in this process, then
+``python -m tests.support.selfcheck_env ENV -- <self-check arguments>`` sets ENV up in this process, then
 runs :func:`hp_megatron.selfcheck.main` with the same setup as ``rank_setup``, so each spawned CP rank sets it up
 first too; the exit status is the self-check's. ENV:
 
@@ -12,10 +12,8 @@ first too; the exit status is the self-check's. ENV:
 ``failing_rank`` / ``stalled_rank`` set up only the CP ranks, which then raise / sleep (the check must report
 ERROR rows, not hang).
 
-CORRUPT (optional) breaks one op by 10% of its output, to show its rows fail: ``kda_finalize`` (the stand-in's
-``chunk_kda_fwd_finalize``, the KDA output) or ``conv`` (the triton backend's ``causal_conv1d``).
-The installed versions the self-check reports come from the environment the test gives this process (fake
-distribution metadata on PYTHONPATH and a CANN ``version.info``, see tests/backends/test_selfcheck.py).
+Tests that break an op on purpose wrap it with :func:`scaled` in their own process. The installed versions the
+self-check reports come from the environment of the process.
 """
 from __future__ import annotations
 
@@ -23,41 +21,32 @@ import functools
 import sys
 
 
-def _scaled(fn, factor=1.1):
-    @functools.wraps(fn)   # keeps the signature the adapters inspect
+def scaled(fn, factor=1.1):
+    """``fn`` with its output times ``factor`` (the signature kept for the adapters' inspection)."""
+    @functools.wraps(fn)
     def corrupted(*args, **kwargs):
         return fn(*args, **kwargs) * factor
     return corrupted
 
 
-def standin(corrupt=None):
+def standin():
     from tests.support.ascendc_standin import install_standin
 
-    module = install_standin(soc="Ascend950PR", fp32=False)
-    if corrupt == "kda_finalize":
-        module.chunk_kda_fwd_finalize = _scaled(module.chunk_kda_fwd_finalize)
-    elif corrupt is not None:
-        raise ValueError(f"standin: unknown corruption {corrupt!r}")
+    install_standin(soc="Ascend950PR", fp32=False)
 
 
-def interpreter(corrupt=None):
+def interpreter():
     from tests.support import triton_interpreter
 
     triton_interpreter.enable()
-    if corrupt == "conv":
-        from layers.ops.triton import backend
-
-        backend.causal_conv1d = _scaled(backend.causal_conv1d)
-    elif corrupt is not None:
-        raise ValueError(f"interpreter: unknown corruption {corrupt!r}")
 
 
-def failing_rank(corrupt=None):
+def failing_rank():
     """A rank setup that raises: the CP rows must become ERRORs naming it, and the check must end."""
     raise RuntimeError("rank setup failed on purpose")
 
 
-def stalled_rank(corrupt=None):
+def stalled_rank():
     """A rank setup that never finishes in time: ``--cp-timeout`` must end the ranks."""
     import time
 
@@ -70,8 +59,8 @@ RANK_ONLY = {"failing_rank": failing_rank, "stalled_rank": stalled_rank}   # set
 
 def main(argv):
     split = argv.index("--")
-    env, corrupt = (argv[:split] + [None])[:2]
-    setup = functools.partial({**ENVIRONMENTS, **RANK_ONLY}[env], corrupt)
+    (env,) = argv[:split]
+    setup = {**ENVIRONMENTS, **RANK_ONLY}[env]
     if env in ENVIRONMENTS:
         setup()
     from hp_megatron.selfcheck import main as selfcheck

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hp_megatron.selfcheck.gloo import accept_stacked_all_gather_on_gloo  # noqa: F401  (re-exported for the tests)
 from layers.ops import causal_conv1d, chunk_gated_delta_rule, chunk_kda
 from tests.support.reference import make_problem, rel_err
 
