@@ -15,7 +15,12 @@ setup(
     install_requires=["torch>=2.6", "megatron-core>=0.14.0,<0.17", "numpy", "packaging", "psutil", "tokenizers"],
     extras_require={
         "triton": ["flash-linear-attention>=0.6.0,<0.7", "fla-core>=0.6.0,<0.7", "triton==3.7.1"],  # what CI tests
-        "npu": ["torch_npu"],
+        # fla-npu's environment (layers/ops/ascendc/versions.py, docs/backends.md "Versions"): torch_npu with the
+        # GDN stream fix, triton-ascend >= 3.2.0 (3.2.1 on Ascend 950); CANN >= 8.5.0 and fla-npu are not on pip
+        "npu": ["torch>=2.6",
+                "torch_npu>=2.7.1.post5,!=2.8.0,!=2.8.0.post1,!=2.8.0.post2,!=2.8.0.post3,!=2.8.0.post4,!=2.9.0,"
+                "!=2.9.0.post1,!=2.9.0.post2,!=2.10.0,!=2.10.0.post1,!=2.11.0rc1,!=2.11.0rc2",
+                "triton-ascend>=3.2.0"],
         # hf: transformers models (hp_megatron.models.tiny, examples/pretrain/tiny_hf_checkpoint.py; it brings
         # safetensors); the checkpoint converter itself needs neither
         "hf": HF,

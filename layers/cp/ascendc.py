@@ -30,7 +30,7 @@ import torch
 
 from layers.cp.native import entry_windows, initial_states, scan_exchange, terminal_gradients
 from layers.ops.ascendc import runtime
-from layers.ops.ascendc.gdn import check_gdn, composite_backward, composite_forward
+from layers.ops.ascendc.gdn import check_gdn, composite_backward, composite_forward, real_g_cumsum
 from layers.ops.ascendc.kda import (batch4, check_kda, head_major, kda_local_backward, kda_meta, kda_prepare,
                                     require_backward_api, resolve_gate, state_pass, token_major_scalars, untoken)
 from layers.ops.gates import gdn_gate
@@ -101,9 +101,11 @@ class _GDNStateCP(torch.autograd.Function):
                                                               (0, 1, 4, 5, 6, 7))
         hm = ops.pre_process_fwd_kernel_merged(k_hat, w, u, g=g_log2, cu_seqlens=cu, chunk_size=runtime.CHUNK)
         M, init = initial_states(cp, plan, hm, _native_exchange(ops))
-        o, _, saved = composite_forward(ops, q, k, v, g, beta, init, meta, False)
+        exits = set(plan.exit_piece.reshape(-1).tolist())                # pieces whose leaving state has a gradient
+        o, _, (saved, ext) = composite_forward(ops, q, k, v, g, beta, init, meta, False,
+                                               tails=[p in exits for p in range(len(cu) - 1)])
         ctx.save_for_backward(*saved, q_hat, k_hat, w, g_log2, M)
-        ctx.meta = meta
+        ctx.meta, ctx.ext = meta, ext
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
         return o
 
@@ -112,7 +114,7 @@ class _GDNStateCP(torch.autograd.Function):
         meta = ctx.meta
         ops, plan, cp, cu, scale = meta["ops"], meta["plan"], meta["ctx"], meta["cu"], meta["scale"]
         saved, (q_hat, k_hat, w, g_log2, M) = ctx.saved_tensors[:10], ctx.saved_tensors[10:]
-        g_cumsum = saved[3]
+        g_cumsum = real_g_cumsum((saved, ctx.ext))
         do = do.contiguous()
         do_hm = do.transpose(1, 2).contiguous()
         dv_local = ops.chunk_bwd_dv_local(q_hat, k_hat, do_hm, g_cumsum.transpose(1, 2).contiguous(), scale,
@@ -123,7 +125,8 @@ class _GDNStateCP(torch.autograd.Function):
             q_hat, k_hat, w, do_hm, dv_local, scale, runtime.CHUNK, g=g_log2, cu_seqlens=window)[..., :V],
             (do.shape[2], q_hat.shape[-1], V))
         dht = terminal_gradients(cp, plan, M, dS_loc, len(cu) - 1, do.device, _native_exchange(ops))
-        dq, dk, dv, dbeta, dg, _ = composite_backward(ops, saved, do, dht, meta)
+        dht = None if ctx.ext is None else dht
+        dq, dk, dv, dbeta, dg, _ = composite_backward(ops, (saved, ctx.ext), do, dht, meta)
         qd, kd, vd, gd, bd = ctx.dtypes
         return dq.to(qd), dk.to(kd), dv.to(vd), dg.to(gd), dbeta.to(bd), None
 
@@ -143,7 +146,7 @@ class _KDAStateCP(torch.autograd.Function):
                                        cu_seqlens=kmeta["cu"], chunk_indices=kmeta["chunk_indices"])
         saved = {n: p[n] for n in ("gk", "Aqk", "Akk", "w", "qg", "kg", "q_hat", "k_hat", "q_rstd", "k_rstd",
                                    "beta_eff")}
-        saved.update(v_new=v_new, h=h, v_hm=head_major(v, True), g_hm=head_major(g, True), A_log=A_log,
+        saved.update(v_new=v_new, h=h, v_hm=head_major(v, True), g_hm=head_major(g.float(), True), A_log=A_log,
                      dt_bias=dt_bias, h0=init, M=M)
         ctx.names = tuple(saved)
         ctx.save_for_backward(*saved.values())
@@ -224,7 +227,7 @@ def state_passing_cp(kind, ctx, plan, q, k, v, g, beta, *, scale, flags):
         ops = runtime.require_api("kda"), runtime.require_api("cp")
         runtime.check_dtype("kda", q=q, k=k, v=v)
         check_kda(q, v)
-        require_backward_api(q, k, v, g, beta, A_log, dt_bias)
+        require_backward_api(device_name, q, k, v, g, beta, A_log, dt_bias)
         g1, A, dtb, gate = resolve_gate(g1, A_log, dt_bias, gate, flags.get("lower_bound"),
                                         flags.get("safe_gate", False))
         kmeta = kda_meta(q, scale=scale, output_final_state=False,

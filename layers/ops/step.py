@@ -10,8 +10,8 @@ oldest first, as :func:`layers.ops.causal_conv1d` takes it) -> y ``[N,1,D]``; ``
 token in place.
 
 Backends: eager (vectorized over sequences and heads), triton (FLA's ``fused_recurrent_*`` and
-``causal_conv1d_update``); ascendc has no recurrent kernel in fla-npu and raises RuntimeError
-(:func:`check_decode_backend`).
+``causal_conv1d_update``), ascendc (fla-npu's ``recurrent_gated_delta_rule`` / ``recurrent_kda``; the conv step
+is the eager one). A backend without steps raises RuntimeError (:func:`check_decode_backend`).
 """
 from __future__ import annotations
 

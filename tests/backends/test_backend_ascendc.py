@@ -4,10 +4,11 @@ No NPU here: ``tests/fla_npu_standin`` provides ``fla_npu.ops.ascendc`` with fla
 parameters, slot counts, layouts and dtypes, computed in PyTorch (see its docstring). The adapter's device
 query is replaced by a stand-in SoC name. Exactness cases run in fp32 (the stand-in's ``ALLOW_FP32`` and the
 adapter's ``KERNEL_DTYPES`` are widened for them): outputs <= 1e-5 and gradients <= 1e-4 relative L2 against
-eager, single rank and under each supported CP method on gloo ranks (GDN CP gradients: 7.8e-3, from the bf16
-terminal gradients fla-npu's GDN backward demands; see BF16_STATE_TOL); one case keeps fla-npu's bf16 contract
-(tolerance 2e-2). The stand-in is the pinned revision's (see its docstring) with the KDA backward stages exported
-(a later revision); tests/backends/test_backend_ascendc_contract.py tests each contract. Error tests: missing fla-npu /
+eager, single rank and under each supported CP method on gloo ranks (GDN CP gradients and GDN's d(initial_state):
+7.8e-3, from the bf16 initial states and dh0 of fla-npu's GDN backward; see BF16_STATE_TOL); one case keeps
+fla-npu's bf16 contract (tolerance 2e-2). The stand-in plays the pinned revision's build (see its docstring) with
+the KDA backward stages exported (a later revision) and ``dht`` ignored like fla-npu's kernels (one GDN CP case
+also on a build that honours it); tests/backends/test_backend_ascendc_contract.py tests each contract. Error tests: missing fla-npu /
 torch_npu, CPU tensors, unsupported SoC, GDN backward off Ascend 950, incompatible signatures, wrong slot counts,
 recursive_doubling.
 
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from layers.ops import chunk_gated_delta_rule, chunk_kda
 from layers.ops.ascendc import runtime
 from tests.support.dist import run_distributed
-from tests.support.ascendc_standin import (BF16_STATE_TOL, BF16_TOL, GRAD_TOL, OPS, OUT_TOL, REAL, STANDIN,
+from tests.support.ascendc_standin import (BF16_STATE_TOL, BF16_TOL, GRAD_TOL, KNOBS, OPS, OUT_TOL, REAL, STANDIN,
                                           StandinDevice, assert_close, compare, forget_fla_npu, install_standin)
 from tests.support.reference import make_problem, rel_err
 
@@ -48,7 +49,7 @@ def standin(monkeypatch):
     if STANDIN in sys.path:
         sys.path.remove(STANDIN)
     forget_fla_npu()
-    for name in ("FLA_NPU_STANDIN_SOC", "FLA_NPU_STANDIN_KDA_BWD_EXPORTED"):
+    for name in KNOBS:
         os.environ.pop(name, None)
 
 
@@ -77,7 +78,7 @@ def test_single_rank_matches_eager(standin, kind, name, problem):
     standin.CALLS.clear()
     errs, dtype = compare(kind, problem, safe_gate=safe_gate)
     assert dtype == torch.float32
-    assert_close(errs, OUT_TOL, GRAD_TOL)
+    assert_close(errs, OUT_TOL, GRAD_TOL, kind)
     expected = ({"npu_chunk_gated_delta_rule_fwd", "npu_chunk_gated_delta_rule_bwd"} if kind == "gdn" else
                 {"npu_chunk_kda_fwd_prepare", "npu_chunk_gated_delta_rule_fwd_h", "npu_chunk_kda_fwd_finalize",
                  "npu_chunk_kda_bwd_prepare", "npu_chunk_gated_delta_rule_bwd_dhu", "npu_chunk_kda_bwd_finalize"})
@@ -219,6 +220,8 @@ HOOK_CASES = [("gdn", "zigzag_bshd", "p2p", {}), ("gdn", "zigzag_thd", "allgathe
               ("kda", "zigzag_bshd", *GROUPED), ("kda", "zigzag_thd", "p2p", {}), ("kda", "contiguous_thd", "p2p", {})]
 PUBLIC_CASES = [("kda", "zigzag_bshd", "ulysses", {}), ("gdn", "zigzag_bshd", "allgather", {}),
                 ("kda", "zigzag_bshd", "p2p", {"ulysses_degree": 2})]
+# run last, on a stand-in playing a build that honours dht (the others play fla-npu's: dht ignored)
+DHT_HONOURED_CASE = ("gdn", "zigzag_thd", "p2p", {})
 
 
 def _cp_problem(kind, layout_name, seed=21):
@@ -270,9 +273,12 @@ def cp_case(kind, layout_name, method, opts, via_hook):
 def cp_worker(rank, world):
     standin = install_standin()
     results = {}
-    cases = [(c, True) for c in HOOK_CASES] + [(c, False) for c in PUBLIC_CASES]
+    cases = [(c, True) for c in HOOK_CASES] + [(c, False) for c in PUBLIC_CASES] + [(DHT_HONOURED_CASE, True)]
     for (kind, lay, method, opts), via_hook in cases:
         key = f"{'hook' if via_hook else 'public'}-{kind}-{lay}-{method}-{'-'.join(f'{k}{v}' for k, v in opts.items())}"
+        if (kind, lay, method, opts) == DHT_HONOURED_CASE:   # the same case on a build whose dhu honours dht
+            standin = install_standin(dht_honoured=True)
+            key += "-dht_honoured"
         standin.CALLS.clear()
         try:
             results[key] = {"errs": cp_case(kind, lay, method, opts, via_hook), "calls": sorted(set(standin.CALLS))}
@@ -321,6 +327,13 @@ def test_cp_public_api_matches_eager(cp_results, case):
     errors = [r["error"] for r in per_rank if "error" in r]
     assert not errors, errors[0]
     assert_close(per_rank[0]["errs"], OUT_TOL, BF16_STATE_TOL if case[0] == "gdn" else GRAD_TOL)
+
+
+def test_cp_hook_matches_eager_dht_honoured(cp_results):
+    per_rank = [r[_key(True, *DHT_HONOURED_CASE) + "-dht_honoured"] for r in cp_results]
+    errors = [r["error"] for r in per_rank if "error" in r]
+    assert not errors, errors[0]
+    assert_close(per_rank[0]["errs"], OUT_TOL, BF16_STATE_TOL)
 
 
 def test_cp_recursive_doubling_not_implemented(cp_results):

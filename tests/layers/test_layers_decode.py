@@ -17,6 +17,7 @@ import torch
 
 from tests.support import triton_interpreter
 from tests.support.dist import run_distributed_once, share_spawn
+from tests.support.generation import generate
 from tests.support.reference import rel_err
 
 HIDDEN = 32
@@ -49,32 +50,6 @@ def build(kind, tp_group=None, cp_group=None, backend="eager"):
     groups = {} if tp_group is None else {"pg_collection": ProcessGroupCollection(tp=tp_group, cp=cp_group)}
     cls = GatedDeltaNet if kind == "gdn" else KimiDeltaAttention
     return cls(config, None, layer_number=1, backend=backend, **groups, **DIMS[kind]).eval()
-
-
-def generate(layer, x, windows, micro_batches, max_batch=4):
-    """Run ``x [s, b, h]`` window by window through a fresh StaticInferenceContext as megatron's inference
-    wrapper does (micro-batches at ``batch_size_offset``, then ``sequence_len_offset`` advanced) -> [s, b, h]."""
-    from megatron.core.inference.contexts.static_context import StaticInferenceContext
-    from megatron.core.inference.utils import get_attention_mask
-
-    context = StaticInferenceContext(max_batch, x.shape[0])
-    mask = get_attention_mask(x.shape[0])
-    outs, start = [], 0
-    with torch.no_grad():
-        for width in windows:
-            end, pieces, row = start + width, [], 0
-            for size in micro_batches:
-                out, bias = layer(x[start:end, row:row + size], attention_mask=mask[..., start:end, :end],
-                                  inference_context=context)
-                assert bias is None or not bias.abs().any()
-                pieces.append(out)
-                context.batch_size_offset += size
-                row += size
-            context.reset_batch_size_offset()
-            context.increment_sequence_len_offset(width)
-            outs.append(torch.cat(pieces, dim=1))
-            start = end
-    return torch.cat(outs), context
 
 
 def position_errors(layer, x, windows, micro_batches):
@@ -151,17 +126,6 @@ def test_step_op_errors():
                         g.repeat(1, 2, 1), beta.repeat(1, 2, 1), torch.zeros(2, 4, 8, 8))
     with pytest.raises(ValueError, match="history"):
         causal_conv1d_step(torch.randn(2, 1, 6), torch.randn(2, 2, 6), torch.randn(6, 4))
-
-
-def test_ascendc_has_no_decode_step(monkeypatch):
-    """fla-npu exports chunked kernels only: the ascendc backend refuses decode with a RuntimeError (checked
-    before the prefill), instead of falling back to another backend."""
-    import layers.ops.step as step
-    from layers.ops.ascendc import backend as ascendc
-
-    monkeypatch.setattr(step, "get_backend", lambda name: ascendc)
-    with pytest.raises(RuntimeError, match="fla-npu exports no fused recurrent"):
-        step.check_decode_backend("ascendc")
 
 
 # -- FLA's kernels in Triton's interpreter (own spawn: the interpreter must be on before FLA is imported) ---------

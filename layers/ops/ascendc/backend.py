@@ -1,22 +1,21 @@
 """The ascendc backend: fla-npu's Ascend C kernels behind the ``layers.ops`` contract (Ascend NPUs).
 
 GDN: composite forward/backward (``gdn.py``; backward Ascend 950 only). KDA: staged prepare / state pass /
-finalize and their backward stages (``kda.py``). CP on fla-npu's native summary and merge kernels lives with
-the CP engine (``layers/cp/ascendc.py``). Short convolution: fla-npu's ``causal_conv1d`` is an inference cache
-operator (no history gradient), so this backend's conv is the eager backend's PyTorch depthwise convolution
-run on the NPU tensors (aten kernels through torch_npu) -- stated here and in docs/backends.md.
+finalize and their backward stages (``kda.py``; backward Ascend 950 only). Decode steps: fla-npu's recurrent
+kernels (``step.py``). CP on fla-npu's native summary and merge kernels lives with the CP engine
+(``layers/cp/ascendc.py``). Short convolution: fla-npu's ``causal_conv1d`` is an inference cache operator (no
+history gradient), so this backend's conv (and conv decode step) is the eager backend's PyTorch depthwise
+convolution run on the NPU tensors (aten kernels through torch_npu) -- stated here and in docs/backends.md.
 """
 from __future__ import annotations
 
 from layers.ops.ascendc import runtime
 from layers.ops.ascendc.gdn import chunk_gated_delta_rule
 from layers.ops.ascendc.kda import chunk_kda
+from layers.ops.ascendc.step import causal_conv1d_step, delta_rule_step
 
-__all__ = ["check_available", "chunk_gated_delta_rule", "chunk_kda", "causal_conv1d"]
-
-# No delta_rule_step / causal_conv1d_step: layers.ops.step raises this instead (docs/backends.md).
-NO_DECODE_STEP = ("backend='ascendc' has no decode step: fla-npu exports no fused recurrent GDN/KDA kernel (only "
-                  "chunked ones); generate with backend='eager' (runs on the NPU tensors) or 'triton'")
+__all__ = ["check_available", "chunk_gated_delta_rule", "chunk_kda", "causal_conv1d", "delta_rule_step",
+           "causal_conv1d_step"]
 
 
 def check_available() -> None:

@@ -12,18 +12,23 @@ intermediate is head-major (``BNSD`` / packed ``NTD``), so the upstream gradient
 ``chunk_fwd_h`` and the dhu op take rank-4 tensors only (packed runs add B = 1), with ``chunk_indices``.
 
 fla-npu facts handled here (docs/backends.md): the KDA backward stages are exported only by revisions after
-the pinned one (``runtime.require_api("kda_bwd")`` names them; the forward needs only "kda"); the dhu op
-ignores ``dht`` in every revision checked (``(void)dht;`` in its kernel), so the terminal gradient enters
-through two dummy chunks appended to every sequence (q = I, d_o = dht / scale, k = w = dv = gate = 0), as
-fla-npu's own CP examples do, after padding the sequence to the chunk grid with state-neutral tokens; the
-kernel's in-kernel gate is the sigmoid form only with ``safe_gate`` (default bound -5) and needs ``A_log``, so
-any other combination runs ``layers.ops.gates.kda_gate`` in PyTorch before the kernels.
+the pinned one (``runtime.require_api("kda_bwd")`` names them; the forward needs only "kda") and run on Ascend
+950 only (checked up front); the dhu op ignores ``dht`` in every revision checked (``(void)dht;`` in its kernel),
+so the terminal gradient enters through two dummy chunks appended to every sequence (``layers/ops/ascendc/
+terminal.py``: q = I, d_o = dht / scale, k = w = dv = gate = 0), as fla-npu's own CP examples do; the chunk
+states h / dh are chunk-first ``[B, NT, HV, K, V]`` in builds after the h/dh migration and head-first
+``[B, HV, NT, K, V]`` before it: h is passed between the kernels as it comes, and the one place that cuts
+chunks (the dummy chunks' dh) reads the chunk axis off the shapes (:func:`chunk_axis`); the kernel's in-kernel
+gate is the sigmoid form only with ``safe_gate`` (bound in [-5, 0)) and needs ``A_log`` fp32 ``[HV]``, so any
+other combination runs ``layers.ops.gates.kda_gate`` in PyTorch before the kernels. ``dq_raw`` comes back fp32
+and goes to the finalize as it is; the finalize takes the raw gate ``g`` in fp32.
 """
 from __future__ import annotations
 
 import torch
 
 from layers.ops.ascendc import runtime
+from layers.ops.ascendc.terminal import Extension
 from layers.ops.gates import kda_gate
 
 _PREPARE, _BWD_PREPARE, _FINALIZE = "chunk_kda_fwd_prepare", "chunk_kda_bwd_prepare", "chunk_kda_bwd_finalize"
@@ -66,55 +71,50 @@ def kda_prepare(ops, q, k, v, g, beta, A_log, dt_bias, meta):
     return dict(zip(_SLOT, runtime.slots(_PREPARE, result, 13, required)))
 
 
-def _extend(x, segs, pad_last: bool, tail):
-    """Per sequence: x's tokens, then pad to the chunk grid (zeros, or the last value for cumulative gates),
-    then ``tail(n)`` (2 dummy chunks); along dim 2 of a rank-4 tensor."""
-    parts = []
-    for n, (s, e) in enumerate(segs):
-        parts.append(x[:, :, s:e])
-        pad = -(e - s) % runtime.CHUNK
-        if pad:
-            edge = x[:, :, e - 1:e] if pad_last else torch.zeros_like(x[:, :, :1])
-            parts.append(edge.expand(-1, -1, pad, -1))
-        parts.append(tail(n))
-    return torch.cat(parts, 2).contiguous()
+def chunk_axis(x, n_chunks: int, heads: int):
+    """The chunk axis of a chunk-state tensor ``[B, ., ., K, V]``: 1 (chunk-first ``[B, NT, HV, K, V]``, builds
+    after the h/dh migration) or 2 (head-first ``[B, HV, NT, K, V]``), read off its shape; None when NT == HV."""
+    if n_chunks == heads:
+        return None
+    dims = tuple(x.shape[1:3])
+    if dims == (n_chunks, heads):
+        return 1
+    if dims == (heads, n_chunks):
+        return 2
+    raise RuntimeError(f"fla-npu returned a chunk-state tensor of shape {list(x.shape)}; expected "
+                       f"[B, {n_chunks}, {heads}, K, V] (chunk-first) or [B, {heads}, {n_chunks}, K, V] (head-first)")
 
 
-def dhu_with_terminal(ops, qg, kg, w, do, dv, gk, h0, dht, scale, cu):
+def dhu_with_terminal(ops, qg, kg, w, do, dv, gk, h0, dht, scale, cu, h):
     """``chunk_gated_delta_rule_bwd_dhu`` on rank-4 head-major inputs with the terminal gradient ``dht``
-    [N,HV,K,V] entering through two dummy chunks per sequence (the pinned dhu ignores ``dht``; the dummy
-    chunks add scale * I^T (dht / scale) = dht to the state gradient before the real tokens). Returns
-    (dh, dh0, dv2) on the real chunks / tokens."""
+    [N,HV,K,V] entering through two dummy chunks per sequence (the dhu ignores ``dht``; see
+    ``layers/ops/ascendc/terminal.py``). ``h``: the forward's chunk states (their layout decides the chunk axis
+    when the extended dh cannot). Returns (dh, dh0, dv2) on the real chunks / tokens, dh in the build's layout."""
     C = runtime.CHUNK
     B, HV, T, K = qg.shape
     h0 = None if h0 is None else h0.to(qg.dtype)  # only selects dh0 (which does not depend on its value)
+    required = (0, 2) + ((1,) if h0 is not None else ())
     if dht is None:
         return runtime.slots("chunk_gated_delta_rule_bwd_dhu", ops.chunk_gated_delta_rule_bwd_dhu(
             qg, kg, w, do, dv, scale, C, gK=gk, h0=h0, dht=None, cu_seqlens=cu,
-            chunk_indices=runtime.chunk_indices(cu), use_exp2=True), 3, (0, 2) + ((1,) if h0 is not None else ()))
+            chunk_indices=runtime.chunk_indices(cu), use_exp2=True), 3, required)
     if K != 2 * C or scale == 0:
         raise ValueError(f"backend='ascendc' KDA terminal gradient needs K = {2 * C} and scale != 0, "
                          f"got K={K}, scale={scale}")
-    segs = list(zip(cu[:-1], cu[1:])) if cu is not None else [(0, T)]
-    per_seq = (lambda n: dht[n:n + 1]) if cu is not None else (lambda n: dht)  # noqa: E731
-    eye = torch.eye(K, dtype=qg.dtype, device=qg.device).expand(qg.shape[0], HV, K, K)
-
-    def zeros(x):
-        return lambda n: x.new_zeros(x.shape[0], x.shape[1], K, x.shape[3])
-    ext = [_extend(qg, segs, False, lambda n: eye), _extend(kg, segs, False, zeros(kg)),
-           _extend(w, segs, False, zeros(w)),
-           _extend(do, segs, False, lambda n: (per_seq(n).float() / scale).to(do.dtype)),
-           _extend(dv, segs, False, zeros(dv)), _extend(gk, segs, True, zeros(gk))]
-    lengths = [e - s for s, e in segs]
-    ext_len = [L + (-L % C) + K for L in lengths]
-    ext_cu = None if cu is None else [0] + torch.tensor(ext_len).cumsum(0).tolist()
+    ext = Extension.of(cu, T, True, C, K)
+    eye = torch.eye(K, dtype=qg.dtype, device=qg.device).expand(B, HV, K, K)
+    dht_tail = (lambda n: dht[n:n + 1] / scale) if cu is not None else (lambda n: dht / scale)  # noqa: E731
+    q_e, k_e, w_e, dv_e = (ext.extend(x, 2, tail=(lambda n: eye) if x is qg else None) for x in (qg, kg, w, dv))
+    do_e = ext.extend(do, 2, tail=lambda n: dht_tail(n).float())
+    gk_e = ext.extend(gk, 2, hold_last=True)
     dh, dh0, dv2 = runtime.slots("chunk_gated_delta_rule_bwd_dhu", ops.chunk_gated_delta_rule_bwd_dhu(
-        *ext[:5], scale, C, gK=ext[5], h0=h0, dht=None, cu_seqlens=ext_cu, chunk_indices=runtime.chunk_indices(ext_cu),
-        use_exp2=True), 3, (0, 2) + ((1,) if h0 is not None else ()))
-    starts = [0] + torch.tensor(ext_len[:-1]).cumsum(0).tolist()
-    tokens = torch.cat([torch.arange(a, a + L) for a, L in zip(starts, lengths)]).to(dv2.device)
-    chunks = torch.cat([torch.arange(a // C, a // C + -(-L // C)) for a, L in zip(starts, lengths)]).to(dh.device)
-    return dh.index_select(2, chunks), dh0, dv2.index_select(2, tokens)
+        q_e, k_e, w_e, do_e, dv_e, scale, C, gK=gk_e, h0=h0, dht=None, cu_seqlens=ext.cu,
+        chunk_indices=runtime.chunk_indices(ext.cu), use_exp2=True), 3, required)
+    chunks = ext.chunk_index(dh.device)
+    n_ext = -(-ext.tokens // C) if cu is None else sum(-(-L // C) for L in ext.ext_lengths)
+    n_real = -(-T // C) if cu is None else sum(-(-L // C) for L in ext.lengths)
+    axis = chunk_axis(dh, n_ext, HV) or chunk_axis(h, n_real, HV)  # NT_ext >= NT_real + 2: one is unambiguous
+    return dh.index_select(axis, chunks), dh0, ext.real(dv2, 2)
 
 
 def kda_local_backward(ops, saved, do_hm, dht, h0, meta):
@@ -130,7 +130,7 @@ def kda_local_backward(ops, saved, do_hm, dht, h0, meta):
     qg = saved["qg"]
     dh, dh0, dv_scan = dhu_with_terminal(
         ops, batch4(qg, packed), batch4(saved["kg"], packed), batch4(saved["w"], packed), batch4(do_hm, packed),
-        batch4(dv_local, packed), batch4(saved["gk"], packed), h0, dht, scale, cu)
+        batch4(dv_local, packed), batch4(saved["gk"], packed), h0, dht, scale, cu, saved["h"])
     grads = ops.chunk_kda_bwd_finalize(
         saved["q_hat"], saved["k_hat"], saved["v_hm"], saved["gk"], saved["g_hm"], saved["beta_eff"],
         saved["A_log"], saved["dt_bias"], saved["Akk"], saved["v_new"], saved["h"], dh,
@@ -181,7 +181,7 @@ class AscendCKimiDeltaAttention(torch.autograd.Function):
                                        cu_seqlens=meta["cu"], chunk_indices=meta["chunk_indices"])
         saved = {n: p[n] for n in ("gk", "Aqk", "Akk", "w", "qg", "kg", "q_hat", "k_hat", "q_rstd", "k_rstd",
                                    "beta_eff")}
-        saved.update(v_new=v_new, h=h, v_hm=head_major(v, packed), g_hm=head_major(g, packed), A_log=A_log,
+        saved.update(v_new=v_new, h=h, v_hm=head_major(v, packed), g_hm=head_major(g.float(), packed), A_log=A_log,
                      dt_bias=dt_bias, h0=initial_state)
         ctx.names = tuple(saved)
         ctx.save_for_backward(*saved.values())
@@ -214,20 +214,30 @@ def kda_meta(q, *, scale, output_final_state, use_qk_l2norm_in_kernel, use_beta_
             "gate": use_gate_in_kernel, "lower_bound": lower_bound, "safe_gate": safe_gate}
 
 
+def kernel_gate_matches(A_log, lower_bound, safe_gate: bool) -> bool:
+    """fla-npu's in-kernel KDA gate equals ours: A_log given (passed as fp32 [HV]) and either safe_gate with an
+    explicit lower_bound in [-5, 0) (the kernels reject other bounds; sigmoid form) or neither (softplus form)."""
+    if A_log is None or (lower_bound is not None) != bool(safe_gate):
+        return False
+    return lower_bound is None or -5.0 <= lower_bound < 0.0
+
+
 def resolve_gate(g, A_log, dt_bias, use_gate_in_kernel, lower_bound, safe_gate):
-    """(g, A_log, dt_bias, gate_in_kernel): the kernel's gate matches ours only with A_log given and either
-    safe_gate with an explicit lower_bound (sigmoid form) or no safe_gate and no lower_bound (softplus form);
-    otherwise the gate runs here in PyTorch (fp32, differentiable) and the kernel gets the log gate."""
+    """(g, A_log, dt_bias, gate_in_kernel): the kernel's gate when it matches ours (:func:`kernel_gate_matches`;
+    A_log / dt_bias go as fp32, the dtype the kernels demand), otherwise the gate runs here in PyTorch (fp32,
+    differentiable) and the kernel gets the log gate."""
     if not use_gate_in_kernel:
         return g, None, None, False
-    if A_log is not None and (lower_bound is not None) == bool(safe_gate):
+    if kernel_gate_matches(A_log, lower_bound, safe_gate):
         return g, A_log.float(), None if dt_bias is None else dt_bias.float(), True
     return kda_gate(g.float(), A_log, dt_bias, lower_bound), None, None, False
 
 
-def require_backward_api(*tensors):
-    """Check the KDA backward exports up front when a gradient will be needed (one clear error, no wasted run)."""
+def require_backward_api(device_name: str, *tensors):
+    """When a gradient will be needed: check the KDA backward exports and the SoC up front (one clear error,
+    no wasted forward)."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        runtime.check_soc_features(device_name, kda_backward=True)
         runtime.require_api("kda_bwd")
 
 
@@ -236,10 +246,10 @@ def chunk_kda(q, k, v, g, beta, *, scale, initial_state, output_final_state, use
               safe_gate=False):
     """Backend entry (inputs validated by layers/ops/delta_rule.py)."""
     runtime.check_dtype("kda", q=q, k=k, v=v)
-    runtime.soc(q.device)
+    device_name = runtime.soc(q.device)
     check_kda(q, v)
     runtime.require_api("kda")
-    require_backward_api(q, k, v, g, beta, A_log, dt_bias, initial_state)
+    require_backward_api(device_name, q, k, v, g, beta, A_log, dt_bias, initial_state)
     g, A, dtb, gate = resolve_gate(g, A_log, dt_bias, use_gate_in_kernel, lower_bound, safe_gate)
     meta = kda_meta(q, scale=scale, output_final_state=output_final_state,
                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,

@@ -10,10 +10,17 @@ move between revisions: the KDA backward stages are exported only by later revis
 the first KDA call that needs gradients), and the backward CP summary is ``chunk_delta_h_bwd_preprocess`` in
 the pinned revision and ``pre_process_bwd_kernel_merged`` later (:data:`ALIASES`, either is accepted).
 
+Builds that wrap every export in ``_make_raw_wrapper`` (04097f56, main 17e24fdd) carry
+``functools.wraps(_get_direct_op)``, so ``inspect.signature`` reads ``(name: str)`` for every operator; the check
+then reads the signature of the wrapped implementation from the module's ``ASCENDC_CTYPES_OPS`` table, and skips
+the keyword check of an operator whose implementation it cannot reach (the call itself then names a bad keyword).
+
 Device policy: fla-npu ships kernels for Atlas A2 (Ascend910B), A3 (Ascend910_93 / 910C) and A5 (Ascend950).
-Ascend 950 only: the composite GDN backward, ``chunk_gated_delta_rule_fwd_prepare`` (so GDN CP), the composite
+Ascend 950 only: the composite GDN backward, ``chunk_gated_delta_rule_fwd_prepare`` (so GDN CP), the KDA
+backward stages (the ChunkKdaBwdPrepare / ChunkKdaBwdFinalize op-defs register ascend950 only), the composite
 forward's in-kernel L2 norm / sigmoid (run in PyTorch elsewhere). A3 rejects the BSND/TND layouts (BNSD is
-used there). Devices are asked through :data:`DEVICE` (``torch.npu`` via ``torch_npu``), which tests replace.
+used there). The recurrent (decode) kernels register all three. Devices are asked through :data:`DEVICE`
+(``torch.npu`` via ``torch_npu``), which tests replace.
 """
 from __future__ import annotations
 
@@ -29,12 +36,14 @@ SUPPORTED_SOCS = ("Ascend910B", "Ascend910_93", "Ascend910C", "Ascend950")
 A5_SOCS = ("Ascend950",)
 A3_SOCS = ("Ascend910_93", "Ascend910C")
 GDN_BACKWARD_SOCS = A5_SOCS
+KDA_BACKWARD_SOCS = A5_SOCS
 CHUNK = 64
-# Tensor dtypes the kernels take (q/k/v): the composite GDN kernels are bf16-only, the KDA stages take
-# bf16/fp16; tests add float32 together with the stand-in's ALLOW_FP32.
-KERNEL_DTYPES_REAL = {"gdn": (torch.bfloat16,), "kda": (torch.bfloat16, torch.float16)}
+# Tensor dtypes the kernels take (q/k/v): the composite GDN kernels are bf16-only, and so is KDA (its prepare
+# takes fp16 too, but chunk_fwd_h, chunk_kda_fwd_finalize and the backward stages are bf16-only), and so are the
+# recurrent (decode) kernels; tests add float32 together with the stand-in's ALLOW_FP32.
+KERNEL_DTYPES_REAL = {"gdn": (torch.bfloat16,), "kda": (torch.bfloat16,)}
 KERNEL_DTYPES = dict(KERNEL_DTYPES_REAL)
-# Inputs the real operators demand in bf16 whatever the model dtype (composite backward h0/dht, CP gk).
+# Inputs the real operators demand in bf16 whatever the model dtype (composite backward initial_state, CP gk).
 STATE_DTYPE = torch.bfloat16
 
 # Operator -> keywords the adapter passes. Grouped by feature so a package without one feature still serves
@@ -73,11 +82,23 @@ API = {
                                                "cu_seqlens", "output_a"),
         "chunk_bwd_dv_local": ("cu_seqlens", "chunk_indices"),
     },
+    "decode_gdn": {
+        "recurrent_gated_delta_rule": ("beta", "scale", "actual_seq_lengths", "ssm_state_indices", "g"),
+    },
+    "decode_kda": {
+        "recurrent_kda": ("cu_seqlens", "A_log", "dt_bias", "layout", "scale", "output_final_state",
+                          "inplace_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                          "use_beta_sigmoid_in_kernel", "safe_gate", "lower_bound", "state_v_first"),
+    },
 }
 ALIASES = {"pre_process_bwd_kernel_merged": ("pre_process_bwd_kernel_merged", "chunk_delta_h_bwd_preprocess")}
 # The fla-npu build that has each feature, for the errors.
 FEATURE_SOURCE = {"kda_bwd": "fla-npu revisions that export npu_chunk_kda_bwd_prepare / npu_chunk_kda_bwd_finalize "
-                             f"(after {PINNED_REVISION[:8]}, whose export table lacks them)"}
+                             f"(after {PINNED_REVISION[:8]}, whose export table lacks them)",
+                  "decode_gdn": "fla-npu from 8a63cf3e (2026-08-13) on, which exports npu_recurrent_gated_delta_rule "
+                                "(tag v26.6.0 does not); or generate with backend='eager'",
+                  "decode_kda": "fla-npu from 5eabe875 (2026-07-20) on, which exports npu_recurrent_kda (tag v26.6.0 "
+                                "does not); or generate with backend='eager'"}
 
 
 @lru_cache(maxsize=1)
@@ -106,9 +127,29 @@ def op(ops, name: str):
     return None
 
 
+def _is_raw_wrapper(fn, params) -> bool:
+    """fla-npu's ``_make_raw_wrapper`` export: ``functools.wraps(_get_direct_op)`` makes its signature ``(name)``."""
+    return list(params) == ["name"] or getattr(getattr(fn, "__wrapped__", None), "__name__", "") == "_get_direct_op"
+
+
+def implementation(ops, name: str, fn):
+    """The function behind export ``fn`` whose signature tells its keywords: ``fn`` itself, or for a raw
+    wrapper its entry in the module's ``ASCENDC_CTYPES_OPS`` table (None when that cannot be reached)."""
+    params = inspect.signature(fn).parameters
+    if not _is_raw_wrapper(fn, params):
+        return fn
+    table = getattr(ops, "ASCENDC_CTYPES_OPS", None)
+    if not isinstance(table, dict):
+        return None
+    for key in (getattr(fn, "__name__", ""), f"npu_{name}", name):
+        if key in table:
+            return table[key]
+    return None
+
+
 @lru_cache(maxsize=None)
 def require_api(feature: str):
-    """The ops module after checking every operator of ``feature`` ("gdn", "kda", "cp", "cp_gdn")."""
+    """The ops module after checking every operator of ``feature`` (a key of :data:`API`)."""
     ops = load_ops()
     problems = []
     for name, keywords in API[feature].items():
@@ -117,7 +158,10 @@ def require_api(feature: str):
             problems.append(f"{' / '.join(ALIASES.get(name, (name,)))} (missing)")
             continue
         try:
-            params = inspect.signature(fn).parameters
+            impl = implementation(ops, name, fn)
+            if impl is None:  # a raw wrapper whose implementation is out of reach: keywords not checkable
+                continue
+            params = inspect.signature(impl).parameters
         except (TypeError, ValueError):
             problems.append(f"{name} (signature not inspectable)")
             continue
@@ -163,17 +207,25 @@ def soc(device: torch.device) -> str:
     return name
 
 
+DTYPE_REASON = {"gdn": "the composite GDN and recurrent kernels are bf16-only",
+                "kda": "chunk_fwd_h, chunk_kda_fwd_finalize, the KDA backward stages and recurrent_kda are "
+                       "bf16-only"}
+
+
 def check_dtype(kind: str, **tensors) -> None:
     allowed = KERNEL_DTYPES[kind]
     for name, x in tensors.items():
         if x.dtype not in allowed:
-            raise TypeError(f"backend='ascendc' {kind.upper()} kernels take {[str(d) for d in allowed]}; "
-                            f"{name} has {x.dtype}")
+            raise TypeError(f"backend='ascendc' {kind.upper()} kernels take {[str(d) for d in allowed]} "
+                            f"({DTYPE_REASON[kind]}); {name} has {x.dtype}")
 
 
 def check_soc_features(device_name: str, **needs: bool) -> None:
-    """One RuntimeError listing every feature this SoC lacks; ``needs``: gdn_backward, gdn_cp."""
+    """One RuntimeError listing every feature this SoC lacks; ``needs``: gdn_backward, gdn_cp, kda_backward."""
     missing = []
+    if needs.get("kda_backward") and not device_name.startswith(KDA_BACKWARD_SOCS):
+        missing.append("KDA backward uses fla-npu's ChunkKdaBwdPrepare / ChunkKdaBwdFinalize, whose op-defs "
+                       "register Ascend950 only: run forward without grad or use backend='eager'")
     if needs.get("gdn_cp") and not device_name.startswith(A5_SOCS):
         missing.append("chunk_gated_delta_rule_fwd_prepare (GDN CP summaries) needs Ascend 950: use "
                        "cp_method='ulysses' or backend='eager'/'triton'")

@@ -4,8 +4,17 @@ Pinned revision: flashserve/flash-linear-attention-npu at d05824feb13e20c620931b
 revision of ``examples/chunk_gdn_cp.py`` / ``examples/chunk_kda_cp.py`` read in full), completed by the
 operator facts issue 27 records from commit 7e91c7d6 (composite GDN forward/backward) and by
 ``torch_custom/fla_npu/fla_npu/ops/ascendc/_aclnn_ctypes.py`` at 0220b7bf49b46ca78bd1c6b44374b131460d5129
-(dhu / dv_local / fwd_h signatures, canonical ``chunk_indices``). docs/backends.md lists each fact and its
-source line. Where the real package and hp_megatron's contract differ, this file follows the real package.
+(dhu / dv_local / fwd_h signatures, canonical ``chunk_indices``), and by the later files issue 33 read (the
+composite GDN backward's op_api at 2a1b0ce9, the ChunkKdaBwdPrepare / ChunkKdaBwdFinalize op-defs, the
+recurrent wrappers). docs/backends.md lists each fact with the revision and file it was read from. Where the
+real package and hp_megatron's contract differ, this file follows the real package.
+
+Knobs (environment variables) play the builds the revisions disagree on; the tests run each setting:
+``FLA_NPU_STANDIN_SOC`` (SoC, default ``Ascend950PR``), ``FLA_NPU_STANDIN_KDA_BWD_EXPORTED`` (KDA backward
+stages exported; read at import), ``FLA_NPU_STANDIN_DHU_USES_DHT`` (a build whose reverse state pass honours
+``dht``: the dhu op and the composite GDN backward), ``FLA_NPU_STANDIN_H_LAYOUT`` (``chunk_first`` h / dh
+``[B,NT,HV,K,V]``, the default, or the earlier ``head_first`` ``[B,HV,NT,K,V]``), ``FLA_NPU_STANDIN_RAW_WRAPPER``
+(exports wrapped as fla-npu's ``_make_raw_wrapper`` does, whose signature reads ``(name: str)``; read at import).
 
 What it enforces like that revision (each check names the operator):
 - exports: ``_ASCENDC_OPS`` lists ``npu_<op>``; each is exported under that name and its short name. The KDA
@@ -16,23 +25,33 @@ What it enforces like that revision (each check names the operator):
 - the declared SoC (``FLA_NPU_STANDIN_SOC``, default ``Ascend950PR``): ``chunk_gated_delta_rule_fwd_prepare``
   and the composite backward exist for Ascend 950 only; the composite forward's in-kernel L2 norm / sigmoid
   take a 950-only path; Ascend 910_93 (A3) rejects the BSND/TND layouts of the composite forward.
-- dtypes: bf16 (composite GDN: bf16 only; KDA stages: bf16/fp16; ``ALLOW_FP32`` widens q/k/v-like tensors for
-  exact tests but never the inputs the real ops demand in bf16: composite backward ``initial_state``/``dht``,
-  ``gk`` of the backward CP summary); ``beta_raw`` must have ``beta``'s dtype.
-- layouts/ranks: composite forward returns ``g_cumsum``/``beta_eff`` token-major ``[B,T,HV]`` (``beta_eff``
-  None unless the sigmoid ran in the kernel); ``chunk_bwd_dv_local`` takes ``g`` head-major ``[B,HV,T]``;
-  ``chunk_fwd_h`` takes rank-4 tensors only.
+- dtypes: bf16 (composite GDN: bf16 only; KDA: ``chunk_fwd_h``, ``chunk_kda_fwd_finalize`` and the backward
+  stages bf16 only, the prepare bf16/fp16; ``ALLOW_FP32`` widens q/k/v-like tensors for exact tests but never
+  the inputs the real ops demand in one dtype: composite backward ``initial_state``/``dht`` bf16 (``dh0``
+  comes back bf16), ``gk`` of the backward CP summary bf16/fp16, ``dq_raw`` / ``d_aqk`` / ``gk`` / ``raw_g``
+  of the KDA backward finalize fp32 (``chunk_kda_bwd_prepare`` returns ``dq_raw`` fp32)); ``beta_raw`` must
+  have ``beta``'s dtype. The KDA backward stages are Ascend 950 only (their op-defs register ascend950).
+- layouts/ranks: composite forward returns ``o`` ``[B,T,HV,V]`` whatever ``layout`` says and the backward takes
+  ``d_o`` ``[B,T,HV,V]`` (BSND) whatever ``layout`` says; ``g_cumsum``/``beta_eff`` token-major ``[B,T,HV]``
+  (``beta_eff`` None unless the sigmoid ran in the kernel); ``chunk_bwd_dv_local`` takes ``g`` head-major
+  ``[B,HV,T]``; ``chunk_fwd_h`` takes rank-4 tensors only; h / dh follow ``FLA_NPU_STANDIN_H_LAYOUT`` and every
+  op taking them checks the shape ("h must have NT-first shape ...").
 - index arrays: ``cu_seqlens`` without ``chunk_indices`` is rejected by the composite forward/backward and
   ``chunk_bwd_dv_local``; the dhu op without them sizes chunks as ceil(T/64) (raised here, silent there).
 - zero-length pieces are rejected by the composite forward and both CP summaries; the merge rejects N = 0.
-- ``chunk_gated_delta_rule_bwd_dhu`` ignores ``dht`` (the pinned examples add two dummy chunks instead);
-  ``FLA_NPU_STANDIN_DHU_USES_DHT=1`` models a build that honours it.
-- KDA gate: in-kernel gate without ``safe_gate`` is the softplus form whatever ``lower_bound`` says;
-  ``A_log=None`` with the in-kernel gate is rejected.
+- ``chunk_gated_delta_rule_bwd_dhu`` and the composite ``chunk_gated_delta_rule_bwd`` (which hands ``dht`` to the
+  same kernel) ignore ``dht``; ``FLA_NPU_STANDIN_DHU_USES_DHT=1`` models a build that honours it.
+- KDA gate: in-kernel gate without ``safe_gate`` is the softplus form whatever ``lower_bound`` says; with the
+  in-kernel gate ``A_log`` must be float32 ``[HV]``, ``dt_bias`` float32 ``[HV*K]``, and with ``safe_gate``
+  ``lower_bound`` in [-5, 0) (prepare, backward finalize, recurrent KDA).
+- decode: ``recurrent_gated_delta_rule`` (V-first state, ``actual_seq_lengths`` with its prefix entry, bf16
+  beta, no in-kernel transforms) and ``recurrent_kda`` (K-first state with ``state_v_first=False``, in-kernel
+  transforms), both at most 8 tokens per sequence and call.
 Values come from the chunked WY math in ``_math.py`` (fp32 internally).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -53,6 +72,41 @@ def declared_soc() -> str:
 
 def _flag(name: str) -> bool:
     return os.environ.get(name, "0") == "1"
+
+
+H_LAYOUTS = ("chunk_first", "head_first")
+
+
+def h_layout() -> str:
+    """Layout of the chunk states h / dh this build plays (``FLA_NPU_STANDIN_H_LAYOUT``): ``chunk_first``
+    ``[B, NT, HV, K, V]`` (the default: builds after the h/dh migration, which the pinned examples fit) or
+    ``head_first`` ``[B, HV, NT, K, V]`` (earlier builds)."""
+    layout = os.environ.get("FLA_NPU_STANDIN_H_LAYOUT", "chunk_first")
+    if layout not in H_LAYOUTS:
+        raise ValueError(f"FLA_NPU_STANDIN_H_LAYOUT must be one of {H_LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def _h_out(h_head_first):
+    """Internal head-first [B, HV, NT, K, V] -> this build's layout."""
+    return h_head_first.transpose(1, 2).contiguous() if h_layout() == "chunk_first" else h_head_first
+
+
+def _h_in(op, name, h, B, HV, NT):
+    """A chunk-state input checked against this build's layout -> head-first view [B, HV, NT, K, V]."""
+    chunk_first = h_layout() == "chunk_first"
+    want = (B, NT, HV) if chunk_first else (B, HV, NT)
+    if h.dim() != 5 or tuple(h.shape[:3]) != want:
+        raise RuntimeError(f"{op}: {name} must have {'NT-first' if chunk_first else 'head-first'} shape "
+                           f"{list(want) + ['K', 'V']}, got {list(h.shape)}.")
+    return h.transpose(1, 2) if chunk_first else h
+
+
+def _total_chunks(T, cu, C):
+    """Chunks along dim NT of h: per batch row ceil(T/C), or the sum over packed sequences."""
+    if cu is None:
+        return -(-T // C)
+    return sum(m.num_chunks(e - s, C) for s, e in zip(cu[:-1], cu[1:]))
 
 
 def _require_950(op, what=""):
@@ -175,10 +229,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, initial_state=None, output_f
                                layout="BNSD"):
     """Fused GDN forward. q, k, v rank-4 in ``layout`` (TND means [1,T,N,D]); g, beta token-major [B,T,HV].
 
-    Returns ten slots ``(o, final_state, g_cumsum, A, beta_eff, h, q_hat, k_hat, q_rstd, k_rstd)``: o in
-    ``layout`` (like v) in q's dtype; final_state [N,HV,K,V] fp32 (or None); g_cumsum fp32 (log2 units with
+    Returns ten slots ``(o, final_state, g_cumsum, A, beta_eff, h, q_hat, k_hat, q_rstd, k_rstd)``: o
+    ``[B,T,HV,V]`` whatever ``layout`` says (the ctypes wrapper allocates it so), in q's dtype; final_state
+    [N,HV,K,V] fp32 (or None); g_cumsum fp32 (log2 units with
     use_exp2) token-major [B,T,HV] and A [B,HV,T,64] only with disable_recompute; beta_eff token-major [B,T,HV]
-    fp32 only with the in-kernel sigmoid (else None); h [B,HV,NT,K,V] only with return_intermediate_states;
+    fp32 only with the in-kernel sigmoid (else None); h (``h_layout()``) only with return_intermediate_states;
     q_hat/k_hat in ``layout`` (q/k themselves without L2 norm); q_rstd/k_rstd [B,H,T] fp32 or None.
     cu_seqlens needs chunk_indices; zero-length sequences are rejected; on Ascend 910B/910_93 the in-kernel
     L2 norm and sigmoid are not available and 910_93 rejects BSND/TND."""
@@ -234,8 +289,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, *, initial_state=None, output_f
         A[b, :, s:e] = P["Akk"]
         finals.append(S)
         hs.setdefault(b, []).append(h)
-    h_all = torch.stack([torch.cat(hs[b], 1) for b in sorted(hs)], 0).to(k.dtype)
-    return (_from_head_major(o, layout, 4).to(q.dtype),
+    h_all = _h_out(torch.stack([torch.cat(hs[b], 1) for b in sorted(hs)], 0).to(k.dtype))
+    return (o.transpose(1, 2).contiguous().to(q.dtype),
             torch.stack(finals, 0) if output_final_state else None,
             g_cumsum.transpose(1, 2).contiguous() if disable_recompute else None,
             A.to(q.dtype) if disable_recompute else None,
@@ -255,13 +310,16 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, d_o, scale, *, chunk_size=64
     """Composite GDN backward (fla-npu documents it as Ascend 950 only; the adapter enforces that).
 
     q, k: the forward's q_hat/k_hat in ``layout``; v in ``layout``; g: the forward's g_cumsum [B,T,HV];
-    beta [B,T,HV]: beta_eff with the in-kernel sigmoid, else the raw beta; A [B,HV,T,64]; d_o in ``layout``;
-    initial_state and dht [N,HV,K,V] in bf16 only; beta_raw [B,T,HV] in beta's dtype (needed with
-    use_beta_sigmoid_in_kernel). Ascend 950 only; cu_seqlens needs chunk_indices.
+    beta [B,T,HV]: beta_eff with the in-kernel sigmoid, else the raw beta; A [B,HV,T,64]; d_o ``[B,T,HV,V]``
+    (BSND) whatever ``layout`` says; initial_state and dht [N,HV,K,V] in bf16 only; beta_raw [B,T,HV] in
+    beta's dtype (needed with use_beta_sigmoid_in_kernel). Ascend 950 only; cu_seqlens needs chunk_indices.
+    ``dht`` is IGNORED, as on the real op: its op_api hands dht to ChunkGatedDeltaRuleBwdDhu, whose kernel does
+    ``(void)dht;`` (``FLA_NPU_STANDIN_DHU_USES_DHT=1`` plays a build that honours it).
     Returns eight slots ``(dq, dk, dv, d_beta, d_g, dh0, d_a_log, d_dt_bias)``:
     dq/dk (w.r.t. the raw q/k when L2 norm ran in the kernel) and dv in ``layout``; d_beta (w.r.t. beta_raw with
-    the in-kernel sigmoid) and d_g (w.r.t. the per-token natural-log gate) [B,T,HV] fp32; dh0 [N,HV,K,V] fp32
-    or None; the last two are reserved and None."""
+    the in-kernel sigmoid) and d_g (w.r.t. the per-token natural-log gate) [B,T,HV] fp32; dh0 [N,HV,K,V] in
+    initial_state's dtype (bf16: "initial_state and dh0 must use the main BF16 dtype") or None; the last two are
+    reserved and None."""
     op = "npu_chunk_gated_delta_rule_bwd"
     _record(op)
     _require_950(op)
@@ -271,6 +329,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, d_o, scale, *, chunk_size=64
         _check_dtype(op, name, x, bf16_only=True)
     for name, x in (("initial_state", initial_state), ("dht", dht)):
         _check_strict_dtype(op, name, x, (torch.bfloat16,))
+    if not _flag("FLA_NPU_STANDIN_DHU_USES_DHT"):
+        dht = None
     if use_beta_sigmoid_in_kernel and (beta_raw is None or beta_raw.dtype != beta.dtype):
         raise RuntimeError(f"{op}: beta_raw must be given with beta's dtype {beta.dtype}, got "
                            f"{None if beta_raw is None else beta_raw.dtype}")
@@ -297,7 +357,10 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, d_o, scale, *, chunk_size=64
         g_tok.requires_grad_()
         beta_e = beta.detach().float().transpose(1, 2).requires_grad_()
         h0 = None if initial_state is None else initial_state.detach().float().requires_grad_()
-        do_hm = _to_head_major(op, d_o, layout).float()
+        if tuple(d_o.shape) != (B, T, HV, vh.shape[3]):
+            raise RuntimeError(f"{op}: d_o must be BSND [B,T,HV,V]={[B, T, HV, vh.shape[3]]}, got "
+                               f"{list(d_o.shape)}.")
+        do_hm = d_o.float().transpose(1, 2)
         loss = 0.0
         for n, (b, s, e) in enumerate(segs):
             gam = m.chunk_cumsum(g_tok[b, :, s:e], C)
@@ -311,7 +374,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, d_o, scale, *, chunk_size=64
         leaves = [qh, kh, vh, g_tok, beta_e] + ([h0] if h0 is not None else [])
         grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     dq, dk, dv, dg, dbeta = (torch.zeros_like(x) if gr is None else gr for x, gr in zip(leaves[:5], grads[:5]))
-    dh0 = grads[5] if h0 is not None else None
+    dh0 = grads[5].to(initial_state.dtype) if h0 is not None else None
     if use_qk_l2norm_in_kernel:
         dq = m.l2norm_backward(qh.detach(), q_rstd, dq)
         dk = m.l2norm_backward(kh.detach(), k_rstd, dk)
@@ -390,16 +453,23 @@ def chunk_bwd_dv_local(q, k, d_o, g, scale, chunk_size, *, g_gamma=None, A=None,
 
 
 # ------------------------------------------------------------------------------------- KDA pipeline
-def _kda_lower_bound(op, use_gate_in_kernel, safe_gate, lower_bound, A_log):
+def _kda_lower_bound(op, use_gate_in_kernel, safe_gate, lower_bound, A_log, dt_bias, HV, K):
     """The bound the kernel's gate really uses: the sigmoid form only with safe_gate (default -5), else the
-    softplus form (lower_bound ignored). A_log is required with the in-kernel gate."""
+    softplus form (lower_bound ignored). With the in-kernel gate: A_log float32 [HV] required, dt_bias float32
+    [HV*K] (or [HV, K]) if given, and with safe_gate the bound in [-5, 0)."""
     if not use_gate_in_kernel:
         return None
-    if A_log is None:
-        raise RuntimeError(f"{op}: A_log must be float32 [HV] when use_gate_in_kernel=True.")
+    if A_log is None or A_log.dtype != torch.float32 or tuple(A_log.shape) != (HV,):
+        raise RuntimeError(f"{op}: A_log must be float32 [HV] when use_gate_in_kernel=True, got "
+                           f"{None if A_log is None else (A_log.dtype, list(A_log.shape))}.")
+    if dt_bias is not None and (dt_bias.dtype != torch.float32 or tuple(dt_bias.shape) not in ((HV * K,), (HV, K))):
+        raise RuntimeError(f"{op}: dt_bias must be float32 [HV*K], got {dt_bias.dtype} {list(dt_bias.shape)}.")
     if not safe_gate:
         return None
-    return -5.0 if lower_bound is None else lower_bound
+    bound = -5.0 if lower_bound is None else float(lower_bound)
+    if not -5.0 <= bound < 0.0:
+        raise RuntimeError(f"{op}: lower_bound must be in [-5, 0) for safe gate, got {bound}.")
+    return bound
 
 
 _KDA_SLOTS = ("gk", "Aqk", "Akk", "w", "u", "qg", "kg", "qg_scaled", "q_hat", "k_hat", "q_rstd", "k_rstd",
@@ -432,7 +502,6 @@ def chunk_kda_fwd_prepare(q, k, v, g, beta, scale, chunk_size=64, *, layout="BSN
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_dtype(op, name, x)
     _check_chunk(op, chunk_size)
-    lower_bound = _kda_lower_bound(op, use_gate_in_kernel, safe_gate, lower_bound, A_log)
     rank = q.dim()
     if layout in ("TND", "NTD") and rank != 3:
         raise RuntimeError(f"{op}: layout {layout} takes rank-3 tensors")
@@ -443,6 +512,7 @@ def chunk_kda_fwd_prepare(q, k, v, g, beta, scale, chunk_size=64, *, layout="BSN
     _check_dims(op, K, V)
     if HV % H:
         raise RuntimeError(f"{op}: GVA requires HV % HK == 0, got HV={HV}, HK={H}")
+    lower_bound = _kda_lower_bound(op, use_gate_in_kernel, safe_gate, lower_bound, A_log, dt_bias, HV, K)
     cu = _host_list(op, cu_seqlens)
     if rank == 3 and cu is None:
         raise RuntimeError(f"{op}: packed TND/NTD inputs require cu_seqlens")
@@ -510,8 +580,10 @@ def chunk_fwd_h(k, w, u, g=None, *, gk=None, initial_state=None, output_final_st
                 save_new_value=True, cu_seqlens=None, chunk_indices=None, use_exp2=False, state_v_first=False):
     """Chunk state pass (wraps npu_chunk_gated_delta_rule_fwd_h). Head-major k, w [B,N,T,K] (or [N,T,K] packed),
     u [B,HV,T,V]; scalar cumulative g [B,HV,T] (k is gated inside) or per-channel cumulative gk [B,HV,T,K]
-    (k is the prepared kg); log2 units with use_exp2. Returns ``(h [B,HV,NT,K,V], v_new, final_state)`` with
-    final_state [N,HV,K,V] fp32 (None unless output_final_state)."""
+    (k is the prepared kg); log2 units with use_exp2. k, w, u bfloat16 only ("k, w and u must all use
+    bfloat16"). Returns ``(h, v_new, final_state)``: h in ``h_layout()`` (chunk-first [B,NT,HV,K,V] or
+    head-first [B,HV,NT,K,V]; packed: B = 1, NT = all chunks), final_state [N,HV,K,V] fp32 (None unless
+    output_final_state)."""
     op = "npu_chunk_gated_delta_rule_fwd_h"
     _record(op)
     if any(x is not None and x.dim() != 4 for x in (k, w, u, g, gk) if x is not g):
@@ -520,7 +592,7 @@ def chunk_fwd_h(k, w, u, g=None, *, gk=None, initial_state=None, output_final_st
     if state_v_first:
         raise RuntimeError(f"{op}: the stand-in implements state_v_first=False only")
     for name, x in (("k", k), ("w", w), ("u", u)):
-        _check_dtype(op, name, x)
+        _check_dtype(op, name, x, bf16_only=True)
     _check_chunk(op, chunk_size)
     C = int(chunk_size)
     cu = _host_list(op, cu_seqlens)
@@ -538,7 +610,7 @@ def chunk_fwd_h(k, w, u, g=None, *, gk=None, initial_state=None, output_final_st
         v_new[b, :, s:e] = vn
         hs.setdefault(b, []).append(h)
         finals.append(S)
-    h_all = torch.stack([torch.cat(hs[b], 1) for b in sorted(hs)], 0).to(k.dtype)
+    h_all = _h_out(torch.stack([torch.cat(hs[b], 1) for b in sorted(hs)], 0).to(k.dtype))
     v_new = v_new.squeeze(0) if packed else v_new
     return (h_all, v_new.to(u.dtype) if save_new_value else None,
             torch.stack(finals, 0) if output_final_state else None)
@@ -559,17 +631,21 @@ def _split_h(h, segs, T, C):
 def chunk_kda_fwd_finalize(qg_scaled, aqk, v_new, h, *, output_layout="BSND", state_v_first=False,
                            cu_seqlens=None, chunk_indices=None):
     """KDA output: o = qg_scaled h_c + Aqk v_new per chunk. Inputs head-major ([B,HV,T,...] or packed
-    [HV,T,...]); the output is written in ``output_layout`` in qg_scaled's dtype."""
+    [HV,T,...]), all bfloat16; h in ``h_layout()`` (rank 5, B = 1 when packed); the output is written in
+    ``output_layout`` in qg_scaled's dtype."""
     op = "npu_chunk_kda_fwd_finalize"
     _record(op)
     if output_layout not in LAYOUTS:
         raise RuntimeError(f"{op}: output_layout must be one of {LAYOUTS}, got {output_layout!r}")
+    for name, x in (("qg_scaled", qg_scaled), ("aqk", aqk), ("v_new", v_new), ("h", h)):
+        _check_dtype(op, name, x, bf16_only=True)
     packed = qg_scaled.dim() == 3
     q4, a4, v4 = ((x.unsqueeze(0) if packed else x).float() for x in (qg_scaled, aqk, v_new))
     B, HV, T, _ = q4.shape
     C = a4.shape[-1]
     cu = _host_list(op, cu_seqlens)
     segs = _segments(op, B, T, cu)
+    h = _h_in(op, "h", h, B, HV, _total_chunks(T, cu, C))
     o = v4.new_zeros(v4.shape)
     for (b, s, e), (_, c0, c1) in zip(segs, _split_h(h, segs, T, C)):
         o[b, :, s:e] = m.outputs(q4[b, :, s:e], a4[b, :, s:e], v4[b, :, s:e], h[b, :, c0:c1].float(), 1.0, C)
@@ -578,18 +654,24 @@ def chunk_kda_fwd_finalize(qg_scaled, aqk, v_new, h, *, output_layout="BSND", st
 
 def chunk_kda_bwd_prepare(aqk, v_new, d_o, h, *, scale=None, chunk_size=64, state_v_first=False, layout="BNSD",
                           cu_seqlens=None, chunk_indices=None):
-    """First KDA backward stage. Head-major inputs (``layout`` BNSD, or NTD packed). Returns three slots
-    ``(d_aqk, dv, dq_raw)``: d_aqk = tril(d_o v_new^T) [.., T, 64] fp32 (gradient of Aqk), dv = Aqk^T d_o
-    (intra-chunk part) and dq_raw = d_o h_c^T (gradient of qg_scaled), both in d_o's dtype."""
+    """First KDA backward stage (op-def ChunkKdaBwdPrepare: Ascend 950 only, bf16 inputs). Head-major inputs
+    (``layout`` BNSD, or NTD packed); h in ``h_layout()``. Returns three slots ``(d_aqk, dv, dq_raw)``: d_aqk =
+    tril(d_o v_new^T) [.., T, 64] fp32 (gradient of Aqk), dv = Aqk^T d_o (intra-chunk part) in d_o's dtype and
+    dq_raw = d_o h_c^T (gradient of qg_scaled) fp32."""
     op = "npu_chunk_kda_bwd_prepare"
     _record(op)
+    _require_950(op, "ChunkKdaBwdPrepare (registered for ascend950 only)")
     if layout not in ("BNSD", "NTD"):
         raise RuntimeError(f"{op}: layout must be BNSD or NTD (head-major), got {layout!r}")
+    for name, x in (("aqk", aqk), ("v_new", v_new), ("d_o", d_o), ("h", h)):
+        _check_dtype(op, name, x, bf16_only=True)
     _check_chunk(op, chunk_size)
     packed = aqk.dim() == 3
     a4, v4, d4 = ((x.unsqueeze(0) if packed else x).float() for x in (aqk, v_new, d_o))
     B, HV, T, C = a4.shape
-    segs = _segments(op, B, T, _host_list(op, cu_seqlens))
+    cu = _host_list(op, cu_seqlens)
+    segs = _segments(op, B, T, cu)
+    h = _h_in(op, "h", h, B, HV, _total_chunks(T, cu, C))
     d_aqk, dv = torch.zeros_like(a4), torch.zeros_like(v4)
     dq_raw = v4.new_zeros(B, HV, T, h.shape[-2])
     causal = torch.tril(torch.ones(C, C, dtype=torch.bool))
@@ -600,7 +682,7 @@ def chunk_kda_bwd_prepare(aqk, v_new, d_o, h, *, scale=None, chunk_size=64, stat
         dv[b, :, s:e] = m._unpad(ac.transpose(-1, -2) @ dc, L)
         dq_raw[b, :, s:e] = m._unpad(dc @ h[b, :, c0:c1].float().transpose(-1, -2), L)
     squeeze = (lambda x: x.squeeze(0)) if packed else (lambda x: x)
-    return squeeze(d_aqk), squeeze(dv).to(d_o.dtype), squeeze(dq_raw).to(d_o.dtype)
+    return squeeze(d_aqk), squeeze(dv).to(d_o.dtype), squeeze(dq_raw)
 
 
 def chunk_gated_delta_rule_bwd_dhu(q, k, w, d_o, dv, scale, chunk_size, *, g=None, gK=None, h0=None, dht=None,
@@ -608,7 +690,7 @@ def chunk_gated_delta_rule_bwd_dhu(q, k, w, d_o, dv, scale, chunk_size, *, g=Non
                                    transpose_state_layout=False):
     """Reverse state pass. BNSD q, k, w [B,N,T,K], d_o, dv [B,HV,T,V]; scalar cumulative g [B,HV,T] (q, k
     ungated, gated inside) or per-channel gK [B,HV,T,K] (q = qg, k = kg prepared; requires use_exp2).
-    Returns ``(dh, dh0, dv2)``: dh [B,HV,NT,K,V] with dh[c] = dL/d(state leaving chunk c), dh0 [N,HV,K,V] in
+    Returns ``(dh, dh0, dv2)``: dh (``h_layout()``) with dh[c] = dL/d(state leaving chunk c), dh0 [N,HV,K,V] in
     q's dtype (None without h0; h0 itself only selects it and is taken in q's dtype family), dv2 = dv + kg dh[c].
     The pinned revision ignores ``dht`` (its examples append two dummy chunks instead); with cu_seqlens but no
     chunk_indices it sizes dh as ceil(T/64) chunks."""
@@ -647,7 +729,7 @@ def chunk_gated_delta_rule_bwd_dhu(q, k, w, d_o, dv, scale, chunk_size, *, g=Non
         dhs.setdefault(b, []).append(dh)
         dh0s.append(dS0)
         dv2[b, :, s:e] = dv2_seg
-    dh_all = torch.stack([torch.cat(dhs[b], 1) for b in sorted(dhs)], 0).to(q.dtype)
+    dh_all = _h_out(torch.stack([torch.cat(dhs[b], 1) for b in sorted(dhs)], 0).to(q.dtype))
     return dh_all, (torch.stack(dh0s, 0).to(q.dtype) if h0 is not None else None), dv2.to(dv.dtype)
 
 
@@ -660,18 +742,27 @@ def chunk_kda_bwd_finalize(q, k, v, gk, raw_g, beta, a_log, dt_bias, akk, v_new,
 
     Head-major inputs: q, k = prepare's q_hat/k_hat [B,H,T,K]; v [B,HV,T,V]; gk the prepared cumulative gate;
     raw_g the caller's g [B,HV,T,K] (gate input with use_gate_in_kernel, else the log gate itself); beta =
-    beta_eff [B,HV,T]; h, dh [B,HV,NT,K,V]; dv_scan (dhu's dv2), d_aqk, dq_raw from bwd_prepare. Returns seven
+    beta_eff [B,HV,T]; h, dh in ``h_layout()``; dv_scan (dhu's dv2), d_aqk, dq_raw from bwd_prepare. Op-def
+    ChunkKdaBwdFinalize: Ascend 950 only; q, k, v, akk, v_new, h, dh, dv_scan bf16; gk, raw_g, d_aqk, dq_raw
+    fp32 (the stand-in's ALLOW_FP32 widens the bf16 ones, never the fp32 ones). Returns seven
     slots ``(dq, dk, dv, dbeta, dg, da_log, ddt_bias)``: dq, dk (w.r.t. raw q/k with in-kernel L2 norm), dv in
     ``output_layout``; dbeta [B,HV,T] and dg [B,HV,T,K] head-major fp32 (w.r.t. raw beta with the in-kernel
     sigmoid, raw g); da_log [HV] and ddt_bias [HV*K] fp32 with the in-kernel gate, else None."""
     op = "npu_chunk_kda_bwd_finalize"
     _record(op)
+    _require_950(op, "ChunkKdaBwdFinalize (registered for ascend950 only)")
     if output_layout not in LAYOUTS:
         raise RuntimeError(f"{op}: output_layout must be one of {LAYOUTS}, got {output_layout!r}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("akk", akk), ("v_new", v_new), ("h", h), ("dh", dh),
+                    ("dv_scan", dv_scan)):
+        _check_dtype(op, name, x, bf16_only=True)
+    for name, x in (("gk", gk), ("raw_g", raw_g), ("d_aqk", d_aqk), ("dq_raw", dq_raw)):
+        _check_strict_dtype(op, name, x, (torch.float32,))
     C = int(chunk_size)
     packed = q.dim() == 3
     up = (lambda x: x.unsqueeze(0)) if packed else (lambda x: x)
-    lower_bound = _kda_lower_bound(op, use_gate_in_kernel, safe_gate, lower_bound, a_log)
+    lower_bound = _kda_lower_bound(op, use_gate_in_kernel, safe_gate, lower_bound, a_log, dt_bias, v.shape[-3],
+                                   q.shape[-1])
     with torch.enable_grad():
         qh = up(q).detach().float().requires_grad_()
         kh = up(k).detach().float().requires_grad_()
@@ -686,12 +777,14 @@ def chunk_kda_bwd_finalize(q, k, v, gk, raw_g, beta, a_log, dt_bias, akk, v_new,
             params = [p for p in (A_log, dtb) if p is not None]
         B, H, T, K = qh.shape
         HV = vh.shape[1]
-        segs = _segments(op, B, T, _host_list(op, cu_seqlens))
+        cu = _host_list(op, cu_seqlens)
+        segs = _segments(op, B, T, cu)
         gate = m.kda_gate(g_in, A_log, dtb, lower_bound) if use_gate_in_kernel else g_in
-        h4, dh4 = h.float(), dh.float()
+        NT = _total_chunks(T, cu, C)
+        h4, dh4 = _h_in(op, "h", h, B, HV, NT).float(), _h_in(op, "dh", dh, B, HV, NT).float()
         vn4, dvs4, daqk4, dqr4 = (up(x).float() for x in (v_new, dv_scan, d_aqk, dq_raw))
         loss = 0.0
-        for (b, s, e), (_, c0, c1) in zip(segs, _split_h(h, segs, T, C)):
+        for (b, s, e), (_, c0, c1) in zip(segs, _split_h(h4, segs, T, C)):
             L = e - s
             gam = m.chunk_cumsum(gate[b, :, s:e], C)
             P = m.prepare(m.expand_heads(qh[b, :, s:e], HV), m.expand_heads(kh[b, :, s:e], HV), vh[b, :, s:e],
@@ -824,17 +917,230 @@ def merge_fwd_bwd_kernel(h, ag_hm, pre_or_post_num_ranks, rank, *, forward=True,
     return None
 
 
-# The pinned revision's export table: every entry is exported as ``npu_<op>`` and as ``<op>``.
+# ------------------------------------------------------------------------------------- recurrent (decode)
+MAX_RECURRENT_TOKENS = 8    # tokens per sequence of one recurrent call (MAX_MTP in the kernels)
+
+
+def _check_types(op, tensors, allowed, strict=False):
+    """TypeError, as the recurrent wrappers raise, when a tensor's dtype is not allowed (ALLOW_FP32 widens
+    bf16-only inputs unless ``strict``)."""
+    extra = () if strict or not ALLOW_FP32 else (torch.float32,)
+    for name, x in tensors.items():
+        if x is not None and x.dtype not in tuple(allowed) + extra:
+            raise TypeError(f"{op}: {name} dtype must be one of {[str(d) for d in allowed]}, got {x.dtype}.")
+
+
+def recurrent_gated_delta_rule(query, key, value, state, *, beta, scale=1.0, actual_seq_lengths,
+                               ssm_state_indices, num_accepted_tokens=None, g=None, gk=None):
+    """Recurrent GDN, updating ``state`` in place (the wrapper since fla-npu 8a63cf3e, 2026-08-13).
+
+    query/key [T, Nk, Dk], value [T, Nv, Dv], beta [T, Nv] bfloat16; state V-first [blocks, Nv, Dv, Dk] bf16 or
+    fp32; actual_seq_lengths int32 [B + 1] = (start offset, L_1, ..., L_B) with 1 <= L_i <= 8; ssm_state_indices
+    int32 [T]: sequence i starts from state[ssm_state_indices[its first token]] and token t writes its state to
+    state[ssm_state_indices[t]]; g fp32 [T, Nv] (decay e^g) and/or gk fp32 [T, Nv, Dk]. Dk = Dv = 128, Nk, Nv <=
+    256, Nv % Nk == 0; scale a float. No in-kernel L2 norm, gate or sigmoid. Returns out [T, Nv, Dv] in value's
+    dtype: per token S <- e^g S Diag(e^gk); S <- S + beta (v - S k) k^T; o = S (scale q)."""
+    op = "npu_recurrent_gated_delta_rule"
+    _record(op)
+    if g is None and gk is None:
+        raise RuntimeError(f"{op}: either g or gk must be provided.")
+    if num_accepted_tokens is not None:
+        raise RuntimeError(f"{op}: the stand-in implements num_accepted_tokens=None only")
+    named = {"query": query, "key": key, "value": value, "state": state, "beta": beta,
+             "actual_seq_lengths": actual_seq_lengths, "ssm_state_indices": ssm_state_indices}
+    for name, x in named.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x)!r}.")
+    _check_types(op, {"query": query, "key": key, "value": value, "beta": beta}, (torch.bfloat16,))
+    _check_types(op, {"state": state}, (torch.bfloat16, torch.float32), strict=True)
+    _check_types(op, {"actual_seq_lengths": actual_seq_lengths, "ssm_state_indices": ssm_state_indices},
+                 (torch.int32,), strict=True)
+    _check_types(op, {"g": g, "gk": gk}, (torch.float32,), strict=True)
+    ranks = {"query": 3, "key": 3, "value": 3, "beta": 2, "state": 4, "actual_seq_lengths": 1,
+             "ssm_state_indices": 1, "g": 2, "gk": 3}
+    for name, rank in ranks.items():
+        x = {**named, "g": g, "gk": gk}[name]
+        if x is not None and x.dim() != rank:
+            raise RuntimeError(f"{op}: {name} must be rank {rank}, got shape {tuple(x.shape)}.")
+    if query.shape != key.shape:
+        raise RuntimeError(f"{op}: key shape must equal query shape.")
+    T, Nk, Dk = query.shape
+    Nv, Dv = value.shape[1], value.shape[2]
+    if value.shape[0] != T or tuple(beta.shape) != (T, Nv):
+        raise RuntimeError(f"{op}: value/beta must be [T, Nv, Dv] / [T, Nv] with T={T}.")
+    if tuple(state.shape[1:]) != (Nv, Dv, Dk):
+        raise RuntimeError(f"{op}: state shape must be {(state.shape[0], Nv, Dv, Dk)}, got {tuple(state.shape)}.")
+    if tuple(ssm_state_indices.shape) != (T,):
+        raise RuntimeError(f"{op}: ssm_state_indices shape must be ({T},), got {tuple(ssm_state_indices.shape)}.")
+    if g is not None and tuple(g.shape) != (T, Nv) or gk is not None and tuple(gk.shape) != (T, Nv, Dk):
+        raise RuntimeError(f"{op}: g must be (T, Nv) and gk (T, Nv, Dk).")
+    if Nk > 256 or Nv > 256 or Dk != 128 or Dv != 128:
+        raise RuntimeError(f"{op}: Nk and Nv must be <= 256 and Dk and Dv must be exactly 128, got Nk={Nk}, "
+                           f"Nv={Nv}, Dk={Dk}, Dv={Dv}.")
+    if Nv % Nk:
+        raise RuntimeError(f"{op}: Nv must be an integer multiple of Nk, got Nv={Nv}, Nk={Nk}.")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, float)):
+        raise RuntimeError(f"{op}: scale must be a floating-point number, got {type(scale)!r}.")
+    seqs = [int(x) for x in actual_seq_lengths.tolist()]
+    if len(seqs) < 2:
+        raise RuntimeError(f"{op}: actual_seq_lengths must contain the prefix entry and at least one sequence "
+                           "length.")
+    index = [int(x) for x in ssm_state_indices.tolist()]
+    if any(not 0 <= i < state.shape[0] for i in index):
+        raise RuntimeError(f"{op}: ssm_state_indices must lie in [0, {state.shape[0]}), got {index}")
+    group = Nv // Nk
+    qs = query.float().repeat_interleave(group, 1) * (1.0 if scale is None else scale)
+    ks = key.float().repeat_interleave(group, 1)
+    vs, bs = value.float(), beta.float()
+    pool = state.float().clone()
+    out = vs.new_zeros(T, Nv, Dv)
+    start = seqs[0]
+    for L in seqs[1:]:
+        if not 1 <= L <= MAX_RECURRENT_TOKENS or start + L > T:
+            raise RuntimeError(f"{op}: sequence lengths must be in [1, {MAX_RECURRENT_TOKENS}] within T={T}, "
+                               f"got actual_seq_lengths {seqs}")
+        S = pool[index[start]].clone()                                           # [Nv, Dv, Dk]
+        for t in range(start, start + L):
+            if g is not None:
+                S = S * g[t].float().exp()[:, None, None]
+            if gk is not None:
+                S = S * gk[t].float().exp()[:, None, :]
+            delta = (vs[t] - (S @ ks[t][..., None])[..., 0]) * bs[t][:, None]       # [Nv, Dv]
+            S = S + delta[:, :, None] * ks[t][:, None, :]
+            out[t] = (S @ qs[t][..., None])[..., 0]
+            pool[index[t]] = S
+        start += L
+    state.copy_(pool.to(state.dtype))
+    return out.to(value.dtype)
+
+
+def recurrent_kda(q, k, v, g, beta, initial_state=None, *, cu_seqlens=None, ssm_state_indices=None, A_log=None,
+                  dt_bias=None, num_accepted_tokens=None, layout="BSND", scale=None, output_final_state=False,
+                  inplace_final_state=True, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                  use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False, lower_bound=None,
+                  state_v_first=False):
+    """Fused recurrent KDA (the wrapper at main 17e24fdd and docs/api.md). q/k [B,T,H,K] (BSND) or [T,H,K]
+    (TND) bfloat16, v [.., HV, V] bfloat16, g [.., HV, K] and beta [.., HV] fp32/bf16/fp16; initial_state
+    [N, HV, K, V] (``state_v_first=False``) or [N, HV, V, K], fp32/bf16, updated in place with
+    ``inplace_final_state``; cu_seqlens a 1-D int32/int64 tensor on q's device (None: one sequence per row),
+    every sequence <= 8 tokens; K = 128, V in (128, 256). In-kernel L2 norm, gate (softplus form, or with
+    safe_gate lower_bound * sigmoid(...), A_log float32 [HV], dt_bias float32 [HV*K], lower_bound in [-5, 0))
+    and beta sigmoid. Returns (out like v, final_state or None)."""
+    op = "npu_recurrent_kda"
+    _record(op)
+    if layout not in ("BSND", "TND"):
+        raise RuntimeError(f"{op}: layout must be BSND or TND.")
+    if ssm_state_indices is not None or num_accepted_tokens is not None:
+        raise RuntimeError(f"{op}: the stand-in implements ssm_state_indices=None, num_accepted_tokens=None only")
+    tnd = layout == "TND"
+    rank = 3 if tnd else 4
+    if any(x.dim() != rank for x in (q, k, v, g)) or beta.dim() != rank - 1:
+        raise RuntimeError(f"{op}: layout/rank mismatch.")
+    if q.shape != k.shape:
+        raise RuntimeError(f"{op}: q and k must have identical shape.")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_dtype(op, name, x, bf16_only=True)
+    _check_strict_dtype(op, "g", g, (torch.float16, torch.bfloat16, torch.float32))
+    _check_strict_dtype(op, "beta", beta, (torch.float16, torch.bfloat16, torch.float32))
+    flat = (lambda x: x) if tnd else (lambda x: x.flatten(0, 1))
+    q3, k3, v3, g3, b2 = (flat(x).float() for x in (q, k, v, g, beta))
+    T, H, K = q3.shape
+    HV, V = v3.shape[1], v3.shape[2]
+    if tuple(g3.shape) != (T, HV, K) or tuple(b2.shape) != (T, HV):
+        raise RuntimeError(f"{op}: v/g/beta shape mismatch.")
+    if HV % H:
+        raise RuntimeError(f"{op}: HV must be divisible by H.")
+    if (K, V) not in ((128, 128), (128, 256)):
+        raise RuntimeError(f"{op}: K/V currently support only K=128,V=128 or K=128,V=256.")
+    if cu_seqlens is None:
+        cu = list(range(0, T + 1, T if tnd else q.shape[1]))
+    else:
+        if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2
+                or cu_seqlens.dtype not in (torch.int32, torch.int64)):
+            raise RuntimeError(f"{op}: cu_seqlens must be a 1D INT32 or INT64 tensor.")
+        if cu_seqlens.device != q.device:
+            raise RuntimeError(f"{op}: cu_seqlens must be on the same device as q.")
+        cu = [int(x) for x in cu_seqlens.tolist()]
+    if cu[0] != 0 or cu[-1] != T or any(not 0 <= b - a <= MAX_RECURRENT_TOKENS for a, b in zip(cu, cu[1:])):
+        raise RuntimeError(f"{op}: cu_seqlens must start at 0, end at {T} and step by 0..{MAX_RECURRENT_TOKENS}, "
+                           f"got {cu}")
+    N = len(cu) - 1
+    tail = (HV, V, K) if state_v_first else (HV, K, V)
+    if initial_state is None:
+        if inplace_final_state:
+            raise RuntimeError(f"{op}: inplace_final_state=True requires initial_state.")
+        state = torch.zeros(N, *tail)
+    else:
+        _check_strict_dtype(op, "initial_state", initial_state, (torch.float32, torch.bfloat16))
+        if tuple(initial_state.shape) != (N, *tail):
+            raise RuntimeError(f"{op}: initial_state must be {'[N,HV,V,K]' if state_v_first else '[N,HV,K,V]'} "
+                               f"= {[N, *tail]}, got {list(initial_state.shape)}.")
+        state = initial_state
+    if use_gate_in_kernel:
+        bound = _kda_lower_bound(op, True, safe_gate, lower_bound, A_log, dt_bias, HV, K)
+    elif safe_gate or A_log is not None or dt_bias is not None:
+        raise RuntimeError(f"{op}: A_log, dt_bias and safe_gate require use_gate_in_kernel=True.")
+    S_all = state.float().transpose(-1, -2) if state_v_first else state.float()      # [N, HV, K, V]
+    S_all = S_all.clone()
+    group = HV // H
+    scale = K ** -0.5 if scale is None else float(scale)
+    out = v3.new_zeros(T, HV, V)
+    for n, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+        S = S_all[n]
+        for t in range(s, e):
+            qt, kt = q3[t], k3[t]
+            if use_qk_l2norm_in_kernel:
+                qt, kt = m.l2norm_with_rstd(qt)[0], m.l2norm_with_rstd(kt)[0]
+            qt, kt = qt.repeat_interleave(group, 0) * scale, kt.repeat_interleave(group, 0)   # [HV, K]
+            gate = g3[t]
+            if use_gate_in_kernel:
+                gate = m.kda_gate(gate[:, None, :], A_log, dt_bias, bound)[:, 0]
+            bt = m.beta_activation(b2[t], use_beta_sigmoid_in_kernel, allow_neg_eigval)
+            S = gate.exp()[:, :, None] * S
+            delta = bt[:, None] * (v3[t] - torch.einsum("hkv,hk->hv", S, kt))
+            S = S + kt[:, :, None] * delta[:, None, :]
+            out[t] = torch.einsum("hkv,hk->hv", S, qt)
+        S_all[n] = S
+    final = S_all.transpose(-1, -2) if state_v_first else S_all
+    if inplace_final_state:
+        state.copy_(final.to(state.dtype))
+    else:
+        state = final.to(state.dtype)
+    o = out.to(v.dtype)
+    return (o if tnd else o.view(v.shape)), (state if output_final_state else None)
+
+
+# The export table: every entry is exported as ``npu_<op>`` and as ``<op>``. The recurrent kernels are exported by
+# every revision sampled; the KDA backward stages only by later ones (``FLA_NPU_STANDIN_KDA_BWD_EXPORTED=1``).
 _ASCENDC_OPS = ("npu_chunk_gated_delta_rule_fwd", "npu_chunk_gated_delta_rule_bwd",
                 "npu_chunk_gated_delta_rule_fwd_prepare", "npu_chunk_bwd_dv_local", "npu_chunk_kda_fwd_prepare",
                 "npu_chunk_fwd_h", "npu_chunk_kda_fwd_finalize", "npu_chunk_gated_delta_rule_bwd_dhu",
-                "npu_pre_process_fwd_kernel_merged", "npu_chunk_delta_h_bwd_preprocess", "npu_merge_fwd_bwd_kernel")
+                "npu_pre_process_fwd_kernel_merged", "npu_chunk_delta_h_bwd_preprocess", "npu_merge_fwd_bwd_kernel",
+                "npu_recurrent_gated_delta_rule", "npu_recurrent_kda")
 if _flag("FLA_NPU_STANDIN_KDA_BWD_EXPORTED"):  # later revisions export the KDA backward stages
     _ASCENDC_OPS += ("npu_chunk_kda_bwd_prepare", "npu_chunk_kda_bwd_finalize")
 _IMPL = {n: globals()[n] for n in ("chunk_kda_bwd_prepare", "chunk_kda_bwd_finalize")}
 for _n in _IMPL:
     del globals()[_n]
+# name -> implementation, like fla-npu's ``_aclnn_ctypes.ASCENDC_CTYPES_OPS`` (imported into this module there too)
+ASCENDC_CTYPES_OPS = {_name: globals().get(_name[4:]) or _IMPL[_name[4:]] for _name in _ASCENDC_OPS}
+
+
+def _get_direct_op(name: str):
+    return ASCENDC_CTYPES_OPS[name]
+
+
+def _make_raw_wrapper(name: str):
+    """What fla-npu's ``_make_raw_wrapper`` (04097f56, main 17e24fdd) exports: a wrapper carrying
+    ``functools.wraps(_get_direct_op)``, so ``inspect.signature`` reports ``(name: str)`` for every operator."""
+    @functools.wraps(_get_direct_op)
+    def wrapper(*args, **kwargs):
+        return _get_direct_op(name)(*args, **kwargs)
+    wrapper.__name__ = wrapper.__qualname__ = name
+    return wrapper
+
+
 for _name in _ASCENDC_OPS:
-    _short = _name[4:]
-    globals()[_name] = globals()[_short] = globals().get(_short) or _IMPL[_short]
+    _export = _make_raw_wrapper(_name) if _flag("FLA_NPU_STANDIN_RAW_WRAPPER") else ASCENDC_CTYPES_OPS[_name]
+    globals()[_name] = globals()[_name[4:]] = _export
 __all__ = [*_ASCENDC_OPS, *(n[4:] for n in _ASCENDC_OPS)]
