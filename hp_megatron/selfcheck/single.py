@@ -78,8 +78,8 @@ CONV_STEP_NAME = f"N=2 {CONV_STEP_TOKENS} tokens bias silu"
 def decode_rows(backend, device, dtype, kind, limits):
     """T tokens of ``delta_rule_step`` from a random cached state: outputs and the state after them."""
     case, op, name = DECODE[kind], "delta_rule_step", decode_name(kind)
-    if limits.decode.get(op):
-        return [na_row(op, name, "step", dtype, limits.decode[op])]
+    if limits.decode.get(kind):
+        return [na_row(op, name, "step", dtype, limits.decode[kind])]
     K, V = head_dims(backend)
     try:
         tensors, flags = delta_inputs(case, K, V, dtype)
@@ -101,8 +101,8 @@ def decode_rows(backend, device, dtype, kind, limits):
 
 def conv_step_rows(backend, device, dtype, limits):
     op, name, N = "causal_conv1d_step", CONV_STEP_NAME, 2
-    if limits.decode.get(op):
-        return [na_row(op, name, "step", dtype, limits.decode[op])]
+    if limits.decode.get("conv"):
+        return [na_row(op, name, "step", dtype, limits.decode["conv"])]
     try:
         gen = torch.Generator().manual_seed(9)
         D, W = 64, CONV_WIDTH

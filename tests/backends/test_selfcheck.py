@@ -7,7 +7,7 @@ metadata and a CANN ``version.info`` the test puts on sys.path and ASCEND_HOME_P
 interpreter in a subprocess and its ranks (a few rows: it is slow), run in the background from collection on. A
 corrupted op (the stand-in's KDA output scaled by 1.1) must fail its row and the exit status, a torch_npu without
 the stream fix must fail the check, and a failing or stalled CP rank must turn the CP rows into ERRORs, not a hang.
-The version table (layers/ops/requirements.py) is checked case by case. Cost: about 75 CPU s on 2 cores, most of it
+The version table (layers/ops/requirements.py) is checked case by case. Cost: about 65 CPU s on 2 cores, most of it
 the start-up of processes that import torch (and FLA under the interpreter).
 """
 from __future__ import annotations
@@ -44,11 +44,10 @@ def _fake_versions(tmp_path, monkeypatch, torch_npu="2.7.1.post5", triton_ascend
     monkeypatch.delenv("ASCEND_OPP_PATH", raising=False)
 
 
-def _run(args, env=None, timeout=900):
+def _run(args, timeout=900):
     """Run a module with ``args``; (exit status, stdout + stderr)."""
-    env = env or dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    done = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=timeout)
     return done.returncode, done.stdout + done.stderr
 
 
@@ -83,7 +82,7 @@ def standin(request, monkeypatch):
     """The stand-in in this process (bf16 contract) on the SoC ``request.param`` (default Ascend950PR); yields its
     module. The self-check's CP ranks install the same through ``rank_setup``."""
     from layers.ops.ascendc import runtime
-    from tests.support.ascendc_standin import STANDIN, forget_fla_npu, install_standin
+    from tests.support.ascendc_standin import KNOBS, STANDIN, forget_fla_npu, install_standin
 
     monkeypatch.setattr(runtime, "DEVICE", runtime.DEVICE)
     monkeypatch.setattr(runtime, "KERNEL_DTYPES", runtime.KERNEL_DTYPES)
@@ -91,7 +90,7 @@ def standin(request, monkeypatch):
     if STANDIN in sys.path:
         sys.path.remove(STANDIN)
     forget_fla_npu()
-    for name in ("FLA_NPU_STANDIN_SOC", "FLA_NPU_STANDIN_KDA_BWD_EXPORTED"):
+    for name in KNOBS:
         os.environ.pop(name, None)
 
 
@@ -103,8 +102,8 @@ def _main(argv, capsys, rank_setup=None):
 
 
 def test_standin_every_row(standin, tmp_path, monkeypatch, capsys):
-    """Every default row on the stand-in: all pass except recursive_doubling (no native path) and the decode steps,
-    n/a with the reason while the ascendc backend has none; the versions come from the environment; exit 0."""
+    """Every default row on the stand-in: all pass except recursive_doubling (no native path: n/a with the reason);
+    the versions come from the environment; exit 0."""
     from tests.support.selfcheck_env import standin as rank_setup
 
     _fake_versions(tmp_path, monkeypatch)
@@ -117,8 +116,6 @@ def test_standin_every_row(standin, tmp_path, monkeypatch, capsys):
     for (op, case, phase), (result, note) in rows.items():
         if "recursive_doubling" in case:
             assert result == "n/a" and "recursive_doubling" in note, (case, result, note)
-        elif op in STEP_OPS and result == "n/a":
-            assert "decode step" in note, note
         else:
             assert result == "pass", (op, case, phase, result, note)
     assert _requirement_statuses(out) == {"torch": OK, "torch_npu": OK, "CANN": OK, "triton-ascend": OK}, out
@@ -142,8 +139,8 @@ def test_standin_corrupted_op_fails_its_rows(standin, tmp_path, monkeypatch, cap
 
 @pytest.mark.parametrize("standin", ["Ascend910B3"], indirect=True)
 def test_limits_on_910b_are_not_available_rows(standin, monkeypatch, capsys):
-    """What the SoC lacks is asked before running: GDN backward and GDN CP are n/a with the adapter's reason, the
-    GDN forward still runs and passes, KDA is unaffected."""
+    """What the SoC lacks is asked before running: GDN / KDA backward and GDN CP are n/a with the adapter's reason,
+    the GDN forward still runs and passes; KDA CP forward and decode stay available."""
     import torch
 
     from hp_megatron.selfcheck import cli
@@ -151,7 +148,8 @@ def test_limits_on_910b_are_not_available_rows(standin, monkeypatch, capsys):
 
     limits = probe("ascendc", torch.device("cpu"))
     assert "Ascend950" in limits.backward["gdn"] and "Ascend 950" in limits.state_cp["gdn"]
-    assert limits.backward["kda"] is None and limits.state_cp["kda"] is None
+    assert "Ascend950" in limits.backward["kda"] and limits.state_cp["kda"] is None
+    assert limits.decode == {"gdn": None, "kda": None, "conv": None}
     assert "recursive_doubling" in limits.cp_methods and "p2p" not in limits.cp_methods
     good = {"torch": "2.7.1", "torch_npu": "2.7.1.post5", "triton-ascend": "3.2.0", "CANN": "8.5.0"}
     monkeypatch.setattr(cli.requirements, "installed", lambda backend: good)
@@ -159,6 +157,25 @@ def test_limits_on_910b_are_not_available_rows(standin, monkeypatch, capsys):
                         capsys)
     results = {phase: (result, note) for (_, _, phase), (result, note) in _rows(out).items()}
     assert results["fwd"][0] == "pass" and results["bwd"][0] == "n/a" and "Ascend950" in results["bwd"][1], out
+    assert status == 0, out
+
+
+def test_decode_kernel_not_exported_is_not_available(standin, monkeypatch, capsys):
+    """An fla-npu build without ``recurrent_kda`` (tag v26.6.0): the KDA decode row is n/a naming the build that
+    has it; the GDN decode row still runs."""
+    from hp_megatron.selfcheck import cli
+    from layers.ops.ascendc import runtime
+
+    for name in ("recurrent_kda", "npu_recurrent_kda"):
+        monkeypatch.delattr(standin, name)
+    runtime.require_api.cache_clear()
+    monkeypatch.setattr(cli.requirements, "installed", lambda backend: {"torch": "2.7.1", "torch_npu": "2.7.1.post5",
+                                                                        "triton-ascend": "3.2.1", "CANN": "8.5.0"})
+    status, out = _main(["--backend", "ascendc", "--device", "cpu", "--no-cp", "--only", "delta_rule_step"], capsys)
+    runtime.require_api.cache_clear()
+    results = {case.split()[0]: (result, note) for (_, case, _), (result, note) in _rows(out).items()}
+    assert results["gdn"][0] == "pass" and results["kda"][0] == "n/a", out
+    assert "recurrent_kda" in results["kda"][1] and "5eabe875" in results["kda"][1], out
     assert status == 0, out
 
 
@@ -195,9 +212,11 @@ def test_backend_missing_says_why(monkeypatch, capsys):
     ("failing_rank", [], "rank setup failed on purpose"),
     ("stalled_rank", ["--cp-timeout", "8"], "did not finish within 8 s"),
 ])
-def test_cp_rank_failure_is_an_error_not_a_hang(setup, args, expect):
-    status, out = _run(["tests.support.selfcheck_env", setup, "--", "--backend", "eager", "--device", "cpu",
-                        "--only", "CP2 halo zigzag", *args], timeout=300)
+def test_cp_rank_failure_is_an_error_not_a_hang(setup, args, expect, capsys):
+    from tests.support import selfcheck_env
+
+    status, out = _main(["--backend", "eager", "--device", "cpu", "--only", "CP2 halo zigzag", *args], capsys,
+                        getattr(selfcheck_env, setup))
     rows = _rows(out)
     assert set(rows) == {("causal_conv1d", "CP2 halo zigzag B=2 T=64", p) for p in ("fwd", "bwd")}, out
     assert all(result == "ERROR" and expect in note for result, note in rows.values()), out
@@ -225,12 +244,11 @@ def test_bad_arguments_exit_2(capsys):
 
 
 # ------------------------------------------------------------------------------------------- interpreter (triton)
-# FLA's kernels on CPU (fp32): single-rank KDA, both decode steps, and GDN CP through FLA's own KCP path (allgather on
-# contiguous packed documents: gloo with the stacked all-gather), the interpreter on in the spawned ranks too. Three
-# processes that import FLA (about 35 CPU s), started when collection ends beside the other tests
-# (tests/support/background.py).
-INTERPRETER_ONLY = ("chunk_kda B=2,delta_rule_step gdn,causal_conv1d_step,"
-                    "chunk_gated_delta_rule CP2 allgather contiguous")
+# FLA's kernels on CPU (fp32): the decode steps, and GDN forward and backward under CP through FLA's own KCP path
+# (allgather on contiguous packed documents: gloo with the stacked all-gather), the interpreter on in the spawned
+# ranks too. Three processes that import FLA (about 30 CPU s), started when collection ends beside the other tests
+# (tests/support/background.py); tests/backends/test_backend_triton_interpreter.py covers the ops themselves.
+INTERPRETER_ONLY = "delta_rule_step gdn,causal_conv1d_step,chunk_gated_delta_rule CP2 allgather contiguous"
 if triton_interpreter.available() is None:
     background.declare("selfcheck_interpreter", __name__, [
         sys.executable, "-m", "tests.support.selfcheck_env", "interpreter", "--", "--backend", "triton", "--device",
@@ -243,8 +261,8 @@ def test_triton_through_the_interpreter():
     out = stdout + stderr
     rows = _rows(stdout)
     assert {(op, phase) for op, _, phase in rows} == {
-        ("chunk_kda", "fwd"), ("chunk_kda", "bwd"), ("delta_rule_step", "step"), ("causal_conv1d_step", "step"),
-        ("chunk_gated_delta_rule", "fwd"), ("chunk_gated_delta_rule", "bwd")}, out
+        ("delta_rule_step", "step"), ("causal_conv1d_step", "step"), ("chunk_gated_delta_rule", "fwd"),
+        ("chunk_gated_delta_rule", "bwd")}, out
     assert all(result == "pass" for result, _ in rows.values()), out
     assert set(_requirement_statuses(stdout).values()) == {OK} and status == 0, out
 
@@ -253,7 +271,7 @@ def test_triton_through_the_interpreter():
 @pytest.mark.parametrize("torch_npu,status", [
     ("2.7.1.post5", OK), ("2.7.1.post4", FAIL), ("2.8.0.post5", OK), ("2.8.0.post2", FAIL), ("2.9.0.post3", OK),
     ("2.10.0.post1", FAIL), ("2.10.0.post2", OK), ("2.11.0rc2", FAIL), ("2.11.0rc3", OK), ("2.11.0", OK),
-    ("2.12.0rc1", OK), ("2.13.0rc1", OK), ("2.13.0", OK), ("2.14.1", OK), ("2.6.0", WARN), ("2.7.0.post3", WARN),
+    ("2.12.0rc1", OK), ("2.13.0rc1", OK), ("2.13.0", OK), ("2.14.1", OK), ("2.6.0", FAIL), ("2.7.0.post3", FAIL),
     (None, FAIL), ("nonsense", FAIL)])
 def test_torch_npu_stream_fix(torch_npu, status):
     checks = {c.package: c for c in check("ascendc", {"torch": "2.7.1", "torch_npu": torch_npu, "CANN": "8.5.0",
@@ -300,8 +318,11 @@ def test_cann_version_file(tmp_path, monkeypatch):
 
 
 def test_setup_pins_are_the_table():
-    """setup.py's triton extra and torch floor state what layers/ops/requirements.py checks."""
+    """setup.py's triton extra and torch floor state what layers/ops/triton/versions.py and requirements.py check
+    (the [npu] extra: tests/backends/test_backend_ascendc_contract.py)."""
+    from layers.ops.triton import versions
+
     text = (ROOT / "setup.py").read_text()
-    assert f'"triton=={requirements.TRITON_PIN}"' in text and f'"torch>={requirements.MIN_TORCH}"' in text
-    fla = f">={'.'.join(map(str, requirements.MIN_FLA))},<{'.'.join(map(str, requirements.BELOW_FLA))}"
+    assert f'"triton=={versions.TRITON_PIN}"' in text and f'"torch>={requirements.MIN_TORCH}"' in text
+    fla = f">={'.'.join(map(str, versions.MIN_FLA))},<{'.'.join(map(str, versions.BELOW_FLA))}"
     assert f'"flash-linear-attention{fla}"' in text and f'"fla-core{fla}"' in text

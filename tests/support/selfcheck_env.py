@@ -9,7 +9,7 @@ first too; the exit status is the self-check's. ENV:
 - ``interpreter``: flash-linear-attention's real Triton kernels on CPU through Triton's interpreter
   (tests/support/triton_interpreter.py), before FLA is imported.
 
-``failing_rank`` / ``stalled_rank`` set up only the CP ranks, which then raise / sleep (the check must report
+:func:`failing_rank` / :func:`stalled_rank` are ``rank_setup`` callables that raise / sleep (the check must report
 ERROR rows, not hang).
 
 Tests that break an op on purpose wrap it with :func:`scaled` in their own process. The installed versions the
@@ -54,15 +54,13 @@ def stalled_rank():
 
 
 ENVIRONMENTS = {"standin": standin, "interpreter": interpreter}
-RANK_ONLY = {"failing_rank": failing_rank, "stalled_rank": stalled_rank}   # set up in the CP ranks only
 
 
 def main(argv):
     split = argv.index("--")
     (env,) = argv[:split]
-    setup = {**ENVIRONMENTS, **RANK_ONLY}[env]
-    if env in ENVIRONMENTS:
-        setup()
+    setup = ENVIRONMENTS[env]
+    setup()
     from hp_megatron.selfcheck import main as selfcheck
 
     return selfcheck(argv[split + 1:], rank_setup=setup)

@@ -27,11 +27,8 @@ from typing import Callable
 import torch
 
 from layers.compat import tensor_version
-# The versions live in one table with the self-check's; MIN_TRITON is FLA 0.6's own floor, 3.7.1 is required for
-# GDN backward on Hopper (see module doc).
-from layers.ops.requirements import MIN_FLA, MIN_TRITON, SAFE_TRITON_HOPPER_GDN_BWD
-from layers.ops.requirements import TRITON_INSTALL_HINT as INSTALL_HINT
-from layers.ops.requirements import TRITON_PACKAGES as PACKAGES
+# MIN_TRITON is FLA 0.6's own floor, 3.7.1 is required for GDN backward on Hopper (see module doc)
+from layers.ops.triton.versions import INSTALL_HINT, MIN_FLA, MIN_TRITON, PACKAGES, SAFE_TRITON_HOPPER_GDN_BWD
 
 # Keywords this backend passes; a renamed/removed one in a future FLA must fail loudly, not silently.
 _REQUIRED_KEYWORDS = {
