@@ -2,9 +2,9 @@
 
 The parent starts ``WORLD`` processes (``torch.multiprocessing``, start method "spawn": safe with CUDA / NPU) that
 join one process group through a file store, run :func:`hp_megatron.selfcheck.cp.cp_rows` and pickle their rows to
-a temporary directory. A rank that raises outside a case, or ranks that outlive ``timeout_s`` (the whole spawn's
-budget; also each collective's timeout), turn every planned CP row into an ERROR naming the cause; live ranks
-are then terminated, so the check never hangs.
+a temporary directory. A rank that raises outside a case (its result says so at once), or ranks that outlive
+``timeout_s`` (the whole spawn's budget; also each collective's timeout), turn every planned CP row into an ERROR
+naming the cause; live ranks are then terminated, so the check never hangs.
 """
 from __future__ import annotations
 
@@ -50,8 +50,22 @@ def _rank_main(rank, world, store, out_dir, device_type, count, comm, backend, d
         result = {"rows": rows}
     except BaseException:  # noqa: BLE001 - reported to the parent, which marks the rows
         result = {"error": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    with open(path + ".part", "wb") as f:
         pickle.dump(result, f)
+    os.replace(path + ".part", path)   # the parent reads only whole results
+
+
+def _rank_error(out_dir, world):
+    """The first rank's failure outside the cases, once its result is written (the others are then stopped)."""
+    for rank in range(world):
+        path = os.path.join(out_dir, f"rank{rank}.pkl")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                result = pickle.load(f)
+            if "error" in result:
+                return f"CP rank {rank}: {result['error']}"
+    return None
 
 
 def _failed(planned, dtypes, why):
@@ -60,26 +74,30 @@ def _failed(planned, dtypes, why):
             for dtype in dtypes for op, case, phases in planned for phase in phases]
 
 
-def run_cp(planned, *, world, device_type, count, comm, backend, dtypes, patterns, rank_setup=None,
-           timeout_s=600.0) -> list[Row]:
+def run_cp(planned, *, world, device_type, count, comm, backend, dtypes, patterns, rank_setup, timeout_s) -> list[Row]:
     """Rows of the CP cases from rank 0, a row's status the worse of the ranks' (their errors are equal)."""
     with tempfile.TemporaryDirectory(prefix="hp_selfcheck_") as tmp:
         store = os.path.join(tmp, "store")
         args = (world, store, tmp, device_type, count, comm, backend, dtypes, patterns, rank_setup, timeout_s)
-        context = mp.start_processes(_rank_main, args=args, nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
+        context = None
         try:
+            context = mp.start_processes(_rank_main, args=args, nprocs=world, join=False, start_method="spawn")
             while not context.join(timeout=0.5):
+                failure = _rank_error(tmp, world)
+                if failure is not None:
+                    raise RuntimeError(failure)
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the {world} CP ranks did not finish within {timeout_s:g} s (--cp-timeout)")
-        except Exception as error:  # noqa: BLE001 - a rank died or the deadline passed
-            for process in context.processes:
+        except Exception as error:  # noqa: BLE001 - a rank failed or died, or the deadline passed
+            for process in (context.processes if context is not None else ()):
                 if process.is_alive():
                     process.terminate()
                 process.join(10)
                 if process.is_alive():
                     process.kill()
-            return _failed(planned, dtypes, f"{type(error).__name__}: {error}")
+            return _failed(planned, dtypes, str(error) if isinstance(error, RuntimeError) else
+                           f"{type(error).__name__}: {error}")
         results = []
         for rank in range(world):
             path = os.path.join(tmp, f"rank{rank}.pkl")
