@@ -7,8 +7,8 @@ import sys
 from hp_megatron.selfcheck.cp import WORLD, plan
 from hp_megatron.selfcheck.device import (DEVICE_TYPES, accelerator_count, comm_backend, describe,
                                           resolve)
-from hp_megatron.selfcheck.report import (DTYPE_NAMES, TOLERANCES, dtype_name, format_requirements, format_results,
-                                          summary)
+from hp_megatron.selfcheck.report import (DTYPE_NAMES, TOLERANCES, dtype_name, format_details, format_requirements,
+                                          format_results, summary)
 from hp_megatron.selfcheck.select import selector
 from layers.choices import BACKENDS
 from layers.ops import requirements
@@ -33,6 +33,7 @@ def parse(argv):
     p.add_argument("--only", default="", help="comma list of substrings of '<op> <case>' selecting rows (e.g. "
                                               "'chunk_kda', 'CP2 p2p'); default: all")
     p.add_argument("--no-cp", action="store_true", help="skip the rows that spawn the 2 CP ranks")
+    p.add_argument("--verbose", action="store_true", help="print the traceback of every ERROR row after the table")
     p.add_argument("--cp-timeout", type=float, default=900.0,
                    help="seconds the 2 CP ranks may take in all, start-up, kernel compilation and every CP row "
                         "included (default 900); past it their rows are ERRORs")
@@ -106,5 +107,7 @@ def main(argv=None, *, rank_setup=None) -> int:
                        backend=args.backend, dtypes=args.dtypes, patterns=args.patterns, rank_setup=rank_setup,
                        timeout_s=args.cp_timeout)
     status, line = summary(rows, checks)
-    print(f"\n{format_results(rows)}\n\n{VERSIONS}\n{format_requirements(checks)}\n\n{line}", file=out, flush=True)
+    details = format_details(rows) if args.verbose else ""
+    print(f"\n{format_results(rows)}\n" + (f"\nERROR details:\n{details}\n" if details else "")
+          + f"\n{VERSIONS}\n{format_requirements(checks)}\n\n{line}", file=out, flush=True)
     return status

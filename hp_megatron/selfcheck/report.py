@@ -8,6 +8,7 @@ on the same device. Statuses: ``pass``, ``FAIL`` (error above the dtype's tolera
 """
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,7 @@ class Row:
     errors: dict = field(default_factory=dict)   # tensor name -> relative error
     status: str = PASS
     note: str = ""
+    detail: str = ""     # an ERROR's traceback (printed with --verbose)
 
     @property
     def tol(self) -> float:
@@ -67,7 +69,8 @@ class Row:
 def error_rows(op, case, phases, dtype, error: BaseException):
     """Rows for a case whose run raised: the exception's type and first line."""
     message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return [Row(op, case, phase, dtype, status=ERROR, note=f"{type(error).__name__}: {message}"[:200])
+    detail = "".join(traceback.format_exception(error))
+    return [Row(op, case, phase, dtype, status=ERROR, note=f"{type(error).__name__}: {message}"[:300], detail=detail)
             for phase in phases]
 
 
@@ -97,6 +100,16 @@ def format_results(rows: list[Row]) -> str:
         following = rows[i + 1] if i + 1 < len(rows) else None
         if r.note and r.status != PASS and not (following and (following.status, following.note) == (r.status, r.note)):
             out.append(" " * 4 + f"{r.status}: {r.note}")   # once under a run of rows with the same reason
+    return "\n".join(out)
+
+
+def format_details(rows: list[Row]) -> str:
+    """The tracebacks of the ERROR rows, once per distinct traceback."""
+    seen, out = set(), []
+    for r in rows:
+        if r.detail and r.detail not in seen:
+            seen.add(r.detail)
+            out.append(f"--- {r.op} {r.case} ({dtype_name(r.dtype)})\n{r.detail.rstrip()}")
     return "\n".join(out)
 
 

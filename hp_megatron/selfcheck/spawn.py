@@ -69,8 +69,9 @@ def _rank_error(out_dir, world):
 
 
 def _failed(planned, dtypes, why):
+    """ERROR rows for every planned CP row: the cause's last line as the note, all of it as the detail."""
     note = why.strip().splitlines()[-1][:300] if why.strip() else "failed"
-    return [Row(op, case, phase, dtype, status="ERROR", note=note)
+    return [Row(op, case, phase, dtype, status="ERROR", note=note, detail=why)
             for dtype in dtypes for op, case, phases in planned for phase in phases]
 
 

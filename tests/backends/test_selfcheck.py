@@ -209,7 +209,7 @@ def test_backend_missing_says_why(monkeypatch, capsys):
 
 # ------------------------------------------------------------------------------------------- CP ranks
 @pytest.mark.parametrize("setup,args,expect", [
-    ("failing_rank", [], "rank setup failed on purpose"),
+    ("failing_rank", ["--verbose"], "rank setup failed on purpose"),
     ("stalled_rank", ["--cp-timeout", "8"], "did not finish within 8 s"),
 ])
 def test_cp_rank_failure_is_an_error_not_a_hang(setup, args, expect, capsys):
@@ -220,7 +220,24 @@ def test_cp_rank_failure_is_an_error_not_a_hang(setup, args, expect, capsys):
     rows = _rows(out)
     assert set(rows) == {("causal_conv1d", "CP2 halo zigzag B=2 T=64", p) for p in ("fwd", "bwd")}, out
     assert all(result == "ERROR" and expect in note for result, note in rows.values()), out
+    assert ("ERROR details:" in out and "Traceback" in out) == ("--verbose" in args), out
     assert status == 1, out
+
+
+def test_unsupported_dtype_is_an_error_row(standin, monkeypatch, capsys):
+    """fla-npu's KDA kernels take bf16 only: fp32 rows are ERRORs naming the constraint (traceback with --verbose);
+    the conv, which runs PyTorch on the device, passes."""
+    from hp_megatron.selfcheck import cli
+
+    monkeypatch.setattr(cli.requirements, "installed", lambda backend: {"torch": "2.7.1", "torch_npu": "2.7.1.post5",
+                                                                        "triton-ascend": "3.2.1", "CANN": "8.5.0"})
+    status, out = _main(["--backend", "ascendc", "--device", "cpu", "--no-cp", "--dtype", "fp32", "--verbose",
+                         "--only", "chunk_kda B=2,causal_conv1d B=2"], capsys)
+    rows = _rows(out)
+    assert {op: result for (op, _, _), (result, _) in rows.items()} == {"chunk_kda": "ERROR", "causal_conv1d": "pass"}
+    assert all("TypeError" in note and "bfloat16" in note for (op, _, _), (_, note) in rows.items()
+               if op == "chunk_kda"), out
+    assert "ERROR details:" in out and "Traceback" in out and status == 1, out
 
 
 # ------------------------------------------------------------------------------------------- command line
