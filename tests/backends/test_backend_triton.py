@@ -18,12 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hp_megatron.selfcheck.gloo import STAGED, accept_stacked_all_gather_on_gloo, install_gloo_device_staging
 from layers.ops import chunk_gated_delta_rule
 from layers.ops.backends import get_backend
 from tests.support.dist import run_distributed
 from tests.support.reference import make_problem, rel_err
-from tests.support.triton_cases import (accept_stacked_all_gather_on_gloo, compare_conv_single_rank,
-                                        compare_single_rank, cp_case, cp_conv_case, to_leaves)
+from tests.support.triton_cases import compare_conv_single_rank, compare_single_rank, cp_case, cp_conv_case, to_leaves
 
 TOL = 2e-2
 # P of the CP tests (benchmarks/gpu_check.sh runs P=2 first, then P=4 when time is left) and an optional comma
@@ -212,79 +212,12 @@ def _cp_case_skip(key, method, world):
     return None
 
 
-class _Done:
-    """Work handle of a collective that already completed (the staged copies below are synchronous)."""
-
-    def wait(self, *args, **kwargs):
-        return True
-
-    def is_completed(self):
-        return True
-
-
-def _on_device(t) -> bool:
-    return t.device.type != "cpu"
-
-
-def _stage_through_host(fn):
-    """Wrap ``fn(output, input, ...)``: gloo moves only CPU tensors, so CUDA tensors go through host copies."""
-    def staged(output, input, *args, async_op=False, **kwargs):
-        if not (_on_device(output) or _on_device(input)):
-            return fn(output, input, *args, async_op=async_op, **kwargs)
-        host = output.detach().cpu()
-        fn(host, input.detach().cpu(), *args, async_op=False, **kwargs)
-        output.copy_(host)
-        return _Done() if async_op else None
-    return staged
-
-
-def _staged_batch_isend_irecv(original):
-    def staged(ops):
-        if not any(_on_device(op.tensor) for op in ops):
-            return original(ops)
-        host_ops, copies = [], []
-        for op in ops:
-            buf = op.tensor.detach().cpu()
-            if op.op is dist.irecv:
-                copies.append((op.tensor, buf))
-            host_ops.append(dist.P2POp(op.op, buf, op.peer, op.group, op.tag))
-        for work in original(host_ops):
-            work.wait()
-        for target, buf in copies:
-            target.copy_(buf)
-        return [_Done()]
-    return staged
-
-
-def install_gloo_cuda_staging():
-    """P gloo processes share one GPU (NCCL refuses two ranks on one device); gloo's collectives take CPU
-    tensors only, so the ones the CP engine uses stage CUDA tensors through host memory in these tests.
-    Modules of ``layers`` that bound one of these functions at import (a spawned rank re-imports this test
-    module, which imports ``layers``) are rebound to the staged version too."""
-    import sys
-    import types
-
-    staged = {}
-    for name in ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
-                 "all_to_all_single", "batch_isend_irecv"):
-        if hasattr(dist, name):
-            original = getattr(dist, name)
-            wrap = _staged_batch_isend_irecv if name == "batch_isend_irecv" else _stage_through_host
-            staged[original] = wrap(original)
-            setattr(dist, name, staged[original])
-    for module_name, module in list(sys.modules.items()):
-        if module_name == "layers" or module_name.startswith("layers."):
-            for attr, value in list(vars(module).items()):
-                if isinstance(value, types.FunctionType) and value in staged:
-                    setattr(module, attr, staged[value])
-
-
 def cp_worker(rank, world, backend="triton", device="cuda", dtype=torch.bfloat16):
     """All CP cases in one spawn; per case a dict of errors, {"skipped": why} or {"error": traceback}."""
     if device == "cuda":
         torch.cuda.set_device(0)  # P processes share the one GPU
         accept_stacked_all_gather_on_gloo()  # FLA's KCP all-gather (allgather cases), staged below
-        install_gloo_cuda_staging()
+        install_gloo_device_staging()
     gdn_blocker = None
     if backend == "triton":
         from layers.ops.triton.runtime import gdn_backward_blocker
@@ -358,8 +291,7 @@ def test_gloo_cuda_staging_rebinds_functions_bound_at_import(monkeypatch):
     import sys
 
     import layers.cp.collectives  # noqa: F401 - binds its aliases now
-    names = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
-             "all_to_all_single", "batch_isend_irecv")
+    names = STAGED
     present = [name for name in names if hasattr(dist, name)]
     originals = [getattr(dist, name) for name in present]
     for name in names:
@@ -375,6 +307,6 @@ def test_gloo_cuda_staging_rebinds_functions_bound_at_import(monkeypatch):
     assert before, "layers no longer binds a collective at import; this test is moot"
     for (module_name, attr) in before:
         monkeypatch.setattr(sys.modules[module_name], attr, getattr(sys.modules[module_name], attr))
-    install_gloo_cuda_staging()
+    install_gloo_device_staging()
     assert not bound_originals()
     assert all(getattr(dist, name) is not original for name, original in zip(present, originals))

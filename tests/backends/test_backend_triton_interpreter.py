@@ -15,11 +15,11 @@ import traceback
 import pytest
 import torch
 
+from hp_megatron.selfcheck.gloo import accept_stacked_all_gather_on_gloo
 from tests.support import triton_interpreter
 from tests.support.delta_layer_cases import HALF_HEADS
 from tests.support.dist import case_result, case_started, run_distributed_cases
-from tests.support.triton_cases import (accept_stacked_all_gather_on_gloo, compare_conv_single_rank,
-                                        compare_single_rank, cp_case, cp_conv_case)
+from tests.support.triton_cases import compare_conv_single_rank, compare_single_rank, cp_case, cp_conv_case
 
 WORLD = 4
 TOL = 1e-4  # fp32 kernels vs fp32 eager (observed ~1e-6)

@@ -123,7 +123,7 @@ def _triton_worker(rank, world):
     from megatron.core import parallel_state
 
     from hp_megatron.platform import apply_cpu_shims
-    from tests.support.triton_cases import accept_stacked_all_gather_on_gloo
+    from hp_megatron.selfcheck.gloo import accept_stacked_all_gather_on_gloo
 
     accept_stacked_all_gather_on_gloo()
     parallel_state.initialize_model_parallel(1, 1)

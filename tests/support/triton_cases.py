@@ -15,22 +15,6 @@ from tests.support.reference import make_problem, rel_err
 OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}
 
 
-def accept_stacked_all_gather_on_gloo():
-    """FLA's KCP all-gathers into an output stacked ``[P, *input.shape]``, which NCCL accepts and gloo refuses (it
-    wants ``[P * input.shape[0], ...]``); on gloo ranks the output is passed as that flat view (same memory)."""
-    original = dist.all_gather_into_tensor
-    if getattr(original, "accepts_stacked", False):
-        return
-
-    def all_gather_into_tensor(output, input, *args, **kwargs):
-        if output.dim() == input.dim() + 1 and input.dim() > 0 and output.is_contiguous():
-            output = output.view(-1, *input.shape[1:])
-        return original(output, input, *args, **kwargs)
-
-    all_gather_into_tensor.accepts_stacked = True
-    dist.all_gather_into_tensor = all_gather_into_tensor
-
-
 def to_leaves(tensors, device, dtype):
     """Leaf copies on ``device``: q/k/v/g/beta in ``dtype``, states and gate parameters in fp32."""
     out = {}

@@ -27,12 +27,8 @@ from typing import Callable
 import torch
 
 from layers.compat import tensor_version
-
-PACKAGES = "flash-linear-attention>=0.6.0,<0.7 (fla-core) and triton>=3.7.1"
-INSTALL_HINT = "pip install 'hp-megatron[triton]'  (flash-linear-attention>=0.6.0,<0.7, fla-core>=0.6.0,<0.7, triton>=3.7.1)"
-MIN_FLA = (0, 6, 0)
-MIN_TRITON = (3, 3, 0)  # FLA 0.6's own floor; 3.7.1 is required for GDN backward on Hopper (see module doc)
-SAFE_TRITON_HOPPER_GDN_BWD = (3, 7, 1)
+# MIN_TRITON is FLA 0.6's own floor, 3.7.1 is required for GDN backward on Hopper (see module doc)
+from layers.ops.triton.versions import INSTALL_HINT, MIN_FLA, MIN_TRITON, PACKAGES, SAFE_TRITON_HOPPER_GDN_BWD
 
 # Keywords this backend passes; a renamed/removed one in a future FLA must fail loudly, not silently.
 _REQUIRED_KEYWORDS = {
