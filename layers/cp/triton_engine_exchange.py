@@ -124,9 +124,9 @@ def load_internals() -> types.SimpleNamespace:
     return types.SimpleNamespace(**found)
 
 
-def _prologue(kind, q, k, g, beta, A_log, dt_bias, meta):
+def _prologue(q, k, g, beta, meta, gate_cumsum):
     """In-kernel q/k L2 norm, beta sigmoid, and the gate's chunk-local cumsum (log2; with the gate activation when
-    it runs in kernel) -> (q, q_rstd, k, k_rstd, beta, g_cum)."""
+    it runs in kernel: ``gate_cumsum()``, the kind's FLA kernel) -> (q, q_rstd, k, k_rstd, beta, g_cum)."""
     fi, cu, idx = meta["fi"], meta["cu"], meta["chunk_indices"]
     q_rstd = k_rstd = None
     if meta["l2norm"]:
@@ -136,11 +136,8 @@ def _prologue(kind, q, k, g, beta, A_log, dt_bias, meta):
         beta = fi.fused_beta_sigmoid(beta, scale=1.0)
     if not meta["gate"]:
         g_cum = fi.chunk_local_cumsum(g, chunk_size=CHUNK, scale=fi.RCP_LN2, cu_seqlens=cu, chunk_indices=idx)
-    else:   # the kind's gate fused with the cumsum: FLA's gdn_gate_chunk_cumsum / kda_gate_chunk_cumsum
-        extra = {"lower_bound": meta["lower_bound"]} if kind.lower_bound_gate else {}
-        cumsum = getattr(fi, kind.kernel("triton", "gate_cumsum").rpartition(":")[2])
-        g_cum = cumsum(g=g, A_log=A_log, dt_bias=dt_bias, scale=fi.RCP_LN2, chunk_size=CHUNK, cu_seqlens=cu,
-                       chunk_indices=idx, **extra)
+    else:
+        g_cum = gate_cumsum()
     return q, q_rstd, k, k_rstd, beta, g_cum
 
 
@@ -233,7 +230,8 @@ class _GDNNativeCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, meta):
         fi, cu, idx = meta["fi"], meta["cu"], meta["chunk_indices"]
-        prologue = _prologue(GDN, q, k, g, beta, A_log, dt_bias, meta)
+        prologue = _prologue(q, k, g, beta, meta, lambda: fi.gdn_gate_chunk_cumsum(
+            g=g, A_log=A_log, chunk_size=CHUNK, scale=fi.RCP_LN2, dt_bias=dt_bias, cu_seqlens=cu, chunk_indices=idx))
         qn, _, kn, _, b, g_cum = prologue
         w, u, A = fi.chunk_gated_delta_rule_fwd_intra(k=kn, v=v, g=g_cum, beta=b, cu_seqlens=cu, chunk_indices=idx,
                                                       chunk_size=CHUNK)
@@ -273,7 +271,9 @@ class _KDANativeCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, meta):
         fi, cu, idx = meta["fi"], meta["cu"], meta["chunk_indices"]
-        prologue = _prologue(KDA, q, k, g, beta, A_log, dt_bias, meta)
+        prologue = _prologue(q, k, g, beta, meta, lambda: fi.kda_gate_chunk_cumsum(
+            g=g, A_log=A_log, dt_bias=dt_bias, scale=fi.RCP_LN2, chunk_size=CHUNK, cu_seqlens=cu, chunk_indices=idx,
+            lower_bound=meta["lower_bound"]))
         qn, _, kn, _, b, g_cum = prologue
         w, u, _, kg, Aqk, Akk = fi.chunk_kda_fwd_intra(q=qn, k=kn, v=v, gk=g_cum, beta=b, scale=meta["scale"],
                                                        cu_seqlens=cu, chunk_size=CHUNK, chunk_indices=idx,

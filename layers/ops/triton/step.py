@@ -23,9 +23,10 @@ def _fla_function(path: str):
 def delta_rule_step(kind, q, k, v, g, beta, state, *, scale, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                     use_gate_in_kernel, A_log, dt_bias, lower_bound=None):
     """One token through FLA's fused recurrent kernel; ``state`` [N,HV,K,V] fp32 updated in place."""
-    check_inputs(q, k, v, g, beta)
     kind = delta_kind(kind)
-    step = _fla_function(kind.kernel("triton", "step"))
+    path = kind.kernel("triton", "step")
+    check_inputs(q, k, v, g, beta)
+    step = _fla_function(path)
     common = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=state, output_final_state=True,
                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                   use_gate_in_kernel=use_gate_in_kernel)
