@@ -15,8 +15,8 @@ A kind declares:
   (``layers/ops/gates.py``); ``lower_bound_gate``: the gate also has the ``lower_bound * sigmoid`` form (keywords
   ``lower_bound`` / ``safe_gate``; A_log may then be None); without it A_log is required;
 - ``kernels``: the vendor kernels per backend (triton: FLA ``module:function`` paths; ascendc: fla-npu operator
-  names and the API group of ``layers/ops/ascendc/runtime.API`` that holds them); tests/ops/test_kinds.py checks
-  they exist.
+  names and the API group of ``layers/ops/ascendc/runtime.API`` that holds them); tests/ops/test_kinds.py and
+  tests/backends/test_fla_pins.py check they exist.
 
 Code that differs per kind reads these attributes; a backend's per-kind glue (different vendor kernel sequences)
 sits in a table keyed by descriptor and is found with :meth:`DeltaKind.pick`, which refuses a kind the backend
