@@ -32,7 +32,8 @@ def augmented_final_states(kind, impl, k, v, g, beta, cu_seqlens, flags):
     Inputs are validated ``[B,T,...]`` tensors; ``flags`` are the op's gate/beta/l2norm keywords.
     """
     v_aug, S0 = _augmented_inputs(k, v, cu_seqlens)
-    return impl.delta_rule_final_state(delta_kind(kind), k, v_aug, g, beta, initial_state=S0, cu_seqlens=cu_seqlens, **flags)
+    return impl.delta_rule_final_state(delta_kind(kind), k, v_aug, g, beta, initial_state=S0, cu_seqlens=cu_seqlens,
+                                       **flags)
 
 
 def augmented_pass(kind, impl, q, k, v, g, beta, cu_seqlens, scale, flags):
@@ -44,7 +45,8 @@ def augmented_pass(kind, impl, q, k, v, g, beta, cu_seqlens, scale, flags):
     and applies the incoming states afterwards.
     """
     v_aug, S0 = _augmented_inputs(k, v, cu_seqlens)
-    return delta_kind(kind).backend_op(impl)(q, k, v_aug, g, beta, scale=scale, initial_state=S0, output_final_state=True, cu_seqlens=cu_seqlens,
+    op = delta_kind(kind).backend_op(impl)
+    return op(q, k, v_aug, g, beta, scale=scale, initial_state=S0, output_final_state=True, cu_seqlens=cu_seqlens,
               **flags)
 
 

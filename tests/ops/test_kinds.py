@@ -30,7 +30,8 @@ def _step_inputs(per_channel: bool, seed=0):
     beta = torch.randn(N, 1, HV, generator=gen)
     state = torch.randn(N, HV, K, V, generator=gen)
     flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
-                 A_log=torch.randn(HV, generator=gen), dt_bias=torch.randn(HV * (K if per_channel else 1), generator=gen))
+                 A_log=torch.randn(HV, generator=gen),
+                 dt_bias=torch.randn(HV * (K if per_channel else 1), generator=gen))
     return (q, k, v, g, beta), state, flags
 
 

@@ -111,7 +111,8 @@ def chunked_delta_rule(kind, q, k, v, g, beta, *, scale, initial_state, output_f
     B, T, H, _ = q.shape
     HV = v.shape[2]
     out_dtype = q.dtype
-    q, k, v, g, beta = prepare_inputs(delta_kind(kind), q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    q, k, v, g, beta = prepare_inputs(delta_kind(kind), q, k, v, g, beta,
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                       use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                                       use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                                       lower_bound=lower_bound)

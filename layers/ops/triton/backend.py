@@ -84,7 +84,8 @@ def delta_rule_final_state(kind, k, v, g, beta, *, initial_state, cu_seqlens, sa
     already agree)."""
     kind = delta_kind(kind)
     extra = {"safe_gate": safe_gate} if kind.lower_bound_gate else {}
-    _, final = kind.backend_op(sys.modules[__name__])(k, k, v.to(k.dtype), g, beta, scale=1.0, initial_state=initial_state, output_final_state=True,
+    op = kind.backend_op(sys.modules[__name__])   # this module's chunk_gated_delta_rule / chunk_kda
+    _, final = op(k, k, v.to(k.dtype), g, beta, scale=1.0, initial_state=initial_state, output_final_state=True,
                   cu_seqlens=cu_seqlens, **extra, **kw)
     return final
 
