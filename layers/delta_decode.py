@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 
 from layers.inference import inference_window, layer_cache
-from layers.ops import causal_conv1d, chunk_gated_delta_rule, chunk_kda
+from layers.ops import causal_conv1d
+from layers.ops.delta_rule import chunk_op
 from layers.ops.step import causal_conv1d_step, check_decode_backend, delta_rule_step
 
-CHUNK_OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}
 IN_KERNEL = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True)
 
 
@@ -75,7 +75,7 @@ def delta_inference_forward(mixer, hidden_states, context, attention_mask):
     if decode:
         core = delta_rule_step(mixer.kind, q, k, v, g, beta, state, **flags)
     else:
-        core, final = CHUNK_OPS[mixer.kind](q, k, v, g, beta, initial_state=state if offset > 0 else None,
-                                            output_final_state=True, **flags)
+        core, final = chunk_op(mixer.kind)(q, k, v, g, beta, initial_state=state if offset > 0 else None,
+                                           output_final_state=True, **flags)
         state.copy_(final)
     return mixer.out_proj(mixer._normed_sbh(core, gate))

@@ -46,6 +46,7 @@ from layers.masks import check_causal_mask
 from layers.norm import GATE_ACTIVATIONS, GatedRMSNorm
 from layers.ops import causal_conv1d
 from layers.ops.backends import get_backend
+from layers.ops.kinds import delta_kind
 from layers.recompute import PartRecompute, recomputes
 
 def _all_reduce_grad_hook(group):
@@ -101,12 +102,12 @@ class DeltaMixerSubmodules:
 class DeltaMixer(MegatronModule):
     """Base class of :class:`layers.GatedDeltaNet` and :class:`layers.KimiDeltaAttention`.
 
-    Subclasses set ``kind`` (``"gdn" | "kda"``, part of the shape ``layers.delta_cp`` describes), ``gate_activation``
-    and ``OPTIONS``, and implement :meth:`_in_proj_parts`, :meth:`_extra_layouts`, :meth:`_build_extra` and
-    :meth:`_delta_rule`.
+    Subclasses set ``kind`` (the name of a ``layers.ops.kinds`` descriptor; part of the shape ``layers.delta_cp``
+    describes, and what the decode path runs), ``gate_activation`` and ``OPTIONS``, and implement
+    :meth:`_in_proj_parts`, :meth:`_extra_layouts`, :meth:`_build_extra` and :meth:`_delta_rule`.
     """
 
-    kind = "gdn"
+    kind = None
     gate_activation = "silu"
     OPTIONS = COMMON_OPTIONS
 
@@ -114,6 +115,7 @@ class DeltaMixer(MegatronModule):
                  pg_collection=None, model_comm_pgs=None, cp_comm_type=None, attn_mask_type=None, **kwargs):
         super().__init__(config=config)
         name = type(self).__name__
+        delta_kind(self.kind)   # a subclass names a registered kind (ValueError naming the known ones otherwise)
         submodules = submodules if submodules is not None else DeltaMixerSubmodules()
         overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in self.OPTIONS}
         check_keywords(name, kwargs, list(self.OPTIONS) + declared_keywords(DeltaMixer))

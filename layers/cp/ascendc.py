@@ -34,6 +34,7 @@ from layers.ops.ascendc.gdn import check_gdn, composite_backward, composite_forw
 from layers.ops.ascendc.kda import (batch4, check_kda, head_major, kda_local_backward, kda_meta, kda_prepare,
                                     require_backward_api, resolve_gate, state_pass, token_major_scalars, untoken)
 from layers.ops.gates import gdn_gate
+from layers.ops.kinds import GDN, KDA, delta_kind
 
 SUPPORTED_METHODS = ("p2p", "allgather", "grouped_allgather_p2p")
 MERGE_MAX_HEADS = 256  # merge_fwd_bwd_kernel's HV limit; chains x heads are folded in groups of this size
@@ -182,15 +183,61 @@ class _KDAStateCP(torch.autograd.Function):
                 dbeta.to(bd), da_log, None if ddt is None else ddt.reshape(-1), None)
 
 
+# ------------------------------------------------------------------------------------------ per kind
+def _gdn_cp(ctx, plan, inputs, flat, cu, device_name, scale, flags):
+    """GDN's run: gate applied here in fp32, then ``_GDNStateCP`` on the flattened pieces -> o ``[1, n_tok, HV, V]``."""
+    q, k, v, g, beta = inputs
+    q1, k1, v1, g1, b1 = flat
+    gate, A_log, dt_bias = flags.get("use_gate_in_kernel", False), flags.get("A_log"), flags.get("dt_bias")
+    ops = runtime.require_api("gdn"), runtime.require_api("cp"), runtime.require_api("cp_gdn")
+    runtime.check_dtype("gdn", q=q, k=k, v=v)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias))
+    runtime.check_soc_features(device_name, gdn_cp=True, gdn_backward=needs_grad)
+    check_gdn(q, v, device_name, needs_grad)
+    if gate:
+        g1 = gdn_gate(g1.float(), A_log, dt_bias)
+    meta = {"ops": ops[0], "plan": plan, "ctx": ctx, "cu": cu, "chunk_indices": runtime.chunk_indices(cu),
+            "scale": float(scale), "layout": "TND", "l2norm": flags.get("use_qk_l2norm_in_kernel", False),
+            "beta_sigmoid": flags.get("use_beta_sigmoid_in_kernel", False)}
+    return _GDNStateCP.apply(q1, k1, v1, g1.float().contiguous(), b1.contiguous(), meta)
+
+
+def _kda_cp(ctx, plan, inputs, flat, cu, device_name, scale, flags):
+    """KDA's run: the kernels' gate where it is ours (``resolve_gate``), then ``_KDAStateCP`` -> o."""
+    q, k, v, g, beta = inputs
+    q1, k1, v1, g1, b1 = flat
+    gate, A_log, dt_bias = flags.get("use_gate_in_kernel", False), flags.get("A_log"), flags.get("dt_bias")
+    ops = runtime.require_api("kda"), runtime.require_api("cp")
+    runtime.check_dtype("kda", q=q, k=k, v=v)
+    check_kda(q, v)
+    require_backward_api(device_name, q, k, v, g, beta, A_log, dt_bias)
+    g1, A, dtb, gate = resolve_gate(g1, A_log, dt_bias, gate, flags.get("lower_bound"),
+                                    flags.get("safe_gate", False))
+    kmeta = kda_meta(q, scale=scale, output_final_state=False,
+                     use_qk_l2norm_in_kernel=flags.get("use_qk_l2norm_in_kernel", False),
+                     use_beta_sigmoid_in_kernel=flags.get("use_beta_sigmoid_in_kernel", False),
+                     use_gate_in_kernel=gate, lower_bound=flags.get("lower_bound"),
+                     safe_gate=flags.get("safe_gate", False), cu_seqlens=torch.tensor(cu))
+    meta = {"ops": ops[0], "plan": plan, "ctx": ctx, "kda": kmeta}
+    return _KDAStateCP.apply(q1, k1, v1, g1, b1, A, dtb, meta)
+
+
+# per kind: its run on fla-npu's kernels (prepare, summaries, local pass differ by kind; the exchange is shared)
+KIND_RUNS = {GDN: _gdn_cp, KDA: _kda_cp}
+
+
 # ---------------------------------------------------------------------------------------------- hook
 def state_passing_cp(kind, ctx, plan, q, k, v, g, beta, *, scale, flags):
-    """CP engine hook: GDN/KDA on this rank's ``[B, T_local, ...]`` shards in ``plan``'s local order.
+    """CP engine hook: the delta rule ``kind`` (name or ``layers.ops.kinds`` descriptor; ``KIND_RUNS``) on this rank's
+    ``[B, T_local, ...]`` shards in ``plan``'s local order.
 
     ``ctx``: the ``CPContext`` (uses ``state_method``, ``chain_comm``, ``stats``); ``plan``: its state-group
     ``ChainPlan`` for this shape; ``flags``: the op keywords (use_qk_l2norm_in_kernel,
     use_beta_sigmoid_in_kernel, use_gate_in_kernel, A_log, dt_bias and, for KDA, lower_bound, safe_gate).
     Returns o ``[B, T_local, HV, V]``, differentiable w.r.t. q, k, v, g, beta, A_log, dt_bias.
     """
+    cp_run = delta_kind(kind).pick(KIND_RUNS, "backend='ascendc' CP")
     method = ctx.state_method
     if method == "recursive_doubling":
         raise NotImplementedError("backend='ascendc' CP: recursive_doubling has no native fla-npu support yet; "
@@ -208,33 +255,6 @@ def state_passing_cp(kind, ctx, plan, q, k, v, g, beta, *, scale, flags):
                          "fla-npu's composite forward and CP summary kernels; use cp_method='ulysses' or "
                          "backend='eager'")
     flat = lambda x: x.reshape(1, B * T_loc, *x.shape[2:])  # noqa: E731  pieces index the flattened tokens
-    q1, k1, v1, g1, b1 = map(flat, (q, k, v, g, beta))
-    gate, A_log, dt_bias = flags.get("use_gate_in_kernel", False), flags.get("A_log"), flags.get("dt_bias")
-    if kind == "gdn":
-        ops = runtime.require_api("gdn"), runtime.require_api("cp"), runtime.require_api("cp_gdn")
-        runtime.check_dtype("gdn", q=q, k=k, v=v)
-        needs_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias))
-        runtime.check_soc_features(device_name, gdn_cp=True, gdn_backward=needs_grad)
-        check_gdn(q, v, device_name, needs_grad)
-        if gate:
-            g1 = gdn_gate(g1.float(), A_log, dt_bias)
-        meta = {"ops": ops[0], "plan": plan, "ctx": ctx, "cu": cu, "chunk_indices": runtime.chunk_indices(cu),
-                "scale": float(scale), "layout": "TND", "l2norm": flags.get("use_qk_l2norm_in_kernel", False),
-                "beta_sigmoid": flags.get("use_beta_sigmoid_in_kernel", False)}
-        o = _GDNStateCP.apply(q1, k1, v1, g1.float().contiguous(), b1.contiguous(), meta)
-    else:
-        ops = runtime.require_api("kda"), runtime.require_api("cp")
-        runtime.check_dtype("kda", q=q, k=k, v=v)
-        check_kda(q, v)
-        require_backward_api(device_name, q, k, v, g, beta, A_log, dt_bias)
-        g1, A, dtb, gate = resolve_gate(g1, A_log, dt_bias, gate, flags.get("lower_bound"),
-                                        flags.get("safe_gate", False))
-        kmeta = kda_meta(q, scale=scale, output_final_state=False,
-                         use_qk_l2norm_in_kernel=flags.get("use_qk_l2norm_in_kernel", False),
-                         use_beta_sigmoid_in_kernel=flags.get("use_beta_sigmoid_in_kernel", False),
-                         use_gate_in_kernel=gate, lower_bound=flags.get("lower_bound"),
-                         safe_gate=flags.get("safe_gate", False), cu_seqlens=torch.tensor(cu))
-        meta = {"ops": ops[0], "plan": plan, "ctx": ctx, "kda": kmeta}
-        o = _KDAStateCP.apply(q1, k1, v1, g1, b1, A, dtb, meta)
+    inputs = (q, k, v, g, beta)
+    o = cp_run(ctx, plan, inputs, tuple(map(flat, inputs)), cu, device_name, scale, flags)
     return o.view(B, T_loc, HV, V)

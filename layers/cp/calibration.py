@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from layers.cp.collectives import all_gather_raw, all_to_all_raw, broadcast_from_rank0, exchange, group_rank, group_size
 from layers.cp.cost_model import COLLECTIVES, Calibration, LinearFit
+from layers.ops.kinds import delta_kind
 
 MESSAGE_BYTES = (16 << 10, 256 << 10, 2 << 20)       # per-rank payload of each timed collective
 REPEATS = 9                                            # timed repeats of a collective
@@ -221,11 +222,11 @@ def _delta_inputs(kind, tokens, heads, K, V, dtype, device, gen):
     """Raw q, k, v, gate, beta and the in-kernel flags the GDN/KDA mixers use (l2norm, sigmoid beta, gate)."""
     q, k = (torch.randn(1, tokens, heads, K, generator=gen).to(device, dtype) for _ in range(2))
     v = torch.randn(1, tokens, heads, V, generator=gen).to(device, dtype)
-    g = torch.randn((1, tokens, heads) + ((K,) if kind == "kda" else ()), generator=gen).to(device, dtype)
+    g = torch.randn((1, tokens) + kind.gate_shape(heads, K), generator=gen).to(device, dtype)
     beta = torch.randn(1, tokens, heads, generator=gen).to(device, dtype)
     flags = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
                  A_log=torch.zeros(heads, device=device, dtype=dtype),
-                 dt_bias=torch.zeros(heads * (K if kind == "kda" else 1), device=device, dtype=dtype))
+                 dt_bias=torch.zeros(kind.dt_bias_shape(heads, K), device=device, dtype=dtype))
     return [t.requires_grad_(True) for t in (q, k, v, g, beta)], flags
 
 
@@ -256,16 +257,17 @@ def calibrate_kernel(calibration: Calibration, group, *, kind: str, backend: str
     """
     from layers.cp.cost_model import delta_flops, kernel_key
     from layers.cp.state_parallel import NATIVE_CP
-    from layers.ops import chunk_gated_delta_rule, chunk_kda
     from layers.ops.backends import get_backend
+    from layers.ops.delta_rule import chunk_op
     from layers.ops.summary import augmented_pass, segment_summary
 
     group = dist.GroupMember.WORLD if group is None else group
     device = group_device(group)
-    key = kernel_key(kind, backend, k_dim, v_dim, str(dtype).replace("torch.", ""))
+    kind = delta_kind(kind)
+    key = kernel_key(kind.name, backend, k_dim, v_dim, str(dtype).replace("torch.", ""))
     if key in calibration.kernels:
         return calibration.kernels[key]
-    fn = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
+    fn = chunk_op(kind)
     gen = torch.Generator().manual_seed(0)
     native = backend in NATIVE_CP
 

@@ -103,8 +103,9 @@ class CPContext:
             seq_len=self.global_len(local_len), cu_seqlens=self.cu_seqlens))
 
     # -- what the public ops run under this context (``layers.ops`` calls these; it never imports ``layers.cp``)
-    def delta_rule(self, kind: str, backend: str, q, k, v, g, beta, **kw):
-        """GDN (``kind="gdn"``) or KDA on this rank's shard -> ``(o, None)`` (see ``state_parallel``)."""
+    def delta_rule(self, kind, backend: str, q, k, v, g, beta, **kw):
+        """The delta rule ``kind`` (a ``layers.ops.kinds`` descriptor or name) on this rank's shard -> ``(o, None)``
+        (see ``state_parallel``)."""
         return delta_rule_with_cp(kind, backend, self, q, k, v, g, beta, **kw)
 
     def causal_conv1d(self, impl, x, weight, *, bias, activation):

@@ -21,6 +21,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from layers.cp.accounting import state_scan_comm
+from layers.ops.kinds import delta_kind
 
 COLLECTIVES = ("all_gather", "send_recv", "all_to_all", "relay")
 STATE_SCAN_METHODS = ("p2p", "allgather", "grouped_allgather_p2p", "recursive_doubling")
@@ -87,6 +88,7 @@ def kernel_key(kind: str, backend: str, k_dim: int, v_dim: int, dtype: str) -> s
 class DeltaLayerShape:
     """What the model needs of a GDN/KDA layer under CP: global tokens and boundaries, TP-local heads.
 
+    kind: a delta-rule kind's name (``layers.ops.kinds``; part of the kernel key).
     seq_len: global T per row (BSHD) or total packed tokens (THD, ``cu_seqlens`` then given, batch 1).
     heads / value_heads: H / HV on this TP rank; hidden: model width (projections); act_bytes: bytes per
     activation element (what Ulysses moves); native_summaries: the backend writes summaries from its own
@@ -109,8 +111,7 @@ class DeltaLayerShape:
     native_summaries: bool = False
 
     def __post_init__(self):
-        if self.kind not in ("gdn", "kda"):
-            raise ValueError(f"kind must be 'gdn' or 'kda', got {self.kind!r}")
+        delta_kind(self.kind)   # ValueError naming the known kinds
         if self.value_heads % self.heads:
             raise ValueError(f"value_heads={self.value_heads} must be a multiple of heads={self.heads}")
 
@@ -257,7 +258,8 @@ def _num_chains(shape: DeltaLayerShape, layout: str) -> int:
 def projection_flops(shape: DeltaLayerShape, tokens: float) -> float:
     """Forward FLOPs of the layer's dense projections on ``tokens`` local tokens (the same for every method)."""
     H, HV, K, V = shape.heads, shape.value_heads, shape.k_dim, shape.v_dim
-    width = 2 * H * K + 2 * HV * V + 2 * HV + (HV * K if shape.kind == "kda" else 0)
+    per_channel_gate = HV * K if delta_kind(shape.kind).gate_per_channel else 0   # KDA's gate up-projection
+    width = 2 * H * K + 2 * HV * V + 2 * HV + per_channel_gate
     return 2 * tokens * shape.hidden * (width + HV * V)
 
 
@@ -316,7 +318,7 @@ def predict_delta(shape: DeltaLayerShape, world_size: int, cand: Candidate, cali
                                            k_dim=shape.k_dim, v_dim=shape.v_dim, calibration=calibration,
                                            group_size=cand.group_size)
     if U > 1:
-        gate = HVu * U * (shape.k_dim if shape.kind == "kda" else 1)
+        gate = delta_kind(shape.kind).gate_width(HVu * U, shape.k_dim)
         width_in = 2 * Hu * U * shape.k_dim + HVu * U * shape.v_dim + gate + HVu * U
         width_out = HVu * U * shape.v_dim
         a2a = calibration.fit("all_to_all")

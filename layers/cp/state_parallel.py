@@ -20,6 +20,7 @@ import torch
 from layers.cp.chain import chain_scan
 from layers.cp.ulysses import heads_to_seq, seq_to_heads_packed
 from layers.ops.backends import get_backend
+from layers.ops.kinds import delta_kind
 from layers.ops.summary import augmented_pass
 
 # backends whose kernels write CP summaries natively run their own decomposition (module, function ``state_passing_cp``)
@@ -70,7 +71,9 @@ def apply_entry_states(o_aug: torch.Tensor, S_in: torch.Tensor, plan) -> torch.T
 
 
 def delta_rule_with_cp(kind, backend, ctx, q, k, v, g, beta, *, scale, **flags):
-    """GDN/KDA (``backend`` by name) on this rank's shard of a context-parallel sequence -> (o [B,T_local,HV,V], None)."""
+    """The delta rule ``kind`` (name or ``layers.ops.kinds`` descriptor; ``backend`` by name) on this rank's shard of a
+    context-parallel sequence -> (o [B,T_local,HV,V], None)."""
+    kind = delta_kind(kind)
     B, T_loc = q.shape[:2]
     U = ctx.ulysses_degree
     if U > 1:
@@ -81,13 +84,12 @@ def delta_rule_with_cp(kind, backend, ctx, q, k, v, g, beta, *, scale, **flags):
             flags["A_log"] = flags["A_log"][heads]
         if flags.get("dt_bias") is not None:
             db = flags["dt_bias"]
-            flags["dt_bias"] = db[heads] if kind == "gdn" else db.view(HV, -1)[heads].reshape(-1)
+            flags["dt_bias"] = db.view(HV, -1)[heads].reshape(-1)   # [HV] or [HV*K], value heads outermost
         q, k, v, g, beta = seq_to_heads_packed((q, k, v, g, beta), ctx)      # one all-to-all
     if ctx.state_world_size > 1:
         o = _state_passing(kind, backend, ctx, ctx.state_plan_for(B, T_loc), q, k, v, g, beta, scale, flags)
     else:   # pure Ulysses: every rank now holds whole sequences (natural order) for its heads
         impl = get_backend(backend)
-        fn = impl.chunk_gated_delta_rule if kind == "gdn" else impl.chunk_kda
-        o, _ = fn(q, k, v, g, beta, scale=scale, initial_state=None, output_final_state=False,
+        o, _ = kind.backend_op(impl)(q, k, v, g, beta, scale=scale, initial_state=None, output_final_state=False,
                   cu_seqlens=ctx.cu_seqlens, **flags)
     return (heads_to_seq(o, ctx, head_dim=2) if U > 1 else o), None

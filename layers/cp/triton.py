@@ -23,10 +23,13 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from layers.cp.triton_engine_exchange import native_state_passing
+from layers.cp.triton_engine_exchange import NATIVE, native_state_passing
+from layers.ops.kinds import GDN, delta_kind
 from layers.ops.triton.backend import check_gdn_backward
 from layers.ops.triton.runtime import check_inputs, load_fla
 
+# kinds whose FLA backward cannot run on some devices: the check to run before the forward (GDN: FLA issue #640)
+BACKWARD_BLOCKERS = {GDN: check_gdn_backward}
 _FLA_CONTEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ChainPlan -> {(device, group): ctx}
 
 
@@ -89,13 +92,17 @@ class _RecordBackwardGather(torch.autograd.Function):
 
 
 def state_passing_cp(kind, ctx, plan, q, k, v, g, beta, *, scale, flags):
-    """CP engine hook: GDN/KDA on this rank's ``[B, T_local, ...]`` shard in ``plan``'s local order -> o.
+    """CP engine hook: the delta rule ``kind`` (name or descriptor) on this rank's ``[B, T_local, ...]`` shard in
+    ``plan``'s local order -> o.
 
     FLA's own KCP path where it is our decomposition (module doc), else FLA's kernels with our exchange."""
+    kind = delta_kind(kind)
+    kind.pick(NATIVE, "backend='triton' CP")   # refuse a kind this backend's CP has no kernels for, on either path
     fla = load_fla()
     check_inputs(q, k, v, g, beta)
-    if kind == "gdn":
-        check_gdn_backward(q, k, v, g, beta, flags.get("A_log"), flags.get("dt_bias"))
+    blocker = BACKWARD_BLOCKERS.get(kind)
+    if blocker is not None:
+        blocker(q, k, v, g, beta, flags.get("A_log"), flags.get("dt_bias"))
     if not uses_fla_cp(ctx, plan):
         return native_state_passing(kind, ctx, plan, q, k, v, g, beta, scale=scale, flags=flags)
     K, (HV, V) = q.shape[-1], v.shape[2:]
@@ -104,15 +111,12 @@ def state_passing_cp(kind, ctx, plan, q, k, v, g, beta, *, scale, flags):
     common = dict(scale=scale, initial_state=None, output_final_state=False, cp_context=fla_ctx,
                   use_qk_l2norm_in_kernel=flags.get("use_qk_l2norm_in_kernel", False),
                   use_beta_sigmoid_in_kernel=flags.get("use_beta_sigmoid_in_kernel", False))
-    gate_args = {"A_log": flags.get("A_log"), "dt_bias": flags.get("dt_bias")} if gate else {}
-    if kind == "gdn":
-        if gate:
-            gate_args["use_gate_in_kernel"] = True
-        o, _ = fla.chunk_gated_delta_rule(q=q, k=k, v=v, g=g, beta=beta, **common, **gate_args)
-    else:
-        o, _ = fla.chunk_kda(q=q, k=k, v=v, g=g, beta=beta, **common, use_gate_in_kernel=gate,
-                             safe_gate=flags.get("safe_gate", False), lower_bound=flags.get("lower_bound"),
-                             **gate_args)
+    gate_args = {"A_log": flags.get("A_log"), "dt_bias": flags.get("dt_bias"), "use_gate_in_kernel": True} if gate \
+        else {}
+    if kind.lower_bound_gate:
+        gate_args.update(use_gate_in_kernel=gate, safe_gate=flags.get("safe_gate", False),
+                         lower_bound=flags.get("lower_bound"))
+    o, _ = getattr(fla, kind.op)(q=q, k=k, v=v, g=g, beta=beta, **common, **gate_args)   # FLA's op of that name
     P = ctx.state_world_size
     sent = _summary_bytes(plan, HV, K, V)
     ctx.stats.add("fla_cp_all_gather", sent, (P - 1) * sent, phase="forward")

@@ -22,6 +22,7 @@ from functools import lru_cache
 import torch
 
 from layers.cp.native import entry_windows, initial_states, terminal_gradients
+from layers.ops.kinds import GDN, KDA, delta_kind
 from layers.ops.triton.runtime import PACKAGES, device_cu_seqlens, load_fla
 
 CHUNK = 64
@@ -123,9 +124,9 @@ def load_internals() -> types.SimpleNamespace:
     return types.SimpleNamespace(**found)
 
 
-def _prologue(kind, q, k, g, beta, A_log, dt_bias, meta):
+def _prologue(q, k, g, beta, meta, gate_cumsum):
     """In-kernel q/k L2 norm, beta sigmoid, and the gate's chunk-local cumsum (log2; with the gate activation when
-    it runs in kernel) -> (q, q_rstd, k, k_rstd, beta, g_cum)."""
+    it runs in kernel: ``gate_cumsum()``, the kind's FLA kernel) -> (q, q_rstd, k, k_rstd, beta, g_cum)."""
     fi, cu, idx = meta["fi"], meta["cu"], meta["chunk_indices"]
     q_rstd = k_rstd = None
     if meta["l2norm"]:
@@ -135,12 +136,8 @@ def _prologue(kind, q, k, g, beta, A_log, dt_bias, meta):
         beta = fi.fused_beta_sigmoid(beta, scale=1.0)
     if not meta["gate"]:
         g_cum = fi.chunk_local_cumsum(g, chunk_size=CHUNK, scale=fi.RCP_LN2, cu_seqlens=cu, chunk_indices=idx)
-    elif kind == "gdn":
-        g_cum = fi.gdn_gate_chunk_cumsum(g=g, A_log=A_log, chunk_size=CHUNK, scale=fi.RCP_LN2, dt_bias=dt_bias,
-                                         cu_seqlens=cu, chunk_indices=idx)
     else:
-        g_cum = fi.kda_gate_chunk_cumsum(g=g, A_log=A_log, dt_bias=dt_bias, scale=fi.RCP_LN2, chunk_size=CHUNK,
-                                         cu_seqlens=cu, chunk_indices=idx, lower_bound=meta["lower_bound"])
+        g_cum = gate_cumsum()
     return q, q_rstd, k, k_rstd, beta, g_cum
 
 
@@ -233,7 +230,8 @@ class _GDNNativeCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, meta):
         fi, cu, idx = meta["fi"], meta["cu"], meta["chunk_indices"]
-        prologue = _prologue("gdn", q, k, g, beta, A_log, dt_bias, meta)
+        prologue = _prologue(q, k, g, beta, meta, lambda: fi.gdn_gate_chunk_cumsum(
+            g=g, A_log=A_log, chunk_size=CHUNK, scale=fi.RCP_LN2, dt_bias=dt_bias, cu_seqlens=cu, chunk_indices=idx))
         qn, _, kn, _, b, g_cum = prologue
         w, u, A = fi.chunk_gated_delta_rule_fwd_intra(k=kn, v=v, g=g_cum, beta=b, cu_seqlens=cu, chunk_indices=idx,
                                                       chunk_size=CHUNK)
@@ -273,7 +271,9 @@ class _KDANativeCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, meta):
         fi, cu, idx = meta["fi"], meta["cu"], meta["chunk_indices"]
-        prologue = _prologue("kda", q, k, g, beta, A_log, dt_bias, meta)
+        prologue = _prologue(q, k, g, beta, meta, lambda: fi.kda_gate_chunk_cumsum(
+            g=g, A_log=A_log, dt_bias=dt_bias, scale=fi.RCP_LN2, chunk_size=CHUNK, cu_seqlens=cu, chunk_indices=idx,
+            lower_bound=meta["lower_bound"]))
         qn, _, kn, _, b, g_cum = prologue
         w, u, _, kg, Aqk, Akk = fi.chunk_kda_fwd_intra(q=qn, k=kn, v=v, gk=g_cum, beta=b, scale=meta["scale"],
                                                        cu_seqlens=cu, chunk_size=CHUNK, chunk_indices=idx,
@@ -304,8 +304,14 @@ class _KDANativeCP(torch.autograd.Function):
         return _epilogue(s, meta, dq, dk, dv, dg, db, dA_log, ddt_bias)
 
 
+# per kind: the autograd Function running its FLA stages around the engine's exchange
+NATIVE = {GDN: _GDNNativeCP, KDA: _KDANativeCP}
+
+
 def native_state_passing(kind, ctx, plan, q, k, v, g, beta, *, scale, flags):
-    """GDN/KDA on this rank's ``[B, T_local, ...]`` shard in ``plan``'s local order -> o ``[B, T_local, HV, V]``."""
+    """The delta rule ``kind`` (name or descriptor) on this rank's ``[B, T_local, ...]`` shard in ``plan``'s local
+    order -> o ``[B, T_local, HV, V]``."""
+    fn = delta_kind(kind).pick(NATIVE, "backend='triton' CP")
     fi = load_internals()
     B, T_loc = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
@@ -320,5 +326,4 @@ def native_state_passing(kind, ctx, plan, q, k, v, g, beta, *, scale, flags):
             "safe_gate": flags.get("safe_gate", False), "lower_bound": flags.get("lower_bound")}
     A_log = flags.get("A_log") if gate else None
     dt_bias = flags.get("dt_bias") if gate else None
-    fn = _GDNNativeCP if kind == "gdn" else _KDANativeCP
     return fn.apply(q1, k1, v1, g1, b1, A_log, dt_bias, meta).view(B, T_loc, HV, V)

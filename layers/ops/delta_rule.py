@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from layers.ops.backends import get_backend
+from layers.ops.kinds import GDN, KDA, delta_kind
 from layers.ops.validation import (check_same_device, check_shape, check_state, check_tensor,
                                    normalize_cu_seqlens)
 
@@ -23,6 +24,7 @@ def _check_flags(**flags):
 
 def _validate(kind, q, k, v, g, beta, scale, initial_state, output_final_state, use_gate_in_kernel,
               A_log, dt_bias, cu_seqlens, cp_context, lower_bound=None, safe_gate=False):
+    """Checks of the op contract for ``kind`` (a ``layers.ops.kinds.DeltaKind``) -> normalized cu_seqlens."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x, ndim=4)
     B, T, H, K = q.shape
@@ -38,7 +40,7 @@ def _validate(kind, q, k, v, g, beta, scale, initial_state, output_final_state, 
     if HV % H != 0:
         raise ValueError(f"value heads HV={HV} must be a multiple of query/key heads H={H}")
     check_tensor("g", g)
-    check_shape("g", g, (B, T, HV) if kind == "gdn" else (B, T, HV, K))
+    check_shape("g", g, (B, T) + kind.gate_shape(HV, K))
     check_tensor("beta", beta)
     check_shape("beta", beta, (B, T, HV))
     if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)
@@ -46,19 +48,22 @@ def _validate(kind, q, k, v, g, beta, scale, initial_state, output_final_state, 
         raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
     _check_flags(output_final_state=output_final_state, use_gate_in_kernel=use_gate_in_kernel, safe_gate=safe_gate)
     if use_gate_in_kernel:
-        if kind == "gdn" and A_log is None:
-            raise ValueError("use_gate_in_kernel=True for GDN requires A_log of shape [HV]")
-        if kind == "kda" and A_log is None and lower_bound is None:
-            raise ValueError("use_gate_in_kernel=True for KDA requires A_log of shape [HV] (or lower_bound)")
+        if A_log is None and (lower_bound is None or not kind.lower_bound_gate):
+            raise ValueError(f"use_gate_in_kernel=True for {kind.label} requires A_log of shape [HV]"
+                             + (" (or lower_bound)" if kind.lower_bound_gate else ""))
         if A_log is not None:
             check_tensor("A_log", A_log)
             check_shape("A_log", A_log, (HV,))
         if dt_bias is not None:
             check_tensor("dt_bias", dt_bias)
-            check_shape("dt_bias", dt_bias, (HV,) if kind == "gdn" else (HV * K,))
+            check_shape("dt_bias", dt_bias, kind.dt_bias_shape(HV, K))
     elif A_log is not None or dt_bias is not None:
         raise ValueError("A_log/dt_bias are only used with use_gate_in_kernel=True; got them with False")
-    if kind == "kda":
+    if not kind.lower_bound_gate:
+        if lower_bound is not None or safe_gate:
+            raise ValueError(f"{kind.label} has no lower_bound gate: lower_bound must be None and safe_gate False, "
+                             f"got {lower_bound!r}, {safe_gate!r}")
+    else:
         if lower_bound is not None:
             if (not isinstance(lower_bound, (int, float)) or isinstance(lower_bound, bool)
                     or not math.isfinite(lower_bound) or lower_bound >= 0):
@@ -73,7 +78,7 @@ def _validate(kind, q, k, v, g, beta, scale, initial_state, output_final_state, 
                          "cu_seqlens=None (the context knows this rank's pieces)")
     cu = normalize_cu_seqlens(cu_seqlens, B, T)
     N = B if cu is None else cu.numel() - 1
-    check_state("initial_state", initial_state, (N, HV, K, V))
+    check_state("initial_state", initial_state, kind.state_shape(N, HV, K, V))
     if cp_context is not None and (initial_state is not None or output_final_state):
         raise ValueError("cp_context does not take initial_state or output_final_state (the CP engine owns "
                          f"cross-rank states); got initial_state={initial_state is not None}, "
@@ -86,8 +91,7 @@ def _dispatch(kind, backend, cp_context, q, k, v, g, beta, cu, *, initial_state,
     if cp_context is not None:   # the context (built by layers.cp) carries the CP engine; ops never import it
         return cp_context.delta_rule(kind, backend, q, k, v, g, beta, **kw)
     kw.update(initial_state=initial_state, output_final_state=output_final_state)
-    fn = impl.chunk_gated_delta_rule if kind == "gdn" else impl.chunk_kda
-    return fn(q, k, v, g, beta, cu_seqlens=cu, **kw)
+    return kind.backend_op(impl)(q, k, v, g, beta, cu_seqlens=cu, **kw)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -102,9 +106,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     on this rank's shard of a context-parallel sequence.
     """
     _check_flags(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
-    cu = _validate("gdn", q, k, v, g, beta, scale, initial_state, output_final_state, use_gate_in_kernel,
+    cu = _validate(GDN, q, k, v, g, beta, scale, initial_state, output_final_state, use_gate_in_kernel,
                    A_log, dt_bias, cu_seqlens, cp_context)
-    return _dispatch("gdn", backend, cp_context, q, k, v, g, beta, cu,
+    return _dispatch(GDN, backend, cp_context, q, k, v, g, beta, cu,
                      scale=q.shape[-1] ** -0.5 if scale is None else float(scale), initial_state=initial_state,
                      output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                      use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
@@ -123,10 +127,21 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     :func:`chunk_gated_delta_rule`.
     """
     _check_flags(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
-    cu = _validate("kda", q, k, v, g, beta, scale, initial_state, output_final_state, use_gate_in_kernel,
+    cu = _validate(KDA, q, k, v, g, beta, scale, initial_state, output_final_state, use_gate_in_kernel,
                    A_log, dt_bias, cu_seqlens, cp_context, lower_bound=lower_bound, safe_gate=safe_gate)
-    return _dispatch("kda", backend, cp_context, q, k, v, g, beta, cu,
+    return _dispatch(KDA, backend, cp_context, q, k, v, g, beta, cu,
                      scale=q.shape[-1] ** -0.5 if scale is None else float(scale), initial_state=initial_state,
                      output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                      use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                      A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, safe_gate=safe_gate)
+
+
+_OPS = {fn.__name__: fn for fn in (chunk_gated_delta_rule, chunk_kda)}
+
+
+def chunk_op(kind):
+    """The public chunked op of ``kind`` (a name or ``DeltaKind``): ``chunk_gated_delta_rule`` / ``chunk_kda``."""
+    kind = delta_kind(kind)
+    if kind.op not in _OPS:
+        raise ValueError(f"layers.ops has no {kind.op} (delta-rule kind {kind.name!r})")
+    return _OPS[kind.op]

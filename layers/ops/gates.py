@@ -41,7 +41,8 @@ def kda_gate(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor 
 
 def prepare_inputs(kind, q, k, v, g, beta, *, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                    use_gate_in_kernel, A_log, dt_bias, lower_bound=None):
-    """Return (q, k, v, g, beta) in fp32 (fp64 for fp64 inputs) with the in-kernel transforms applied."""
+    """Return (q, k, v, g, beta) in fp32 (fp64 for fp64 inputs) with the in-kernel transforms applied; ``kind``
+    is a ``layers.ops.kinds.DeltaKind`` (its ``gate``)."""
     dt = compute_dtype(q.dtype)
     q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
@@ -49,5 +50,5 @@ def prepare_inputs(kind, q, k, v, g, beta, *, use_qk_l2norm_in_kernel, use_beta_
     if use_beta_sigmoid_in_kernel:
         beta = torch.sigmoid(beta)
     if use_gate_in_kernel:
-        g = gdn_gate(g, A_log, dt_bias) if kind == "gdn" else kda_gate(g, A_log, dt_bias, lower_bound)
+        g = kind.gate(g, A_log, dt_bias, lower_bound)
     return q, k, v, g, beta

@@ -19,9 +19,8 @@ import torch
 
 from layers.ops.backends import get_backend
 from layers.ops.delta_rule import _validate
+from layers.ops.kinds import delta_kind
 from layers.ops.validation import check_same_device, check_shape, check_tensor
-
-KINDS = ("gdn", "kda")
 
 
 def check_decode_backend(backend: str):
@@ -32,26 +31,26 @@ def check_decode_backend(backend: str):
     return impl
 
 
-def _check_state(state, N, HV, K, V):
+def _check_state(kind, state, N, HV, K, V):
     if not isinstance(state, torch.Tensor) or state.dtype != torch.float32:
         raise TypeError(f"state must be a float32 tensor [N={N}, HV={HV}, K={K}, V={V}] (updated in place), got "
                         f"{getattr(state, 'dtype', type(state).__name__)}")
-    check_shape("state", state, (N, HV, K, V))
+    check_shape("state", state, kind.state_shape(N, HV, K, V))
 
 
 def delta_rule_step(kind, q, k, v, g, beta, state, *, scale=None, use_qk_l2norm_in_kernel=False,
                     use_beta_sigmoid_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                     lower_bound=None, safe_gate=False, backend="eager"):
-    """One decode token of GDN (``kind="gdn"``) or KDA (``"kda"``); the flags mean what they mean for the chunked
-    ops (``safe_gate`` only selects a kernel path of FLA's chunked KDA: no effect here)."""
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    """One decode token of the delta-rule ``kind`` (a name of ``layers.ops.kinds``: ``"gdn"``, ``"kda"``); the flags
+    mean what they mean for the chunked ops (``safe_gate`` only selects a kernel path of FLA's chunked KDA: no effect
+    here)."""
+    kind = delta_kind(kind)
     if q.ndim == 4 and q.shape[1] != 1:
         raise ValueError(f"a decode step takes one token per sequence: q [N, 1, H, K], got {tuple(q.shape)}")
     _validate(kind, q, k, v, g, beta, scale, None, True, use_gate_in_kernel, A_log, dt_bias, None, None,
               lower_bound=lower_bound, safe_gate=safe_gate)
     N, _, H, K = q.shape
-    _check_state(state, N, v.shape[2], K, v.shape[3])
+    _check_state(kind, state, N, v.shape[2], K, v.shape[3])
     check_same_device(q=q, state=state)
     impl = check_decode_backend(backend)
     return impl.delta_rule_step(kind, q, k, v, g, beta, state, scale=K ** -0.5 if scale is None else float(scale),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from layers.ops.backends import get_backend
+from layers.ops.kinds import delta_kind
 
 
 def _augmented_inputs(k, v, cu_seqlens):
@@ -31,7 +32,8 @@ def augmented_final_states(kind, impl, k, v, g, beta, cu_seqlens, flags):
     Inputs are validated ``[B,T,...]`` tensors; ``flags`` are the op's gate/beta/l2norm keywords.
     """
     v_aug, S0 = _augmented_inputs(k, v, cu_seqlens)
-    return impl.delta_rule_final_state(kind, k, v_aug, g, beta, initial_state=S0, cu_seqlens=cu_seqlens, **flags)
+    return impl.delta_rule_final_state(delta_kind(kind), k, v_aug, g, beta, initial_state=S0, cu_seqlens=cu_seqlens,
+                                       **flags)
 
 
 def augmented_pass(kind, impl, q, k, v, g, beta, cu_seqlens, scale, flags):
@@ -43,8 +45,8 @@ def augmented_pass(kind, impl, q, k, v, g, beta, cu_seqlens, scale, flags):
     and applies the incoming states afterwards.
     """
     v_aug, S0 = _augmented_inputs(k, v, cu_seqlens)
-    fn = impl.chunk_gated_delta_rule if kind == "gdn" else impl.chunk_kda
-    return fn(q, k, v_aug, g, beta, scale=scale, initial_state=S0, output_final_state=True, cu_seqlens=cu_seqlens,
+    op = delta_kind(kind).backend_op(impl)
+    return op(q, k, v_aug, g, beta, scale=scale, initial_state=S0, output_final_state=True, cu_seqlens=cu_seqlens,
               **flags)
 
 

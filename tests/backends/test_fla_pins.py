@@ -58,3 +58,20 @@ def test_installed_fla_passes_the_check():
         if "not installed" in str(err) or "importable" in str(err):
             pytest.skip(f"flash-linear-attention unavailable here: {err}")
         raise
+
+
+def test_kind_descriptors_name_installed_fla_functions():
+    """The FLA ``module:function`` paths of every delta-rule kind (layers/ops/kinds.py) import, and the CP engine
+    loads (and signature-checks) each kind's gate cumsum kernel."""
+    import importlib
+
+    pytest.importorskip("fla")
+    from layers.cp.triton_engine_exchange import _INTERNALS
+    from layers.ops.kinds import GDN, KDA
+
+    for kind in (GDN, KDA):
+        for role, path in kind.kernels["triton"].items():
+            module, _, name = path.partition(":")
+            assert callable(getattr(importlib.import_module(module), name)), (kind.name, role, path)
+        module, _, name = kind.kernel("triton", "gate_cumsum").partition(":")
+        assert name in _INTERNALS[module]

@@ -28,6 +28,22 @@ def test_delta_mixers_reject_mistyped_options(cls_name):
     assert layer.backend == "eager"
 
 
+def test_delta_mixer_must_name_a_registered_kind():
+    """A delta mixer subclass runs the delta-rule kind it names (layers/ops/kinds.py); an unnamed or unknown one is
+    refused at construction instead of running another kind's math."""
+    import layers
+
+    class Unnamed(layers.GatedDeltaNet):
+        kind = None
+
+    class Mamba2(layers.GatedDeltaNet):
+        kind = "mamba2"
+
+    for cls, shown in ((Unnamed, "None"), (Mamba2, "'mamba2'")):
+        with pytest.raises(ValueError, match=rf"^unknown delta-rule kind {shown}; known kinds: gdn, kda$"):
+            cls(_config(), None, layer_number=1, num_key_heads=2, key_head_dim=8)
+
+
 def test_mla_and_attention_cores_reject_mistyped_options():
     from tests.support.mla_layer import make_config
 

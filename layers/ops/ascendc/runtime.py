@@ -40,7 +40,8 @@ KDA_BACKWARD_SOCS = A5_SOCS
 CHUNK = 64
 # Tensor dtypes the kernels take (q/k/v): the composite GDN kernels are bf16-only, and so is KDA (its prepare
 # takes fp16 too, but chunk_fwd_h, chunk_kda_fwd_finalize and the backward stages are bf16-only), and so are the
-# recurrent (decode) kernels; tests add float32 together with the stand-in's ALLOW_FP32.
+# recurrent (decode) kernels; tests add float32 together with the stand-in's ALLOW_FP32. Keyed by the API group of
+# a kind's kernels (its ``layers.ops.kinds`` descriptor's ``kernels["ascendc"]["api"]``).
 KERNEL_DTYPES_REAL = {"gdn": (torch.bfloat16,), "kda": (torch.bfloat16,)}
 KERNEL_DTYPES = dict(KERNEL_DTYPES_REAL)
 # Inputs the real operators demand in bf16 whatever the model dtype (composite backward initial_state, CP gk).
@@ -213,6 +214,7 @@ DTYPE_REASON = {"gdn": "the composite GDN and recurrent kernels are bf16-only",
 
 
 def check_dtype(kind: str, **tensors) -> None:
+    """TypeError unless every tensor has a dtype the kernels of API group ``kind`` ("gdn", "kda") take."""
     allowed = KERNEL_DTYPES[kind]
     for name, x in tensors.items():
         if x.dtype not in allowed:

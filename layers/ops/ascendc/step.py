@@ -27,6 +27,7 @@ import torch
 from layers.ops.ascendc import runtime
 from layers.ops.ascendc.kda import kernel_gate_matches
 from layers.ops.gates import gdn_gate, kda_gate, l2norm
+from layers.ops.kinds import GDN, KDA, delta_kind
 
 
 @lru_cache(maxsize=64)
@@ -38,20 +39,22 @@ def _decode_indices(n: int, device: str):
     return cu, lengths, torch.arange(n, dtype=torch.int32, device=device)
 
 
-def check_step(kind, q, v, device_name: str) -> None:
-    """Shape limits of the recurrent kernels (ValueError naming them)."""
+def _check_gdn_step(q, v, device_name: str) -> None:
     K, V, HV = q.shape[-1], v.shape[-1], v.shape[2]
-    if kind == "gdn" and (K != 128 or V != 128 or HV > 256):
+    if K != 128 or V != 128 or HV > 256:
         raise ValueError(f"backend='ascendc' GDN decode (recurrent_gated_delta_rule) on {device_name} supports "
                          f"K = V = 128 and HV <= 256, got K={K}, V={V}, HV={HV}")
-    if kind == "kda" and (K != 128 or V not in (128, 256)):
+
+
+def _check_kda_step(q, v, device_name: str) -> None:
+    K, V = q.shape[-1], v.shape[-1]
+    if K != 128 or V not in (128, 256):
         raise ValueError(f"backend='ascendc' KDA decode (recurrent_kda) on {device_name} supports K = 128 and V in "
                          f"(128, 256), got K={K}, V={V}")
 
 
-def _gdn_step(q, k, v, g, beta, state, *, scale, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+def _gdn_step(op, q, k, v, g, beta, state, *, scale, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
               use_gate_in_kernel, A_log, dt_bias):
-    op = runtime.op(runtime.require_api("decode_gdn"), "recurrent_gated_delta_rule")
     N = q.shape[0]
     qs, ks, b, gate = q[:, 0].float(), k[:, 0].float(), beta[:, 0].float(), g[:, 0].float()
     if use_qk_l2norm_in_kernel:
@@ -68,9 +71,8 @@ def _gdn_step(q, k, v, g, beta, state, *, scale, use_qk_l2norm_in_kernel, use_be
     return o[:, None]
 
 
-def _kda_step(q, k, v, g, beta, state, *, scale, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+def _kda_step(op, q, k, v, g, beta, state, *, scale, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
               use_gate_in_kernel, A_log, dt_bias, lower_bound):
-    op = runtime.op(runtime.require_api("decode_kda"), "recurrent_kda")
     in_kernel = use_gate_in_kernel and kernel_gate_matches(A_log, lower_bound, lower_bound is not None)
     if use_gate_in_kernel and not in_kernel:
         g = kda_gate(g.float(), A_log, dt_bias, lower_bound)
@@ -84,19 +86,26 @@ def _kda_step(q, k, v, g, beta, state, *, scale, use_qk_l2norm_in_kernel, use_be
     return o
 
 
+# per kind: (shape limits of its recurrent kernel, the adapter calling it with the op of ``kernels["ascendc"]["step"]``)
+STEPS = {GDN: (_check_gdn_step, _gdn_step), KDA: (_check_kda_step, _kda_step)}
+
+
 def delta_rule_step(kind, q, k, v, g, beta, state, *, scale, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                     use_gate_in_kernel, A_log, dt_bias, lower_bound=None):
     """One token through fla-npu's recurrent kernel; ``state`` [N,HV,K,V] fp32 updated in place -> o [N,1,HV,V]."""
-    runtime.check_dtype(kind, q=q, k=k, v=v)
+    kind = delta_kind(kind)
+    check, step = kind.pick(STEPS, "backend='ascendc' decode")
+    runtime.check_dtype(kind.kernel("ascendc", "api"), q=q, k=k, v=v)
     device_name = runtime.soc(q.device)
-    check_step(kind, q, v, device_name)
+    check(q, v, device_name)
+    op = runtime.op(runtime.require_api(kind.kernel("ascendc", "step_api")), kind.kernel("ascendc", "step"))
     flags = dict(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                  A_log=A_log, dt_bias=dt_bias)
+    if kind.lower_bound_gate:
+        flags["lower_bound"] = lower_bound
     with torch.no_grad():
-        if kind == "gdn":
-            return _gdn_step(q, k, v, g, beta, state, **flags)
-        return _kda_step(q, k, v, g, beta, state, lower_bound=lower_bound, **flags)
+        return step(op, q, k, v, g, beta, state, **flags)
 
 
 def causal_conv1d_step(x, history, weight, *, bias=None, activation=None):

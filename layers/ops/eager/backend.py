@@ -10,6 +10,7 @@ from functools import partial
 from layers.ops.eager import conv
 from layers.ops.eager.chunk import chunked_delta_rule
 from layers.ops.eager.recompute import recompute
+from layers.ops.kinds import GDN, KDA
 from layers.ops.eager.step import causal_conv1d_step, delta_rule_step  # noqa: F401  decode steps (inference)
 
 
@@ -23,12 +24,12 @@ def _positional(run, q, k, v, g, beta, A_log, dt_bias, initial_state):
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, **kw):
-    return _delta_rule("gdn", q, k, v, g, beta, **kw)
+    return _delta_rule(GDN, q, k, v, g, beta, **kw)
 
 
 def chunk_kda(q, k, v, g, beta, *, safe_gate=False, **kw):
     # safe_gate selects a tensor-core path in FLA; the eager math is exact either way.
-    return _delta_rule("kda", q, k, v, g, beta, **kw)
+    return _delta_rule(KDA, q, k, v, g, beta, **kw)
 
 
 def causal_conv1d(x, weight, *, bias=None, activation=None, cu_seqlens=None, history=None):

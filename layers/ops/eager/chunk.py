@@ -15,6 +15,7 @@ import torch
 
 from layers.ops.eager.chunking import chunk_layout, from_chunks, to_chunks
 from layers.ops.gates import prepare_inputs
+from layers.ops.kinds import delta_kind
 from layers.ops.eager.scan import StateScan
 
 CHUNK_SIZE = 64
@@ -102,14 +103,16 @@ def _chunk_inputs(k, v, g, beta, layout):
 def chunked_delta_rule(kind, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
                        use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, use_gate_in_kernel=False,
                        A_log=None, dt_bias=None, lower_bound=None, with_output=True):
-    """Eager GDN (kind="gdn") / KDA (kind="kda") on validated inputs; see layers.ops.delta_rule.
+    """Eager delta rule of ``kind`` (a ``layers.ops.kinds`` name or descriptor) on validated inputs; see
+    layers.ops.delta_rule.
 
     Returns (o [B,T,HV,V] in q.dtype or None when ``with_output`` is False, final_state [N,HV,K,V] fp32 or None).
     """
     B, T, H, _ = q.shape
     HV = v.shape[2]
     out_dtype = q.dtype
-    q, k, v, g, beta = prepare_inputs(kind, q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    q, k, v, g, beta = prepare_inputs(delta_kind(kind), q, k, v, g, beta,
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                       use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                                       use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                                       lower_bound=lower_bound)

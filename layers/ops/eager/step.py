@@ -14,18 +14,19 @@ import torch
 import torch.nn.functional as F
 
 from layers.ops.gates import prepare_inputs
+from layers.ops.kinds import delta_kind
 
 
 def delta_rule_step(kind, q, k, v, g, beta, state, *, scale, lower_bound=None, **flags):
     """q, k [N,1,H,K]; v [N,1,HV,V]; g [N,1,HV(,K)]; beta [N,1,HV]; state [N,HV,K,V] fp32 -> o [N,1,HV,V]."""
     out_dtype = q.dtype
+    kind = delta_kind(kind)
     q, k, v, g, beta = (x[:, 0].float() for x in
                         prepare_inputs(kind, q, k, v, g, beta, lower_bound=lower_bound, **flags))
     group = v.shape[1] // q.shape[1]   # value head i reads query/key head i // group
     if group > 1:
         q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
-    decay = g.exp()[..., None] if kind == "kda" else g.exp()[..., None, None]   # [N,HV,K,1] | [N,HV,1,1]
-    state.mul_(decay)
+    state.mul_(kind.decay(g))                                                      # [N,HV,K|1,1]
     delta = (v - (k.unsqueeze(-2) @ state).squeeze(-2)) * beta[..., None]          # [N,HV,V]
     state.add_(k.unsqueeze(-1) * delta.unsqueeze(-2))
     o = (q.unsqueeze(-2) @ state).squeeze(-2) * scale

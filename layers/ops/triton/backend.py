@@ -9,8 +9,11 @@ beta, A_log, dt_bias, the initial state, conv weight/bias/history). CP on FLA's 
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
+from layers.ops.kinds import delta_kind
 from layers.ops.triton.runtime import (check_available, check_inputs, check_tensor_device, device_cu_seqlens,
                                        gdn_backward_blocker, history_to_fla_cache, load_fla)
 
@@ -79,8 +82,9 @@ def delta_rule_final_state(kind, k, v, g, beta, *, initial_state, cu_seqlens, sa
 
     ``v`` is the engine's ``[v | 0]`` in v's dtype; FLA wants one dtype for k and v (a no-op cast when they
     already agree)."""
-    op = chunk_gated_delta_rule if kind == "gdn" else chunk_kda
-    extra = {"safe_gate": safe_gate} if kind == "kda" else {}
+    kind = delta_kind(kind)
+    extra = {"safe_gate": safe_gate} if kind.lower_bound_gate else {}
+    op = kind.backend_op(sys.modules[__name__])   # this module's chunk_gated_delta_rule / chunk_kda
     _, final = op(k, k, v.to(k.dtype), g, beta, scale=1.0, initial_state=initial_state, output_final_state=True,
                   cu_seqlens=cu_seqlens, **extra, **kw)
     return final
