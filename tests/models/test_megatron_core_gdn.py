@@ -10,9 +10,10 @@ parameter gradient (theirs gathered by their own ``sharded_state_dict``, ours by
 
 * single rank, BSHD (our eager and triton backends) and packed THD;
 * TP2, with their and our ``sharded_state_dict`` compared piece by piece (keys, global shapes and offsets);
-* CP2, their all-to-all against each of our CP methods (p2p, allgather, grouped_allgather_p2p, recursive_doubling,
-  ulysses; the Ulysses x state hybrid needs a Ulysses degree strictly between 1 and the CP size, so none exists at
-  CP2), BSHD (also our triton backend with p2p) and packed THD;
+* CP2, their all-to-all against each of our CP methods with our eager backend (p2p, allgather,
+  grouped_allgather_p2p, recursive_doubling, ulysses; the Ulysses x state hybrid needs a Ulysses degree strictly
+  between 1 and the CP size, so none exists at CP2), BSHD and packed THD (our triton backend under CP equals our
+  eager one: tests/backends/test_backend_triton_interpreter.py);
 * CP2 with one key head: megatron-core refuses it (its config check, and its layer fails), ours runs it;
 * their GPTModel / HybridModel against ours after the key mapping: logits and all parameter gradients.
 
@@ -40,7 +41,7 @@ REASON = triton_interpreter.available()
 
 # (key, tp, cp, thd, our eager CP methods, our triton CP methods); single-rank cases run on one rank each
 SINGLE = {0: ("single-bshd", 1, 1, False, ("none",), ("none",)), 1: ("single-thd", 1, 1, True, ("none",), ())}
-PARALLEL = [("tp2-bshd", 2, 1, False, ("none",), ()), ("cp2-bshd", 1, 2, False, METHODS, ("p2p",)),
+PARALLEL = [("tp2-bshd", 2, 1, False, ("none",), ()), ("cp2-bshd", 1, 2, False, METHODS, ()),
             ("cp2-thd", 1, 2, True, METHODS, ())]
 MODELS = {0: "gpt", 1: "hybrid"}
 
@@ -181,9 +182,10 @@ def model_case(kind):
     tokens = torch.randint(0, VOCAB, (1, 24), generator=gen)
     positions = torch.arange(24)[None]
     dlogits = torch.randn(1, 24, VOCAB, generator=gen)
+    causal = torch.ones(1, 1, 24, 24, dtype=torch.bool).triu(1)   # megatron's mask (True: masked)
     logits = {}
     for name, model in (("theirs", theirs), ("ours", ours)):
-        out = model(tokens, positions, None)
+        out = model(tokens, positions, causal)
         (out * dlogits).sum().backward()
         logits[name] = out.detach()
     grads_t = key_map.state_dict_to_ours({n: p.grad for n, p in theirs.named_parameters()})
@@ -195,11 +197,12 @@ def model_case(kind):
 
 def worker(rank, world):
     """Every case of the spawn on this rank; per case its result or {"error": traceback}."""
+    triton_interpreter.enable()   # before megatron-core (its GDN module) imports FLA
+    import megatron.core.jit
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    triton_interpreter.enable()   # before megatron-core's GDN imports FLA
-    torch._dynamo.config.disable = True   # their @jit_fuser (torch.compile) functions run as written
+    megatron.core.jit.disable_jit_fuser()   # before their GDN is imported: its @jit_fuser functions run uncompiled
     from hp_megatron.platform import apply_cpu_shims
     from tests.support.delta_layer_cases import groups
 

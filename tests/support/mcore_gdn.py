@@ -6,8 +6,9 @@ through ours (``global_parts``), so no side's layout is assumed to be the other'
 Their layer: megatron-core's ``ColumnParallelLinear`` / ``RowParallelLinear`` and ``WrappedTorchNorm`` (an RMSNorm)
 in place of the TE modules of their spec. Their models: megatron-core's own spec functions and
 ``hybrid_stack_spec`` with tests/support/te_standin.py's stand-ins. Their kernels are FLA's (Triton; on CPU through
-Triton's interpreter in the spawned ranks). Their ``@jit_fuser`` functions are ``torch.compile``d; the workers run
-them eagerly (``torch._dynamo.config.disable``: the same ops, no minute-long CPU compile per process).
+Triton's interpreter in the spawned ranks). Their ``@jit_fuser`` functions (``torch.compile``) run uncompiled there
+(megatron-core's ``disable_jit_fuser()`` before their module is imported: the same ops, no CPU compile of half a
+minute per process).
 """
 from __future__ import annotations
 
