@@ -9,7 +9,12 @@ need no GPU: what autograd saves and which kernels launch do not depend on the d
   FLA layer                  fla.layers.GatedDeltaNet / fla.layers.KimiDeltaAttention (FLA 0.6, defaults of
                              our shapes: expand_v 1, conv 4, gated output norm)
   megatron-core              megatron.core.ssm.gated_delta_net.GatedDeltaNet (GDN only; a row says why when
-                             it cannot be built here)
+                             it cannot be built here), megatron's local linears and our RMSNorm in place of its
+                             TE modules; its ``@jit_fuser`` helpers (``torch.compile`` in megatron-core 0.17+)
+                             run uncompiled (``disable_jit_fuser()``: the same aten ops, no CPU compile): on a
+                             GPU they are compiled, fusing their element-wise ops into fewer kernels
+  megatron-core + recompute  the same with ``--recompute-modules gdn_norm_out`` (its gated norm's output freed,
+                             recomputed in backward)
   MLA (--kinds mla)          layers.MultiLatentAttention, DeepSeek-V3 head dims, with / without hp_mla_up_proj
   transformers               Qwen3NextGatedDeltaNet / KimiLinearDeltaAttention on their pure-PyTorch paths
                              (benchmarks/layers.py's ``build_hf``)
@@ -36,7 +41,9 @@ Usage: ``python benchmarks/layer_memory.py [--hidden 1024 2048] [--dtypes float3
 docs/benchmarks.md, rows into docs/layer_memory.json)]``;
 ``--merge A.json B.json ...`` measures nothing and publishes the rows of earlier runs' ``--json`` files as one table
 (a later file's row replaces an earlier one of the same layer, implementation and shape), for tables measured
-piecewise (the interpreter takes minutes per row on a small machine).
+piecewise (the interpreter takes minutes per row on a small machine). ``--docs-section NAME`` publishes into the section
+``NAME`` of docs/benchmarks.md and docs/NAME.json instead of ``layer_memory`` (a table measured with another
+megatron-core beside the main one, e.g. ``layer_memory_mcore019``).
 """
 from __future__ import annotations
 
@@ -58,6 +65,10 @@ from tests.support import triton_interpreter  # noqa: E402  (FLA's kernels on CP
 
 if triton_interpreter.available() is None and "fla" not in sys.modules:
     triton_interpreter.enable()  # before anything imports fla (a process that already has fla keeps it as it is)
+
+import megatron.core.jit  # noqa: E402
+
+megatron.core.jit.disable_jit_fuser()  # before megatron-core's GDN is imported (module docstring)
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -254,8 +265,9 @@ def build(kind, impl, hidden, gva, dtype):
                                                    num_heads=args.heads, num_v_heads=args.value_heads,
                                                    conv_size=4, norm_eps=1e-6)
         return BTHLayer(module.to(dtype))
-    if impl == "mcore":
-        return bl.build_mcore_gdn(args, dtype, torch.device("cpu"))
+    if impl in ("mcore", "mcore" + RECOMPUTE):
+        return bl.build_mcore_gdn(args, dtype, torch.device("cpu"),
+                                  recompute_modules=MCORE_RECOMPUTE if impl.endswith(RECOMPUTE) else None)
     if impl == "hf":
         if gva and kind == "kda":
             raise ValueError("Kimi Linear's KimiLinearDeltaAttention has one head count (no GVA)")
@@ -314,13 +326,16 @@ def measure(kind, impl, hidden, gva, dtype, T, breakdown, forward_only=False):
 
 RECOMPUTE = "+recompute"
 RECOMPUTE_MODULES = ("hp_conv", "hp_gated_norm")   # the GDN/KDA parts; MLA rows recompute hp_mla_up_proj
+MCORE_RECOMPUTE = ["gdn_norm_out"]   # megatron-core's GDN part (its output norm, and under CP the all-to-all)
 WARM_UP = ("eager", "hf", "eager" + RECOMPUTE)   # rows without Triton kernels (cheap); see the module docstring
-IMPLS = {"gdn": ("triton", "triton" + RECOMPUTE, "eager", "eager" + RECOMPUTE, "fla", "mcore", "hf"),
+IMPLS = {"gdn": ("triton", "triton" + RECOMPUTE, "eager", "eager" + RECOMPUTE, "fla", "mcore", "mcore" + RECOMPUTE,
+                 "hf"),
          "kda": ("triton", "triton" + RECOMPUTE, "eager", "eager" + RECOMPUTE, "fla", "hf"),
          "mla": ("eager", "eager" + RECOMPUTE)}   # ours only (MLA has no delta-rule backend; FLA has no MLA layer)
 NAMES = {"triton": "ours (triton)", "eager": "ours (eager)", "triton" + RECOMPUTE: "ours (triton) + recompute",
          "eager" + RECOMPUTE: "ours (eager) + recompute", "fla": "FLA 0.6 layer",
-         "mcore": "megatron-core GatedDeltaNet", "hf": "transformers (pure PyTorch)"}
+         "mcore": "megatron-core GatedDeltaNet", "mcore" + RECOMPUTE: "megatron-core GatedDeltaNet + recompute",
+         "hf": "transformers (pure PyTorch)"}
 
 
 def _covers(command: str):
@@ -366,7 +381,8 @@ def markdown(rows, meta) -> str:
              "kB/token: unique non-parameter storages saved for backward (input included) / tokens. Kernels: leaf "
              "aten ops that launch a kernel + Triton launches, forward and backward (module docstring of "
              "`benchmarks/layer_memory.py`). Ratios: saved bytes relative to ours (triton) and to FLA's layer at the same "
-             "shape; + recompute: `--recompute-modules hp_conv hp_gated_norm`.", "",
+             "shape; + recompute: `--recompute-modules hp_conv hp_gated_norm` (ours), `gdn_norm_out` "
+             "(megatron-core's; its `@jit_fuser` helpers run uncompiled here).", "",
              "| layer | hidden | heads qk/v | dtype | implementation | saved kB/token | vs ours (triton) | "
              "vs FLA layer | kernels fwd (aten+triton) | kernels bwd (aten+triton) | kernels fwd+bwd |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -404,6 +420,8 @@ def _parser():
                         help="saved bytes and forward kernels only (no backward: a third of the interpreter's time)")
     parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
                         help="publish the rows of these --json files as one table (measures nothing)")
+    parser.add_argument("--docs-section", default="layer_memory",
+                        help="section of docs/benchmarks.md (and docs/NAME.json) --write-docs replaces")
     add_output_args(parser)
     return parser
 
@@ -411,10 +429,10 @@ def _parser():
 def main(argv=None):
     args = _parser().parse_args(argv)
     if args.write_docs and args.json is None:
-        args.json = DOCS_JSON
+        args.json = DOCS_JSON.with_name(f"{args.docs_section}.json")
     if args.merge:
         result = merge(args.merge)
-        publish(result, markdown(result["rows"], result["meta"]), args, "layer_memory", "### Measured")
+        publish(result, markdown(result["rows"], result["meta"]), args, args.docs_section, "### Measured")
         return
     reason = triton_interpreter.available()
     if reason is not None:
@@ -436,7 +454,7 @@ def main(argv=None):
                                 rows.append(measure(kind, impl, hidden, gva == "yes", getattr(torch, dtype),
                                                     args.T, args.breakdown, args.forward_only))
         # the section's heading and the before/after notes stand above the markers in docs/benchmarks.md
-        publish(dict(meta=meta, rows=rows), markdown(rows, meta), args, "layer_memory", "### Measured")
+        publish(dict(meta=meta, rows=rows), markdown(rows, meta), args, args.docs_section, "### Measured")
 
 
 if __name__ == "__main__":
