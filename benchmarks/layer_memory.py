@@ -12,9 +12,9 @@ need no GPU: what autograd saves and which kernels launch do not depend on the d
                              it cannot be built here), megatron's local linears and our RMSNorm in place of its
                              TE modules; its ``@jit_fuser`` helpers (``torch.compile`` in megatron-core 0.17+)
                              run uncompiled (``disable_jit_fuser()``: the same aten ops, no CPU compile): on a
-                             GPU they are compiled, fusing their element-wise ops into fewer kernels
-  megatron-core + recompute  the same with ``--recompute-modules gdn_norm_out`` (its gated norm's output freed,
-                             recomputed in backward)
+                             GPU they are compiled, fusing their element-wise ops into fewer kernels. Its
+                             selective recompute (``--recompute-modules gdn_norm_out``) is not measured: megatron's
+                             ``CheckpointWithoutOutput`` stashes the CUDA RNG state (no CPU run)
   MLA (--kinds mla)          layers.MultiLatentAttention, DeepSeek-V3 head dims, with / without hp_mla_up_proj
   transformers               Qwen3NextGatedDeltaNet / KimiLinearDeltaAttention on their pure-PyTorch paths
                              (benchmarks/layers.py's ``build_hf``)
@@ -265,9 +265,8 @@ def build(kind, impl, hidden, gva, dtype):
                                                    num_heads=args.heads, num_v_heads=args.value_heads,
                                                    conv_size=4, norm_eps=1e-6)
         return BTHLayer(module.to(dtype))
-    if impl in ("mcore", "mcore" + RECOMPUTE):
-        return bl.build_mcore_gdn(args, dtype, torch.device("cpu"),
-                                  recompute_modules=MCORE_RECOMPUTE if impl.endswith(RECOMPUTE) else None)
+    if impl == "mcore":
+        return bl.build_mcore_gdn(args, dtype, torch.device("cpu"))
     if impl == "hf":
         if gva and kind == "kda":
             raise ValueError("Kimi Linear's KimiLinearDeltaAttention has one head count (no GVA)")
@@ -326,16 +325,13 @@ def measure(kind, impl, hidden, gva, dtype, T, breakdown, forward_only=False):
 
 RECOMPUTE = "+recompute"
 RECOMPUTE_MODULES = ("hp_conv", "hp_gated_norm")   # the GDN/KDA parts; MLA rows recompute hp_mla_up_proj
-MCORE_RECOMPUTE = ["gdn_norm_out"]   # megatron-core's GDN part (its output norm, and under CP the all-to-all)
 WARM_UP = ("eager", "hf", "eager" + RECOMPUTE)   # rows without Triton kernels (cheap); see the module docstring
-IMPLS = {"gdn": ("triton", "triton" + RECOMPUTE, "eager", "eager" + RECOMPUTE, "fla", "mcore", "mcore" + RECOMPUTE,
-                 "hf"),
+IMPLS = {"gdn": ("triton", "triton" + RECOMPUTE, "eager", "eager" + RECOMPUTE, "fla", "mcore", "hf"),
          "kda": ("triton", "triton" + RECOMPUTE, "eager", "eager" + RECOMPUTE, "fla", "hf"),
          "mla": ("eager", "eager" + RECOMPUTE)}   # ours only (MLA has no delta-rule backend; FLA has no MLA layer)
 NAMES = {"triton": "ours (triton)", "eager": "ours (eager)", "triton" + RECOMPUTE: "ours (triton) + recompute",
          "eager" + RECOMPUTE: "ours (eager) + recompute", "fla": "FLA 0.6 layer",
-         "mcore": "megatron-core GatedDeltaNet", "mcore" + RECOMPUTE: "megatron-core GatedDeltaNet + recompute",
-         "hf": "transformers (pure PyTorch)"}
+         "mcore": "megatron-core GatedDeltaNet", "hf": "transformers (pure PyTorch)"}
 
 
 def _covers(command: str):
@@ -381,8 +377,8 @@ def markdown(rows, meta) -> str:
              "kB/token: unique non-parameter storages saved for backward (input included) / tokens. Kernels: leaf "
              "aten ops that launch a kernel + Triton launches, forward and backward (module docstring of "
              "`benchmarks/layer_memory.py`). Ratios: saved bytes relative to ours (triton) and to FLA's layer at the same "
-             "shape; + recompute: `--recompute-modules hp_conv hp_gated_norm` (ours), `gdn_norm_out` "
-             "(megatron-core's; its `@jit_fuser` helpers run uncompiled here).", "",
+             "shape; + recompute: `--recompute-modules hp_conv hp_gated_norm`; megatron-core's `@jit_fuser` "
+             "helpers run uncompiled here.", "",
              "| layer | hidden | heads qk/v | dtype | implementation | saved kB/token | vs ours (triton) | "
              "vs FLA layer | kernels fwd (aten+triton) | kernels bwd (aten+triton) | kernels fwd+bwd |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -60,7 +60,7 @@ def build_ours(kind, args, dtype, device):
     return layer.to(device), d
 
 
-def build_mcore_gdn(args, dtype, device, recompute_modules=None):
+def build_mcore_gdn(args, dtype, device):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -72,8 +72,6 @@ def build_mcore_gdn(args, dtype, device, recompute_modules=None):
     cfg.linear_key_head_dim = cfg.linear_value_head_dim = args.head_dim
     cfg.linear_conv_kernel_dim = 4
     cfg.activation_func = torch.nn.functional.silu
-    if recompute_modules:   # megatron-core's selective recompute (its GDN reads these at construction)
-        cfg.recompute_granularity, cfg.recompute_modules = "selective", list(recompute_modules)
     subs = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=RMSNorm, out_proj=RowParallelLinear)
     pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
     return GatedDeltaNet(cfg, subs, layer_number=1, pg_collection=pgs).to(device)
