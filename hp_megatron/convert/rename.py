@@ -12,10 +12,13 @@ starting point as ``hf_to_mcore`` writes one (Megatron-LM ``--load`` with ``--fi
 ``target``: the model the copy is for, built at TP=PP=EP=1 (the ``meta`` device is enough). With it, the renamed
 tensors are checked against the target's ``sharded_state_dict`` before a byte is written (each tensor the target
 loads present with its global shape, no other tensor) and the copy holds the target's own non-tensor objects
-(linear layers' ``_extra_state``); without it, the source's objects are copied under their renamed keys.
+(linear layers' ``_extra_state``); without it, the source's objects are copied under their renamed keys. The
+common state is written as ``common.pt`` (``checkpoint_version``, ``iteration`` and the source's
+``content_metadata``), which megatron-core 0.19 still reads in place of its ``common_state`` object.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
@@ -28,6 +31,20 @@ from hp_megatron.convert.engine import (COMMON, NON_MODEL_PREFIXES, ConversionRe
                                         _read_common, checkpoint_directory)
 from hp_megatron.convert.layout import checkpoint_layout
 from hp_megatron.convert.safetensors_io import CheckpointError
+
+
+COMMON_OBJECT = "common_state"   # megatron-core 0.19+ keeps the common (non-sharded) state in this DCP object
+
+
+def _source_common(ckpt: str, reader: ChunkReader) -> dict:
+    """The source's common state: ``common.pt`` (megatron-core <= 0.18, and what we write), else the
+    ``common_state`` object of megatron-core 0.19+, else nothing (a checkpoint saved without common state)."""
+    if os.path.isfile(os.path.join(ckpt, COMMON)):
+        return _read_common(ckpt)
+    keys = [k for k in reader.objects if _object_base(k) == COMMON_OBJECT]
+    if not keys:
+        return {}
+    return torch.load(io.BytesIO(reader.read_objects(keys)[keys[0]]), weights_only=False)[0]
 
 
 def _object_base(key: str) -> str:
@@ -73,15 +90,15 @@ def rename_checkpoint(load: str, save: str, rename, *, target=None, iteration: i
     checkpoint root ``save``, tensor ``key`` stored as ``rename(key)`` (see the module docstring)."""
     start = time.perf_counter()
     ckpt = checkpoint_directory(load)
-    common = _read_common(ckpt) if os.path.isfile(os.path.join(ckpt, COMMON)) else {}   # none without common state
     reader = ChunkReader(ckpt)
+    common = _source_common(ckpt, reader)
     model_keys = [k for k in reader.tensors if not k.startswith(NON_MODEL_PREFIXES)]
     tensors = _renamed(model_keys, rename, "tensors")
     if target is not None:
         objects = _check_target(target, tensors, reader)
     else:
-        kept = [k for k in reader.objects if not k.startswith(NON_MODEL_PREFIXES)]
-        names = _renamed([_object_base(k) for k in kept], rename, "objects")
+        kept = [k for k in reader.objects if not k.startswith(NON_MODEL_PREFIXES) and _object_base(k) != COMMON_OBJECT]
+        names = _renamed(sorted({_object_base(k) for k in kept}), rename, "objects")   # key/shard_i_n: one base
         data = reader.read_objects(kept)
         objects = {names[_object_base(k)] + k[len(_object_base(k)):]: data[k] for k in kept}
     chunks, sources = [], []

@@ -325,6 +325,19 @@ def test_checkpoint_to_ours_and_back_is_bit_exact(kind, tmp_path, single_rank):
     for key, value in key_map.state_dict_to_ours(original).items():
         assert torch.equal(converted[key], value), key
 
+    # without a target: the same tensors, and the source's objects under the new keys
+    from hp_megatron.checkpoint_dirs import find_checkpoint
+    from hp_megatron.convert.dcp_io import ChunkReader
+
+    key_map.checkpoint_to_ours(str(tmp_path / "theirs"), str(tmp_path / "plain"))
+    checked, plain = (ChunkReader(find_checkpoint(str(tmp_path / name))) for name in ("ours", "plain"))
+    source = ChunkReader(str(tmp_path / "theirs"))
+    assert plain.tensors == checked.tensors
+    model_objects = [k for k in source.objects if not k.startswith("common_state")]   # megatron-core 0.19's common
+    assert sorted(plain.objects) == sorted(key_map.to_ours(k) for k in model_objects)
+    assert plain.read_objects(plain.objects) == {key_map.to_ours(k): v
+                                                 for k, v in source.read_objects(model_objects).items()}
+
     key_map.checkpoint_to_theirs(str(tmp_path / "ours"), str(tmp_path / "back"), target=theirs)
     fresh = build()
     _load(fresh, str(tmp_path / "back"))
