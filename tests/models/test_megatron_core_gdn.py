@@ -40,7 +40,11 @@ OUT_TOL, GRAD_TOL = 1e-5, 1e-4   # fp32 FLA kernels (theirs) vs our fp32 eager /
 METHODS = ("p2p", "allgather", "grouped_allgather_p2p", "recursive_doubling", "ulysses")
 REASON = triton_interpreter.available()
 # megatron-core's HybridModel and the GDN whose CP this compares (all-to-all, packed THD): megatron-core 0.19
-MCORE_REASON = (None if importlib.util.find_spec("megatron.core.models.hybrid") is not None
+# (looked up without importing megatron-core: the spawned ranks import this module before the interpreter is on)
+_MEGATRON = importlib.util.find_spec("megatron")
+_CORE = next((os.path.join(p, "core") for p in getattr(_MEGATRON, "submodule_search_locations", None) or ()
+              if os.path.isfile(os.path.join(p, "core", "__init__.py"))), None)   # the one megatron.core resolves to
+MCORE_REASON = (None if _CORE is not None and os.path.isdir(os.path.join(_CORE, "models", "hybrid"))
                 else "megatron-core < 0.19: no HybridModel / GDN all-to-all CP")
 
 # (key, tp, cp, thd, our eager CP methods, our triton CP methods); single-rank cases run on one rank each
