@@ -113,8 +113,6 @@ MCORE_SMALL = dict(heads=1, value_heads=2, dim=16, hidden=32)   # per rank at th
 def _mcore_worker(rank, P):
     """megatron-core's GDN at CP = P (zigzag BSHD, 2P tokens per rank): elements per local token moved by its
     all-to-alls in forward and in backward (bytes over the fp32 element size)."""
-    import os
-
     from tests.support import triton_interpreter
 
     triton_interpreter.enable()   # before megatron-core's GDN imports FLA (see the module docstring)
@@ -131,7 +129,6 @@ def _mcore_worker(rank, P):
 
     from hp_megatron.platform import CPU_SAFE_CONFIG, apply_cpu_shims
 
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=P)
     apply_cpu_shims(0)
     h, hv, d = MCORE_SMALL["heads"] * P, MCORE_SMALL["value_heads"] * P, MCORE_SMALL["dim"]
