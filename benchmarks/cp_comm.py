@@ -10,9 +10,19 @@ sequence (D = 1), Megatron's zigzag layout; states and summaries fp32, activatio
   (``layers.cp.accounting.state_scan_comm``); the script fails otherwise.
 * Beyond: the closed forms, and an alpha-beta-gamma model of the forward time (documented constants
   ALPHA, BETA, GAMMA below; the backward is the same scan in reverse, so fwd + bwd = 2 x forward).
+* megatron-core's own GatedDeltaNet (0.18+: ``megatron.core.ssm.gated_delta_net``) beside them: its CP is one
+  all-to-all of the whole in-projection output (q, k, v, the output gate z, beta, alpha) from sequence to heads
+  and one of the normed output back, in both directions; it needs P | H and P | HV at TP = 1 (n/a otherwise:
+  its config refuses). Measured (``--measure-mcore``, default 2 and 4): their layer's forward and backward on
+  gloo ranks with FLA's kernels through Triton's interpreter, at small head counts, every
+  ``all_to_all_single`` counted as ``layers.cp.collectives`` counts ours ((P-1)/P of the buffer each way);
+  the counts per token must equal the closed form; the table scales the closed form.
+  :func:`refusal_markdown` lists the TP x CP layouts of Qwen3-Next-80B-A3B (16 key heads, 32 value heads)
+  that their CP refuses and ours runs.
 
-Usage: ``python benchmarks/cp_comm.py [--measure 2,4] [--json out.json] [--no-docs]``; prints JSON and a
-markdown table, replaces the ``cp_comm`` section of docs/benchmarks.md and writes docs/cp_comm.png.
+Usage: ``python benchmarks/cp_comm.py [--measure 2,4] [--measure-mcore 2,4] [--json out.json] [--no-docs]``;
+prints JSON and a markdown table, replaces the ``cp_comm`` section of docs/benchmarks.md and writes
+docs/cp_comm.png.
 """
 from __future__ import annotations
 
@@ -55,6 +65,12 @@ def ulysses_token_bytes_fwd() -> int:
     return (2 * H * K + HV * V + 2 * HV) * ACT_BYTES + HV * V * ACT_BYTES
 
 
+def mcore_token_elems_fwd(h=H, hv=HV, k=K, v=V) -> int:
+    """Elements per token through megatron-core GDN's two forward all-to-alls: its whole in-projection output
+    q, k [H*K], v, z [HV*V], beta, alpha [HV] in; the normed output [HV*V] back."""
+    return (2 * h * k + 2 * hv * v + 2 * hv) + hv * v
+
+
 # -- measurement on gloo ------------------------------------------------------------------------------------
 def _worker(rank, P):
     from layers.cp import ChainScan, build_cp_context, heads_to_seq, seq_to_heads, shard
@@ -91,6 +107,69 @@ def measure(P: int) -> dict:
     return dict(enumerate(spawn_gloo(_worker, P)))
 
 
+MCORE_SMALL = dict(heads=1, value_heads=2, dim=16, hidden=32)   # per rank at the measured P: heads x P
+
+
+def _mcore_worker(rank, P):
+    """megatron-core's GDN at CP = P (zigzag BSHD, 2P tokens per rank): elements per local token moved by its
+    all-to-alls in forward and in backward (bytes over the fp32 element size)."""
+    from tests.support import triton_interpreter
+
+    triton_interpreter.enable()   # before megatron-core's GDN imports FLA (see the module docstring)
+    import megatron.core.jit
+    import torch.distributed as dist
+
+    megatron.core.jit.disable_jit_fuser()   # its torch.compile'd helpers run uncompiled (no CPU compile)
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from hp_megatron.platform import CPU_SAFE_CONFIG, apply_cpu_shims
+
+    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=P)
+    apply_cpu_shims(0)
+    h, hv, d = MCORE_SMALL["heads"] * P, MCORE_SMALL["value_heads"] * P, MCORE_SMALL["dim"]
+    config = TransformerConfig(num_layers=1, hidden_size=MCORE_SMALL["hidden"], num_attention_heads=4,
+                               normalization="RMSNorm", activation_func=torch.nn.functional.silu,
+                               context_parallel_size=P, linear_num_key_heads=h, linear_num_value_heads=hv,
+                               linear_key_head_dim=d, linear_value_head_dim=d, linear_conv_kernel_dim=4,
+                               params_dtype=torch.float32, **CPU_SAFE_CONFIG)
+    groups = ProcessGroupCollection(tp=parallel_state.get_tensor_model_parallel_group(),
+                                    cp=parallel_state.get_context_parallel_group())
+    layer = GatedDeltaNet(config, GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm,
+                                                          out_proj=RowParallelLinear), 1, pg_collection=groups)
+    counted = {"bytes": 0}
+    original = dist.all_to_all_single
+
+    def counting(output, input, *args, **kwargs):
+        counted["bytes"] += (P - 1) * input.numel() * input.element_size() // P
+        return original(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = counting
+    tokens = 2 * P
+    x = torch.randn(tokens, 1, MCORE_SMALL["hidden"], requires_grad=True)
+    y, _ = layer(x, None)
+    forward = counted["bytes"] / 4 / tokens
+    counted["bytes"] = 0
+    y.sum().backward()
+    backward = counted["bytes"] / 4 / tokens
+    dist.all_to_all_single = original
+    parallel_state.destroy_model_parallel()
+    want = (P - 1) / P * mcore_token_elems_fwd(h, hv, d, d)
+    if forward != want or backward != want:
+        raise AssertionError(f"megatron-core GDN all-to-alls at P={P}: {forward} / {backward} elements per token "
+                             f"forward / backward, closed form {want}")
+    return {"forward": forward, "backward": backward, "heads": (h, hv, d)}
+
+
+def measure_mcore(P: int) -> dict:
+    """Their layer's counted elements per token on rank 0 (every rank checked against the closed form)."""
+    return spawn_gloo(_mcore_worker, P)[0]
+
+
 # -- closed forms and model ---------------------------------------------------------------------------------
 def state_row(method, layout, P):
     """Per-rank maxima over ranks of bytes received/sent and the steps, forward and backward."""
@@ -122,6 +201,16 @@ def ulysses_row(P):
             "model_fwd_s": 2 * ALPHA + b / BETA}
 
 
+def mcore_row(P):
+    """megatron-core's GatedDeltaNet CP (TP = 1): two all-to-alls forward, two backward; None where it refuses."""
+    if H % P or HV % P:
+        return None
+    b = (P - 1) / P * (SEQ // P) * mcore_token_elems_fwd() * ACT_BYTES
+    return {"forward": {"bytes_received": int(b), "bytes_sent": int(b), "steps": 2},
+            "backward": {"bytes_received": int(b), "bytes_sent": int(b), "steps": 2},
+            "model_fwd_s": 2 * ALPHA + b / BETA}
+
+
 def hybrid_row(P):
     """Ulysses(8) inside a node x allgather over the P/8 nodes (the state chain spans P/8 ranks)."""
     U = HYBRID_U
@@ -136,7 +225,7 @@ def hybrid_row(P):
             "model_fwd_s": t}
 
 
-def build_table(measured: dict) -> list[dict]:
+def build_table(measured: dict, measured_mcore=()) -> list[dict]:
     table = []
     for P in WORLD_SIZES:
         entry = {"P": P, "measured": P in measured, "methods": {}}
@@ -155,6 +244,11 @@ def build_table(measured: dict) -> list[dict]:
             u["source"] = "measured (gloo), scaled per token" if P in measured else "closed form"
         entry["methods"]["ulysses"] = u
         entry["methods"][f"ulysses{HYBRID_U}_x_allgather"] = hybrid_row(P)
+        m = mcore_row(P)
+        if m is not None:
+            m["source"] = ("closed form = their layer's all-to-alls counted (gloo, scaled per token)"
+                           if P in measured_mcore else "closed form")
+        entry["methods"]["mcore"] = m
         table.append(entry)
     return table
 
@@ -176,7 +270,8 @@ def _check_measured(meas, layout, method, P):
 COLUMNS = [("p2p/zigzag", "p2p"), ("allgather/zigzag", "allgather"),
            ("grouped_allgather_p2p/zigzag", "grouped (g=min(P,8))"),
            ("recursive_doubling/zigzag", "recursive doubling"), ("ulysses", "Ulysses (U=P)"),
-           (f"ulysses{HYBRID_U}_x_allgather", f"Ulysses({HYBRID_U}) x allgather")]
+           (f"ulysses{HYBRID_U}_x_allgather", f"Ulysses({HYBRID_U}) x allgather"),
+           ("mcore", "megatron-core GDN (all-to-all)")]
 
 
 def _cell_bytes(row):
@@ -189,6 +284,33 @@ def _cell_time(row):
     return "n/a" if row is None else f"{2 * row['model_fwd_s'] * 1e3:,.2f}"
 
 
+REFUSAL_TP, REFUSAL_CP = (1, 2, 4, 8), (2, 4, 8, 16, 32, 64)
+
+
+def refusal_markdown(h=H, hv=HV, name="Qwen3-Next-80B-A3B") -> str:
+    """TP x CP layouts of a GDN with ``h`` key and ``hv`` value heads: which CP runs where. megatron-core's GDN
+    needs TP * CP | H and | HV (TransformerConfig check); ours needs TP | H, HV and runs every state method at
+    any CP, Ulysses (U = CP) where CP | H/TP, HV/TP and the Ulysses(U) x state hybrids for U | gcd(CP, H/TP)."""
+    import math
+
+    def cell(tp, cp):
+        theirs = "runs" if h % (tp * cp) == 0 and hv % (tp * cp) == 0 else "**refused**"
+        hybrids = [u for u in range(2, cp) if cp % u == 0 and (h // tp) % u == 0 and (hv // tp) % u == 0]
+        ulysses = (h // tp) % cp == 0 and (hv // tp) % cp == 0
+        return (f"{theirs} / state" + (" + Ulysses" if ulysses else "")
+                + (f" + U x state, U = {','.join(map(str, hybrids))}" if hybrids else ""))
+
+    lines = [f"{name} (GDN key heads H = {h}, value heads HV = {hv}): which CP runs at each TP x CP. Cell: "
+             "megatron-core's GDN CP (runs / refused) / our CP methods that run (state: p2p, allgather, "
+             "grouped_allgather_p2p, recursive_doubling; Ulysses: U = CP; U x state: the hybrids). megatron-core "
+             f"caps TP x CP at gcd(H, HV) = {math.gcd(h, hv)}; ours needs TP | H, HV only.", "",
+             "| TP \\ CP | " + " | ".join(str(c) for c in REFUSAL_CP) + " |",
+             "|---:|" + "---|" * len(REFUSAL_CP)]
+    for tp in REFUSAL_TP:
+        lines.append(f"| {tp} | " + " | ".join(cell(tp, cp) for cp in REFUSAL_CP) + " |")
+    return "\n".join(lines)
+
+
 def markdown(table) -> str:
     head = "| P | " + " | ".join(name for _, name in COLUMNS) + " |"
     rule = "|---:|" + "---:|" * len(COLUMNS)
@@ -197,7 +319,13 @@ def markdown(table) -> str:
         "zigzag layout, fp32 states, bf16 activations (Ulysses). Rows with P in "
         f"{sorted(r['P'] for r in table if r['measured'])} were measured on gloo ranks with the real code "
         "(`benchmarks/cp_comm.py`; the counters equal the closed forms of docs/cp.md); larger P use the closed "
-        "forms. Ulysses needs P | H and P | HV (n/a otherwise).",
+        "forms. Ulysses needs P | H and P | HV (n/a otherwise); so does megatron-core's own GDN CP (its config "
+        "refuses other P), whose column was counted on its real layer at P in "
+        f"{sorted(r['P'] for r in table if r['methods']['mcore'] and r['methods']['mcore']['source'] != 'closed form')}"
+        " (gloo, FLA's kernels through Triton's interpreter) and equals the closed form: its all-to-alls carry "
+        "the whole in-projection output, z included, while our Ulysses exchanges q, k, v, g, beta (the "
+        "convolution runs before it on the sequence shards, with a W-1-token halo not counted here) — "
+        f"{mcore_token_elems_fwd() / (ulysses_token_bytes_fwd() // ACT_BYTES):.2f}x the bytes.",
         "",
         "**Forward: MiB received per rank (max over ranks) / sequential steps** (the backward pass is the same "
         "scan in reverse with the same counts):",
@@ -210,7 +338,7 @@ def markdown(table) -> str:
               "fold matmuls on the critical path; see docs/cp.md):", "", head, rule]
     for r in table:
         lines.append(f"| {r['P']} | " + " | ".join(_cell_time(r["methods"][k]) for k, _ in COLUMNS) + " |")
-    lines += ["", "\\* measured. Plot: ![cp comm](cp_comm.png)"]
+    lines += ["", "\\* measured. Plot: ![cp comm](cp_comm.png)", "", refusal_markdown()]
     return "\n".join(lines)
 
 
@@ -244,6 +372,8 @@ def plot(table, path: str) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--measure", default="2,4", help="comma-separated P to measure on gloo ranks ('' for none)")
+    ap.add_argument("--measure-mcore", default="2,4",
+                    help="comma-separated P at which megatron-core's GDN is counted on gloo ranks ('' for none)")
     ap.add_argument("--json", default=None, help="also write the JSON table to this path")
     ap.add_argument("--no-docs", action="store_true", help="do not touch docs/benchmarks.md or the plot")
     args = ap.parse_args(argv)
@@ -251,7 +381,8 @@ def main(argv=None):
     for P in [int(p) for p in args.measure.split(",") if p.strip()]:
         ranks = measure(P)
         measured[P] = {"ranks": ranks, "ulysses_per_token": ranks[0].get(("ulysses", "per_token"))}
-    table = build_table(measured)
+    measured_mcore = {P: measure_mcore(P) for P in [int(p) for p in args.measure_mcore.split(",") if p.strip()]}
+    table = build_table(measured, measured_mcore)
     if measured:
         for P, m in measured.items():
             if m["ulysses_per_token"] is not None and m["ulysses_per_token"] != (P - 1) / P * ulysses_token_bytes_fwd():
@@ -268,7 +399,7 @@ def main(argv=None):
             u["model_fwd_s"] = 2 * ALPHA + b / BETA
     md = markdown(table)
     payload = {"layer": {"HV": HV, "H": H, "K": K, "V": V, "T": SEQ}, "model": {"alpha_s": ALPHA, "beta_Bps": BETA,
-               "gamma_flops": GAMMA}, "rows": table}
+               "gamma_flops": GAMMA}, "rows": table, "mcore_measured": measured_mcore}
     text = json.dumps(payload, indent=1)
     print(text)
     print()
@@ -279,7 +410,12 @@ def main(argv=None):
     if not args.no_docs:
         write_docs_section(marked_section("cp_comm", md), os.path.join(ROOT, "docs", "benchmarks.md"),
                            heading="## GDN/KDA context-parallel communication")
-        plot(table, os.path.join(ROOT, "docs", "cp_comm.png"))
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("docs/cp_comm.png not redrawn: matplotlib is not installed", file=sys.stderr)
+        else:
+            plot(table, os.path.join(ROOT, "docs", "cp_comm.png"))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,12 @@ need no GPU: what autograd saves and which kernels launch do not depend on the d
   FLA layer                  fla.layers.GatedDeltaNet / fla.layers.KimiDeltaAttention (FLA 0.6, defaults of
                              our shapes: expand_v 1, conv 4, gated output norm)
   megatron-core              megatron.core.ssm.gated_delta_net.GatedDeltaNet (GDN only; a row says why when
-                             it cannot be built here)
+                             it cannot be built here), megatron's local linears and our RMSNorm in place of its
+                             TE modules; its ``@jit_fuser`` helpers (``torch.compile`` in megatron-core 0.17+)
+                             run uncompiled (``disable_jit_fuser()``: the same aten ops, no CPU compile): on a
+                             GPU they are compiled, fusing their element-wise ops into fewer kernels. Its
+                             selective recompute (``--recompute-modules gdn_norm_out``) is not measured: megatron's
+                             ``CheckpointWithoutOutput`` stashes the CUDA RNG state (no CPU run)
   MLA (--kinds mla)          layers.MultiLatentAttention, DeepSeek-V3 head dims, with / without hp_mla_up_proj
   transformers               Qwen3NextGatedDeltaNet / KimiLinearDeltaAttention on their pure-PyTorch paths
                              (benchmarks/layers.py's ``build_hf``)
@@ -36,7 +41,9 @@ Usage: ``python benchmarks/layer_memory.py [--hidden 1024 2048] [--dtypes float3
 docs/benchmarks.md, rows into docs/layer_memory.json)]``;
 ``--merge A.json B.json ...`` measures nothing and publishes the rows of earlier runs' ``--json`` files as one table
 (a later file's row replaces an earlier one of the same layer, implementation and shape), for tables measured
-piecewise (the interpreter takes minutes per row on a small machine).
+piecewise (the interpreter takes minutes per row on a small machine). ``--docs-section NAME`` publishes into the section
+``NAME`` of docs/benchmarks.md and docs/NAME.json instead of ``layer_memory`` (a table measured with another
+megatron-core beside the main one, e.g. ``layer_memory_mcore019``).
 """
 from __future__ import annotations
 
@@ -58,6 +65,10 @@ from tests.support import triton_interpreter  # noqa: E402  (FLA's kernels on CP
 
 if triton_interpreter.available() is None and "fla" not in sys.modules:
     triton_interpreter.enable()  # before anything imports fla (a process that already has fla keeps it as it is)
+
+import megatron.core.jit  # noqa: E402
+
+megatron.core.jit.disable_jit_fuser()  # before megatron-core's GDN is imported (module docstring)
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -366,7 +377,8 @@ def markdown(rows, meta) -> str:
              "kB/token: unique non-parameter storages saved for backward (input included) / tokens. Kernels: leaf "
              "aten ops that launch a kernel + Triton launches, forward and backward (module docstring of "
              "`benchmarks/layer_memory.py`). Ratios: saved bytes relative to ours (triton) and to FLA's layer at the same "
-             "shape; + recompute: `--recompute-modules hp_conv hp_gated_norm`.", "",
+             "shape; + recompute: `--recompute-modules hp_conv hp_gated_norm`; megatron-core's `@jit_fuser` "
+             "helpers run uncompiled here.", "",
              "| layer | hidden | heads qk/v | dtype | implementation | saved kB/token | vs ours (triton) | "
              "vs FLA layer | kernels fwd (aten+triton) | kernels bwd (aten+triton) | kernels fwd+bwd |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -404,6 +416,8 @@ def _parser():
                         help="saved bytes and forward kernels only (no backward: a third of the interpreter's time)")
     parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
                         help="publish the rows of these --json files as one table (measures nothing)")
+    parser.add_argument("--docs-section", default="layer_memory",
+                        help="section of docs/benchmarks.md (and docs/NAME.json) --write-docs replaces")
     add_output_args(parser)
     return parser
 
@@ -411,10 +425,10 @@ def _parser():
 def main(argv=None):
     args = _parser().parse_args(argv)
     if args.write_docs and args.json is None:
-        args.json = DOCS_JSON
+        args.json = DOCS_JSON.with_name(f"{args.docs_section}.json")
     if args.merge:
         result = merge(args.merge)
-        publish(result, markdown(result["rows"], result["meta"]), args, "layer_memory", "### Measured")
+        publish(result, markdown(result["rows"], result["meta"]), args, args.docs_section, "### Measured")
         return
     reason = triton_interpreter.available()
     if reason is not None:
@@ -436,7 +450,7 @@ def main(argv=None):
                                 rows.append(measure(kind, impl, hidden, gva == "yes", getattr(torch, dtype),
                                                     args.T, args.breakdown, args.forward_only))
         # the section's heading and the before/after notes stand above the markers in docs/benchmarks.md
-        publish(dict(meta=meta, rows=rows), markdown(rows, meta), args, "layer_memory", "### Measured")
+        publish(dict(meta=meta, rows=rows), markdown(rows, meta), args, args.docs_section, "### Measured")
 
 
 if __name__ == "__main__":

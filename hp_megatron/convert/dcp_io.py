@@ -18,10 +18,10 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (BytesIOWriteData, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
-                                                  TensorWriteData, WriteItem, WriteItemType)
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (BytesIOWriteData, LoadItemType, LoadPlan, LoadPlanner, ReadItem,
+                                                  SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from hp_megatron.convert.safetensors_io import CheckpointError
@@ -130,10 +130,12 @@ def verify_dcp_files(directory: str):
 
 
 class _RegionLoadPlanner(LoadPlanner):
-    """Reads ``regions`` (``[(key, offset, destination tensor)]``) from whatever chunks the checkpoint holds."""
+    """Reads ``regions`` (``[(key, offset, destination tensor)]``) from whatever chunks the checkpoint holds, and the
+    serialized objects ``objects`` (keys) into ``self.loaded``."""
 
-    def __init__(self, regions):
+    def __init__(self, regions, objects=()):
         self.regions = {(key, tuple(offset)): dest for key, offset, dest in regions}
+        self.objects, self.loaded = tuple(objects), {}
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         self.metadata = metadata
@@ -144,6 +146,9 @@ class _RegionLoadPlanner(LoadPlanner):
             stored = self.metadata.state_dict_metadata[key]
             chunk = ChunkStorageMetadata(offsets=torch.Size(offset), sizes=dest.shape)
             items += create_read_items_for_chunk_list(key, stored, [chunk])
+        zero = torch.Size((0,))
+        items += [ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(key), dest_offsets=zero,
+                           storage_index=MetadataIndex(key), storage_offsets=zero, lengths=zero) for key in self.objects]
         return LoadPlan(items)
 
     def create_global_plan(self, global_plan):
@@ -153,7 +158,10 @@ class _RegionLoadPlanner(LoadPlanner):
         return central_plan
 
     def load_bytes(self, read_item, value) -> None:
-        raise CheckpointError(f"unexpected object read for {read_item.dest_index.fqn}")
+        key = read_item.dest_index.fqn
+        if key not in self.objects:
+            raise CheckpointError(f"unexpected object read for {key}")
+        self.loaded[key] = value.read()
 
     def resolve_tensor(self, read_item):
         dest = self.regions[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
@@ -166,14 +174,37 @@ class _RegionLoadPlanner(LoadPlanner):
 
 
 class ChunkReader:
-    """Regions of the tensors of a DCP checkpoint directory; ``tensors`` maps key -> (global shape, dtype)."""
+    """Regions of the tensors of a DCP checkpoint directory; ``tensors`` maps key -> (global shape, dtype),
+    ``objects`` lists the keys of its serialized (non-tensor) objects."""
 
     def __init__(self, directory: str):
         self.directory = directory
         metadata = verify_dcp_files(directory)
+        self._metadata = metadata
         self._reader = _KnownMetadataReader(directory, metadata)
         self.tensors = {key: (tuple(md.size), md.properties.dtype) for key, md in metadata.state_dict_metadata.items()
                         if isinstance(md, TensorStorageMetadata)}
+        self.objects = [key for key, md in metadata.state_dict_metadata.items()
+                        if isinstance(md, BytesStorageMetadata)]
+
+    def chunks(self, key: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """``[(offset, size)]`` of the chunks tensor ``key`` was saved in (the writing run's sharding)."""
+        return [(tuple(c.offsets), tuple(c.sizes)) for c in self._metadata.state_dict_metadata[key].chunks]
+
+    def read_objects(self, keys: Sequence[str]) -> dict[str, bytes]:
+        """The stored bytes of the serialized objects ``keys``."""
+        import torch.distributed.checkpoint as dcp
+
+        unknown = sorted(set(keys) - set(self.objects))
+        if unknown:
+            raise CheckpointError(f"{self.directory}: checkpoint has no object {unknown[0]}")
+        planner = _RegionLoadPlanner((), keys)
+        try:
+            dcp.load({}, storage_reader=self._reader, planner=planner, no_dist=True)
+        except CheckpointException as err:
+            raise CheckpointError(f"{self.directory}: torch.distributed.checkpoint cannot read objects "
+                                  f"{sorted(keys)[:3]}: {error_summary(err)}") from err
+        return planner.loaded
 
     def read_into(self, regions: Sequence[tuple[str, Sequence[int], torch.Tensor]]) -> None:
         """``[(key, offset, destination)]``: fill each destination (any dtype; views allowed) with the stored

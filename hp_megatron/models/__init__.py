@@ -7,12 +7,15 @@ GPTModel keywords) and ``conversion_rules(hf_config: dict) -> list[TensorRule]``
 which is what the conversion engine ``hp_megatron.convert`` takes. ``preset_from_hf`` / ``conversion_rules_from_hf``
 / ``architecture_of`` take a dict, a ``config.json`` or a checkpoint directory. ``export_hf_weights`` /
 ``hf_weight_exporter`` (``weights.py``) stream a running sharded model's weights in HF names and layouts.
+``gpt_key_map`` / ``hybrid_key_map`` (``megatron_gdn.py``) map megatron-core's own GatedDeltaNet models to ours.
 Imports go one way: ``hp_megatron.models`` -> ``hp_megatron.convert``.
 """
 from hp_megatron.models.architectures import (ARCHITECTURES, Architecture, architecture_of, conversion_rules_from_hf,
                                               get_architecture, preset_from_hf)
 from hp_megatron.models.common import ModelPreset
+from hp_megatron.models.megatron_gdn import KeyMap, gpt_key_map, hybrid_key_map
 from hp_megatron.models.weights import export_hf_weights, hf_weight_exporter
 
-__all__ = ["ARCHITECTURES", "Architecture", "ModelPreset", "architecture_of", "conversion_rules_from_hf",
-           "export_hf_weights", "get_architecture", "hf_weight_exporter", "preset_from_hf"]
+__all__ = ["ARCHITECTURES", "Architecture", "KeyMap", "ModelPreset", "architecture_of", "conversion_rules_from_hf",
+           "export_hf_weights", "get_architecture", "gpt_key_map", "hf_weight_exporter", "hybrid_key_map",
+           "preset_from_hf"]
