@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hp_megatron.selfcheck.problems import (CONV_WIDTH, DeltaCase, conv_inputs, cotangents, delta_inputs, head_dims,
-                                            to_device)
+from hp_megatron.selfcheck.problems import (CONV_WIDTH, DeltaCase, conv_inputs, cotangents, default_lower_bound,
+                                            delta_inputs, head_dims, to_device)
 from hp_megatron.selfcheck.report import Row, error_rows, na_row, rel_err
 from hp_megatron.selfcheck.single import OP_NAMES, OPS
 from layers.ops import causal_conv1d
@@ -66,7 +66,7 @@ def delta_rows(backend, device, dtype, kind, method, opts, layout_name, limits):
     grad = no_bwd is None
     layout, B, T, cu = LAYOUTS[layout_name]
     K, V = head_dims(backend)
-    case = DeltaCase(kind, B=B, T=T, H=2, HV=2, cu_seqlens=cu, lower_bound=-5.0 if kind == "kda" else None,
+    case = DeltaCase(kind, B=B, T=T, H=2, HV=2, cu_seqlens=cu, lower_bound=default_lower_bound(kind),
                      initial_state=False, seed=11)
     try:
         tensors, flags = delta_inputs(case, K, V, dtype)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from layers.ops.gates import l2norm
+from layers.ops.kinds import delta_kind
 
 CONV_WIDTH, CONV_CHANNELS = 4, 64
 
@@ -50,13 +51,18 @@ class DeltaCase:
         return shape + heads + (" h0" if self.initial_state else "") + gate + bound
 
 
+def default_lower_bound(kind: str):
+    """The gate's lower bound the cases use: -5.0 (fla-npu's range is [-5, 0)) where the kind's gate has one."""
+    return -5.0 if delta_kind(kind).lower_bound_gate else None
+
+
 SINGLE = (
     DeltaCase("gdn", B=2, T=70, H=2, HV=2, in_kernel=True, seed=1),
     DeltaCase("gdn", B=1, T=100, H=1, HV=2, cu_seqlens=(0, 5, 70, 100), in_kernel=False, seed=2),
     DeltaCase("kda", B=2, T=70, H=2, HV=2, in_kernel=True, lower_bound=-5.0, seed=3),
     DeltaCase("kda", B=1, T=100, H=1, HV=2, cu_seqlens=(0, 5, 70, 100), in_kernel=False, seed=4),
 )
-DECODE = {kind: DeltaCase(kind, B=2, T=3, H=1, HV=2, lower_bound=-5.0 if kind == "kda" else None, seed=5 + i)
+DECODE = {kind: DeltaCase(kind, B=2, T=3, H=1, HV=2, lower_bound=default_lower_bound(kind), seed=5 + i)
           for i, kind in enumerate(("gdn", "kda"))}     # N = B sequences, T decode tokens from a cached state
 # (name, B, T, cu_seqlens, with history and bias)
 CONV = (("B=2 T=70 silu", 2, 70, None, False), ("packed 3 docs T=100 history bias silu", 1, 100, (0, 5, 70, 100), True))
@@ -69,19 +75,20 @@ def delta_inputs(case: DeltaCase, K: int, V: int, dtype: torch.dtype):
     gen = torch.Generator().manual_seed(case.seed)
     randn = lambda *shape: torch.randn(*shape, generator=gen)   # noqa: E731
     B, T, H, HV = case.B, case.T, case.H, case.HV
-    gshape = (B, T, HV) if case.kind == "gdn" else (B, T, HV, K)
+    kind = delta_kind(case.kind)
+    gshape = (B, T) + kind.gate_shape(HV, K)
     t = {"q": randn(B, T, H, K), "k": randn(B, T, H, K), "v": randn(B, T, HV, V)}
     flags = dict(use_qk_l2norm_in_kernel=case.in_kernel, use_beta_sigmoid_in_kernel=case.in_kernel,
                  use_gate_in_kernel=case.in_kernel)
     if case.in_kernel:
         t["g"], t["beta"] = randn(*gshape), randn(B, T, HV)
         t["A_log"] = 0.5 * randn(HV)
-        t["dt_bias"] = -2.0 + 0.5 * randn(HV if case.kind == "gdn" else HV * K)
+        t["dt_bias"] = -2.0 + 0.5 * randn(*kind.dt_bias_shape(HV, K))
     else:
         t["k"] = l2norm(t["k"])
         t["g"] = F.logsigmoid(2.0 + randn(*gshape))
         t["beta"] = 0.05 + 0.9 * torch.rand(B, T, HV, generator=gen)
-    if case.kind == "kda":
+    if kind.lower_bound_gate:
         flags.update(lower_bound=case.lower_bound, safe_gate=case.lower_bound is not None)
     if case.initial_state:
         t["initial_state"] = randn(case.N, HV, K, V).bfloat16().float()
