@@ -172,6 +172,12 @@ def stage_layer_offset(config, vp_stage=None, pg_collection=None, model_comm_pgs
 _ROTARY_KWARGS = ("rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin")
 
 
+def without_rotary(kwargs: dict) -> dict:
+    """``TransformerLayer.forward`` keywords with the model's rotary tables set to None (for a mixer that computes
+    its own positions, as our MLA, which refuses them)."""
+    return {name: None if name in _ROTARY_KWARGS else value for name, value in kwargs.items()}
+
+
 class HybridLayer(TransformerLayer):
     """``TransformerLayer`` built from the pattern symbol of its global layer number.
 
@@ -210,9 +216,7 @@ class HybridLayer(TransformerLayer):
 
     def forward(self, *args, **kwargs):
         if self.drops_rotary:
-            for name in _ROTARY_KWARGS:
-                if kwargs.get(name) is not None:
-                    kwargs[name] = None
+            kwargs = without_rotary(kwargs)
         return super().forward(*args, **kwargs)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
