@@ -55,17 +55,14 @@ READY_SPECS = sorted(_ready_specs_dict := _ready_specs())
 globals().update(_ready_specs_dict)
 del _ready_specs_dict
 
-_stack_specs = {}
-
-
 def __getattr__(name):
-    """The stack specs of ``STACK_SPECS`` (``hybrid_stack_spec`` ...), built on first access: they need
+    """The stack specs of ``STACK_SPECS`` (``hybrid_stack_spec`` ...), built on first access and then module globals
+    (Megatron-LM's ``import_module`` reads ``vars(module)`` after its ``from``-import has touched the name): they need
     megatron-core's HybridModel (0.19+), and ``import hp_megatron.specs`` works on every supported version."""
     if name not in STACK_SPECS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if name not in _stack_specs:
-        _stack_specs[name] = ready_stack_spec(name)
-    return _stack_specs[name]
+    spec = globals()[name] = ready_stack_spec(name)
+    return spec
 
 
 __all__ = ["AscendCSpecProvider", "ContextParallelDotProductAttention", "EagerSpecProvider", "HybridLayer",
