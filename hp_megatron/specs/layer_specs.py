@@ -17,12 +17,13 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from hp_megatron.hybrid_layer import HybridLayer, HybridLayerSubmodules, QKNormFromConfig, validate_pattern
 from hp_megatron.specs.providers import get_spec_provider
+from layers.megatron_compat import bind_moe_router_gemm, dense_mlp_spec
 
 MIXERS = ("gdn", "kda", "mla", "attn")
 SYMBOLS = {"G": "gdn", "K": "kda", "M": "mla", "A": "attn"}
@@ -99,11 +100,7 @@ def _mla_spec(provider, cp_layout) -> ModuleSpec:
 
 def _moe_mlp_spec(provider) -> ModuleSpec:
     """megatron-core's MoE layer spec with this provider's linears (SequentialMLP experts)."""
-    from megatron.core.transformer.moe import moe_utils
-
-    # without Transformer Engine megatron-core 0.16 never binds this name, yet the router reads it
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    bind_moe_router_gemm()
     # num_experts is only checked for presence here; the layers read config.num_moe_experts
     return get_moe_module_spec_for_backend(provider, num_experts=0, moe_grouped_gemm=False)
 
@@ -134,8 +131,8 @@ def get_layer_submodules(mixer: str, backend="eager", *, qk_layernorm: bool | st
         self_attention=get_mixer_spec(mixer, provider, qk_layernorm=qk_layernorm, cp_layout=cp_layout),
         self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=norm,
-        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=provider.column_parallel_linear(),
-                                                            linear_fc2=provider.row_parallel_linear())),
+        mlp=dense_mlp_spec(MLPSubmodules(linear_fc1=provider.column_parallel_linear(),
+                                         linear_fc2=provider.row_parallel_linear())),
         mlp_bda=get_bias_dropout_add,
     )
 

@@ -17,7 +17,7 @@ parallelism). Nothing falls back silently: asking for TE linears without Transfo
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 from megatron.core.models.backends import BackendSpecProvider
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -25,6 +25,7 @@ from megatron.core.transformer.mlp import MLPSubmodules
 
 from hp_megatron.specs.attention import ContextParallelDotProductAttention
 from layers.choices import BACKENDS
+from layers.megatron_compat import experts_builder
 
 LINEAR_IMPLS = ("local", "te")
 
@@ -91,14 +92,16 @@ class _HPSpecProvider(BackendSpecProvider):
 
         return GatedRMSNorm
 
-    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool
-                            ) -> Tuple[type, Optional[MLPSubmodules]]:
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, *legacy_grouped_gemm):
+        """``SequentialMLP`` experts with this provider's linears (megatron-core 0.16 passes a second flag,
+        ``moe_use_legacy_grouped_gemm``, which changes nothing here)."""
         from megatron.core.transformer.moe.experts import SequentialMLP
 
         if moe_use_grouped_gemm:
             raise ValueError("grouped-GEMM experts need Transformer Engine specs; use moe_use_grouped_gemm=False")
-        return SequentialMLP, MLPSubmodules(linear_fc1=self.column_parallel_linear(),
-                                            linear_fc2=self.row_parallel_linear())
+        return experts_builder(SequentialMLP, MLPSubmodules(linear_fc1=self.column_parallel_linear(),
+                                                            linear_fc2=self.row_parallel_linear(),
+                                                            activation_func=self.activation_func()))
 
     def activation_func(self) -> type:
         return None

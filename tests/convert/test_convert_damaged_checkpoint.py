@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.support.models_case import tiny_llama
-from tests.support.paths import REPO
+from tests.support.paths import REPO, pythonpath
 
 ROOT = pathlib.Path(REPO)
 
@@ -45,7 +45,7 @@ def test_truncated_distcp_is_one_line_naming_the_file_and_save_is_untouched(conv
     save = tmp / "truncated_out"
     save.mkdir()
     (save / "keep.txt").write_text("before")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}  # megatron-core's import warnings
+    env = {**os.environ, "PYTHONPATH": pythonpath(str(ROOT)), "PYTHONWARNINGS": "ignore"}  # megatron-core's import warnings
     proc = subprocess.run([sys.executable, "-m", "hp_megatron.convert", "mcore-to-hf", "--load", damaged,
                            "--save", str(save), "--overwrite"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from tests.support.dist import run_distributed
-from tests.support.paths import EXAMPLE, REPO
+from tests.support.paths import EXAMPLE, REPO, pythonpath
 
 PROMPT, NEW_TOKENS = "def ", 8
 
@@ -64,7 +64,7 @@ def test_generate_from_example_checkpoint_equals_training_forward(trained, tmp_p
     output = str(tmp_path / "out.json")
     cmd = [sys.executable, "-m", "hp_megatron.generate", "--load", ckpt, "--prompt", PROMPT,
            "--max-new-tokens", str(NEW_TOKENS), "--output-json", output]
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=pythonpath(REPO))
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "[0] generated (" in run.stdout and "decode:" in run.stdout, run.stdout

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from tests.support.paths import EXAMPLE, REPO
+from tests.support.paths import EXAMPLE, REPO, pythonpath
 
 if EXAMPLE not in sys.path:
     sys.path.insert(0, EXAMPLE)
@@ -116,8 +116,7 @@ def test_other_ranks_leave_the_report_to_rank_zero(monkeypatch, capsys):
 def _torchrun(args, nproc=2, timeout=600, rank0_late_s=None):
     """(exit status, stdout, stderr) of the example under torchrun; ``rank0_late_s``: rank 0 starts that late
     (tests/support/rank0_late.py), so the other ranks reach an error first."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath(REPO))
     script = [os.path.join(EXAMPLE, "pretrain_hybrid.py")]
     if rank0_late_s is not None:
         script = [os.path.join(REPO, "tests", "support", "rank0_late.py"), str(rank0_late_s), *script]

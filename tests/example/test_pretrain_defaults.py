@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.support.paths import EXAMPLE, REPO
+from tests.support.paths import EXAMPLE, REPO, pythonpath
 
 if EXAMPLE not in sys.path:
     sys.path.insert(0, EXAMPLE)
@@ -24,8 +24,7 @@ def run(pydoc_data):
             "--hp-layer-pattern", "KM", "--train-iters", str(ITERS), "--eval-interval", "2", "--eval-iters", "1",
             "--data-path", os.path.join(data, "pydoc_text_document"),
             "--tokenizer", os.path.join(data, "tokenizer.json")]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
            os.path.join(EXAMPLE, "pretrain_hybrid.py"), *argv]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

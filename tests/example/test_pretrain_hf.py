@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.support.models_case import tiny_hf_model
-from tests.support.paths import EXAMPLE, REPO
+from tests.support.paths import EXAMPLE, REPO, pythonpath
 
 if EXAMPLE not in sys.path:
     sys.path.insert(0, EXAMPLE)
@@ -63,7 +63,7 @@ def _first_batch_reference_loss(converted):
 
 
 def test_example_starts_from_converted_checkpoint_with_transformers_loss(converted):
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": pythonpath(REPO)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
            os.path.join(EXAMPLE, "pretrain_hybrid.py"), *_flags(converted)]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)

@@ -226,7 +226,7 @@ def test_ready_specs_follow_the_qk_layernorm_flag(qk_layernorm):
             explicit = specs.get_hybrid_layer_spec("GGGA", qk_layernorm=False)
             with pytest.raises(ValueError, match="config.qk_layernorm=True .* has no q/k norms"):
                 explicit.module(config, explicit.submodules, layer_number=4, **explicit.params)
-        else:
-            assert norms == (IdentityOp, IdentityOp)
+        else:  # no q/k norm: megatron-core 0.16 builds IdentityOp there, 0.17+ none
+            assert norms in ((IdentityOp, IdentityOp), (type(None), type(None)))
     with pytest.raises(ValueError, match="qk_layernorm must be True, False or 'config'"):
         specs.get_hybrid_layer_spec("GGGA", qk_layernorm="yes")

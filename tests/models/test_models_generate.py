@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.support.models_case import tiny_hf_model, tiny_llama
-from tests.support.paths import REPO
+from tests.support.paths import REPO, pythonpath
 
 ARCHS = ("qwen3_next", "kimi_linear", "deepseek_v3", "llama")
 PROMPT_LENGTHS = (3, 7, 12)
@@ -107,7 +107,7 @@ def test_command_generates_and_reports_speed(converted, tmp_path):
     out = tmp_path / "out.json"
     cmd = [sys.executable, "-m", "hp_megatron.generate", "--load", ckpt, "--max-new-tokens", "8",
            "--output-json", str(out)] + [a for p in prompts for a in ("--prompt-ids", ",".join(map(str, p)))]
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=pythonpath(REPO))
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from tests.support.models_case import read_safetensors, tiny_llama
-from tests.support.paths import REPO
+from tests.support.paths import REPO, pythonpath
 
 ROOT = pathlib.Path(REPO)
 
@@ -24,7 +24,7 @@ sys.meta_path.insert(0, Hidden())
 
 
 def _python_without_hf(code: str, *argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}  # megatron-core's import warnings
+    env = {**os.environ, "PYTHONPATH": pythonpath(str(ROOT)), "PYTHONWARNINGS": "ignore"}  # megatron-core's import warnings
     return subprocess.run([sys.executable, "-c", HIDE + code, *argv], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
 

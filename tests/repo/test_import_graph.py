@@ -11,6 +11,8 @@ import pathlib
 import subprocess
 import sys
 
+from tests.support.paths import pythonpath
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -145,5 +147,5 @@ def test_importing_ops_loads_no_cp_module():
     code = ("import sys, layers.ops, layers.ops.eager.backend, layers.ops.summary, layers.ops.gates;"
             "print(sorted(m for m in sys.modules if m.startswith('layers.cp')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         env={**os.environ, "PYTHONPATH": pythonpath(str(ROOT))})
     assert out.stdout.strip() == "[]"

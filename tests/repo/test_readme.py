@@ -4,7 +4,7 @@ import re
 import subprocess
 import sys
 
-from tests.support.paths import REPO
+from tests.support.paths import REPO, pythonpath
 
 
 
@@ -18,8 +18,7 @@ def _snippet():
 def test_readme_snippet_runs():
     code = _snippet()
     assert "chunk_kda" in code and "build_cp_context" in code
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(
-        os.pathsep) if p]))
+    env = dict(os.environ, PYTHONPATH=pythonpath(REPO))
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -11,7 +11,7 @@ import subprocess
 import tempfile
 
 from hp_megatron.platform import MEGATRON_LM_CPU_FLAGS
-from tests.support.paths import EXAMPLE, MEGATRON_LM, REPO
+from tests.support.paths import EXAMPLE, MEGATRON_LM, REPO, pythonpath
 
 SITE = os.path.join(REPO, "tests", "megatron_lm", "site")
 SCRIPTS = os.path.join(EXAMPLE, "megatron_lm")
@@ -29,7 +29,7 @@ NO_SAVE = ["--save", ""]
 def run_script(script, dims, workdir, sites_dir, env_vars, extra):
     """One launch of ``script`` (a train_*.sh) with the model ``dims``; returns (per-iteration records, log text)."""
     record_dir = tempfile.mkdtemp(prefix="record", dir=workdir)  # one per run; runs may share a checkpoint
-    env = dict(os.environ, PYTHONPATH=f"{SITE}:{REPO}", MEGATRON_LM_PATH=MEGATRON_LM, PET_STANDALONE="1",
+    env = dict(os.environ, PYTHONPATH=pythonpath(SITE, REPO), MEGATRON_LM_PATH=MEGATRON_LM, PET_STANDALONE="1",
                OMP_NUM_THREADS="1", HP_MEGATRON_LM_SITES_DIR=sites_dir, HP_MEGATRON_LM_RECORD_DIR=record_dir,
                GPUS="1", TP="1", CP="1", BACKEND="eager", DTYPE="fp32", SEQ=str(SEQ), GBS=str(GBS),
                ITERS=str(ITERS), LR=str(LR), CKPT=os.path.join(workdir, "ckpt"))
