@@ -25,15 +25,14 @@ these specs do not set (``HybridModel`` then refuses the pattern).
 """
 from __future__ import annotations
 
-from functools import partial
-
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from hp_megatron.specs.layer_specs import _moe_mlp_spec, get_mixer_spec
 from hp_megatron.specs.providers import get_spec_provider
+from layers.megatron_compat import dense_mlp_spec
 
 G_MIXERS = ("gdn", "kda")
 
@@ -79,8 +78,8 @@ def get_hybrid_stack_spec(backend="eager", *, g_mixer: str = "gdn", qk_layernorm
 
     provider = get_spec_provider(backend, linear=linear)
     norm = provider.layer_norm(rms_norm=True)
-    mlp = partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=provider.column_parallel_linear(),
-                                                                  linear_fc2=provider.row_parallel_linear()))
+    mlp = dense_mlp_spec(MLPSubmodules(linear_fc1=provider.column_parallel_linear(),
+                                       linear_fc2=provider.row_parallel_linear()))
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
         gdn_layer=_mixer_layer(g_mixer, provider, qk_layernorm, cp_layout),
         attention_layer=_mixer_layer("attn", provider, qk_layernorm, cp_layout),

@@ -14,9 +14,9 @@ module redirects exactly those call sites to CPU, no other caller:
   CPU behaviour and is recorded; any other caller gets the original callable. A call from ``megatron/`` that
   is not listed and fails on CPU raises ``RuntimeError`` naming the site; one that is not listed but is served
   by ``hp_megatron.platform``'s shims is recorded as unlisted.
-* ``torch.cuda.current_device`` / ``synchronize``, the RNG tracker, the schedules' token counter and the CP
-  slice of rotary tables come from ``hp_megatron.platform.apply_cpu_training_shims`` (reused, wrapped here
-  only to record their megatron callers).
+* ``torch.cuda.current_device`` / ``synchronize`` / ``current_stream``, the RNG tracker, the schedules' token
+  counter and the CP slice of rotary tables come from ``hp_megatron.platform.apply_cpu_training_shims`` (reused,
+  wrapped here only to record their megatron callers).
 
 :func:`install` applies all of it right before ``megatron.training`` executes (and no-ops
 ``_warmup_jit_function`` once ``megatron.training.initialize`` has executed) through ``import_hook``;
@@ -184,6 +184,8 @@ SITES_019 = (
     ("megatron/core/utils.py", 715, "torch.cuda.current_device", "torch.cuda.current_device()"),
     ("megatron/core/models/common/embeddings/rotary_pos_embedding.py", 162, "torch.cuda.current_device",
      "torch.cuda.current_device()"),
+    # served by hp_megatron.platform's module-level torch of the schedules (not seen by the recorder)
+    ("megatron/core/pipeline_parallel/schedules.py", 749, "platform:schedules.torch", 'device="cuda"'),
 )
 
 SITES = {(0, 16): SITES_016, (0, 19): SITES_019}  # by the (major, minor) of megatron-core
@@ -355,7 +357,7 @@ def _apply_before_training() -> None:
     cuda.get_device_properties = _redirect("torch.cuda.get_device_properties", cuda.get_device_properties,
                                            lambda *a, **k: _HOPPER)
     cuda.Stream = _redirect("torch.cuda.Stream", cuda.Stream, _CpuStream)
-    cuda.current_stream = _redirect("torch.cuda.current_stream", cuda.current_stream, lambda *a, **k: _CpuStream())
+    cuda.current_stream = _recorded("torch.cuda.current_stream", cuda.current_stream)
     cuda.stream = _redirect("torch.cuda.stream", cuda.stream, lambda stream: contextlib.nullcontext())
     cuda.get_rng_state = _redirect("torch.cuda.get_rng_state", cuda.get_rng_state,
                                    lambda *a, **k: torch.get_rng_state())

@@ -1,8 +1,9 @@
-"""Launches of Megatron-LM's ``pretrain_gpt.py`` with our specs through the documented launch scripts
-(``examples/pretrain/megatron_lm/train_*.sh``: torchrun -> pretrain_gpt_hp.py -> Megatron-LM's ``pretrain``) on
-CPU/gloo, in the CPU mode of tests/megatron_lm/cpu_mode.py (its ``site`` folder's ``sitecustomize`` on
-PYTHONPATH), with tiny dims and docs/usage.md's CPU flags. :func:`run_script` returns the per-iteration records of
-tests/megatron_lm/record.py and the log."""
+"""Launches of Megatron-LM's ``pretrain_gpt.py`` (and, on 0.19, ``pretrain_hybrid.py``) with our specs through the
+documented launch scripts (``examples/pretrain/megatron_lm/train_*.sh``: torchrun -> pretrain_gpt_hp.py /
+pretrain_hybrid_hp.py -> Megatron-LM's ``pretrain``) on CPU/gloo, in the CPU mode of tests/megatron_lm/cpu_mode.py
+(its ``site`` folder's ``sitecustomize`` on PYTHONPATH), with tiny dims and docs/usage.md's CPU flags.
+:func:`run_script` returns the per-iteration records of tests/megatron_lm/record.py and the log;
+:func:`example_first_loss` the first loss of examples/pretrain/pretrain_hybrid.py on the same dims and data."""
 from __future__ import annotations
 
 import json
@@ -60,3 +61,26 @@ def write_data(data_dir: str, out: str) -> dict:
 
     return {"DATA": os.path.join(data_dir, DATA_NAME),
             "TOKENIZER": write_tokenizer_dir(os.path.join(data_dir, "tokenizer.json"), os.path.join(out, "hf"))}
+
+
+def example_first_loss(pattern: str, data: dict, flags) -> float:
+    """examples/pretrain/pretrain_hybrid.py's first-iteration lm loss for the layer ``pattern`` (``--hp-layer-pattern``)
+    on the launches' dims, data, split and schedule (its ``train`` on one gloo rank of tests/support/dist.py, full
+    precision); ``flags``: the model's other flags."""
+    from tests.support.dist import run_distributed
+
+    tokenizer_json = os.path.join(os.path.dirname(data["DATA"]), "tokenizer.json")
+    argv = ["--hp-layer-pattern", pattern, "--seq-length", str(SEQ), "--micro-batch-size", "1",
+            "--global-batch-size", str(GBS), "--train-iters", str(ITERS), "--eval-interval", "100",
+            "--eval-iters", "1", "--lr", str(LR), "--lr-warmup-iters", "0", "--split", "99,1,0",
+            "--data-path", data["DATA"], "--tokenizer", tokenizer_json, "--no-progress",
+            "--hp-linear-conv-kernel-dim", "4", *TINY, *flags]
+    return run_distributed(_example_first_iteration, 1, argv)[0]["lm_loss"]
+
+
+def _example_first_iteration(rank, world_size, argv):
+    from tests.support.converted_runs import first_iteration
+
+    record = first_iteration(argv)
+    assert record["iteration"] == 1, record
+    return record
