@@ -131,6 +131,7 @@ SITES_019 = (
     ("megatron/training/models/dist_utils.py", 306, "torch.cuda.stream", "torch.cuda.stream(ddp_stream)"),
     ("megatron/training/models/dist_utils.py", 366, "torch.cuda.current_stream", "torch.cuda.current_stream()"),
     # small tensors of the training loop
+    ("megatron/training/training.py", 1131, "torch.tensor", "device='cuda'"),  # the entry scripts' start time
     ("megatron/training/training.py", 1137, "torch.tensor", "device='cuda'"),
     ("megatron/training/training.py", 2613, "torch.tensor", "device='cuda'"),
     ("megatron/training/training.py", 2884, "torch.tensor", "device='cuda'"),
@@ -306,6 +307,15 @@ def _factory(call: str, original):
     return factory
 
 
+def _redirected_class(call: str, original, on_cpu):
+    """A class standing in for the class ``original`` whose construction is :func:`_redirect`'s (a listed site gets
+    ``on_cpu()``, any other caller ``original(...)``); a class, so annotations such as ``torch.cuda.Stream | None``
+    (transformers' modules, imported with FLA) still evaluate."""
+    redirect = _redirect(call, original, on_cpu, depth=3)
+    return type(original.__name__, (), {"__new__": staticmethod(lambda cls, *a, **k: redirect(*a, **k)),
+                                         "__wrapped__": original, "__doc__": original.__doc__})
+
+
 class _CpuStream:
     """Stand-in for ``torch.cuda.Stream`` on CPU, where work is ordered anyway."""
 
@@ -356,7 +366,7 @@ def _apply_before_training() -> None:
     cuda.set_device = _redirect("torch.cuda.set_device", cuda.set_device, _noop)
     cuda.get_device_properties = _redirect("torch.cuda.get_device_properties", cuda.get_device_properties,
                                            lambda *a, **k: _HOPPER)
-    cuda.Stream = _redirect("torch.cuda.Stream", cuda.Stream, _CpuStream)
+    cuda.Stream = _redirected_class("torch.cuda.Stream", cuda.Stream, _CpuStream)
     cuda.current_stream = _recorded("torch.cuda.current_stream", cuda.current_stream)
     cuda.stream = _redirect("torch.cuda.stream", cuda.stream, lambda stream: contextlib.nullcontext())
     cuda.get_rng_state = _redirect("torch.cuda.get_rng_state", cuda.get_rng_state,

@@ -9,10 +9,11 @@ tests/megatron_lm/cpu_mode.py (its core_v0.19.0 site table). Three models:
 * ``hybrid_kda``: ``pretrain_hybrid.py --spec hp_megatron.specs kda_hybrid_stack_spec --hybrid-layer-pattern
   G-G-G-+-`` (our KDA in the ``G`` slot, our MLA in ``+``, MLP layers ``-``);
 * ``hybrid_gdn``: ``--spec hp_megatron.specs hybrid_stack_spec --hybrid-layer-pattern G-G-G-*-`` (our GDN, RoPE
-  attention with GQA).
+  attention with GQA); its reference is Megatron-LM's unmodified ``pretrain_hybrid.py`` with Megatron-LM's own
+  flags (``--linear-*`` for the GDN dims, no ``--hp-*`` flag).
 
 Per model three launches: a single-rank reference (3 iterations, evaluation at 2, torch_dist checkpoints at 2 and
-3; ``hybrid_gdn``: its first iteration only); TP2 (sequence parallel) from scratch, its first iteration (``gpt``'s
+3; ``hybrid_gdn``: the unmodified script's first iteration); TP2 (sequence parallel) from scratch, its first iteration (``gpt``'s
 saves its TP-sharded checkpoint at exit); CP2 resumed from the reference's iteration-2 checkpoint (weights only:
 ``--no-load-optim --no-load-rng``), its iteration 3 (``hybrid_gdn``: CP2 from scratch with the ``p2p`` method, its
 first iteration). Loss and
@@ -28,7 +29,8 @@ import sys
 
 import pytest
 
-from tests.support.megatron_lm_runs import NO_SAVE, example_first_loss, run_script, write_data
+from tests.support.megatron_lm_runs import (GBS, ITERS, LR, NORM_EPS, NO_SAVE, SEQ, example_first_loss,
+                                            run_megatron_lm_entry, run_script, write_data)
 from tests.support.paths import megatron_lm_skip
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cpu_mode
@@ -37,22 +39,41 @@ SKIP = megatron_lm_skip((0, 19))
 pytestmark = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
 
 MLA_DIMS = ["--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "8"]
-# name -> (script, model flags, {parallel layout: (env, resumed from the reference's iteration 2)}, the reference
-# trains 3 iterations with evaluation and checkpoints (else only iteration 1))
+# name -> (script, model flags, {parallel layout: (env, resumed from the reference's iteration 2)}, the reference:
+# "full" (the script: 3 iterations, evaluation, checkpoints) or "unmodified" (Megatron-LM's own pretrain_hybrid.py,
+# iteration 1))
 MODELS = {
     "gpt": ("train_kimi_linear_like.sh",
             ["--hp-mla-kv-lora-rank", "16", "--hp-mla-qk-head-dim", "8", "--hp-mla-qk-pos-emb-head-dim", "8",
              "--hp-mla-v-head-dim", "8"],
-            {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "allgather"}, True)}, True),
+            {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "allgather"}, True)}, "full"),
     "hybrid_kda": ("train_kimi_linear_like_hybrid.sh", ["--hybrid-layer-pattern", "G-G-G-+-", *MLA_DIMS],
-                   {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "allgather"}, True)}, True),
+                   {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "allgather"}, True)}, "full"),
     "hybrid_gdn": ("train_qwen3_next_like_hybrid.sh",
                    ["--hybrid-layer-pattern", "G-G-G-*-", "--kv-channels", "8", "--hp-linear-num-value-heads", "8"],
-                   {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "p2p"}, False)}, False),
+                   {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "p2p"}, False)}, "unmodified"),
 }
 SAVING = ("gpt", "tp2")  # the one parallel run that saves (TP-sharded) at exit; the others' saves repeat it
 RESUME = ["--ckpt-step", "2", "--no-load-optim", "--no-load-rng", "--eval-iters", "1", *NO_SAVE]
 FIRST = ["--exit-interval", "1", "--eval-iters", "1"]
+
+
+def _unmodified_hybrid_argv(data):
+    """Megatron-LM's own flags for the model of train_qwen3_next_like_hybrid.sh with hybrid_gdn's dims (our GDN's
+    dims as megatron-core's --linear-* flags, no --hp-* flag: the layers' defaults), the same data, batch, seed and
+    first iteration."""
+    return ["--spec", "hp_megatron.specs", "hybrid_stack_spec", "--hybrid-layer-pattern", "G-G-G-*-",
+            "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4", "--kv-channels", "8",
+            "--group-query-attention", "--num-query-groups", "2", "--position-embedding-type", "rope",
+            "--rotary-base", "10000000", "--linear-num-key-heads", "4", "--linear-num-value-heads", "8",
+            "--linear-key-head-dim", "8", "--linear-value-head-dim", "8", "--linear-conv-kernel-dim", "4",
+            *NORM_EPS, "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+            "--untie-embeddings-and-output-weights", "--attention-dropout", "0", "--hidden-dropout", "0",
+            "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--micro-batch-size", "1",
+            "--global-batch-size", str(GBS), "--train-iters", str(ITERS), "--lr", str(LR), "--lr-warmup-iters", "0",
+            "--use-distributed-optimizer", "--data-path", data["DATA"], "--split", "99,1,0",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", data["TOKENIZER"],
+            "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1", "--exit-interval", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +106,13 @@ def runs(data, sites_dir, tmp_path_factory):
 
 
 def _launch_all(model, data, sites_dir, tmp_path_factory):
-    script, dims, layouts, full_reference = MODELS[model]
+    script, dims, layouts, reference = MODELS[model]
     ref_dir = str(tmp_path_factory.mktemp(f"{model}_ref"))
-    reference = ["--eval-interval", "2", "--eval-iters", "1"] if full_reference else [*FIRST, *NO_SAVE]
-    out = {"ref": run_script(script, dims, ref_dir, sites_dir, {**data, "SAVE_INTERVAL": "2"}, reference)}
+    if reference == "full":
+        out = {"ref": run_script(script, dims, ref_dir, sites_dir, {**data, "SAVE_INTERVAL": "2"},
+                                 ["--eval-interval", "2", "--eval-iters", "1"])}
+    else:
+        out = {"ref": run_megatron_lm_entry("pretrain_hybrid.py", _unmodified_hybrid_argv(data), ref_dir, sites_dir)}
     for name, (env_vars, resumed) in layouts.items():
         if resumed:  # the reference's checkpoint directory: CKPT makes common.sh pass --load
             out[name] = run_script(script, dims, ref_dir, sites_dir, {**data, **env_vars}, RESUME)
@@ -124,7 +148,7 @@ def test_parallel_iteration_matches_single_rank(runs, model, layout):
         assert "successfully loaded checkpoint" in log and "at iteration 2" in log, log[-3000:]
 
 
-@pytest.mark.parametrize("model", [model for model, spec in MODELS.items() if spec[3]])
+@pytest.mark.parametrize("model", [model for model, spec in MODELS.items() if spec[3] == "full"])
 def test_reference_trains_evaluates_and_saves(runs, model):
     ref, log = runs(model)["ref"]
     assert [r["iteration"] for r in ref] == [1, 2, 3]
@@ -173,3 +197,11 @@ def test_cuda_sites_all_reached_none_unlisted(runs, sites_dir):
     assert not unlisted
     assert reached == listed, {"listed, never reached": sorted(listed - reached),
                                "reached, not listed": sorted(reached - listed)}
+
+
+def test_unmodified_pretrain_hybrid_builds_our_stack(runs):
+    """hybrid_gdn's reference is Megatron-LM's own pretrain_hybrid.py: our stack spec from --spec, none of our flags
+    (it would refuse them); its TP2 / CP2 runs through the launch script equal it (the test above)."""
+    _, log = runs("hybrid_gdn")["ref"]
+    assert re.search(r"^\s+spec \.+ \['hp_megatron.specs', 'hybrid_stack_spec'\]$", log, re.M), log[-3000:]
+    assert "hp_backend" not in log and "pretrain_hybrid_hp" not in log
