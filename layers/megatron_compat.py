@@ -44,3 +44,30 @@ def dense_mlp_spec(submodules):
     if hasattr(MLP, "as_mlp_submodule"):
         return functools.partial(MLP.as_mlp_submodule, submodules=submodules)
     return ModuleSpec(module=MLP, submodules=submodules)
+
+
+def gpt_inference_wrapper(model, context, *, max_batch_size: int, max_sequence_length: int):
+    """megatron-core's ``GPTInferenceWrapper`` of ``model`` on the inference ``context``. Since 0.17 it reads what
+    it needs from the model's config and the context; 0.16 also takes an ``InferenceWrapperConfig`` (built here
+    from the model's config and the cache sizes)."""
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+
+    if not _takes(GPTInferenceWrapper.__init__, "inference_wrapper_config"):
+        return GPTInferenceWrapper(model, context)
+    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
+
+    config = model.config
+    wrapper_config = InferenceWrapperConfig(
+        hidden_size=config.hidden_size, params_dtype=config.params_dtype,
+        inference_batch_times_seqlen_threshold=-1, padded_vocab_size=model.vocab_size,
+        inference_max_requests=max_batch_size, inference_max_seq_length=max_sequence_length)
+    return GPTInferenceWrapper(model, wrapper_config, context)
+
+
+def common_state_in_dcp() -> bool:
+    """Whether megatron-core's ``torch_dist`` checkpoints keep their common (non-tensor) state inside the DCP
+    files, as the object ``common_state`` (0.19, which still reads ``common.pt``), rather than in ``common.pt``
+    (0.16, whose ``serialization`` still has a common-state save strategy)."""
+    from megatron.core.dist_checkpointing import serialization
+
+    return not hasattr(serialization, "get_default_save_common_strategy")
