@@ -129,6 +129,14 @@ class HybridGPTModel(GPTModel):
         finally:
             torch.Tensor.cuda = to_cuda
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """megatron-core's, with ``metadata["dp_cp_group"]`` defaulted to the data x context parallel group (as
+        megatron-core 0.19 does): megatron-core 0.16 reads it, without a default, to tie a later pipeline stage's
+        MTP embedding copy to the first stage's."""
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+        return super().sharded_state_dict(prefix, sharded_offsets, ensure_metadata_has_dp_cp_group(metadata))
+
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
                      rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None, decoder_input=None,
                      attention_mask=None, inference_params=None, packed_seq_params=None, sequence_len_offset=None,

@@ -67,8 +67,8 @@ def _model(arch, config_json, ckpt, sizes):
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, mtp_num_layers=1)
     model = preset.gpt_model(config, max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
                              post_process=ps.is_pipeline_last_stage())
-    # the MTP stage's embedding copy is tied to the first stage's over the data x context group (PP > 1)
-    sharded = model.sharded_state_dict(metadata={"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)})
+    # no metadata: under PP the MTP stage's embedding copy is tied over the data x context group by default
+    sharded = model.sharded_state_dict()
     state = dist_checkpointing.load(sharded, ckpt)
     model.load_state_dict({k: v for k, v in state.items() if k in sharded}, strict=True)
     return model.train()
