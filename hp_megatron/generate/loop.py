@@ -133,7 +133,7 @@ class StaticGenerator:
         from megatron.core.inference.text_generation_controllers.text_generation_controller import (
             TextGenerationController)
 
-        from layers.megatron_compat import gpt_inference_wrapper
+        from layers.megatron_compat import gpt_inference_wrapper, inference_mode
 
         new = params.num_tokens_to_generate
         check_batch(prompts, new, vocab_size=self.vocab_size, max_positions=self.max_positions,
@@ -156,13 +156,12 @@ class StaticGenerator:
         rows = torch.arange(batch, device=device)
         stopped = torch.zeros(batch, dtype=torch.bool, device=device)
         seconds = []
-        with torch.inference_mode():
+        with torch.inference_mode(), inference_mode():
             wrapper.prep_model_for_inference()  # eval(), context reset
             inputs = wrapper.prep_inference_input(tokens)
             start, end = 0, first
             while end < total:
                 window = wrapper.get_batch_for_context_window(inputs, start, end)
-                context.materialize_only_last_token_logits = True
                 began = clock()
                 logits = wrapper.run_one_forward_step(window)[:, -1, :self.vocab_size]
                 sampled = controller.sample_from_logits(logits, params, self.vocab_size)
