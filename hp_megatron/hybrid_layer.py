@@ -13,9 +13,9 @@ MLP: with ``config.num_moe_experts`` set (Megatron's ``--num-experts``), the lay
 DeepSeek-V3's first dense layers) get :attr:`HybridLayerSubmodules.moe_mlp` (megatron-core's ``MoELayer``)
 instead of the dense MLP; a spec without ``moe_mlp`` refuses a MoE config rather than build dense layers.
 
-Multi-token prediction: the ``transformer_layer`` of megatron-core's MTP layers is a ``HybridLayer`` with
-``params={"mtp": True}`` (``hp_megatron.specs.get_mtp_block_spec``). It has a fixed kind, not the one the pattern
-gives its layer number (past ``num_layers``): :func:`mtp_layer_symbol` (the spec's ``mtp_symbol``, else
+Multi-token prediction: the transformer layer of megatron-core's MTP layers is an :class:`MTPHybridLayer`, a
+``HybridLayer`` built with ``mtp=True`` (``hp_megatron.specs.get_mtp_block_spec``). It has a fixed kind, not the one
+the pattern gives its layer number (past ``num_layers``): :func:`mtp_layer_symbol` (the spec's ``mtp_symbol``, else
 ``config.hp_mtp_layer_kind``, else the pattern's only symbol); its MLP is the MoE MLP whenever the model has
 experts (DeepSeek-V3's and Qwen3-Next's MTP layers are MoE layers, as transformers' ``get_mtp_config`` has them).
 
@@ -47,14 +47,6 @@ class HybridLayerSubmodules:
     moe_mlp: Optional[object] = None
     # the symbol of multi-token-prediction layers; None: config.hp_mtp_layer_kind, else the pattern's only symbol
     mtp_symbol: Optional[str] = None
-
-    @property
-    def self_attention(self):
-        """The mixer spec of a one-kind spec (megatron-core's MTP layer reads its attention mask type here)."""
-        if len(self.layer_types) != 1:
-            raise AttributeError(f"a HybridLayerSubmodules of several kinds {sorted(self.layer_types)} has no single "
-                                 "self_attention")
-        return next(iter(self.layer_types.values())).self_attention
 
 
 def mtp_layer_symbol(submodules: HybridLayerSubmodules, pattern: str, config) -> str:
@@ -231,3 +223,21 @@ class HybridLayer(TransformerLayer):
         state = super().sharded_state_dict(prefix, (), metadata)
         replace_prefix_for_sharding(state, prefix, f"{prefix}{global_index}.")
         return state
+
+
+class MTPHybridLayer(HybridLayer):
+    """The transformer layer of a multi-token-prediction layer: a ``HybridLayer`` of the one kind ``kind``, built
+    with ``mtp=True``.
+
+    Spec: ``ModuleSpec(module=MTPHybridLayer, submodules=<that kind's TransformerLayerSubmodules>,
+    params={"kind": "A", "moe_mlp": ..., "own_positions": (...)})``: megatron-core's MTP layer reads the mask type of
+    the attention in a ``TransformerLayerSubmodules`` (0.19 refuses any other submodules type there)."""
+
+    def __init__(self, config, submodules: TransformerLayerSubmodules, layer_number: int = 1, *args, kind: str,
+                 moe_mlp=None, own_positions: Tuple[str, ...] = (), **kwargs):
+        if not isinstance(submodules, TransformerLayerSubmodules):
+            raise TypeError(f"MTPHybridLayer needs the TransformerLayerSubmodules of its kind, got "
+                            f"{type(submodules).__name__}")
+        hybrid = HybridLayerSubmodules(layer_types={kind: submodules}, own_positions=tuple(own_positions),
+                                       moe_mlp=moe_mlp, mtp_symbol=kind)
+        super().__init__(config, hybrid, layer_number, *args, pattern=kind, mtp=True, **kwargs)

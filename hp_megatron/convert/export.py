@@ -118,8 +118,8 @@ def local_main_shards(model, metadata: dict | None = None) -> list[tuple[Chunk, 
 class HFWeightExporter:
     """The HF tensors of a running ``model`` (this rank's ``GPTModel`` pipeline stage, TP / EP shards, unwrapped
     from DDP / Float16Module) of ``architecture`` (as in ``mcore_to_hf``: ``model_type``, ``conversion_rules``,
-    ``build_model``) built from ``hf_config`` (the config.json dict), over the process group ``group`` (default:
-    the whole world; every rank holding a piece of the model must be in it).
+    ``build_model``; with the model's MTP depth, ``with_mtp``) built from ``hf_config`` (the config.json dict), over
+    the process group ``group`` (default: the whole world; every rank holding a piece of the model must be in it).
 
     Constructing it is collective over ``group`` (the template model is built on ``meta``, the ranks' shard
     metadata all-gathered); so is each call. ``metadata`` is the ``sharded_state_dict`` metadata the model is
@@ -137,10 +137,18 @@ class HFWeightExporter:
         with single_rank_parallel_state():
             layout = layout_on_meta(architecture.build_model, hf_config, metadata)
         self.matched = _match_rules(list(architecture.conversion_rules(hf_config)), layout, "export")
-        self.local_chunks = [chunk for chunk, _ in local_main_shards(model, metadata)]
+        try:  # a rank that fails here still joins the all-gather: the others would wait there for it
+            self.local_chunks, failure = [chunk for chunk, _ in local_main_shards(model, metadata)], None
+        except Exception as err:  # noqa: BLE001 (re-raised below, on every rank)
+            self.local_chunks, failure = None, err
         gathered = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, (self.rank, self.local_chunks), group=self.group)
-        self.plan = self._plan(gathered)
+        why = None if failure is None else f"{type(failure).__name__}: " + str(failure).partition("\n")[0]
+        dist.all_gather_object(gathered, (self.rank, self.local_chunks, why), group=self.group)
+        failed = [(rank, why) for rank, _, why in gathered if why is not None]
+        if failed:
+            raise CheckpointError(f"export: rank {failed[0][0]} cannot list its shards of the model: {failed[0][1]} "
+                                  f"({len(failed)} of {len(gathered)} ranks failed)") from failure
+        self.plan = self._plan([(rank, chunks) for rank, chunks, _ in gathered])
 
     def _plan(self, gathered) -> list[tuple[torch.dtype, list]]:
         """Per matched rule: (dtype, transfers), a transfer ``(owner rank, index in its shards, template piece,

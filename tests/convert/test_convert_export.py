@@ -9,7 +9,14 @@ at TP2 x CP2 (megatron-core ties them across pipeline stages with a CUDA copy, s
 received equal the reference's bit for bit, under the same names, none missing or extra, on ``dst`` (every rank for
 ``dst=None``); the other ranks see the same names with ``None``. Weak references to what the generator yielded
 show it keeps at most the current rule's assembled tensor alive. The same exporter, called again after an in-place
-change of the weights, yields the changed weights.
+change of the weights, yields the changed weights; a rank whose ``sharded_state_dict`` fails stops every rank.
+
+Multi-token prediction: the tiny Qwen3-Next and DeepSeek-V3 checkpoints with one MTP layer
+(tests/support/mtp_case.py), converted with ``with_mtp(1)``, are loaded into models built with
+``mtp_num_layers=1`` at TP2 x PP2 x EP2 (the MTP block and its embedding copy on the last stage) and exported by
+the public functions, which take the depth from the model: the tensors equal the original HF checkpoint's bit
+for bit, MTP layers included, with no ``sharded_state_dict`` metadata given anywhere (megatron-core 0.16 reads
+``metadata["dp_cp_group"]`` on that stage; ``HybridGPTModel`` defaults it) and the same state as with it.
 """
 from __future__ import annotations
 
@@ -18,11 +25,13 @@ import torch
 
 from tests.support.dist import case_result, case_started, run_distributed_cases
 from tests.support.models_case import read_safetensors, tiny_hf_model, tiny_llama
+from tests.support.mtp_case import MTP_PREFIX, tiny_mtp_checkpoint
 
 # (case, model_type, layout, dst)
 CASES = (("qwen3_next", "qwen3_next", "tp2_pp2_ep2", None), ("deepseek_v3", "deepseek_v3", "tp2_pp2_ep2", 0),
          ("kimi_linear", "kimi_linear", "tp2_pp2_ep2", 3), ("llama_tied", "llama", "tp2_cp2_ep2", 1),
-         ("qwen3_next_cp2", "qwen3_next", "tp2_cp2_ep2", 2))
+         ("qwen3_next_cp2", "qwen3_next", "tp2_cp2_ep2", 2), ("qwen3_next_mtp", "qwen3_next", "tp2_pp2_ep2", None),
+         ("deepseek_v3_mtp", "deepseek_v3", "tp2_pp2_ep2", 3))
 LAYOUTS = {"tp2_pp2_ep2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                                expert_model_parallel_size=2, expert_tensor_parallel_size=1),
            "tp2_cp2_ep2": dict(tensor_model_parallel_size=2, context_parallel_size=2,
@@ -59,8 +68,11 @@ def _consume(weights):
 def _next_step_and_errors(model, hf_config, exporter):
     """What a training loop does next: the weights change in place (doubled: exact in floating point, and every
     rule only moves elements), the same exporter runs again, to rank 0 this time. And the errors for a wrong
-    architecture and a ``dst`` outside the group."""
-    from hp_megatron.convert import HFWeightExporter
+    architecture, a ``dst`` outside the group and, on every rank, rank 3's ``sharded_state_dict`` failing as
+    megatron-core 0.16's did without metadata under PP with MTP."""
+    import torch.distributed as dist
+
+    from hp_megatron.convert import CheckpointError, HFWeightExporter
     from hp_megatron.models import get_architecture
 
     with torch.no_grad():
@@ -74,7 +86,37 @@ def _next_step_and_errors(model, hf_config, exporter):
             attempt()
         except ValueError as err:
             errors.append(str(err))
+    if dist.get_rank() == 3:
+        model.sharded_state_dict = lambda **kwargs: kwargs["metadata"]["dp_cp_group"]
+    try:
+        HFWeightExporter(model, get_architecture("qwen3_next"), hf_config)
+    except CheckpointError as err:
+        errors.append(str(err))
+    finally:
+        vars(model).pop("sharded_state_dict", None)
     return dict(next_step=received, errors=errors)
+
+
+def _mtp_checks(model, hf_config):
+    """``sharded_state_dict()`` without metadata (keys, replica ids) against the one with megatron-core's
+    ``dp_cp_group``; an MTP depth other than the model's refused."""
+    from megatron.core import parallel_state
+
+    from hp_megatron.models import hf_weight_exporter
+
+    def state(sharded):
+        return {k: v.replica_id for k, v in sharded.items() if hasattr(v, "replica_id")}
+
+    bare = state(model.sharded_state_dict())
+    given = state(model.sharded_state_dict(
+        metadata={"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}))
+    same = bare == given
+    try:
+        hf_weight_exporter(model, hf_config, mtp_num_layers=2)
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    return dict(metadata_default_same=same, mtp_keys=sum(k.startswith("mtp.") for k in bare), refused=refused)
 
 
 def export_cases(rank, world_size, cases):
@@ -82,11 +124,12 @@ def export_cases(rank, world_size, cases):
     from megatron.core import dist_checkpointing, parallel_state
 
     from hp_megatron.convert import load_hf_config
-    from hp_megatron.models import get_architecture, hf_weight_exporter
+    from hp_megatron.models import export_hf_weights, get_architecture, hf_weight_exporter
     from hp_megatron.platform import apply_cpu_shims
 
     results = {}
     for name, hf_dir, ckpt, layout, dst in cases:
+        mtp = name.endswith("_mtp")
         case_started(name)
         sizes = LAYOUTS[layout]
         parallel_state.destroy_model_parallel()
@@ -102,15 +145,23 @@ def export_cases(rank, world_size, cases):
         if not experts:
             overrides.pop("expert_model_parallel_size")
             overrides.pop("expert_tensor_parallel_size")
+        if mtp:
+            overrides["mtp_num_layers"] = 1
         model = architecture.build_model(hf_config, **overrides)
         model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt)["model"])
-        exporter = hf_weight_exporter(model, hf_config)
-        received, names, most_alive, alive_at_end = _consume(exporter(dst))
+        checks = _mtp_checks(model, hf_config) if mtp else {}
+        if name == "qwen3_next_mtp":  # the one-shot function
+            weights = export_hf_weights(model, hf_config, dst=dst)
+        else:  # the MTP depth given explicitly (the model's) or not
+            exporter = hf_weight_exporter(model, hf_config, **({"mtp_num_layers": 1} if mtp else {}))
+            weights = exporter(dst)
+        received, names, most_alive, alive_at_end = _consume(weights)
         # the template was built under a one-rank parallel state: the job's is back
         ps = parallel_state
         state = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                  ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size())
-        result = dict(names=names, most_alive=most_alive, alive_at_end=alive_at_end, received=received, state=state)
+        result = dict(names=names, most_alive=most_alive, alive_at_end=alive_at_end, received=received, state=state,
+                      **checks)
         if name == "qwen3_next":
             result.update(_next_step_and_errors(model, hf_config, exporter))
         case_result(name, result)
@@ -121,15 +172,22 @@ def export_cases(rank, world_size, cases):
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """(the spawn's cases, case -> the HF tensors ``mcore_to_hf`` writes for its checkpoint)."""
+    """(the spawn's cases, case -> the HF tensors ``mcore_to_hf`` writes for its checkpoint; MTP cases: the HF
+    checkpoint's own)."""
     from hp_megatron.convert import hf_to_mcore, mcore_to_hf
     from hp_megatron.models import get_architecture
 
     tmp = tmp_path_factory.mktemp("export")
     references, cases = {}, []
     for name, model_type, layout, dst in CASES:
-        hf_dir, ckpt, out = tmp / f"{model_type}_hf", tmp / f"{model_type}_mcore", tmp / f"{model_type}_out"
-        if not out.exists():
+        mtp = name.endswith("_mtp")
+        source = model_type + ("_mtp" if mtp else "")
+        hf_dir, ckpt, out = tmp / f"{source}_hf", tmp / f"{source}_mcore", tmp / f"{source}_out"
+        if mtp:
+            tiny_mtp_checkpoint(model_type, str(hf_dir))
+            hf_to_mcore(str(hf_dir), str(ckpt), get_architecture(model_type).with_mtp(1))
+            out = hf_dir
+        elif not out.exists():
             if model_type == "llama":
                 _, hf_dir = tiny_llama(tmp, tied=True)
             else:
@@ -186,6 +244,25 @@ def test_the_same_exporter_follows_the_weights_and_refuses_bad_input(converted):
                 assert torch.equal(result["next_step"][key], 2 * tensor), key
         else:
             assert result["next_step"] == {}, rank
-        wrong_architecture, bad_dst = result["errors"]
+        wrong_architecture, bad_dst, failed_rank = result["errors"]
         assert "model_type='qwen3_next'" in wrong_architecture and "'llama'" in wrong_architecture
         assert "dst=9" in bad_dst and "[0, 1, 2, 3]" in bad_dst
+        assert failed_rank == ("export: rank 3 cannot list its shards of the model: TypeError: 'NoneType' object is "
+                               "not subscriptable (1 of 4 ranks failed)"), (rank, failed_rank)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES if c[0].endswith("_mtp")])
+def test_mtp_model_exports_its_mtp_layers_without_metadata(converted, name):
+    """The HF checkpoint's MTP tensors are among those exported (checked against it in
+    ``test_export_equals_mcore_to_hf``); ``sharded_state_dict()`` needs no metadata; an MTP depth other than the
+    model's is refused."""
+    from hp_megatron.convert import load_hf_config
+
+    reference, per_rank = _case(converted, name)
+    hf_dir = next(case[1] for case in converted[0] if case[0] == name)
+    prefix = MTP_PREFIX[name[: -len("_mtp")]].format(layers=load_hf_config(hf_dir)["num_hidden_layers"])
+    assert sum(k.startswith(prefix) for k in reference) > 10
+    for rank, result in enumerate(per_rank):
+        assert result["metadata_default_same"], rank
+        assert (result["mtp_keys"] > 0) == (rank in (2, 3)), rank   # the last pipeline stage holds the MTP block
+        assert result["refused"] == "export: mtp_num_layers=2, but the model is built with mtp_num_layers=1"
