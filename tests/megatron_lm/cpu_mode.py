@@ -118,7 +118,8 @@ SITES_016 = (
 
 # Megatron-LM tag core_v0.19.0 over megatron-core 0.19.2.
 SITES_019 = (
-    # start-up: the CUDA assert, one device per rank (model-parallel groups and seeds are set up only then), the dataset-helper build, JIT warm-up
+    # start-up: the CUDA assert, one device per rank (model-parallel groups and seeds are set up only then), the
+    # dataset-helper build, JIT warm-up
     ("megatron/training/initialize.py", 66, "torch.cuda.is_available", "assert torch.cuda.is_available()"),
     ("megatron/training/initialize.py", 270, "torch.cuda.device_count", "torch.cuda.device_count()"),
     ("megatron/training/initialize.py", 282, "torch.cuda.set_device", "torch.cuda.set_device(args.local_rank)"),

@@ -1,9 +1,9 @@
 """Megatron-LM 0.19's own ``pretrain_gpt.py`` (GPTModel) and ``pretrain_hybrid.py`` (megatron-core's HybridModel) with
 our layers, through the documented launch scripts, on CPU/gloo.
 
-Every run is ``bash examples/pretrain/megatron_lm/train_*.sh`` (torchrun -> pretrain_gpt_hp.py / pretrain_hybrid_hp.py
--> Megatron-LM's ``pretrain``) with tiny dims and the CPU flags of docs/usage.md, in the CPU mode of
-tests/megatron_lm/cpu_mode.py (its core_v0.19.0 site table). Three models:
+Every run but one is ``bash examples/pretrain/megatron_lm/train_*.sh`` (torchrun -> pretrain_gpt_hp.py /
+pretrain_hybrid_hp.py -> Megatron-LM's ``pretrain``) with tiny dims and the CPU flags of docs/usage.md, in the CPU
+mode of tests/megatron_lm/cpu_mode.py (its core_v0.19.0 site table). Three models:
 
 * ``gpt``: ``pretrain_gpt.py --spec hp_megatron.specs kimi_linear_spec`` (KKKM: our KDA and MLA);
 * ``hybrid_kda``: ``pretrain_hybrid.py --spec hp_megatron.specs kda_hybrid_stack_spec --hybrid-layer-pattern
@@ -13,12 +13,12 @@ tests/megatron_lm/cpu_mode.py (its core_v0.19.0 site table). Three models:
   flags (``--linear-*`` for the GDN dims, no ``--hp-*`` flag).
 
 Per model three launches: a single-rank reference (3 iterations, evaluation at 2, torch_dist checkpoints at 2 and
-3; ``hybrid_gdn``: the unmodified script's first iteration); TP2 (sequence parallel) from scratch, its first iteration (``gpt``'s
-saves its TP-sharded checkpoint at exit); CP2 resumed from the reference's iteration-2 checkpoint (weights only:
-``--no-load-optim --no-load-rng``), its iteration 3 (``hybrid_gdn``: CP2 from scratch with the ``p2p`` method, its
-first iteration). Loss and
-gradient norm equal the single rank's (relative 1e-5, full precision from tests/megatron_lm/record.py); the GPT
-path's first loss equals examples/pretrain/pretrain_hybrid.py's; every listed CUDA site is reached, no unlisted one.
+3; ``hybrid_gdn``: the unmodified script's first iteration); TP2 (sequence parallel) from scratch, its first
+iteration (``gpt``'s saves its TP-sharded checkpoint at exit); CP2 resumed from the reference's iteration-2
+checkpoint (weights only: ``--no-load-optim --no-load-rng``), its iteration 3 (``hybrid_gdn``: CP2 from scratch with
+the ``p2p`` method, its first iteration). Loss and gradient norm equal the single rank's (relative 1e-5, full
+precision from tests/megatron_lm/record.py); the GPT path's first loss equals examples/pretrain/pretrain_hybrid.py's;
+every listed CUDA site is reached, no unlisted one. Nine launches, 5.5-7 minutes on 2 shared cores.
 Skips unless the installed megatron-core is 0.19.x with its Megatron-LM checkout (tests/support/paths.py).
 """
 import glob

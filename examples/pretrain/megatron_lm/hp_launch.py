@@ -113,6 +113,9 @@ def pretrain_from_container(entry, model_type, pretrain, model_config, **pretrai
 
     args = parse_and_validate_args(extra_args_provider=add_hp_arguments,
                                    args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    if getattr(args, "yaml_cfg", None):
+        raise ValueError("--yaml-cfg is not supported by the hp_megatron launchers (they build the model's config "
+                         "from the command-line flags)")
     model_cfg = model_config(args, with_hp_config(core_transformer_config_from_args)(args))
     model_cfg.pre_wrap_hooks.append(register_cp_subgroups_hook)
     entry.train_valid_test_datasets_provider.is_distributed = True

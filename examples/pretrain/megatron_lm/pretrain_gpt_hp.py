@@ -15,6 +15,12 @@ Needs a Megatron-LM checkout on PYTHONPATH (``pretrain_gpt.py``, ``megatron/trai
   with ``--mtp-num-layers`` the multi-token-prediction block of the spec's declared MTP kind, in place of
   Megatron-LM's ``mtp_block_spec``, and Megatron-LM logs ``mtp_1 loss`` ... as for its own models).
 
+On Megatron-LM 0.19 (``pretrain(cfg_container, ...)``: the model comes from a ``ModelConfig``'s builder, not from a
+model provider) the same three things happen in ``pretrain_gpt.py``'s 0.19 ``__main__``
+(``hp_launch.pretrain_from_container``): the args are parsed with our flags, the model config is
+``hp_gpt_model.HybridGPTModelConfig`` holding our ``TransformerConfig`` (its builder calls ``hybrid_gpt_model``), and
+the CP sub-groups are registered in a ``pre_wrap_hooks`` entry (every rank, before DDP wraps the model).
+
 Everything else (data, schedules, optimizer, checkpoints, logging) is Megatron-LM's. Megatron and our package
 are imported in :func:`main` only: megatron-core's checkpoint writer starts a ``spawn`` process, which re-runs
 this file's top level.
@@ -106,10 +112,6 @@ def _model_config(args, config):
 
     if not _is_hp_spec(args):
         return gpt_config_from_args(args, config=config)
-    for flag in ("--yaml-cfg",):
-        if getattr(args, flag[2:].replace("-", "_"), None):
-            raise ValueError(f"{flag} is not supported with --spec hp_megatron.specs (the launcher builds the hybrid "
-                             "megatron-core GPTModel from the command-line flags)")
     from hp_gpt_model import HybridGPTModelConfig
 
     return gpt_config_from_args(args, config=config, model_config_cls=HybridGPTModelConfig)
