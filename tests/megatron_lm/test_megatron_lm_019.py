@@ -18,7 +18,7 @@ iteration (``gpt``'s saves its TP-sharded checkpoint at exit); CP2 resumed from 
 checkpoint (weights only: ``--no-load-optim --no-load-rng``), its iteration 3 (``hybrid_gdn``: CP2 from scratch with
 the ``p2p`` method, its first iteration). Loss and gradient norm equal the single rank's (relative 1e-5, full
 precision from tests/megatron_lm/record.py); the GPT path's first loss equals examples/pretrain/pretrain_hybrid.py's;
-every listed CUDA site is reached, no unlisted one. Nine launches, 5.5-7 minutes on 2 shared cores.
+every listed CUDA site is reached, no unlisted one. Nine launches, 4:45-7 minutes on 2 shared cores.
 Skips unless the installed megatron-core is 0.19.x with its Megatron-LM checkout (tests/support/paths.py).
 """
 import glob

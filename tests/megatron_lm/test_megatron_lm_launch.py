@@ -44,6 +44,14 @@ def test_launcher_without_megatron_lm_names_the_checkout():
         done.stderr, done.stderr[-2000:]
 
 
+def test_hybrid_launcher_without_megatron_lm_names_the_checkout():
+    launcher = os.path.join(SCRIPTS, "pretrain_hybrid_hp.py")
+    done = _launch([REPO], f"import runpy; runpy.run_path({launcher!r}, run_name='__main__')")
+    assert done.returncode != 0
+    assert "RuntimeError: this launcher needs a Megatron-LM checkout on PYTHONPATH (module 'pretrain_hybrid'" in \
+        done.stderr, done.stderr[-2000:]
+
+
 # Megatron-LM 0.19 on Python 3.11 fails before it imports six (typing.override is 3.12's)
 @pytest.mark.skipif(megatron_lm_skip((0, 16)) is not None, reason=str(megatron_lm_skip((0, 16))))
 def test_launcher_names_a_missing_dependency_of_megatron_lm():
