@@ -137,3 +137,13 @@ def mtp_loss_values(reduce: bool = False):
     if reduce:
         (helper.reduce_metrics_in_tracker if new else helper.reduce_loss_in_tracker)()
     return helper.tracker["loss_values" if new else "values"]
+
+
+def megatron_cp_batch(batch: dict, cp_group=None) -> dict:
+    """megatron-core's zigzag CP slice of a BSHD ``batch`` (``megatron.core.utils.get_batch_on_this_cp_rank``,
+    which since 0.19 also takes ``is_hybrid_cp``, here False)."""
+    from megatron.core import utils
+
+    if _takes(utils.get_batch_on_this_cp_rank, "is_hybrid_cp"):
+        return utils.get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
+    return utils.get_batch_on_this_cp_rank(batch, cp_group=cp_group)
