@@ -26,7 +26,6 @@ pipeline / virtual-pipeline split; a model of one mixer with uniform MLPs keeps 
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field, replace
 from typing import Dict, Optional, Tuple
 
@@ -144,21 +143,15 @@ def symbol_for_layer(pattern: str, global_layer_number: int) -> str:
     return pattern[(global_layer_number - 1) % len(pattern)]
 
 
-def stage_layer_offset(config, vp_stage=None, pg_collection=None, model_comm_pgs=None,
-                       pp_layer_offset=None) -> int:
-    """Global index of this pipeline (and virtual-pipeline) stage's first layer.
-
-    megatron-core 0.14's ``get_transformer_layer_offset`` is ``(config, vp_stage)``; 0.15+ take
-    ``pp_rank`` as well; 0.18+ may hand the offset to the layer directly (``pp_layer_offset``).
-    """
+def stage_layer_offset(config, vp_stage=None, pg_collection=None, pp_layer_offset=None) -> int:
+    """Global index of this pipeline (and virtual-pipeline) stage's first layer: the ``pp_layer_offset`` megatron-core
+    0.19 may hand the layer, else ``get_transformer_layer_offset(config, vp_stage, pp_rank)`` with the pipeline
+    rank of ``pg_collection`` (megatron-core's parallel state without one)."""
     if pp_layer_offset is not None:
         return int(pp_layer_offset)
-    if "pp_rank" in inspect.signature(get_transformer_layer_offset).parameters:
-        groups = pg_collection if pg_collection is not None else model_comm_pgs
-        pp_group = getattr(groups, "pp", None) if groups is not None else None
-        pp_rank = pp_group.rank() if pp_group is not None else None
-        return get_transformer_layer_offset(config, vp_stage, pp_rank)
-    return get_transformer_layer_offset(config, vp_stage)
+    pp_group = getattr(pg_collection, "pp", None) if pg_collection is not None else None
+    pp_rank = pp_group.rank() if pp_group is not None else None
+    return get_transformer_layer_offset(config, vp_stage, pp_rank)
 
 
 _ROTARY_KWARGS = ("rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin")
@@ -189,7 +182,7 @@ class HybridLayer(TransformerLayer):
                                  "which is not set")
         pattern = validate_pattern(pattern, submodules.layer_types)
         offset = stage_layer_offset(config, kwargs.get("vp_stage"), kwargs.get("pg_collection"),
-                                    kwargs.get("model_comm_pgs"), kwargs.get("pp_layer_offset"))
+                                    kwargs.get("pp_layer_offset"))
         self.layer_pattern = pattern
         if mtp:  # a multi-token-prediction layer: fixed kind, MoE whenever the model has experts
             self.layer_symbol = mtp_layer_symbol(submodules, pattern, config)
