@@ -11,8 +11,11 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["hp_megatron", "hp_megatron.*", "layers", "layers.*"]),
-    # psutil: megatron-core's checkpoint writer needs it (it hangs without); tokenizers: the example's data
-    install_requires=["torch>=2.6", "megatron-core>=0.14.0,<0.17", "numpy", "packaging", "psutil", "tokenizers"],
+    # megatron-core 0.16.1 .. 0.19.x (0.17+ declares Requires-Python >=3.12: on Python 3.10/3.11 install it first
+    # with `pip install --ignore-requires-python megatron-core==0.19.2`; 0.19 also imports triton, which the
+    # triton extra brings); psutil: megatron-core's checkpoint writer needs it (it hangs without); tokenizers: the
+    # example's data
+    install_requires=["torch>=2.6", "megatron-core>=0.16.1,<0.20", "numpy", "packaging", "psutil", "tokenizers"],
     extras_require={
         "triton": ["flash-linear-attention>=0.6.0,<0.7", "fla-core>=0.6.0,<0.7", "triton==3.7.1"],  # what CI tests
         # fla-npu's environment (layers/ops/ascendc/versions.py, docs/backends.md "Versions"): torch_npu with the

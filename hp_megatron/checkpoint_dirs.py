@@ -5,6 +5,9 @@ for weights without training state) and one directory per saved iteration, ``ite
 ``release``. The tracker is written last, so a root whose tracker exists holds a finished checkpoint.
 :func:`verify_checkpoint_files` checks a ``dist_checkpointing`` (torch_dist) directory's files before a collective
 load, so a missing or truncated shard is named instead of failing inside torch.distributed.checkpoint.
+
+An iteration directory keeps its common (non-tensor) state in ``common.pt`` (megatron-core 0.16) or inside the
+DCP files as the object ``COMMON_OBJECT`` (0.19, which reads both).
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import os
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
+COMMON_FILE = "common.pt"
+COMMON_OBJECT = "common_state/shard_0_1"  # DCP key of megatron-core 0.19's ShardedObject "common_state"
 
 
 def iteration_directory(root: str, iteration: int | None) -> str:
@@ -44,11 +49,13 @@ def find_checkpoint(root: str) -> str | None:
 
 
 def verify_checkpoint_files(path: str) -> None:
-    """Check that ``path``'s ``common.pt``, ``.metadata`` and every shard it lists are present and long enough
-    (a ValueError naming the file otherwise); reads only the small ``.metadata`` file."""
+    """Check that ``path``'s ``.metadata``, every shard it lists and the common state (``common.pt`` or
+    ``COMMON_OBJECT``) are present and long enough (a ValueError naming the file otherwise); reads only the small
+    ``.metadata`` file."""
     from hp_megatron.convert.dcp_io import verify_dcp_files
 
-    common = os.path.join(path, "common.pt")
-    if not os.path.isfile(common):
-        raise ValueError(f"checkpoint {path} is incomplete: no {common}")
-    verify_dcp_files(path)
+    common = os.path.join(path, COMMON_FILE)
+    metadata = verify_dcp_files(path)
+    if not os.path.isfile(common) and COMMON_OBJECT not in metadata.state_dict_metadata:
+        raise ValueError(f"checkpoint {path} is incomplete: no {common} and no {COMMON_OBJECT} in its .metadata "
+                         "(megatron-core keeps the common state in one of them)")

@@ -35,18 +35,6 @@ MLAFields.__doc__ = ("MLATransformerConfig's MLA fields (same names, types, defa
                      "multi_latent_attention is off: " + ", ".join(f.name for f in _MLA_ONLY_FIELDS) + ".")
 MLA_FIELD_NAMES = tuple(f.name for f in _MLA_ONLY_FIELDS)
 
-# megatron-core 0.16's GDN shape fields of TransformerConfig (its defaults): declared here where an older
-# megatron-core (0.14, 0.15) lacks them, so every supported version has the same fields
-_LINEAR_FIELDS = (("linear_conv_kernel_dim", int, 4), ("linear_key_head_dim", int, 128),
-                  ("linear_value_head_dim", int, 128), ("linear_num_key_heads", int, 16),
-                  ("linear_num_value_heads", int, 32))
-LinearFields = make_dataclass(
-    "LinearFields", [(name, kind, field(default=default)) for name, kind, default in _LINEAR_FIELDS
-                     if name not in TransformerConfig.__dataclass_fields__])
-LinearFields.__module__ = __name__
-LinearFields.__doc__ = ("megatron-core 0.16's linear_* fields (GDN/KDA heads and dims, conv width; same defaults) "
-                        "where the installed TransformerConfig lacks them; empty on 0.16.")
-
 
 @dataclass
 class HybridFields:
@@ -204,13 +192,13 @@ def check_hybrid_fields(config) -> None:
 
 
 @dataclass
-class HybridTransformerConfig(HybridFields, LinearFields, MLAFields, TransformerConfig):
+class HybridTransformerConfig(HybridFields, MLAFields, TransformerConfig):
     """megatron-core ``TransformerConfig`` with hp_megatron's fields and the MLA layer's fields (``MLAFields``;
     ``multi_latent_attention`` stays False, so ``GPTModel`` builds the rotary embedding of ``A`` layers)."""
 
 
 @dataclass
-class HybridMLATransformerConfig(HybridFields, LinearFields, MLATransformerConfig):
+class HybridMLATransformerConfig(HybridFields, MLATransformerConfig):
     """megatron-core ``MLATransformerConfig`` (``multi_latent_attention`` on) with hp_megatron's fields."""
 
 

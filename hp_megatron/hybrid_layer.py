@@ -13,9 +13,9 @@ MLP: with ``config.num_moe_experts`` set (Megatron's ``--num-experts``), the lay
 DeepSeek-V3's first dense layers) get :attr:`HybridLayerSubmodules.moe_mlp` (megatron-core's ``MoELayer``)
 instead of the dense MLP; a spec without ``moe_mlp`` refuses a MoE config rather than build dense layers.
 
-Multi-token prediction: the ``transformer_layer`` of megatron-core's MTP layers is a ``HybridLayer`` with
-``params={"mtp": True}`` (``hp_megatron.specs.get_mtp_block_spec``). It has a fixed kind, not the one the pattern
-gives its layer number (past ``num_layers``): :func:`mtp_layer_symbol` (the spec's ``mtp_symbol``, else
+Multi-token prediction: the transformer layer of megatron-core's MTP layers is an :class:`MTPHybridLayer`, a
+``HybridLayer`` built with ``mtp=True`` (``hp_megatron.specs.get_mtp_block_spec``). It has a fixed kind, not the one
+the pattern gives its layer number (past ``num_layers``): :func:`mtp_layer_symbol` (the spec's ``mtp_symbol``, else
 ``config.hp_mtp_layer_kind``, else the pattern's only symbol); its MLP is the MoE MLP whenever the model has
 experts (DeepSeek-V3's and Qwen3-Next's MTP layers are MoE layers, as transformers' ``get_mtp_config`` has them).
 
@@ -26,7 +26,6 @@ pipeline / virtual-pipeline split; a model of one mixer with uniform MLPs keeps 
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field, replace
 from typing import Dict, Optional, Tuple
 
@@ -47,14 +46,6 @@ class HybridLayerSubmodules:
     moe_mlp: Optional[object] = None
     # the symbol of multi-token-prediction layers; None: config.hp_mtp_layer_kind, else the pattern's only symbol
     mtp_symbol: Optional[str] = None
-
-    @property
-    def self_attention(self):
-        """The mixer spec of a one-kind spec (megatron-core's MTP layer reads its attention mask type here)."""
-        if len(self.layer_types) != 1:
-            raise AttributeError(f"a HybridLayerSubmodules of several kinds {sorted(self.layer_types)} has no single "
-                                 "self_attention")
-        return next(iter(self.layer_types.values())).self_attention
 
 
 def mtp_layer_symbol(submodules: HybridLayerSubmodules, pattern: str, config) -> str:
@@ -152,24 +143,24 @@ def symbol_for_layer(pattern: str, global_layer_number: int) -> str:
     return pattern[(global_layer_number - 1) % len(pattern)]
 
 
-def stage_layer_offset(config, vp_stage=None, pg_collection=None, model_comm_pgs=None,
-                       pp_layer_offset=None) -> int:
-    """Global index of this pipeline (and virtual-pipeline) stage's first layer.
-
-    megatron-core 0.14's ``get_transformer_layer_offset`` is ``(config, vp_stage)``; 0.15+ take
-    ``pp_rank`` as well; 0.18+ may hand the offset to the layer directly (``pp_layer_offset``).
-    """
+def stage_layer_offset(config, vp_stage=None, pg_collection=None, pp_layer_offset=None) -> int:
+    """Global index of this pipeline (and virtual-pipeline) stage's first layer: the ``pp_layer_offset`` megatron-core
+    0.19 may hand the layer, else ``get_transformer_layer_offset(config, vp_stage, pp_rank)`` with the pipeline
+    rank of ``pg_collection`` (megatron-core's parallel state without one)."""
     if pp_layer_offset is not None:
         return int(pp_layer_offset)
-    if "pp_rank" in inspect.signature(get_transformer_layer_offset).parameters:
-        groups = pg_collection if pg_collection is not None else model_comm_pgs
-        pp_group = getattr(groups, "pp", None) if groups is not None else None
-        pp_rank = pp_group.rank() if pp_group is not None else None
-        return get_transformer_layer_offset(config, vp_stage, pp_rank)
-    return get_transformer_layer_offset(config, vp_stage)
+    pp_group = getattr(pg_collection, "pp", None) if pg_collection is not None else None
+    pp_rank = pp_group.rank() if pp_group is not None else None
+    return get_transformer_layer_offset(config, vp_stage, pp_rank)
 
 
 _ROTARY_KWARGS = ("rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin")
+
+
+def without_rotary(kwargs: dict) -> dict:
+    """``TransformerLayer.forward`` keywords with the model's rotary tables set to None (for a mixer that computes
+    its own positions, as our MLA, which refuses them)."""
+    return {name: None if name in _ROTARY_KWARGS else value for name, value in kwargs.items()}
 
 
 class HybridLayer(TransformerLayer):
@@ -191,7 +182,7 @@ class HybridLayer(TransformerLayer):
                                  "which is not set")
         pattern = validate_pattern(pattern, submodules.layer_types)
         offset = stage_layer_offset(config, kwargs.get("vp_stage"), kwargs.get("pg_collection"),
-                                    kwargs.get("model_comm_pgs"), kwargs.get("pp_layer_offset"))
+                                    kwargs.get("pp_layer_offset"))
         self.layer_pattern = pattern
         if mtp:  # a multi-token-prediction layer: fixed kind, MoE whenever the model has experts
             self.layer_symbol = mtp_layer_symbol(submodules, pattern, config)
@@ -210,9 +201,7 @@ class HybridLayer(TransformerLayer):
 
     def forward(self, *args, **kwargs):
         if self.drops_rotary:
-            for name in _ROTARY_KWARGS:
-                if kwargs.get(name) is not None:
-                    kwargs[name] = None
+            kwargs = without_rotary(kwargs)
         return super().forward(*args, **kwargs)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
@@ -227,3 +216,21 @@ class HybridLayer(TransformerLayer):
         state = super().sharded_state_dict(prefix, (), metadata)
         replace_prefix_for_sharding(state, prefix, f"{prefix}{global_index}.")
         return state
+
+
+class MTPHybridLayer(HybridLayer):
+    """The transformer layer of a multi-token-prediction layer: a ``HybridLayer`` of the one kind ``kind``, built
+    with ``mtp=True``.
+
+    Spec: ``ModuleSpec(module=MTPHybridLayer, submodules=<that kind's TransformerLayerSubmodules>,
+    params={"kind": "A", "moe_mlp": ..., "own_positions": (...)})``: megatron-core's MTP layer reads the mask type of
+    the attention in a ``TransformerLayerSubmodules`` (0.19 refuses any other submodules type there)."""
+
+    def __init__(self, config, submodules: TransformerLayerSubmodules, layer_number: int = 1, *args, kind: str,
+                 moe_mlp=None, own_positions: Tuple[str, ...] = (), **kwargs):
+        if not isinstance(submodules, TransformerLayerSubmodules):
+            raise TypeError(f"MTPHybridLayer needs the TransformerLayerSubmodules of its kind, got "
+                            f"{type(submodules).__name__}")
+        hybrid = HybridLayerSubmodules(layer_types={kind: submodules}, own_positions=tuple(own_positions),
+                                       moe_mlp=moe_mlp, mtp_symbol=kind)
+        super().__init__(config, hybrid, layer_number, *args, pattern=kind, mtp=True, **kwargs)

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import torch
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.multi_token_prediction import (MTPLossAutoScaler, MTPLossLoggingHelper,
-                                                              MultiTokenPredictionLayer)
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MultiTokenPredictionLayer
 from megatron.core.utils import make_viewless_tensor
 
 from layers.cp.collectives import all_gather_raw
 from layers.cp.sequence import packed_cu_seqlens, plan_for_batch
+from layers.megatron_compat import record_mtp_metrics
 
 
 def roll_to_next_token(x: torch.Tensor, cp_group=None, layout: str = "zigzag", packed_seq_params=None) -> torch.Tensor:
@@ -56,31 +56,40 @@ class HybridMultiTokenPredictionLayer(MultiTokenPredictionLayer):
     """megatron-core's ``MultiTokenPredictionLayer`` whose token shift is :func:`roll_to_next_token` (any CP layout,
     packed documents, CPU)."""
 
-    def _get_embeddings(self, input_ids, position_ids, embedding, hidden_states, packed_seq_params=None):
+    def _get_embeddings(self, input_ids, position_ids, embedding, hidden_states, packed_seq_params=None,
+                        **padding):
+        """megatron-core's: the shifted ids' embeddings and the viewless hidden states. megatron-core 0.19 also
+        passes ``padding_mask`` (shifted as the ids) and takes it back third; 0.16 passes none."""
         layout = getattr(self.config, "hp_cp_layout", "zigzag")
         input_ids = roll_to_next_token(input_ids, self.cp_group, layout, packed_seq_params)
         if position_ids is not None:  # read only by learned absolute position embeddings
             position_ids = roll_to_next_token(position_ids, self.cp_group, layout, packed_seq_params)
         decoder_input = embedding(input_ids=input_ids, position_ids=position_ids)
+        if getattr(self.config, "mtp_detach_heads", False):  # megatron-core 0.19's option
+            decoder_input = decoder_input.detach()
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
-        return input_ids, position_ids, decoder_input, hidden_states
+        if not hidden_states.requires_grad:  # a detached input: the layer's parameters still get gradients
+            hidden_states.requires_grad_(True)
+        if "padding_mask" not in padding:
+            return input_ids, position_ids, decoder_input, hidden_states
+        padding_mask = padding["padding_mask"]
+        if padding_mask is not None:
+            padding_mask = roll_to_next_token(padding_mask, self.cp_group, layout, packed_seq_params)
+        return input_ids, position_ids, padding_mask, decoder_input, hidden_states
 
 
-def _save_mtp_loss(loss: torch.Tensor, depth: int, depths: int) -> None:
+def _save_mtp_loss(loss: torch.Tensor, depth: int, depths: int, acceptance: tuple) -> None:
     """Megatron's MTP loss tracker (``track_mtp_metrics`` logs "mtp_<d> loss"): ``loss`` (this rank's term of its
     CP group's mean) over the data-parallel size, summed over data x context parallel ranks when logged: the mean
-    of the data-parallel replicas (a SUM, not megatron's AVG reduction, which gloo lacks). The tracker's buffer is
-    made on the loss's device (megatron makes it on CUDA)."""
+    of the data-parallel replicas (a SUM, not megatron's AVG reduction, which gloo lacks); ``acceptance``: as
+    ``layers.megatron_compat.record_mtp_metrics`` takes it."""
     from megatron.core import parallel_state
 
-    tracker = MTPLossLoggingHelper.tracker
-    if "values" not in tracker or tracker["values"].shape[0] != depths:
-        tracker["values"] = torch.zeros(depths, device=loss.device)
     group = None
     if parallel_state.model_parallel_is_initialized():
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         loss = loss / parallel_state.get_data_parallel_world_size()
-    MTPLossLoggingHelper.save_loss_to_tracker(loss, depth, depths, reduce_group=group)
+    record_mtp_metrics(loss, depth, depths, group, acceptance)
 
 
 def attach_mtp_losses(model: GPTModel, hidden_states: torch.Tensor, depth_states, labels: torch.Tensor, loss_mask,
@@ -105,7 +114,8 @@ def attach_mtp_losses(model: GPTModel, hidden_states: torch.Tensor, depth_states
         if cp_group is not None:
             torch.distributed.all_reduce(count, group=cp_group)
         if model.training:
-            _save_mtp_loss(losses.sum() / count, depth, config.mtp_num_layers)
+            acceptance = (logits, labels, mask, model.output_layer, runtime_gather_output, model.tp_group)
+            _save_mtp_loss(losses.sum() / count, depth, config.mtp_num_layers, acceptance)
         # megatron-core's DDP averages gradients over data x context ranks (sums them with per-token loss), as the
         # schedule's main loss expects; so each CP rank carries CP times its share of the group's mean
         term = losses if config.calculate_per_token_loss else losses * cp_size / count
@@ -138,24 +148,26 @@ class HybridGPTModel(GPTModel):
         return super().sharded_state_dict(prefix, sharded_offsets, ensure_metadata_has_dp_cp_group(metadata))
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
-                     rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None, decoder_input=None,
-                     attention_mask=None, inference_params=None, packed_seq_params=None, sequence_len_offset=None,
-                     runtime_gather_output=None, extra_block_kwargs=None, inference_context=None):
+                     rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None, inference_context=None, **kwargs):
+        """megatron-core's ``_postprocess`` (its keywords pass through: 0.19 adds ``padding_mask`` and output
+        processors) with :func:`attach_mtp_losses` for the MTP losses."""
         if not self.config.mtp_num_layers or not self.post_process or inference_context is not None:
-            return super()._postprocess(
-                hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin,
-                mtp_in_postprocess=mtp_in_postprocess, loss_mask=loss_mask, decoder_input=decoder_input,
-                attention_mask=attention_mask, inference_params=inference_params,
-                packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
-                runtime_gather_output=runtime_gather_output, extra_block_kwargs=extra_block_kwargs,
-                inference_context=inference_context)
+            return super()._postprocess(hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
+                                        rotary_pos_sin, mtp_in_postprocess=mtp_in_postprocess, loss_mask=loss_mask,
+                                        inference_context=inference_context, **kwargs)
+        if kwargs.get("output_processor") is not None:
+            raise ValueError("HybridGPTModel's multi-token prediction takes no output_processor")
+        packed_seq_params = kwargs.get("packed_seq_params")
+        runtime_gather_output = kwargs.get("runtime_gather_output")
         if mtp_in_postprocess:
+            padding = {} if kwargs.get("padding_mask") is None else {"padding_mask": kwargs["padding_mask"]}
             hidden_states = self.mtp(input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states,
-                                     attention_mask=attention_mask, inference_params=inference_params,
+                                     attention_mask=kwargs.get("attention_mask"),
+                                     inference_params=kwargs.get("inference_params"),
                                      rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
                                      rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
-                                     sequence_len_offset=sequence_len_offset, embedding=self.embedding,
-                                     **(extra_block_kwargs or {}))
+                                     sequence_len_offset=kwargs.get("sequence_len_offset"), embedding=self.embedding,
+                                     **padding, **(kwargs.get("extra_block_kwargs") or {}))
         hidden_states, *depth_states = torch.chunk(hidden_states, 1 + self.config.mtp_num_layers, dim=0)
         output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         if labels is not None:

@@ -1,6 +1,6 @@
 """CPU shims for megatron-core, applied only when no CUDA device is present.
 
-megatron-core assumes CUDA in a few places (RNG tracker, current_device, synchronize). On a CPU-only
+megatron-core assumes CUDA in a few places (RNG tracker, current_device, synchronize, current_stream). On a CPU-only
 machine (tests, the gloo example) :func:`apply_cpu_shims` redirects those to CPU; on GPU/NPU it does
 nothing. It also flushes denormal floats to zero on this thread and the threads it starts later
 (``torch.set_flush_denormal``): the delta-rule kernels multiply strongly decayed terms whose products fall below
@@ -40,6 +40,23 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+class _CpuStream:
+    """``torch.cuda.current_stream()`` on CPU, where work is ordered anyway: waits are no-ops (megatron-core 0.19's
+    DDP gradient sync waits on the current stream for CUDA-graph events)."""
+
+    def wait_event(self, event):
+        return None
+
+    def wait_stream(self, stream):
+        return None
+
+    def synchronize(self):
+        return None
+
+
+_CPU_STREAM = _CpuStream()
+
+
 def apply_cpu_shims(seed: int | None = None) -> bool:
     """Make megatron-core usable on CPU with gloo; returns True when shims were applied."""
     global _applied
@@ -48,6 +65,7 @@ def apply_cpu_shims(seed: int | None = None) -> bool:
     if not _applied:
         torch.cuda.current_device = lambda: torch.device("cpu")
         torch.cuda.synchronize = lambda *args, **kwargs: None
+        torch.cuda.current_stream = lambda *args, **kwargs: _CPU_STREAM
         _applied = True
     torch.set_flush_denormal(True)
     from megatron.core.tensor_parallel import random as tp_random

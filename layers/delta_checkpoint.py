@@ -7,21 +7,12 @@ ShardedTensor, so a checkpoint reshards across TP sizes.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import replace
 
 import torch
 from megatron.core import parallel_state
 
 from layers.delta_params import ShortConvWeights
-
-
-def _call_with_supported(fn, *args, **kwargs):
-    """Call ``fn`` dropping keywords it does not take (megatron-core 0.14/0.15 vs 0.16 signatures)."""
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
-    return fn(*args, **kwargs)
 
 
 def delta_sharded_state_dict(mixer, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
@@ -37,17 +28,16 @@ def delta_sharded_state_dict(mixer, prefix: str = "", sharded_offsets=(), metada
     own = {}
     mixer._save_to_state_dict(own, "", keep_vars=True)
     own_axes = {path: lay.tp_dim for path, lay in layouts.items() if "." not in path and lay.tp_dim is not None}
-    result = _call_with_supported(make_sharded_tensors_for_checkpoint, own, prefix, own_axes,
-                                  sharded_offsets, **groups)
+    result = make_sharded_tensors_for_checkpoint(own, prefix, own_axes, sharded_offsets, **groups)
     for child_name, child in mixer.named_children():
         child_prefix = f"{prefix}{child_name}."
         if isinstance(child, ShortConvWeights):
             sd = child.state_dict(prefix="", keep_vars=True)
-            result.update(_call_with_supported(make_sharded_tensors_for_checkpoint, sd, child_prefix,
-                                               {k: 0 for k in sd}, sharded_offsets, **groups))
+            result.update(make_sharded_tensors_for_checkpoint(sd, child_prefix, {k: 0 for k in sd},
+                                                              sharded_offsets, **groups))
         else:
-            result.update(_call_with_supported(sharded_state_dict_default, child, child_prefix,
-                                               sharded_offsets, metadata, tp_group=mixer.tp_group))
+            result.update(sharded_state_dict_default(child, child_prefix, sharded_offsets, metadata,
+                                                     tp_group=mixer.tp_group))
     for path, lay in layouts.items():
         if len(lay.parts) > 1:
             key = prefix + path

@@ -112,7 +112,7 @@ class DeltaMixer(MegatronModule):
     OPTIONS = COMMON_OPTIONS
 
     def __init__(self, config, submodules: DeltaMixerSubmodules = None, layer_number: Optional[int] = None,
-                 pg_collection=None, model_comm_pgs=None, cp_comm_type=None, attn_mask_type=None, **kwargs):
+                 pg_collection=None, cp_comm_type=None, attn_mask_type=None, **kwargs):
         super().__init__(config=config)
         name = type(self).__name__
         delta_kind(self.kind)   # a subclass names a registered kind (ValueError naming the known ones otherwise)
@@ -160,9 +160,8 @@ class DeltaMixer(MegatronModule):
             raise ValueError(f"{name}: num_value_heads={self.num_value_heads} must be a multiple of "
                              f"num_key_heads={self.num_key_heads}")
 
-        pgs = pg_collection if pg_collection is not None else model_comm_pgs
-        self.tp_group = getattr(pgs, "tp", None) if pgs is not None else None
-        self.cp_group = getattr(pgs, "cp", None) if pgs is not None else None
+        self.tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+        self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         if parallel_state.model_parallel_is_initialized():
             if self.tp_group is None:
                 self.tp_group = parallel_state.get_tensor_model_parallel_group()

@@ -5,9 +5,9 @@ A layer keeps its cache in ``context.key_value_memory_dict[layer_number]``: a tu
 ``context.max_batch_size`` sequences (batch first), of which a forward uses rows ``[batch_size_offset,
 batch_size_offset + b)``. ``sequence_len_offset`` is the number of tokens of each sequence already in the cache:
 0 means prefill (the cache rows are overwritten), > 0 continues them (one token: a decode step). megatron's
-inference wrapper advances ``sequence_len_offset`` after each forward. Static batching only: megatron-core 0.16.1's
-``DynamicInferenceContext`` is refused with a ValueError (its attention path needs flash-attn's GPU kernels, so it
-does not run on CPU; docs/layers.md, "Generation").
+inference wrapper advances ``sequence_len_offset`` after each forward. Static batching only: megatron-core's
+``DynamicInferenceContext`` is refused with a ValueError (0.16.1's attention path for it needs flash-attn's GPU
+kernels, so it does not run on CPU; docs/layers.md, "Generation").
 """
 from __future__ import annotations
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import inspect
 
-# keywords megatron-core 0.14-0.16 builders pass to self_attention / mixer / core_attention submodules
+# keywords megatron-core 0.16-0.19 builders pass to self_attention / mixer / core_attention submodules
 MEGATRON_PASSTHROUGH = frozenset({
-    "attention_type", "attn_mask_type", "cp_comm_type", "d_model", "k_channels", "layer_number", "model_comm_pgs", "name",
+    "attention_type", "attn_mask_type", "cp_comm_type", "d_model", "k_channels", "layer_number", "name",
     "pg_collection", "pp_layer_offset", "softmax_scale", "tp_group", "v_channels", "vp_stage",
 })
 

@@ -67,15 +67,12 @@ class MLASelfAttentionSubmodules:
     kv_layernorm: Union[ModuleSpec, type] = None
 
 
-def _process_groups(pg_collection, model_comm_pgs):
-    pgs = pg_collection if pg_collection is not None else model_comm_pgs
-    if pgs is None:
-        try:
-            from megatron.core.process_groups_config import ProcessGroupCollection as Groups
-        except ImportError:  # megatron-core 0.14
-            from megatron.core.process_groups_config import ModelCommProcessGroups as Groups
-        pgs = Groups.use_mpu_process_groups(required_pgs=["tp", "cp"])
-    return pgs.tp, getattr(pgs, "cp", None)
+def _process_groups(pg_collection):
+    if pg_collection is None:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+    return pg_collection.tp, getattr(pg_collection, "cp", None)
 
 
 class _SumGradOverTP(torch.autograd.Function):
@@ -122,7 +119,7 @@ class MultiLatentAttention(MegatronModule):
 
     def __init__(self, config, submodules: MLASelfAttentionSubmodules, layer_number: Optional[int] = None,
                  attn_mask_type=None, cp_comm_type: Optional[str] = None, pg_collection=None,
-                 model_comm_pgs=None, *, cp_strategy: Optional[str] = None, cp_layout: Optional[str] = None,
+                 *, cp_strategy: Optional[str] = None, cp_layout: Optional[str] = None,
                  rope_type: Optional[str] = None, checkpoint_norm_names: str = "te", comm_stats=None, **kwargs):
         super().__init__(config=config)
         check_keywords("MultiLatentAttention", kwargs, declared_keywords(MultiLatentAttention))
@@ -132,7 +129,7 @@ class MultiLatentAttention(MegatronModule):
         if checkpoint_norm_names not in ("te", "local"):
             raise ValueError(f"checkpoint_norm_names must be 'te' or 'local', got {checkpoint_norm_names!r}")
         self.layer_number = layer_number
-        self.tp_group, self.cp_group = _process_groups(pg_collection, model_comm_pgs)
+        self.tp_group, self.cp_group = _process_groups(pg_collection)
         self.tp_size = _group_size(self.tp_group)
         self.cp_layout = check_layout(cp_layout or getattr(config, "hp_cp_layout", None) or "zigzag")
         # --recompute-modules hp_mla_up_proj (layers/recompute.py): per-head K/V recomputed from the latent

@@ -129,6 +129,35 @@ def verify_dcp_files(directory: str):
     return metadata
 
 
+def object_bytes(data) -> bytes:
+    """The bytes of a megatron-core ShardedObject holding ``data``, as its torch_dist strategy stores them."""
+    buffer = io.BytesIO()
+    torch.save([data], buffer)
+    return buffer.getvalue()
+
+
+def read_object(directory: str, key: str, metadata=None):
+    """The object stored under the DCP bytes entry ``key`` of ``directory`` (a megatron-core ShardedObject: the
+    one-element list ``torch.save`` wrote); ``metadata``: its parsed ``.metadata`` when already read.
+    CheckpointError naming the directory when it cannot be read."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = verify_dcp_files(directory) if metadata is None else metadata
+    if key not in metadata.state_dict_metadata:
+        raise CheckpointError(f"{directory}: checkpoint has no object {key}")
+    state = {key: io.BytesIO()}
+    try:
+        dcp.load(state, storage_reader=_KnownMetadataReader(directory, metadata), no_dist=True)
+        value = state[key]
+        if isinstance(value, io.BytesIO):
+            value.seek(0)
+            value = torch.load(value, map_location="cpu", weights_only=False)
+    except Exception as err:  # unpickling damaged bytes raises anything
+        raise CheckpointError(f"{directory}: torch.distributed.checkpoint cannot read object {key}: "
+                              f"{error_summary(err)}") from err
+    return value
+
+
 class _RegionLoadPlanner(LoadPlanner):
     """Reads ``regions`` (``[(key, offset, destination tensor)]``) from whatever chunks the checkpoint holds, and the
     serialized objects ``objects`` (keys) into ``self.loaded``."""

@@ -9,10 +9,12 @@ to a temporary sibling directory that is renamed into place only when complete.
 Checkpoint directory (what Megatron-LM's ``--load``/``--finetune`` and ``examples/pretrain`` read)::
 
     SAVE/latest_checkpointed_iteration.txt      "release" or the iteration
-    SAVE/release/ (or iter_0000000/)            .metadata, __0_0.distcp, common.pt, metadata.json
+    SAVE/release/ (or iter_0000000/)            .metadata, __0_0.distcp, metadata.json (and common.pt)
 
-``common.pt`` holds ``checkpoint_version`` 3.0, ``iteration``, ``content_metadata`` (the sharded_state_dict
-metadata the layout was built with) and ``hf_config`` (the HF config.json, carried back by ``mcore_to_hf``).
+The common state holds ``checkpoint_version`` 3.0, ``iteration``, ``content_metadata`` (the sharded_state_dict
+metadata the layout was built with) and ``hf_config`` (the HF config.json, carried back by ``mcore_to_hf``); it is
+written where the installed megatron-core writes it (``common.pt`` on 0.16, the DCP object ``common_state`` on
+0.19: ``layers.megatron_compat.common_state_in_dcp``) and read from either.
 
 Both directions take the ``architecture`` to convert: any object with ``model_type`` (config.json's, checked),
 ``conversion_rules(hf_config) -> list[TensorRule]``, ``build_model(hf_config, **TransformerConfig overrides)``
@@ -32,15 +34,17 @@ from dataclasses import dataclass
 
 import torch
 
-from hp_megatron.checkpoint_dirs import TRACKER, find_checkpoint, iteration_directory, write_tracker
-from hp_megatron.convert.dcp_io import ChunkReader, error_summary, save_lazily
+from hp_megatron.checkpoint_dirs import (COMMON_FILE, COMMON_OBJECT, TRACKER, find_checkpoint, iteration_directory,
+                                         write_tracker)
+from hp_megatron.convert.dcp_io import (ChunkReader, error_summary, object_bytes, read_object, save_lazily,
+                                       verify_dcp_files)
 from hp_megatron.convert.layout import CheckpointLayout, LayoutEntry, checkpoint_layout
 from hp_megatron.convert.rules import TensorRule
 from hp_megatron.convert.safetensors_io import (CONFIG_NAME, CheckpointError, HFCheckpoint, ShardedSafetensorsWriter,
                                                 load_hf_config, parse_size)
 from hp_megatron.platform import single_rank_megatron
+from layers.megatron_compat import common_state_in_dcp
 
-COMMON = "common.pt"
 NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")  # tensors of a training checkpoint
 
 
@@ -159,11 +163,15 @@ def checkpoint_directory(path: str) -> str:
 
 
 def _read_common(ckpt: str) -> dict:
-    """``common.pt`` of the iteration directory ``ckpt``; CheckpointError naming the file when it is missing or
-    unreadable (truncated)."""
-    path = os.path.join(ckpt, COMMON)
+    """The common state of the iteration directory ``ckpt`` (``common.pt``, else the DCP object
+    ``COMMON_OBJECT``); CheckpointError naming the file when neither is there or it is unreadable (truncated)."""
+    path = os.path.join(ckpt, COMMON_FILE)
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: missing; a megatron-core dist checkpoint holds its common state there")
+        metadata = verify_dcp_files(ckpt)
+        if COMMON_OBJECT not in metadata.state_dict_metadata:
+            raise CheckpointError(f"{path}: missing, and {ckpt}/.metadata has no {COMMON_OBJECT}; a megatron-core "
+                                  "dist checkpoint holds its common state in one of them")
+        return read_object(ckpt, COMMON_OBJECT, metadata)[0]
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:
@@ -186,7 +194,7 @@ def stored_mtp_depth(load: str) -> int:
 
 def _hf_config_of(common: dict, ckpt: str) -> dict:
     if common.get("hf_config") is None:
-        raise CheckpointError(f"{ckpt}/{COMMON}: no hf_config stored; pass the HF config.json (--hf-config)")
+        raise CheckpointError(f"{ckpt}: its common state stores no hf_config; pass the HF config.json (--hf-config)")
     return common["hf_config"]
 
 
@@ -254,16 +262,20 @@ def hf_to_mcore(hf_dir: str, save: str, architecture, *, iteration: int | None =
     with _atomic_directory(save, overwrite) as tmp:
         ckpt = iteration_directory(tmp, iteration)
         os.makedirs(ckpt)
-        save_lazily(ckpt, chunks, layout.objects, produce)
-        current.clear()
         common = {"checkpoint_version": 3.0, "iteration": 0 if iteration is None else iteration,
                   "hf_config": hf.config}
         if metadata is not None:
             common["content_metadata"] = metadata
-        torch.save(common, os.path.join(ckpt, COMMON))
+        objects, backends = dict(layout.objects), {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+        if common_state_in_dcp():
+            objects[COMMON_OBJECT] = object_bytes(common)
+        else:
+            torch.save(common, os.path.join(ckpt, COMMON_FILE))
+            backends.update(common_backend="torch", common_backend_version=1)
+        save_lazily(ckpt, chunks, objects, produce)
+        current.clear()
         with open(os.path.join(ckpt, "metadata.json"), "w") as f:
-            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-                       "common_backend_version": 1}, f)
+            json.dump(backends, f)
         write_tracker(tmp, iteration)
     nbytes = sum(torch.Size(c.size).numel() * c.dtype.itemsize for c in chunks)
     return ConversionReport(len(chunks), nbytes, time.perf_counter() - start, setup, os.path.abspath(save),

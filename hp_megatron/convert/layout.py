@@ -13,14 +13,13 @@ TP/PP/EP/CP through the same ``sharded_state_dict`` path training uses.
 """
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from hp_megatron.convert.dcp_io import Chunk
+from hp_megatron.convert.dcp_io import Chunk, object_bytes
 from hp_megatron.convert.safetensors_io import CheckpointError
 
 
@@ -84,12 +83,6 @@ class CheckpointLayout:
                                       f"{numel} of {math.prod(shapes[key])} elements")
 
 
-def _object_bytes(sh_obj) -> bytes:
-    buffer = io.BytesIO()
-    torch.save([sh_obj.data], buffer)  # megatron's torch_dist strategy stores ShardedObjects this way
-    return buffer.getvalue()
-
-
 def checkpoint_layout(model, metadata: dict | None = None) -> CheckpointLayout:
     """The :class:`CheckpointLayout` of ``model`` (a megatron-core module built at TP=PP=EP=1), from
     ``model.sharded_state_dict(metadata=metadata)``."""
@@ -108,7 +101,7 @@ def checkpoint_layout(model, metadata: dict | None = None) -> CheckpointLayout:
                                       "state_dict() tensors; the converter cannot name it")
             entries[state_key] = LayoutEntry(state_key, tuple(data.shape), data.dtype, value)
         elif isinstance(value, ShardedObject):
-            objects[value.unique_key] = _object_bytes(value)
+            objects[value.unique_key] = object_bytes(value.data)
         else:
             raise CheckpointError(f"model state {sharded_key}: {type(value).__name__} is neither a sharded tensor "
                                   "nor a sharded object; the converter cannot place it")

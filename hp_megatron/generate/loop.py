@@ -130,21 +130,17 @@ class StaticGenerator:
         first forward. ``clock``: the timer of the timings (wall clock; ``time.process_time`` gives this
         process's CPU seconds, the fairer measure on a shared machine)."""
         from megatron.core.inference.contexts import StaticInferenceContext
-        from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
-        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
         from megatron.core.inference.text_generation_controllers.text_generation_controller import (
             TextGenerationController)
+
+        from layers.megatron_compat import gpt_inference_wrapper, inference_mode
 
         new = params.num_tokens_to_generate
         check_batch(prompts, new, vocab_size=self.vocab_size, max_positions=self.max_positions,
                     max_batch_size=self.max_batch_size, max_sequence_length=self.max_sequence_length)
-        config = self.model.config
-        wrapper_config = InferenceWrapperConfig(
-            hidden_size=config.hidden_size, params_dtype=config.params_dtype,
-            inference_batch_times_seqlen_threshold=-1, padded_vocab_size=self.model.vocab_size,
-            inference_max_requests=self.max_batch_size, inference_max_seq_length=self.max_sequence_length)
         context = self.context = StaticInferenceContext(self.max_batch_size, self.max_sequence_length)
-        wrapper = GPTInferenceWrapper(self.model, wrapper_config, context)
+        wrapper = gpt_inference_wrapper(self.model, context, max_batch_size=self.max_batch_size,
+                                        max_sequence_length=self.max_sequence_length)
         controller = TextGenerationController(wrapper, _PadTokenizer(self.pad_id))
         controller.sampling_rng.manual_seed(seed)
 
@@ -160,13 +156,12 @@ class StaticGenerator:
         rows = torch.arange(batch, device=device)
         stopped = torch.zeros(batch, dtype=torch.bool, device=device)
         seconds = []
-        with torch.inference_mode():
+        with torch.inference_mode(), inference_mode():
             wrapper.prep_model_for_inference()  # eval(), context reset
             inputs = wrapper.prep_inference_input(tokens)
             start, end = 0, first
             while end < total:
                 window = wrapper.get_batch_for_context_window(inputs, start, end)
-                context.materialize_only_last_token_logits = True
                 began = clock()
                 logits = wrapper.run_one_forward_step(window)[:, -1, :self.vocab_size]
                 sampled = controller.sample_from_logits(logits, params, self.vocab_size)

@@ -186,9 +186,17 @@ def norm_rules(mcore: str, hf: str) -> list[TensorRule]:
 
 # ---- multi-token prediction (DeepSeek-V3, Qwen3-Next) ------------------------------------------------------------
 def mtp_prefix(k: int) -> str:
-    """megatron-core's key prefix of MTP layer ``k`` (0-based): ``enorm``, ``hnorm``, ``eh_proj``,
-    ``transformer_layer.*``, ``final_layernorm``."""
+    """megatron-core's key prefix of MTP layer ``k`` (0-based): ``enorm``, ``hnorm``, ``eh_proj``, its transformer
+    layer (:func:`mtp_layer_prefix`), ``final_layernorm``."""
     return f"mtp.layers.{k}."
+
+
+def mtp_layer_prefix(k: int) -> str:
+    """The key prefix of MTP layer ``k``'s transformer layer: ``mtp.layers.<k>.transformer_layer.`` (megatron-core
+    0.19: ``mtp_model_layer.``, ``layers.megatron_compat.mtp_inner_layer_name``)."""
+    from layers.megatron_compat import mtp_inner_layer_name
+
+    return f"{mtp_prefix(k)}{mtp_inner_layer_name()}."
 
 
 def mtp_head_rules(k: int, *, enorm: str, hnorm: str, eh_proj: str, final_norm: str) -> list[TensorRule]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from hp_megatron.convert.rules import TensorRule
 from hp_megatron.models.common import (ModelPreset, check_mtp_depth, decoder_config, field_of, layer_prefix,
                                        mla_fields, mla_rules, mlp_rules, model_rules, moe_router_config, moe_rules,
-                                       mtp_head_rules, mtp_prefix, norm_rules, refuse, require, rope_parameters,
+                                       mtp_head_rules, mtp_layer_prefix, norm_rules, refuse, require, rope_parameters,
                                        with_duplicates)
 
 MODEL_TYPE = "deepseek_v3"
@@ -108,6 +108,6 @@ def conversion_rules(hf: dict, mtp_num_layers: int = 0) -> list[TensorRule]:
     for k, prefix in enumerate(hf_layers):
         rules += mtp_head_rules(k, enorm=prefix + "enorm.weight", hnorm=prefix + "hnorm.weight",
                                 eh_proj=prefix + "eh_proj.weight", final_norm=prefix + "shared_head.norm.weight")
-        rules += _decoder_layer_rules(mtp_prefix(k) + "transformer_layer.", prefix, hf, preset,
+        rules += _decoder_layer_rules(mtp_layer_prefix(k), prefix, hf, preset,
                                       bool(preset.transformer_fields.get("num_moe_experts")))
     return rules

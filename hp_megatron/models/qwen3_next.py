@@ -10,7 +10,7 @@ The released checkpoints also hold a multi-token-prediction module (``mtp.*``, c
 ``mtp_num_hidden_layers``: 1), which transformers skips on load. Built with MTP (``conversion_rules(hf,
 mtp_num_layers=1)``, the converter's ``--mtp-num-layers 1``) it is megatron-core's ``mtp.layers.0.*``:
 ``pre_fc_norm_embedding`` -> ``enorm``, ``pre_fc_norm_hidden`` -> ``hnorm``, ``fc`` -> ``eh_proj`` (input
-``[embedding; hidden]``), ``layers.0`` (gated attention + MoE) -> ``transformer_layer``, ``norm`` ->
+``[embedding; hidden]``), ``layers.0`` (gated attention + MoE) -> its transformer layer, ``norm`` ->
 ``final_layernorm``, all zero-centred norms as the model's. Without MTP ``unmodeled_tensors`` lists the module and
 the converter drops it only when asked (``--drop-unmodeled``).
 """
@@ -21,7 +21,8 @@ import torch
 from hp_megatron.convert.rules import TensorRule, identity_rule
 from hp_megatron.models.common import (ModelPreset, check_mtp_depth, decoder_config, field_of, layer_mlp_rules,
                                        layer_norm_rules, layer_prefix, mlp_rules, model_rules, moe_router_config, moe_rules,
-                                       mtp_head_rules, mtp_prefix, norm_rules, refuse, require, rope_parameters)
+                                       mtp_head_rules, mtp_layer_prefix, norm_rules, refuse, require,
+                                       rope_parameters)
 from layers.convert import GDN_IN_PROJ_PARTS, join_qwen3_next_in_proj, split_qwen3_next_in_proj
 
 MODEL_TYPE = "qwen3_next"
@@ -158,7 +159,7 @@ def _mtp_rules(hf: dict, preset: ModelPreset, mtp_num_layers: int) -> list[Tenso
     if mtp_num_layers != 1:
         raise ValueError(f"{MODEL_TYPE}: one MTP layer is supported (mtp.fc and its norms are shared by mtp.layers.*; "
                          f"megatron-core has them per layer), got {MTP_FIELD}={mtp_num_layers}")
-    mcore = mtp_prefix(0) + "transformer_layer."
+    mcore = mtp_layer_prefix(0)
     rules = mtp_head_rules(0, enorm="mtp.pre_fc_norm_embedding.weight", hnorm="mtp.pre_fc_norm_hidden.weight",
                            eh_proj="mtp.fc.weight", final_norm="mtp.norm.weight")
     rules += _attention_rules(mcore + "self_attention.", "mtp.layers.0.self_attn.", preset)

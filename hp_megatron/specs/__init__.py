@@ -15,11 +15,20 @@ and does not call it); each exists for the three backends (suffix ``_triton`` / 
 Their attention (``A``) layers get q/k RMSNorms when ``--qk-layernorm`` (``config.qk_layernorm``) is set, as
 Qwen3-Next's attention has (with ``--attention-output-gate`` for its output gate).
 
+Stack specs for megatron-core's ``HybridModel`` (megatron-core 0.19+, Megatron-LM's ``pretrain_hybrid.py --spec
+hp_megatron.specs NAME --hybrid-layer-pattern ...``; ``hp_megatron.specs.hybrid_stack``), built when first used:
+
+  ``hybrid_stack_spec``  ``G`` our GDN, ``*`` attention, ``+`` our MLA, ``-`` MLP, ``E`` MoE
+  ``kda_hybrid_stack_spec``  the same with our KDA in the ``G`` slot (HybridModel has no KDA symbol)
+
+each also with suffix ``_triton`` / ``_ascendc`` before ``_spec`` (``hybrid_stack_triton_spec``).
+
 Every spec builds megatron-core MoE layers where ``--num-experts`` / ``--moe-layer-freq`` ask for them
 (``hp_megatron.hybrid_layer``); real architectures from HF config.json files: ``hp_megatron.models``.
 """
 from hp_megatron.hybrid_layer import HybridLayer, HybridLayerSubmodules
 from hp_megatron.specs.attention import ContextParallelDotProductAttention
+from hp_megatron.specs.hybrid_stack import STACK_SPECS, get_hybrid_stack_spec, ready_stack_spec
 from hp_megatron.specs.layer_specs import (MIXERS, SYMBOLS, get_hybrid_layer_spec, get_layer_spec,
                                            get_layer_submodules, get_mixer_spec)
 from hp_megatron.specs.providers import (AscendCSpecProvider, EagerSpecProvider, TritonSpecProvider,
@@ -46,7 +55,17 @@ READY_SPECS = sorted(_ready_specs_dict := _ready_specs())
 globals().update(_ready_specs_dict)
 del _ready_specs_dict
 
+def __getattr__(name):
+    """The stack specs of ``STACK_SPECS`` (``hybrid_stack_spec`` ...), built on first access and then module globals
+    (Megatron-LM's ``import_module`` reads ``vars(module)`` after its ``from``-import has touched the name): they need
+    megatron-core's HybridModel (0.19+), and ``import hp_megatron.specs`` works on every supported version."""
+    if name not in STACK_SPECS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    spec = globals()[name] = ready_stack_spec(name)
+    return spec
+
+
 __all__ = ["AscendCSpecProvider", "ContextParallelDotProductAttention", "EagerSpecProvider", "HybridLayer",
-           "HybridLayerSubmodules", "MIXERS", "READY_SPECS", "SYMBOLS", "TritonSpecProvider",
-           "get_hybrid_layer_spec", "get_layer_spec", "get_layer_submodules", "get_mixer_spec",
-           "get_spec_provider", *READY_SPECS]
+           "HybridLayerSubmodules", "MIXERS", "READY_SPECS", "STACK_SPECS", "SYMBOLS", "TritonSpecProvider",
+           "get_hybrid_layer_spec", "get_hybrid_stack_spec", "get_layer_spec", "get_layer_submodules",
+           "get_mixer_spec", "get_spec_provider", *READY_SPECS]

@@ -37,7 +37,7 @@ class ContextParallelDotProductAttention(nn.Module):
 
     def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self",
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None,
-                 model_comm_pgs=None, backend: str = "eager", layout: str | None = None, **kwargs):
+                 backend: str = "eager", layout: str | None = None, **kwargs):
         super().__init__()
         check_keywords(type(self).__name__, kwargs, declared_keywords(ContextParallelDotProductAttention))
         name = getattr(attn_mask_type, "name", attn_mask_type)
@@ -54,8 +54,7 @@ class ContextParallelDotProductAttention(nn.Module):
         self.layout = check_layout(layout or getattr(config, "hp_cp_layout", None) or "zigzag")
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim ** -0.5
-        groups = pg_collection if pg_collection is not None else model_comm_pgs
-        self.cp_group = getattr(groups, "cp", None) if groups is not None else None
+        self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         if self.cp_group is None:
             from megatron.core import parallel_state
 

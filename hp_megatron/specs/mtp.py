@@ -3,26 +3,26 @@
 are ``hp_megatron.mtp.HybridMultiTokenPredictionLayer`` around a ``HybridLayer`` of a fixed kind.
 
 Each MTP layer: ``enorm`` / ``hnorm`` / ``final_layernorm`` are our RMSNorm (zero-centred with
-``layernorm_zero_centered_gamma``, as Qwen3-Next's), ``eh_proj`` the provider's column-parallel linear, and
-``transformer_layer`` the layer spec's ``HybridLayer`` built with ``mtp=True``: the kind the spec declares
-(``mtp_symbol``, ``config.hp_mtp_layer_kind``, or the pattern's only symbol; DeepSeek-V3: MLA, Qwen3-Next: gated
-attention), with the MoE MLP when the model has experts.
+``layernorm_zero_centered_gamma``, as Qwen3-Next's), ``eh_proj`` the provider's column-parallel linear, and its
+transformer layer (``transformer_layer``; megatron-core 0.19: ``mtp_model_layer``) an ``MTPHybridLayer`` of the
+layer spec: the kind the spec declares (``mtp_symbol``, ``config.hp_mtp_layer_kind``, or the pattern's only symbol;
+DeepSeek-V3: MLA, Qwen3-Next: gated attention), with the MoE MLP when the model has experts.
 """
 from __future__ import annotations
 
 from megatron.core.transformer.multi_token_prediction import (MultiTokenPredictionBlockSubmodules,
-                                                              MultiTokenPredictionLayerSubmodules,
                                                               get_mtp_num_layers_to_build)
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from hp_megatron.hybrid_layer import HybridLayer, HybridLayerSubmodules, mtp_layer_symbol
+from hp_megatron.hybrid_layer import HybridLayer, HybridLayerSubmodules, MTPHybridLayer, mtp_layer_symbol
 from hp_megatron.specs.providers import get_spec_provider
+from layers.megatron_compat import mtp_layer_submodules
 
 ATTENTION_KINDS = ("A", "M")  # megatron-core's MTP layer needs an attention mask type (causal attention layers)
 
 
 def mtp_transformer_layer_spec(config, layer_spec: ModuleSpec) -> ModuleSpec:
-    """The ``HybridLayer`` spec of the MTP layers: ``layer_spec`` reduced to its MTP kind, built with ``mtp=True``."""
+    """The ``MTPHybridLayer`` spec of the MTP layers: ``layer_spec`` reduced to its MTP kind."""
     if not (isinstance(layer_spec, ModuleSpec) and isinstance(layer_spec.module, type)
             and issubclass(layer_spec.module, HybridLayer)):
         raise TypeError(f"multi-token prediction needs a HybridLayer layer spec (hp_megatron.specs), got {layer_spec!r}")
@@ -35,10 +35,10 @@ def mtp_transformer_layer_spec(config, layer_spec: ModuleSpec) -> ModuleSpec:
     if kind not in ATTENTION_KINDS:
         raise ValueError(f"MTP layer kind {kind!r}: megatron-core's MTP layers need an attention layer "
                          f"(one of {ATTENTION_KINDS})")
-    only = HybridLayerSubmodules(layer_types={kind: submodules.layer_types[kind]},
-                                 own_positions=submodules.own_positions, moe_mlp=submodules.moe_mlp, mtp_symbol=kind)
-    return ModuleSpec(module=layer_spec.module, params={**layer_spec.params, "pattern": kind, "mtp": True},
-                      submodules=only)
+    params = {k: v for k, v in layer_spec.params.items() if k not in ("pattern", "mtp")}
+    return ModuleSpec(module=MTPHybridLayer, submodules=submodules.layer_types[kind],
+                      params={**params, "kind": kind, "moe_mlp": submodules.moe_mlp,
+                              "own_positions": submodules.own_positions})
 
 
 def get_mtp_block_spec(config, layer_spec: ModuleSpec, backend="eager", *, vp_stage=None, pp_rank=None,
@@ -55,7 +55,6 @@ def get_mtp_block_spec(config, layer_spec: ModuleSpec, backend="eager", *, vp_st
         return None
     provider = get_spec_provider(backend, linear=linear)
     norm = provider.layer_norm(rms_norm=True)
-    layer = ModuleSpec(module=HybridMultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
-        enorm=norm, hnorm=norm, eh_proj=provider.column_parallel_linear(), transformer_layer=transformer_layer,
-        layer_norm=norm))
+    layer = ModuleSpec(module=HybridMultiTokenPredictionLayer, submodules=mtp_layer_submodules(
+        enorm=norm, hnorm=norm, eh_proj=provider.column_parallel_linear(), layer=transformer_layer, layer_norm=norm))
     return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * count)

@@ -15,14 +15,14 @@ import torch
 from layers.cp import build_chain_plan, local_seq_index
 from layers.cp.plan import chain_owners
 from tests.support.dist import share_spawn
-from tests.support.helpers import FakeGroup
+from tests.support.helpers import FakeGroup, torch_distributed_answers_fake_groups
 
 
 def _megatron_zigzag(x, P, r, monkeypatch):
-    import megatron.core.utils as mu
+    from layers.megatron_compat import megatron_cp_batch
 
-    monkeypatch.setattr(mu.torch.distributed, "is_initialized", lambda: True)
-    return mu.get_batch_on_this_cp_rank({"tokens": x.clone()}, cp_group=FakeGroup(P, r))["tokens"]
+    torch_distributed_answers_fake_groups(monkeypatch)
+    return megatron_cp_batch({"tokens": x.clone()}, cp_group=FakeGroup(P, r))["tokens"]
 
 
 def _te_thd_reference(cu, P, r):

@@ -52,12 +52,6 @@ def _worker(rank, world_size):
 
 @pytest.fixture(scope="module")
 def results():
-    import inspect
-
-    from megatron.core import parallel_state
-
-    if "hybrid_context_parallel" not in inspect.signature(parallel_state.initialize_model_parallel).parameters:
-        pytest.skip("this megatron-core has no hybrid context parallelism (0.16 or newer)")
     return run_distributed(_worker, WORLD, timeout=CASE_TIMEOUT_S)
 
 

@@ -3,16 +3,14 @@ import pytest
 import torch
 
 from hp_megatron.data import cp_token_index, get_batch_on_this_cp_rank
-from tests.support.helpers import FakeGroup
+from tests.support.helpers import FakeGroup, torch_distributed_answers_fake_groups
 
 
 def _megatron_split(batch, cp, rank, monkeypatch):
-    from megatron.core import parallel_state, utils
+    from layers.megatron_compat import megatron_cp_batch
 
-    # megatron reads the CP size/rank from parallel_state when no (initialized) group is given
-    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp)
-    monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: rank)
-    return utils.get_batch_on_this_cp_rank(dict(batch))
+    torch_distributed_answers_fake_groups(monkeypatch)
+    return megatron_cp_batch(dict(batch), cp_group=FakeGroup(cp, rank))
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])

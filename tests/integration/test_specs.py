@@ -1,11 +1,10 @@
-"""hp_megatron.specs on the installed megatron-core (0.14, 0.15 or 0.16; see tests/run_mcore_versions.sh).
+"""hp_megatron.specs on the installed megatron-core (0.16 or 0.19; see tests/run_mcore_versions.sh).
 
 One 2-rank gloo spawn builds hybrid blocks under PP=2 and PP=2 x VPP=2 and reports, per stage, each layer's
 global number, pattern symbol and mixer class, the checkpoint layer keys, a forward pass and a custom spec.
 """
 import argparse
 import copy
-import inspect
 
 import pytest
 import torch
@@ -37,8 +36,7 @@ def _config(pp, vpp):
 def _block(config, spec, vp_stage):
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    kwargs = {"vp_stage": vp_stage} if "vp_stage" in inspect.signature(TransformerBlock.__init__).parameters else {}
-    return TransformerBlock(config, spec, pre_process=True, post_process=False, **kwargs)
+    return TransformerBlock(config, spec, pre_process=True, post_process=False, vp_stage=vp_stage)
 
 
 def _describe(block):

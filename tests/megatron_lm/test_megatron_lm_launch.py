@@ -17,14 +17,16 @@ needs_megatron_lm = pytest.mark.skipif(MEGATRON_LM is None, reason="Megatron-LM'
                                        "MEGATRON_LM_PATH (tests/support/paths.py)")
 
 
-@pytest.mark.skipif(megatron_lm_skip((0, 16)) is not None, reason=str(megatron_lm_skip((0, 16))))
-def test_cuda_sites_hold_their_text_and_a_moved_one_fails(monkeypatch):  # cpu_mode.SITES: Megatron-LM 0.16.1
+@needs_megatron_lm
+def test_cuda_sites_hold_their_text_and_a_moved_one_fails(monkeypatch):  # the installed version's cpu_mode table
     import cpu_mode
 
     monkeypatch.syspath_prepend(MEGATRON_LM)
     cpu_mode.check_sites()  # the installed megatron-core and Megatron-LM hold every listed line
+    from megatron.core.package_info import MAJOR, MINOR
+
     moved = ("megatron/core/timers.py", 151, "torch.cuda.synchronize", "torch.cuda.synchronize()")
-    monkeypatch.setattr(cpu_mode, "SITES", cpu_mode.SITES + (moved,))
+    monkeypatch.setitem(cpu_mode.SITES, (MAJOR, MINOR), cpu_mode.SITES[(MAJOR, MINOR)] + (moved,))
     with pytest.raises(RuntimeError, match=r"megatron/core/timers.py:151 torch.cuda.synchronize: expected"):
         cpu_mode.check_sites()
 
@@ -39,6 +41,14 @@ def test_launcher_without_megatron_lm_names_the_checkout():
     done = _launch([REPO], f"import runpy; runpy.run_path({LAUNCHER!r}, run_name='__main__')")
     assert done.returncode != 0
     assert "RuntimeError: this launcher needs a Megatron-LM checkout on PYTHONPATH (module 'pretrain_gpt'" in \
+        done.stderr, done.stderr[-2000:]
+
+
+def test_hybrid_launcher_without_megatron_lm_names_the_checkout():
+    launcher = os.path.join(SCRIPTS, "pretrain_hybrid_hp.py")
+    done = _launch([REPO], f"import runpy; runpy.run_path({launcher!r}, run_name='__main__')")
+    assert done.returncode != 0
+    assert "RuntimeError: this launcher needs a Megatron-LM checkout on PYTHONPATH (module 'pretrain_hybrid'" in \
         done.stderr, done.stderr[-2000:]
 
 
@@ -86,3 +96,30 @@ def test_hf_tokenizer_refuses_a_missing_file(tmp_path):
 
     with pytest.raises(ValueError, match="does not exist"):
         write_tokenizer_dir(str(tmp_path / "missing.json"), str(tmp_path / "hf"))
+
+
+def test_hybrid_launcher_mla_flags():
+    """pretrain_hybrid_hp.py with MLA layers ('+': Megatron-LM sets --multi-latent-attention): --hp-mla-* dims are
+    refused (Megatron-LM's MLA flags set them), --hp-mla-rope-type sets the rotary type (NoPE: 'none'), not with
+    --rope-type; without MLA layers the config is untouched."""
+    import argparse
+    import types
+
+    sys.path.insert(0, SCRIPTS)
+    from pretrain_hybrid_hp import _mla_rope_type
+
+    def args(**given):
+        dims = {name: None for name in ("hp_mla_q_lora_rank", "hp_mla_kv_lora_rank", "hp_mla_qk_head_dim",
+                                         "hp_mla_qk_pos_emb_head_dim", "hp_mla_v_head_dim")}
+        return argparse.Namespace(**{"multi_latent_attention": True, "hp_mla_rope_type": "rope", **dims, **given})
+
+    config = types.SimpleNamespace(rope_type="yarn")
+    assert _mla_rope_type(args(), config, []).rope_type == "yarn"  # Megatron-LM's MLA default
+    assert _mla_rope_type(args(hp_mla_rope_type="none"), config, ["--hp-mla-rope-type", "none"]).rope_type == "none"
+    with pytest.raises(ValueError, match="--hp-mla-kv-lora-rank: MLA layers .* use --kv-lora-rank"):
+        _mla_rope_type(args(hp_mla_kv_lora_rank=16), config, [])
+    with pytest.raises(ValueError, match="--rope-type and --hp-mla-rope-type both"):
+        _mla_rope_type(args(hp_mla_rope_type="none"), config, ["--rope-type=rope", "--hp-mla-rope-type", "none"])
+    untouched = types.SimpleNamespace(rope_type="rope")
+    assert _mla_rope_type(args(multi_latent_attention=False, hp_mla_kv_lora_rank=16), untouched,
+                          ["--hp-mla-rope-type", "none"]) is untouched

@@ -31,6 +31,7 @@ def test_mtp_converts_and_matches_the_reference(single_rank, arch, tmp_path, cap
 
     from hp_megatron.convert.__main__ import main
     from hp_megatron.models import get_architecture
+    from layers.megatron_compat import mtp_loss_values
 
     hf_dir, ckpt, back = str(tmp_path / "hf"), str(tmp_path / "mcore"), str(tmp_path / "back")
     hf_model, config = tiny_mtp_checkpoint(arch, hf_dir)
@@ -55,7 +56,7 @@ def test_mtp_converts_and_matches_the_reference(single_rank, arch, tmp_path, cap
     depth1 = depths[0].chunk(2, dim=0)[1]
     with torch.no_grad():
         ours_logits = model.output_layer(depth1)[0].transpose(0, 1)[:, :-1]
-    ours_loss = MTPLossLoggingHelper.tracker["values"][0]
+    ours_loss = mtp_loss_values()[0]
 
     reference, params, ref_logits = reference_mtp_logits(arch, hf_dir, hf_model, ids, config)
     ref_loss = torch.nn.functional.cross_entropy(ref_logits.flatten(0, 1), labels[:, 1:].flatten())
@@ -80,11 +81,13 @@ def test_mtp_layer_kind_is_declared_or_refused(single_rank):
     is a one-line ValueError."""
     from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlockSubmodules
 
+    from hp_megatron.hybrid_layer import MTPHybridLayer
     from hp_megatron.models import preset_from_hf
     from hp_megatron.models.tiny import tiny_hf_config
     from hp_megatron.platform import CPU_SAFE_CONFIG
     from hp_megatron.specs import get_hybrid_layer_spec
     from hp_megatron.specs.mtp import get_mtp_block_spec
+    from layers.megatron_compat import mtp_inner_layer_name
 
     preset = preset_from_hf(tiny_hf_config("qwen3_next")[1].to_dict())   # pattern GGAA
     undeclared = preset.transformer_config(**CPU_SAFE_CONFIG, mtp_num_layers=1, hp_mtp_layer_kind=None)
@@ -95,8 +98,8 @@ def test_mtp_layer_kind_is_declared_or_refused(single_rank):
         get_mtp_block_spec(undeclared, get_hybrid_layer_spec(preset.pattern, mtp_symbol="G"))
     block = get_mtp_block_spec(undeclared, get_hybrid_layer_spec(preset.pattern, mtp_symbol="A"))
     assert isinstance(block, MultiTokenPredictionBlockSubmodules) and len(block.layer_specs) == 1
-    layer = block.layer_specs[0].submodules.transformer_layer
-    assert layer.params["mtp"] and set(layer.submodules.layer_types) == {"A"}
+    layer = getattr(block.layer_specs[0].submodules, mtp_inner_layer_name())
+    assert layer.module is MTPHybridLayer and layer.params["kind"] == "A"  # an MTP layer of the one kind A
     assert get_mtp_block_spec(preset.transformer_config(**CPU_SAFE_CONFIG), preset.layer_spec()) is None
 
 

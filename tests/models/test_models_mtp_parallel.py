@@ -14,6 +14,7 @@ import tempfile
 import pytest
 import torch
 
+from hp_megatron.models.common import mtp_layer_prefix
 from tests.support.dist import share_spawn
 from tests.support.reference import rel_err
 
@@ -23,8 +24,8 @@ LAYOUTS = {"tp2cp2": dict(tp=2, cp=2, pp=1, ep=1), "pp2": dict(tp=1, cp=1, pp=2,
            "cp2_packed": dict(tp=1, cp=2, pp=1, ep=1)}
 CASES = {"qwen3_next": ("tp2cp2", "pp2", "ep2", "cp2_packed"), "deepseek_v3": ("tp2cp2", "pp2ep2")}
 COMPARED = ("mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
-            "mtp.layers.0.final_layernorm.weight", "mtp.layers.0.transformer_layer.input_layernorm.weight",
-            "mtp.layers.0.transformer_layer.mlp.router.weight", "embedding.word_embeddings.weight")
+            "mtp.layers.0.final_layernorm.weight", f"{mtp_layer_prefix(0)}input_layernorm.weight",
+            f"{mtp_layer_prefix(0)}mlp.router.weight", "embedding.word_embeddings.weight")
 SEQ, BATCH, DOCS = 12, 4, (0, 8, 16)   # BSHD rows; packed: one row of two documents
 
 
@@ -95,6 +96,8 @@ def _step(model, ids, labels, mask, sizes, packed_seq_params=None, cols=None):
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+    from layers.megatron_compat import mtp_loss_values
+
     MTPLossLoggingHelper.tracker.clear()
     cols = torch.arange(ids.shape[1]) if cols is None else cols
     local = [t[:, cols] for t in (ids, labels, mask)]
@@ -117,8 +120,7 @@ def _step(model, ids, labels, mask, sizes, packed_seq_params=None, cols=None):
         (out * local[2]).sum().div(mask.sum()).mul(ps.get_context_parallel_world_size()).backward()
         if not first:
             dist.send(recv.grad.contiguous(), ps.get_pipeline_model_parallel_prev_rank())
-        MTPLossLoggingHelper.reduce_loss_in_tracker()
-        mtp = MTPLossLoggingHelper.tracker["values"][0].clone()
+        mtp = mtp_loss_values(reduce=True)[0].clone()
     return (out.detach() if last else None), mtp
 
 

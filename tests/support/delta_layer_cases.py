@@ -115,16 +115,13 @@ def layer_config(tp, cp, sp):
 
 
 def build_layer(kind, tp_group, cp_group, config, options):
-    """Build with explicit process groups: ``pg_collection`` (megatron-core 0.15+) or ``model_comm_pgs`` (0.14)."""
+    """Build with explicit process groups (``pg_collection``)."""
     from megatron.core import process_groups_config as pgc
 
     from layers import GatedDeltaNet, KimiDeltaAttention
 
     cls = GatedDeltaNet if kind == "gdn" else KimiDeltaAttention
-    if hasattr(pgc, "ProcessGroupCollection"):
-        groups = {"pg_collection": pgc.ProcessGroupCollection(tp=tp_group, cp=cp_group)}
-    else:
-        groups = {"model_comm_pgs": pgc.ModelCommProcessGroups(tp=tp_group, cp=cp_group)}
+    groups = {"pg_collection": pgc.ProcessGroupCollection(tp=tp_group, cp=cp_group)}
     return cls(config, None, layer_number=3, **groups, **{**DIMS[kind], **options})
 
 

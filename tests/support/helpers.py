@@ -16,6 +16,19 @@ class FakeGroup:
         return self._rank
 
 
+def torch_distributed_answers_fake_groups(monkeypatch) -> None:
+    """For the duration of the test, torch.distributed says it is initialized and ``get_world_size`` / ``get_rank``
+    answer for a :class:`FakeGroup`: megatron-core's ``get_batch_on_this_cp_rank`` asks the group only when
+    torch.distributed is initialized (0.16), or asks torch.distributed (0.19)."""
+    import torch.distributed as dist
+
+    size, rank = dist.get_world_size, dist.get_rank
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size",
+                        lambda group=None: group.size() if isinstance(group, FakeGroup) else size(group))
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: group.rank() if isinstance(group, FakeGroup) else rank(group))
+
+
 # transformers binds flash-linear-attention's kernels in place of these pure-PyTorch functions when FLA imports.
 _FLA_BOUND_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
                         "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")

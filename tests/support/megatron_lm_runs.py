@@ -1,8 +1,10 @@
-"""Launches of Megatron-LM's ``pretrain_gpt.py`` with our specs through the documented launch scripts
-(``examples/pretrain/megatron_lm/train_*.sh``: torchrun -> pretrain_gpt_hp.py -> Megatron-LM's ``pretrain``) on
-CPU/gloo, in the CPU mode of tests/megatron_lm/cpu_mode.py (its ``site`` folder's ``sitecustomize`` on
-PYTHONPATH), with tiny dims and docs/usage.md's CPU flags. :func:`run_script` returns the per-iteration records of
-tests/megatron_lm/record.py and the log."""
+"""Launches of Megatron-LM's ``pretrain_gpt.py`` (and, on 0.19, ``pretrain_hybrid.py``) with our specs through the
+documented launch scripts (``examples/pretrain/megatron_lm/train_*.sh``: torchrun -> pretrain_gpt_hp.py /
+pretrain_hybrid_hp.py -> Megatron-LM's ``pretrain``) on CPU/gloo, in the CPU mode of tests/megatron_lm/cpu_mode.py
+(its ``site`` folder's ``sitecustomize`` on PYTHONPATH), with tiny dims and docs/usage.md's CPU flags.
+:func:`run_script` returns the per-iteration records of tests/megatron_lm/record.py and the log
+(:func:`run_megatron_lm_entry` the same for Megatron-LM's unmodified entry script);
+:func:`example_first_loss` the first loss of examples/pretrain/pretrain_hybrid.py on the same dims and data."""
 from __future__ import annotations
 
 import json
@@ -28,17 +30,30 @@ NO_SAVE = ["--save", ""]
 
 def run_script(script, dims, workdir, sites_dir, env_vars, extra):
     """One launch of ``script`` (a train_*.sh) with the model ``dims``; returns (per-iteration records, log text)."""
+    env = dict(MEGATRON_LM_PATH=MEGATRON_LM, GPUS="1", TP="1", CP="1", BACKEND="eager", DTYPE="fp32", SEQ=str(SEQ),
+               GBS=str(GBS), ITERS=str(ITERS), LR=str(LR), CKPT=os.path.join(workdir, "ckpt"))
+    env.update(env_vars)
+    env["GPUS"] = str(int(env["TP"]) * int(env["CP"]))
+    return _launch(["bash", os.path.join(SCRIPTS, script), *CPU_FLAGS, *TINY, *NORM_EPS, *dims, *extra], env,
+                   workdir, sites_dir, without_fla=env["BACKEND"] == "eager")
+
+
+def run_megatron_lm_entry(entry, argv, workdir, sites_dir):
+    """One single-rank launch of Megatron-LM's own entry script ``entry`` (``pretrain_hybrid.py``), unmodified:
+    ``torchrun $MEGATRON_LM/<entry> <CPU flags> <argv>``, without FLA; returns (per-iteration records, log)."""
+    env = {"PYTHONPATH": pythonpath(SITE, MEGATRON_LM, REPO), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    return _launch(["torchrun", "--nproc-per-node", "1", os.path.join(MEGATRON_LM, entry), *CPU_FLAGS, *argv], env,
+                   workdir, sites_dir, without_fla=True)
+
+
+def _launch(argv, env_vars, workdir, sites_dir, without_fla):
     record_dir = tempfile.mkdtemp(prefix="record", dir=workdir)  # one per run; runs may share a checkpoint
-    env = dict(os.environ, PYTHONPATH=pythonpath(SITE, REPO), MEGATRON_LM_PATH=MEGATRON_LM, PET_STANDALONE="1",
-               OMP_NUM_THREADS="1", HP_MEGATRON_LM_SITES_DIR=sites_dir, HP_MEGATRON_LM_RECORD_DIR=record_dir,
-               GPUS="1", TP="1", CP="1", BACKEND="eager", DTYPE="fp32", SEQ=str(SEQ), GBS=str(GBS),
-               ITERS=str(ITERS), LR=str(LR), CKPT=os.path.join(workdir, "ckpt"))
+    env = dict(os.environ, PYTHONPATH=pythonpath(SITE, REPO), PET_STANDALONE="1", OMP_NUM_THREADS="1",
+               HP_MEGATRON_LM_SITES_DIR=sites_dir, HP_MEGATRON_LM_RECORD_DIR=record_dir)
     env.pop("MEGATRON_LM", None)
     env.update(env_vars)
-    if env["BACKEND"] == "eager":  # FLA serves only the triton backend (tests/megatron_lm/without_fla.py)
+    if without_fla:  # FLA serves only the triton backend (tests/megatron_lm/without_fla.py)
         env["HP_MEGATRON_LM_WITHOUT_FLA"] = "1"
-    env["GPUS"] = str(int(env["TP"]) * int(env["CP"]))
-    argv = ["bash", os.path.join(SCRIPTS, script), *CPU_FLAGS, *TINY, *NORM_EPS, *dims, *extra]
     done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-6000:]
@@ -60,3 +75,26 @@ def write_data(data_dir: str, out: str) -> dict:
 
     return {"DATA": os.path.join(data_dir, DATA_NAME),
             "TOKENIZER": write_tokenizer_dir(os.path.join(data_dir, "tokenizer.json"), os.path.join(out, "hf"))}
+
+
+def example_first_loss(pattern: str, data: dict, flags) -> float:
+    """examples/pretrain/pretrain_hybrid.py's first-iteration lm loss for the layer ``pattern`` (``--hp-layer-pattern``)
+    on the launches' dims, data, split and schedule (its ``train`` on one gloo rank of tests/support/dist.py, full
+    precision); ``flags``: the model's other flags."""
+    from tests.support.dist import run_distributed
+
+    tokenizer_json = os.path.join(os.path.dirname(data["DATA"]), "tokenizer.json")
+    argv = ["--hp-layer-pattern", pattern, "--seq-length", str(SEQ), "--micro-batch-size", "1",
+            "--global-batch-size", str(GBS), "--train-iters", str(ITERS), "--eval-interval", "100",
+            "--eval-iters", "1", "--lr", str(LR), "--lr-warmup-iters", "0", "--split", "99,1,0",
+            "--data-path", data["DATA"], "--tokenizer", tokenizer_json, "--no-progress",
+            "--hp-linear-conv-kernel-dim", "4", *TINY, *flags]
+    return run_distributed(_example_first_iteration, 1, argv)[0]["lm_loss"]
+
+
+def _example_first_iteration(rank, world_size, argv):
+    from tests.support.converted_runs import first_iteration
+
+    record = first_iteration(argv)
+    assert record["iteration"] == 1, record
+    return record

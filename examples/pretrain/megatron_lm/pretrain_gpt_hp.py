@@ -15,73 +15,25 @@ Needs a Megatron-LM checkout on PYTHONPATH (``pretrain_gpt.py``, ``megatron/trai
   with ``--mtp-num-layers`` the multi-token-prediction block of the spec's declared MTP kind, in place of
   Megatron-LM's ``mtp_block_spec``, and Megatron-LM logs ``mtp_1 loss`` ... as for its own models).
 
+On Megatron-LM 0.19 (``pretrain(cfg_container, ...)``: the model comes from a ``ModelConfig``'s builder, not from a
+model provider) the same three things happen in ``pretrain_gpt.py``'s 0.19 ``__main__``
+(``hp_launch.pretrain_from_container``): the args are parsed with our flags, the model config is
+``hp_gpt_model.HybridGPTModelConfig`` holding our ``TransformerConfig`` (its builder calls ``hybrid_gpt_model``), and
+the CP sub-groups are registered in a ``pre_wrap_hooks`` entry (every rank, before DDP wraps the model).
+
 Everything else (data, schedules, optimizer, checkpoints, logging) is Megatron-LM's. Megatron and our package
 are imported in :func:`main` only: megatron-core's checkpoint writer starts a ``spawn`` process, which re-runs
 this file's top level.
 """
-import functools
 import os
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 
-# Modules of the Megatron-LM checkout; anything else missing is one of its dependencies.
-_MEGATRON_LM_MODULES = ("pretrain_gpt", "gpt_builders", "model_provider", "megatron.training")
-_PIP_NAMES = {"yaml": "pyyaml", "sentencepiece": "sentencepiece", "tiktoken": "tiktoken"}
-
-
-def _import_error_message(err: ImportError) -> str:
-    """Name the missing module and how to get it: the checkout itself, or a package it imports."""
-    missing = err.name or str(err)
-    if any(missing == m or missing.startswith(m + ".") for m in _MEGATRON_LM_MODULES):
-        return (f"this launcher needs a Megatron-LM checkout on PYTHONPATH (module {missing!r} not found): "
-                "git clone https://github.com/NVIDIA/Megatron-LM at the tag of your megatron-core and set "
-                "MEGATRON_LM (the launch scripts put it on PYTHONPATH); pip's megatron-core holds only megatron.core")
-    package = _PIP_NAMES.get(missing.split(".")[0], missing.split(".")[0])
-    return (f"Megatron-LM imports {missing!r}, which is not installed: pip install {package} "
-            "(pip install -e '.[test]' installs what the CPU tests of this path need)")
-
-
-def _import_megatron_lm():
-    """``(pretrain_gpt, ModelType, pretrain)``; a missing module raises RuntimeError naming it."""
-    try:
-        import pretrain_gpt
-        from megatron.core.enums import ModelType
-        from megatron.training import pretrain
-    except ImportError as err:
-        raise RuntimeError(_import_error_message(err)) from err
-    return pretrain_gpt, ModelType, pretrain
-
-
-def _check_args(args):
-    """Refuse combinations Megatron-LM's own data path would silently get wrong."""
-    if args.hp_cp_layout != "zigzag":
-        raise ValueError(f"--hp-cp-layout {args.hp_cp_layout}: Megatron-LM's get_batch hands every CP rank a zigzag "
-                         "shard; use --hp-cp-layout zigzag here (contiguous works with examples/pretrain/"
-                         "pretrain_hybrid.py, whose data path follows the flag)")
-    spec = getattr(args, "spec", None)
-    if spec and spec[0] == "hp_megatron.specs":
-        name = spec[-1]
-        spec_backend = "triton" if "_triton" in name else "ascendc" if "_ascendc" in name else "eager"
-        if spec_backend != args.hp_backend:
-            base = name.replace("_triton", "").replace("_ascendc", "").replace("_spec", "")
-            wanted = f"{base}{'' if args.hp_backend == 'eager' else '_' + args.hp_backend}_spec"
-            raise ValueError(f"--spec hp_megatron.specs {name} fixes the {spec_backend} kernels, but --hp-backend "
-                             f"is {args.hp_backend}; use --spec hp_megatron.specs {wanted}")
-
-
-def _with_hp_config(build_config):
-    @functools.wraps(build_config)
-    def wrapper(args, *a, **kw):
-        from hp_megatron.arguments import apply_hp_config
-        from hp_megatron.config import split_recompute_modules
-
-        _check_args(args)
-        split_recompute_modules(args)   # our --recompute-modules names, before megatron-core checks its own
-        return apply_hp_config(build_config(args, *a, **kw), args)
-    return wrapper
+from hp_launch import (import_megatron_lm, pretrain_from_container, uses_config_container,  # noqa: E402
+                       with_hp_config)
 
 
 def _patch_config_builders(pretrain_gpt):
@@ -95,7 +47,7 @@ def _patch_config_builders(pretrain_gpt):
     patched = False
     for module in modules:
         if hasattr(module, "core_transformer_config_from_args"):
-            module.core_transformer_config_from_args = _with_hp_config(module.core_transformer_config_from_args)
+            module.core_transformer_config_from_args = with_hp_config(module.core_transformer_config_from_args)
             patched = True
     if not patched:
         raise RuntimeError("found no core_transformer_config_from_args in pretrain_gpt/gpt_builders; "
@@ -121,7 +73,7 @@ def _hybrid_gpt_builder(args, pre_process, post_process, vp_stage=None, config=N
             raise ValueError(f"{flag} is not supported with --spec hp_megatron.specs (the launcher builds the hybrid "
                              "megatron-core GPTModel from the command-line flags)")
     if config is None:
-        config = _with_hp_config(core_transformer_config_from_args)(args)
+        config = with_hp_config(core_transformer_config_from_args)(args)
     return hybrid_gpt_model(
         config, import_module(args.spec), vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
@@ -153,8 +105,24 @@ def _model_provider(pretrain_gpt):
     return with_cp_subgroups
 
 
+def _model_config(args, config):
+    """Megatron-LM 0.19: the ``ModelConfig`` of ``pretrain_gpt.py``'s ``__main__`` with our ``config``; for
+    ``--spec hp_megatron.specs NAME`` built by ``hp_gpt_model.HybridGPTModelBuilder``."""
+    from megatron.training.argument_utils import gpt_config_from_args
+
+    if not _is_hp_spec(args):
+        return gpt_config_from_args(args, config=config)
+    from hp_gpt_model import HybridGPTModelConfig
+
+    return gpt_config_from_args(args, config=config, model_config_cls=HybridGPTModelConfig)
+
+
 def main():
-    pretrain_gpt, ModelType, pretrain = _import_megatron_lm()
+    pretrain_gpt, ModelType, pretrain = import_megatron_lm("pretrain_gpt")
+    if uses_config_container(pretrain):  # Megatron-LM 0.19
+        pretrain_from_container(pretrain_gpt, ModelType, pretrain, _model_config,
+                                get_embedding_ranks=pretrain_gpt.get_embedding_ranks)
+        return
     from hp_megatron.arguments import add_hp_arguments
 
     _patch_config_builders(pretrain_gpt)

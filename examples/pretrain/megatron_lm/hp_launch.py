@@ -1,0 +1,124 @@
+"""What the Megatron-LM launchers (``pretrain_gpt_hp.py``, ``pretrain_hybrid_hp.py``) share.
+
+* :func:`import_megatron_lm`: Megatron-LM's modules, or a RuntimeError naming the checkout or the missing package;
+* :func:`with_hp_config`: a wrapper of Megatron-LM's ``core_transformer_config_from_args`` whose config is the
+  declared ``hp_megatron.config`` class with the ``--hp-*`` fields (``hp_megatron.arguments.apply_hp_config``),
+  after :func:`check_args`;
+* :func:`uses_config_container`: whether Megatron-LM's ``pretrain`` is 0.19's (a ``PretrainConfigContainer`` with
+  the model's ``ModelConfig``, built from the args before ``pretrain``) or 0.14-0.16's (a model provider);
+* :func:`pretrain_from_container`: 0.19's ``__main__`` of ``pretrain_gpt.py`` / ``pretrain_hybrid.py`` with the
+  ``--hp-*`` flags, our config in the model config, and the CP sub-groups registered before the model is wrapped.
+
+Nothing heavy is imported at module level: megatron-core's checkpoint writer starts a ``spawn`` process, which
+re-runs the launcher's top level.
+"""
+import functools
+import inspect
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+_PIP_NAMES = {"yaml": "pyyaml", "sentencepiece": "sentencepiece", "tiktoken": "tiktoken"}
+
+
+def import_error_message(err: ImportError, checkout_modules) -> str:
+    """Name the missing module and how to get it: the checkout itself (one of ``checkout_modules``), or a
+    package it imports."""
+    missing = err.name or str(err)
+    if any(missing == m or missing.startswith(m + ".") for m in checkout_modules):
+        return (f"this launcher needs a Megatron-LM checkout on PYTHONPATH (module {missing!r} not found): "
+                "git clone https://github.com/NVIDIA/Megatron-LM at the tag of your megatron-core and set "
+                "MEGATRON_LM (the launch scripts put it on PYTHONPATH); pip's megatron-core holds only megatron.core")
+    package = _PIP_NAMES.get(missing.split(".")[0], missing.split(".")[0])
+    return (f"Megatron-LM imports {missing!r}, which is not installed: pip install {package} "
+            "(pip install -e '.[test]' installs what the CPU tests of this path need)")
+
+
+def import_megatron_lm(entry: str):
+    """``(entry module, ModelType, pretrain)`` for Megatron-LM's ``entry`` script (``pretrain_gpt`` or
+    ``pretrain_hybrid``); a missing module raises RuntimeError naming it."""
+    import importlib
+
+    modules = (entry, entry.replace("pretrain_", "") + "_builders", "model_provider", "megatron.training")
+    try:
+        module = importlib.import_module(entry)
+        from megatron.core.enums import ModelType
+        from megatron.training import pretrain
+    except ImportError as err:
+        raise RuntimeError(import_error_message(err, modules)) from err
+    return module, ModelType, pretrain
+
+
+def uses_config_container(pretrain) -> bool:
+    """Megatron-LM 0.19's ``pretrain(cfg_container, ...)`` (the model from ``cfg_container.model``), not 0.14-0.16's
+    ``pretrain(datasets_provider, model_provider, ...)``."""
+    return next(iter(inspect.signature(pretrain).parameters)) == "cfg_container"
+
+
+def check_args(args):
+    """Refuse combinations Megatron-LM's own data path would silently get wrong."""
+    if args.hp_cp_layout != "zigzag":
+        raise ValueError(f"--hp-cp-layout {args.hp_cp_layout}: Megatron-LM's get_batch hands every CP rank a zigzag "
+                         "shard; use --hp-cp-layout zigzag here (contiguous works with examples/pretrain/"
+                         "pretrain_hybrid.py, whose data path follows the flag)")
+    spec = getattr(args, "spec", None)
+    if spec and spec[0] == "hp_megatron.specs":
+        name = spec[-1]
+        spec_backend = "triton" if "_triton" in name else "ascendc" if "_ascendc" in name else "eager"
+        if spec_backend != args.hp_backend:
+            base = name.replace("_triton", "").replace("_ascendc", "").replace("_spec", "")
+            wanted = f"{base}{'' if args.hp_backend == 'eager' else '_' + args.hp_backend}_spec"
+            raise ValueError(f"--spec hp_megatron.specs {name} fixes the {spec_backend} kernels, but --hp-backend "
+                             f"is {args.hp_backend}; use --spec hp_megatron.specs {wanted}")
+
+
+def with_hp_config(build_config):
+    """``build_config(args, ...)`` (Megatron-LM's ``core_transformer_config_from_args``) returning our declared
+    config class with the ``--hp-*`` fields."""
+    @functools.wraps(build_config)
+    def wrapper(args, *a, **kw):
+        from hp_megatron.arguments import apply_hp_config
+        from hp_megatron.config import split_recompute_modules
+
+        check_args(args)
+        split_recompute_modules(args)   # our --recompute-modules names, before megatron-core checks its own
+        return apply_hp_config(build_config(args, *a, **kw), args)
+    return wrapper
+
+
+def register_cp_subgroups_hook(models):
+    """A ``ModelConfig.pre_wrap_hooks`` entry: our CP sub-groups, registered on every rank at the same point (after
+    the model stages are built, before DDP wraps them and before any forward); returns ``models`` unchanged."""
+    from megatron.training import get_args
+
+    from hp_megatron.cp_subgroups import register_cp_subgroups_from_args
+
+    register_cp_subgroups_from_args(get_args())
+    return models
+
+
+def pretrain_from_container(entry, model_type, pretrain, model_config, **pretrain_kwargs):
+    """Megatron-LM 0.19's ``__main__`` of ``entry`` (its ``pretrain_gpt`` / ``pretrain_hybrid`` module) with the
+    ``--hp-*`` flags: ``model_config(args, config)`` builds the ``ModelConfig`` from the args and our
+    ``TransformerConfig`` (:func:`with_hp_config`); ``pretrain_kwargs`` go to ``pretrain`` (e.g.
+    ``get_embedding_ranks``)."""
+    from megatron.training import inprocess_restart
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
+
+    from hp_megatron.arguments import add_hp_arguments
+
+    args = parse_and_validate_args(extra_args_provider=add_hp_arguments,
+                                   args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    if getattr(args, "yaml_cfg", None):
+        raise ValueError("--yaml-cfg is not supported by the hp_megatron launchers (they build the model's config "
+                         "from the command-line flags)")
+    model_cfg = model_config(args, with_hp_config(core_transformer_config_from_args)(args))
+    model_cfg.pre_wrap_hooks.append(register_cp_subgroups_hook)
+    entry.train_valid_test_datasets_provider.is_distributed = True
+    pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    pretrain(pretrain_cfg_container_from_args(args, model_cfg), entry.train_valid_test_datasets_provider,
+             model_type.encoder_or_decoder, entry.forward_step, store=store, **pretrain_kwargs)

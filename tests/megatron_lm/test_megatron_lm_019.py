@@ -1,0 +1,207 @@
+"""Megatron-LM 0.19's own ``pretrain_gpt.py`` (GPTModel) and ``pretrain_hybrid.py`` (megatron-core's HybridModel) with
+our layers, through the documented launch scripts, on CPU/gloo.
+
+Every run but one is ``bash examples/pretrain/megatron_lm/train_*.sh`` (torchrun -> pretrain_gpt_hp.py /
+pretrain_hybrid_hp.py -> Megatron-LM's ``pretrain``) with tiny dims and the CPU flags of docs/usage.md, in the CPU
+mode of tests/megatron_lm/cpu_mode.py (its core_v0.19.0 site table). Three models:
+
+* ``gpt``: ``pretrain_gpt.py --spec hp_megatron.specs kimi_linear_spec`` (KKKM: our KDA and MLA);
+* ``hybrid_kda``: ``pretrain_hybrid.py --spec hp_megatron.specs kda_hybrid_stack_spec --hybrid-layer-pattern
+  G-G-G-+-`` (our KDA in the ``G`` slot, our MLA in ``+``, MLP layers ``-``);
+* ``hybrid_gdn``: ``--spec hp_megatron.specs hybrid_stack_spec --hybrid-layer-pattern G-G-G-*-`` (our GDN, RoPE
+  attention with GQA); its reference is Megatron-LM's unmodified ``pretrain_hybrid.py`` with Megatron-LM's own
+  flags (``--linear-*`` for the GDN dims, no ``--hp-*`` flag).
+
+Per model three launches: a single-rank reference (3 iterations, evaluation at 2, torch_dist checkpoints at 2 and
+3; ``hybrid_gdn``: the unmodified script's first iteration); TP2 (sequence parallel) from scratch, its first
+iteration (``gpt``'s saves its TP-sharded checkpoint at exit); CP2 resumed from the reference's iteration-2
+checkpoint (weights only: ``--no-load-optim --no-load-rng``), its iteration 3 (``hybrid_gdn``: CP2 from scratch with
+the ``p2p`` method, its first iteration). Loss and gradient norm equal the single rank's (relative 1e-5, full
+precision from tests/megatron_lm/record.py); the GPT path's first loss equals examples/pretrain/pretrain_hybrid.py's;
+every listed CUDA site is reached, no unlisted one. Nine launches, 4:45-7 minutes on 2 shared cores.
+Skips unless the installed megatron-core is 0.19.x with its Megatron-LM checkout (tests/support/paths.py).
+"""
+import glob
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from tests.support.megatron_lm_runs import (GBS, ITERS, LR, NORM_EPS, NO_SAVE, SEQ, example_first_loss,
+                                            run_megatron_lm_entry, run_script, write_data)
+from tests.support.paths import megatron_lm_skip
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cpu_mode
+
+SKIP = megatron_lm_skip((0, 19))
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
+
+MLA_DIMS = ["--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "8"]
+# name -> (script, model flags, {parallel layout: (env, resumed from the reference's iteration 2)}, the reference:
+# "full" (the script: 3 iterations, evaluation, checkpoints) or "unmodified" (Megatron-LM's own pretrain_hybrid.py,
+# iteration 1))
+MODELS = {
+    "gpt": ("train_kimi_linear_like.sh",
+            ["--hp-mla-kv-lora-rank", "16", "--hp-mla-qk-head-dim", "8", "--hp-mla-qk-pos-emb-head-dim", "8",
+             "--hp-mla-v-head-dim", "8"],
+            {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "allgather"}, True)}, "full"),
+    "hybrid_kda": ("train_kimi_linear_like_hybrid.sh", ["--hybrid-layer-pattern", "G-G-G-+-", *MLA_DIMS],
+                   {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "allgather"}, True)}, "full"),
+    "hybrid_gdn": ("train_qwen3_next_like_hybrid.sh",
+                   ["--hybrid-layer-pattern", "G-G-G-*-", "--kv-channels", "8", "--hp-linear-num-value-heads", "8"],
+                   {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "p2p"}, False)}, "unmodified"),
+}
+SAVING = ("gpt", "tp2")  # the one parallel run that saves (TP-sharded) at exit; the others' saves repeat it
+RESUME = ["--ckpt-step", "2", "--no-load-optim", "--no-load-rng", "--eval-iters", "1", *NO_SAVE]
+FIRST = ["--exit-interval", "1", "--eval-iters", "1"]
+
+
+def _unmodified_hybrid_argv(data):
+    """Megatron-LM's own flags for the model of train_qwen3_next_like_hybrid.sh with hybrid_gdn's dims (our GDN's
+    dims as megatron-core's --linear-* flags, no --hp-* flag: the layers' defaults), the same data, batch, seed and
+    first iteration."""
+    return ["--spec", "hp_megatron.specs", "hybrid_stack_spec", "--hybrid-layer-pattern", "G-G-G-*-",
+            "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4", "--kv-channels", "8",
+            "--group-query-attention", "--num-query-groups", "2", "--position-embedding-type", "rope",
+            "--rotary-base", "10000000", "--linear-num-key-heads", "4", "--linear-num-value-heads", "8",
+            "--linear-key-head-dim", "8", "--linear-value-head-dim", "8", "--linear-conv-kernel-dim", "4",
+            *NORM_EPS, "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+            "--untie-embeddings-and-output-weights", "--attention-dropout", "0", "--hidden-dropout", "0",
+            "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--micro-batch-size", "1",
+            "--global-batch-size", str(GBS), "--train-iters", str(ITERS), "--lr", str(LR), "--lr-warmup-iters", "0",
+            "--use-distributed-optimizer", "--data-path", data["DATA"], "--split", "99,1,0",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", data["TOKENIZER"],
+            "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1", "--exit-interval", "1"]
+
+
+@pytest.fixture(scope="module")
+def data(pydoc_data, tmp_path_factory):
+    return write_data(pydoc_data, str(tmp_path_factory.mktemp("tokenizer")))
+
+
+@pytest.fixture(scope="module")
+def sites_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cuda_sites"))
+
+
+_RUNS = {}
+
+
+@pytest.fixture(scope="module")
+def runs(data, sites_dir, tmp_path_factory):
+    """``runs(model)``: ``{"ref" | layout: (records, log)}``, launched once per module."""
+    def get(model):
+        if model not in _RUNS:
+            try:
+                _RUNS[model] = _launch_all(model, data, sites_dir, tmp_path_factory)
+            except Exception as err:  # launch once: later tests of the model fail without relaunching
+                _RUNS[model] = err
+                raise
+        if isinstance(_RUNS[model], Exception):
+            pytest.fail(f"the runs of {model} failed in an earlier test: {str(_RUNS[model])[:300]}")
+        return _RUNS[model]
+    return get
+
+
+def _launch_all(model, data, sites_dir, tmp_path_factory):
+    script, dims, layouts, reference = MODELS[model]
+    ref_dir = str(tmp_path_factory.mktemp(f"{model}_ref"))
+    if reference == "full":
+        out = {"ref": run_script(script, dims, ref_dir, sites_dir, {**data, "SAVE_INTERVAL": "2"},
+                                 ["--eval-interval", "2", "--eval-iters", "1"])}
+    else:
+        out = {"ref": run_megatron_lm_entry("pretrain_hybrid.py", _unmodified_hybrid_argv(data), ref_dir, sites_dir)}
+    for name, (env_vars, resumed) in layouts.items():
+        if resumed:  # the reference's checkpoint directory: CKPT makes common.sh pass --load
+            out[name] = run_script(script, dims, ref_dir, sites_dir, {**data, **env_vars}, RESUME)
+        else:
+            saves = (model, name) == SAVING
+            out[name] = run_script(script, dims, str(tmp_path_factory.mktemp(f"{model}_{name}")), sites_dir,
+                                   {**data, **env_vars}, [*FIRST, *([] if saves else NO_SAVE)])
+    return out
+
+
+def _rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+def _parallel_cases():
+    return [(model, name) for model, (_, _, layouts, _) in MODELS.items() for name in layouts]
+
+
+@pytest.mark.parametrize("model,layout", _parallel_cases())
+def test_parallel_iteration_matches_single_rank(runs, model, layout):
+    """TP2 from scratch: iteration 1; CP2 resumed from iteration 2: iteration 3 (fresh optimizer: the loss and
+    gradient norm depend only on the loaded weights and the data)."""
+    (ref, _), (got, log) = runs(model)["ref"], runs(model)[layout]
+    resumed = MODELS[model][2][layout][1]
+    iteration = 3 if resumed else 1
+    assert [r["iteration"] for r in got] == [iteration], got
+    want = ref[iteration - 1]
+    assert _rel(got[0]["lm loss"], want["lm loss"]) <= 1e-5, (got[0], want)
+    assert _rel(got[0]["grad_norm"], want["grad_norm"]) <= 1e-5, (got[0], want)
+    size = "context-parallel size: 2" if layout.startswith("cp2") else "tensor-model-parallel size: 2"
+    assert size in log
+    if resumed:
+        assert "successfully loaded checkpoint" in log and "at iteration 2" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("model", [model for model, spec in MODELS.items() if spec[3] == "full"])
+def test_reference_trains_evaluates_and_saves(runs, model):
+    ref, log = runs(model)["ref"]
+    assert [r["iteration"] for r in ref] == [1, 2, 3]
+    assert "validation loss at iteration 2" in log
+    assert "successfully saved checkpoint from iteration       2" in log
+    assert re.search(r"^\s+load \.+ None$", log, re.M), "common.sh passed --load without a checkpoint"
+
+
+def test_tp2_run_saves_its_sharded_checkpoint(runs):
+    _, log = runs(SAVING[0])[SAVING[1]]
+    assert "successfully saved checkpoint from iteration       1" in log and "[ t 1/2" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("model", ["hybrid_kda", "hybrid_gdn"])
+def test_hybrid_runs_build_hybrid_model_from_the_pattern(runs, model):
+    """megatron-core's HybridModel logs the layers it builds from --hybrid-layer-pattern (which of our layers fill
+    its slots: tests/integration/test_hybrid_stack_specs.py)."""
+    _, log = runs(model)["ref"]
+    pattern = MODELS[model][1][1]
+    assert f"HybridModel: pp_rank=0/1, vp_stage=0, segment_index=0/1, layers='{pattern}' ({len(pattern)} layers)" \
+        in log, log[-3000:]
+
+
+def test_gpt_first_loss_matches_the_example(runs, data):
+    """pretrain_gpt.py's KKKM model (our HybridLayer spec) and examples/pretrain/pretrain_hybrid.py's on the same
+    dims, data and split: the same first loss (the GPT path of 0.19 builds what the example builds)."""
+    ref, _ = runs("gpt")["ref"]
+    example = example_first_loss("KKKM", data, ["--hp-mla-cp", "latent", "--hp-mla-rope-type", "none"])
+    assert _rel(ref[0]["lm loss"], example) <= 1e-5, (ref[0], example)
+
+
+def test_cuda_sites_all_reached_none_unlisted(runs, sites_dir):
+    """Every redirected site of cpu_mode's 0.19 table is needed by some run, and no run met an unlisted one."""
+    import cpu_mode
+
+    for model in MODELS:
+        runs(model)
+    reached, unlisted = set(), set()
+    for path in glob.glob(os.path.join(sites_dir, "sites-*.json")):
+        with open(path, encoding="utf-8") as f:
+            sites = json.load(f)
+        reached.update(sites["reached"])
+        unlisted.update(sites["unlisted"])
+    listed = {f"{p}:{line} {call}" for p, line, call, _ in cpu_mode.SITES[(0, 19)]
+              if not call.startswith("platform:")}
+    assert not unlisted
+    assert reached == listed, {"listed, never reached": sorted(listed - reached),
+                               "reached, not listed": sorted(reached - listed)}
+
+
+def test_unmodified_pretrain_hybrid_builds_our_stack(runs):
+    """hybrid_gdn's reference is Megatron-LM's own pretrain_hybrid.py: our stack spec from --spec, none of our flags
+    (it would refuse them); its TP2 / CP2 runs through the launch script equal it (the test above)."""
+    _, log = runs("hybrid_gdn")["ref"]
+    assert re.search(r"^\s+spec \.+ \['hp_megatron.specs', 'hybrid_stack_spec'\]$", log, re.M), log[-3000:]
+    assert "hp_backend" not in log and "pretrain_hybrid_hp" not in log
