@@ -178,6 +178,21 @@ def _read_common(ckpt: str) -> dict:
         raise CheckpointError(f"{path}: unreadable ({error_summary(err)})") from err
 
 
+def with_common_state(ckpt: str, common: dict, objects: dict) -> dict:
+    """The DCP ``objects`` to write into the iteration directory ``ckpt`` with its common state ``common`` where
+    the installed megatron-core keeps it: one more object (``COMMON_OBJECT``, 0.19) or ``ckpt/common.pt`` (0.16),
+    written here with ``metadata.json`` naming the backends."""
+    objects, backends = dict(objects), {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+    if common_state_in_dcp():
+        objects[COMMON_OBJECT] = object_bytes(common)
+    else:
+        torch.save(common, os.path.join(ckpt, COMMON_FILE))
+        backends.update(common_backend="torch", common_backend_version=1)
+    with open(os.path.join(ckpt, "metadata.json"), "w") as f:
+        json.dump(backends, f)
+    return objects
+
+
 def stored_hf_config(load: str) -> dict:
     """The HF config.json a checkpoint carries (written by :func:`hf_to_mcore`); ``load`` as in :func:`mcore_to_hf`."""
     ckpt = checkpoint_directory(load)
@@ -266,16 +281,8 @@ def hf_to_mcore(hf_dir: str, save: str, architecture, *, iteration: int | None =
                   "hf_config": hf.config}
         if metadata is not None:
             common["content_metadata"] = metadata
-        objects, backends = dict(layout.objects), {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
-        if common_state_in_dcp():
-            objects[COMMON_OBJECT] = object_bytes(common)
-        else:
-            torch.save(common, os.path.join(ckpt, COMMON_FILE))
-            backends.update(common_backend="torch", common_backend_version=1)
-        save_lazily(ckpt, chunks, objects, produce)
+        save_lazily(ckpt, chunks, with_common_state(ckpt, common, layout.objects), produce)
         current.clear()
-        with open(os.path.join(ckpt, "metadata.json"), "w") as f:
-            json.dump(backends, f)
         write_tracker(tmp, iteration)
     nbytes = sum(torch.Size(c.size).numel() * c.dtype.itemsize for c in chunks)
     return ConversionReport(len(chunks), nbytes, time.perf_counter() - start, setup, os.path.abspath(save),

@@ -13,38 +13,30 @@ starting point as ``hf_to_mcore`` writes one (Megatron-LM ``--load`` with ``--fi
 tensors are checked against the target's ``sharded_state_dict`` before a byte is written (each tensor the target
 loads present with its global shape, no other tensor) and the copy holds the target's own non-tensor objects
 (linear layers' ``_extra_state``); without it, the source's objects are copied under their renamed keys. The
-common state is written as ``common.pt`` (``checkpoint_version``, ``iteration`` and the source's
-``content_metadata``), which megatron-core 0.19 still reads in place of its ``common_state`` object.
+common state (``checkpoint_version``, ``iteration`` and the source's ``content_metadata``) is written where the
+installed megatron-core keeps it (``hp_megatron.convert.engine.with_common_state``).
 """
 from __future__ import annotations
 
-import io
-import json
 import os
 import time
 
 import torch
 
-from hp_megatron.checkpoint_dirs import iteration_directory, write_tracker
+from hp_megatron.checkpoint_dirs import COMMON_FILE, COMMON_OBJECT, iteration_directory, write_tracker
 from hp_megatron.convert.dcp_io import Chunk, ChunkReader, save_lazily
-from hp_megatron.convert.engine import (COMMON, NON_MODEL_PREFIXES, ConversionReport, _atomic_directory,
-                                        _read_common, checkpoint_directory)
+from hp_megatron.convert.engine import (NON_MODEL_PREFIXES, ConversionReport, _atomic_directory, _read_common,
+                                        checkpoint_directory, with_common_state)
 from hp_megatron.convert.layout import checkpoint_layout
 from hp_megatron.convert.safetensors_io import CheckpointError
 
 
-COMMON_OBJECT = "common_state"   # megatron-core 0.19+ keeps the common (non-sharded) state in this DCP object
-
-
 def _source_common(ckpt: str, reader: ChunkReader) -> dict:
-    """The source's common state: ``common.pt`` (megatron-core <= 0.18, and what we write), else the
-    ``common_state`` object of megatron-core 0.19+, else nothing (a checkpoint saved without common state)."""
-    if os.path.isfile(os.path.join(ckpt, COMMON)):
+    """The source's common state (``common.pt`` or megatron-core 0.19's ``COMMON_OBJECT``), else nothing (a
+    checkpoint saved without common state)."""
+    if os.path.isfile(os.path.join(ckpt, COMMON_FILE)) or COMMON_OBJECT in reader.objects:
         return _read_common(ckpt)
-    keys = [k for k in reader.objects if _object_base(k) == COMMON_OBJECT]
-    if not keys:
-        return {}
-    return torch.load(io.BytesIO(reader.read_objects(keys)[keys[0]]), weights_only=False)[0]
+    return {}
 
 
 def _object_base(key: str) -> str:
@@ -97,7 +89,8 @@ def rename_checkpoint(load: str, save: str, rename, *, target=None, iteration: i
     if target is not None:
         objects = _check_target(target, tensors, reader)
     else:
-        kept = [k for k in reader.objects if not k.startswith(NON_MODEL_PREFIXES) and _object_base(k) != COMMON_OBJECT]
+        common_base = _object_base(COMMON_OBJECT)
+        kept = [k for k in reader.objects if not k.startswith(NON_MODEL_PREFIXES) and _object_base(k) != common_base]
         names = _renamed(sorted({_object_base(k) for k in kept}), rename, "objects")   # key/shard_i_n: one base
         data = reader.read_objects(kept)
         objects = {names[_object_base(k)] + k[len(_object_base(k)):]: data[k] for k in kept}
@@ -118,14 +111,10 @@ def rename_checkpoint(load: str, save: str, rename, *, target=None, iteration: i
     with _atomic_directory(save, overwrite) as tmp:
         out_dir = iteration_directory(tmp, iteration)
         os.makedirs(out_dir)
-        save_lazily(out_dir, chunks, objects, produce)
         record = {"checkpoint_version": 3.0, "iteration": 0 if iteration is None else iteration}
         if common.get("content_metadata") is not None:
             record["content_metadata"] = common["content_metadata"]
-        torch.save(record, os.path.join(out_dir, COMMON))
-        with open(os.path.join(out_dir, "metadata.json"), "w") as f:
-            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-                       "common_backend_version": 1}, f)
+        save_lazily(out_dir, chunks, with_common_state(out_dir, record, objects), produce)
         write_tracker(tmp, iteration)
     nbytes = sum(c.numel * c.dtype.itemsize for c in chunks)
     return ConversionReport(len(chunks), nbytes, time.perf_counter() - start, setup, os.path.abspath(save))
