@@ -12,14 +12,18 @@ cd "$(dirname "$0")/.."
 CACHE="${HP_MCORE_CACHE:-/tmp/hp_mcore}"
 VERSIONS="${HP_MCORE_VERSIONS:-0.16.1}"
 # What differs between 0.16 and 0.19 (layers/megatron_compat.py and the tests that skip under 0.19): specs and
-# the MoE provider, each compat switch, GDN/KDA layers and their checkpoints, MLA, MLA under CP, the CP groups of
-# hybrid CP, MTP (conversion, losses, layouts), conversion and generation, the example's MoE/EP and MTP runs,
-# the in-process Megatron-LM 0.16 tests and Megatron-LM core_v0.16.1's pretrain_gpt.py.
+# the MoE provider, each compat switch, GDN/KDA layers and their checkpoints, MLA, MLA under CP, megatron-core's
+# CP slicing and hybrid CP groups, MTP (conversion, losses, parallel layouts), conversion and generation
+# (common.pt checkpoints), the example's MoE/EP and MTP runs and generation from its checkpoint, the in-process
+# Megatron-LM 0.16 tests and Megatron-LM core_v0.16.1's pretrain_gpt.py (with MTP). About 8.5 minutes on 2 cores.
 MATRIX=(tests/integration/test_specs.py tests/integration/test_config.py tests/integration/test_training_library.py
-        tests/layers/test_megatron_compat.py tests/layers/test_layers_delta.py tests/layers/test_mla.py
-        tests/cp/test_cp_mla.py tests/models/test_models_mtp.py tests/models/test_models_generate.py
-        tests/convert/test_convert_damaged_checkpoint.py tests/example/test_pretrain_moe.py
-        tests/megatron_lm/test_megatron_lm_launch.py tests/megatron_lm/test_megatron_lm_pretrain.py)
+        tests/layers/test_megatron_compat.py tests/layers/test_layers_delta.py tests/layers/test_layers_checkpoint.py
+        tests/layers/test_mla.py tests/cp/test_cp_mla.py tests/cp/test_cp_plan.py tests/cp/test_data.py
+        tests/cp/test_cp_subgroups_hybrid.py tests/models/test_models_mtp.py tests/models/test_models_mtp_parallel.py
+        tests/models/test_models_generate.py tests/convert/test_convert_damaged_checkpoint.py
+        tests/example/test_pretrain_moe.py tests/example/test_pretrain_mtp.py
+        tests/example/test_generate_example_checkpoint.py tests/megatron_lm/test_megatron_lm_launch.py
+        tests/megatron_lm/test_megatron_lm_pretrain.py tests/megatron_lm/test_megatron_lm_mtp.py)
 TESTS=("$@")
 [ ${#TESTS[@]} -eq 0 ] && TESTS=("${MATRIX[@]}")
 status=0
