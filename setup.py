@@ -15,7 +15,10 @@ setup(
     # with `pip install --ignore-requires-python megatron-core==0.19.2`; 0.19 also imports triton, which the
     # triton extra brings); psutil: megatron-core's checkpoint writer needs it (it hangs without); tokenizers: the
     # example's data
-    install_requires=["torch>=2.6", "megatron-core>=0.16.1,<0.20", "numpy", "packaging", "psutil", "tokenizers"],
+    # triton: megatron-core 0.19 (what pip picks on Python >= 3.12) imports it without declaring it; a CUDA torch
+    # brings it, a CPU torch does not
+    install_requires=["torch>=2.6", "megatron-core>=0.16.1,<0.20", "numpy", "packaging", "psutil", "tokenizers",
+                      'triton; python_version >= "3.12" and platform_system == "Linux"'],
     extras_require={
         "triton": ["flash-linear-attention>=0.6.0,<0.7", "fla-core>=0.6.0,<0.7", "triton==3.7.1"],  # what CI tests
         # fla-npu's environment (layers/ops/ascendc/versions.py, docs/backends.md "Versions"): torch_npu with the
