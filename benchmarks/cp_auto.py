@@ -72,7 +72,7 @@ def _worker(rank, P, cases, kind, repeats, warmup, calibration_path):
     from layers.cp.auto import auto_tuner, calibrate_layer, rank_candidates
     from layers.cp.calibration import calibrate_kernel, persist
     from layers.cp.cost_model import Candidate
-    from layers.delta_cp import auto_layer
+    from layers.mixers.delta.cp import auto_layer
 
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=P)
     apply_cpu_shims(0)

@@ -137,7 +137,7 @@ def measure_ours(hf_dir: str, ckpt: str, prompts, new: int) -> dict:
 
 def mla_cache_bytes(model, context, batch: int, length: int):
     """(cache bytes per token per MLA layer on ``context``, full K/V bytes per token of that layer), or None."""
-    from layers.mla import MultiLatentAttention
+    from layers.mixers.mla.layer import MultiLatentAttention
 
     for layer in model.decoder.layers:
         attention = layer.self_attention

@@ -41,7 +41,7 @@ def _build(kind, args, cp_group, solo):
                   gradient_accumulation_fusion=False, bias_dropout_fusion=False, add_bias_linear=False)
     torch.manual_seed(0)
     if kind == "mla":
-        from layers.mla import MultiLatentAttention, mla_submodules
+        from layers.mixers.mla.layer import MultiLatentAttention, mla_submodules
 
         config = MLATransformerConfig(num_attention_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8,
                                       qk_pos_emb_head_dim=8, v_head_dim=8, rope_type="rope", rotary_base=10000,

@@ -4,7 +4,7 @@ Rows (one process, TP = CP = 1, CPU; FLA's Triton kernels run through Triton's i
 need no GPU: what autograd saves and which kernels launch do not depend on the device):
   ours eager / ours triton   layers.GatedDeltaNet / layers.KimiDeltaAttention with that backend
   ours + recompute           the same with ``--recompute-granularity selective --recompute-modules hp_conv
-                             hp_gated_norm`` (layers/recompute.py: conv and gated-norm outputs freed after their
+                             hp_gated_norm`` (layers/shared/recompute.py: conv and gated-norm outputs freed after their
                              consumers, recomputed in backward)
   FLA layer                  fla.layers.GatedDeltaNet / fla.layers.KimiDeltaAttention (FLA 0.6, defaults of
                              our shapes: expand_v 1, conv 4, gated output norm)
@@ -234,7 +234,7 @@ def build(kind, impl, hidden, gva, dtype):
     if kind == "mla":   # DeepSeek-V3's per-head dims (qk 128 + rope 64, v 128, kv latent 512), heads = hidden / 128
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-        from layers.mla import MultiLatentAttention, mla_submodules
+        from layers.mixers.mla.layer import MultiLatentAttention, mla_submodules
 
         config = MLATransformerConfig(
             num_layers=1, hidden_size=hidden, num_attention_heads=hidden // HEAD_DIM, q_lora_rank=hidden // 2,

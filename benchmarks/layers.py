@@ -65,7 +65,7 @@ def build_mcore_gdn(args, dtype, device):
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from layers.norm import RMSNorm
+    from layers.shared.norm import RMSNorm
 
     cfg = transformer_config(args, dtype, device)
     cfg.linear_num_key_heads, cfg.linear_num_value_heads = args.heads, args.value_heads

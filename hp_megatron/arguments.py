@@ -8,7 +8,7 @@ into the declared :class:`hp_megatron.config.HybridTransformerConfig` (or ``Hybr
 example ``examples/pretrain/pretrain_hybrid.py`` uses the same two functions.
 
 Megatron's ``--recompute-granularity selective --recompute-modules`` also takes our parts' names
-(``layers.choices.RECOMPUTE_MODULES``: ``hp_conv``, ``hp_gated_norm``, ``hp_mla_up_proj``);
+(``layers.base.choices.RECOMPUTE_MODULES``: ``hp_conv``, ``hp_gated_norm``, ``hp_mla_up_proj``);
 :func:`hp_megatron.config.split_recompute_modules` moves them to ``args.hp_recompute_modules`` (then the config
 field) before megatron-core, which refuses unknown names, builds its config; docs/layers.md says what each costs.
 """
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 
-from layers.choices import BACKENDS, CP_LAYOUTS, ROPE_TYPES
-from layers.choices import CP_METHOD_CHOICES as CP_METHODS
-from layers.choices import MLA_CP_STRATEGY_CHOICES as MLA_CP_METHODS
+from layers.base.choices import BACKENDS, CP_LAYOUTS, ROPE_TYPES
+from layers.base.choices import CP_METHOD_CHOICES as CP_METHODS
+from layers.base.choices import MLA_CP_STRATEGY_CHOICES as MLA_CP_METHODS
 from layers.cp.auto import MEASURE_TOP
 from layers.cp.subgroups import check_auto_leaves_free
 

@@ -6,7 +6,7 @@
 * :class:`HybridMLATransformerConfig` (``MLATransformerConfig``): our fields on megatron's MLA config
   (Megatron-LM's ``--multi-latent-attention``).
 
-``__post_init__`` runs megatron's checks, then checks our fields against ``layers.choices`` (ValueError naming
+``__post_init__`` runs megatron's checks, then checks our fields against ``layers.base.choices`` (ValueError naming
 the field and the value). :func:`hybrid_config` turns a built megatron config into the matching declared class.
 The layers themselves read these fields with ``getattr``, so a plain ``TransformerConfig`` plus
 ``ModuleSpec.params`` works too; ``docs/usage.md`` has the field table.
@@ -18,7 +18,7 @@ from typing import Optional
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from layers.choices import (BACKENDS, CP_LAYOUTS, CP_METHOD_CHOICES, MLA_CP_STRATEGY_CHOICES, RECOMPUTE_MODULES,
+from layers.base.choices import (BACKENDS, CP_LAYOUTS, CP_METHOD_CHOICES, MLA_CP_STRATEGY_CHOICES, RECOMPUTE_MODULES,
                             ROPE_TYPES)
 from layers.cp.auto import MEASURE_TOP
 
@@ -109,7 +109,7 @@ class HybridFields:
 
     hp_recompute_modules: tuple = ()
     """Our parts recomputed in backward when ``recompute_granularity`` is ``"selective"``
-    (``layers.choices.RECOMPUTE_MODULES``): ``--recompute-modules``' ``hp_*`` names, moved here from
+    (``layers.base.choices.RECOMPUTE_MODULES``): ``--recompute-modules``' ``hp_*`` names, moved here from
     ``recompute_modules`` before megatron-core checks its own names (:func:`split_recompute_modules`)."""
 
     def __post_init__(self):
@@ -123,7 +123,7 @@ MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj"
 
 
 def split_recompute_modules(holder) -> None:
-    """Move our names (``layers.choices.RECOMPUTE_MODULES``) from ``holder.recompute_modules`` to
+    """Move our names (``layers.base.choices.RECOMPUTE_MODULES``) from ``holder.recompute_modules`` to
     ``holder.hp_recompute_modules``, leaving megatron-core's; ``holder`` is a config or Megatron-LM's parsed
     args. A name of neither raises a one-line ValueError naming the accepted ones. Only our names given:
     megatron-core recomputes none of its modules (its default ``["core_attn"]`` applies only to no names)."""

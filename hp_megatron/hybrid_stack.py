@@ -7,7 +7,7 @@ pattern ``--hybrid-layer-pattern`` (``M`` Mamba, ``G`` GDN, ``*`` attention, ``D
 ``E`` MoE). Two things of megatron-core's class do not fit our specs, and :class:`HybridStack` changes only them:
 
 * its final norm is always Transformer Engine's ``TENorm`` (an ImportError without TE); ours is
-  ``layers.norm.RMSNorm``, the norm of every layer of our specs (zero-centred when
+  ``layers.shared.norm.RMSNorm``, the norm of every layer of our specs (zero-centred when
   ``config.layernorm_zero_centered_gamma``), on every install. Checkpoint key and shape are the same
   (``decoder.final_norm.weight``); the cost with TE: one norm per model is not TE's fused kernel;
 * a pattern symbol whose slot the spec leaves empty (``IdentityOp``, the dataclass default) would build a layer
@@ -47,11 +47,11 @@ def check_slots(submodules, layer_types) -> None:
 
 
 class HybridStack(MegatronHybridStack):
-    """megatron-core's ``HybridStack`` with ``layers.norm.RMSNorm`` as the final norm (module docstring); every
+    """megatron-core's ``HybridStack`` with ``layers.shared.norm.RMSNorm`` as the final norm (module docstring); every
     argument is megatron-core's."""
 
     def __init__(self, config, submodules, *args, layer_type_list=None, post_layer_norm: bool = True, **kwargs):
-        from layers.norm import RMSNorm
+        from layers.shared.norm import RMSNorm
 
         check_slots(submodules, layer_type_list or ())
         super().__init__(config, submodules, *args, layer_type_list=layer_type_list, post_layer_norm=False,

@@ -29,7 +29,7 @@ from megatron.core.utils import make_viewless_tensor
 
 from layers.cp.collectives import all_gather_raw
 from layers.cp.sequence import packed_cu_seqlens, plan_for_batch
-from layers.megatron_compat import record_mtp_metrics
+from layers.base.megatron_compat import record_mtp_metrics
 
 
 def roll_to_next_token(x: torch.Tensor, cp_group=None, layout: str = "zigzag", packed_seq_params=None) -> torch.Tensor:
@@ -82,7 +82,7 @@ def _save_mtp_loss(loss: torch.Tensor, depth: int, depths: int, acceptance: tupl
     """Megatron's MTP loss tracker (``track_mtp_metrics`` logs "mtp_<d> loss"): ``loss`` (this rank's term of its
     CP group's mean) over the data-parallel size, summed over data x context parallel ranks when logged: the mean
     of the data-parallel replicas (a SUM, not megatron's AVG reduction, which gloo lacks); ``acceptance``: as
-    ``layers.megatron_compat.record_mtp_metrics`` takes it."""
+    ``layers.base.megatron_compat.record_mtp_metrics`` takes it."""
     from megatron.core import parallel_state
 
     group = None

@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE="${HP_MCORE_CACHE:-/tmp/hp_mcore}"
 VERSIONS="${HP_MCORE_VERSIONS:-0.16.1}"
-# What differs between 0.16 and 0.19 (layers/megatron_compat.py and the tests that skip under 0.19): specs and
+# What differs between 0.16 and 0.19 (layers/base/megatron_compat.py and the tests that skip under 0.19): specs and
 # the MoE provider, each compat switch, GDN/KDA layers and their checkpoints, MLA, MLA under CP, megatron-core's
 # CP slicing and hybrid CP groups, MTP (conversion, losses, parallel layouts), conversion and generation
 # (common.pt checkpoints), the example's MoE/EP and MTP runs and generation from its checkpoint, the in-process

@@ -14,7 +14,7 @@ Checkpoint directory (what Megatron-LM's ``--load``/``--finetune`` and ``example
 The common state holds ``checkpoint_version`` 3.0, ``iteration``, ``content_metadata`` (the sharded_state_dict
 metadata the layout was built with) and ``hf_config`` (the HF config.json, carried back by ``mcore_to_hf``); it is
 written where the installed megatron-core writes it (``common.pt`` on 0.16, the DCP object ``common_state`` on
-0.19: ``layers.megatron_compat.common_state_in_dcp``) and read from either.
+0.19: ``layers.base.megatron_compat.common_state_in_dcp``) and read from either.
 
 Both directions take the ``architecture`` to convert: any object with ``model_type`` (config.json's, checked),
 ``conversion_rules(hf_config) -> list[TensorRule]``, ``build_model(hf_config, **TransformerConfig overrides)``
@@ -43,7 +43,7 @@ from hp_megatron.convert.rules import TensorRule
 from hp_megatron.convert.safetensors_io import (CONFIG_NAME, CheckpointError, HFCheckpoint, ShardedSafetensorsWriter,
                                                 load_hf_config, parse_size)
 from hp_megatron.platform import single_rank_megatron
-from layers.megatron_compat import common_state_in_dcp
+from layers.base.megatron_compat import common_state_in_dcp
 
 NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")  # tensors of a training checkpoint
 

@@ -133,7 +133,7 @@ class StaticGenerator:
         from megatron.core.inference.text_generation_controllers.text_generation_controller import (
             TextGenerationController)
 
-        from layers.megatron_compat import gpt_inference_wrapper, inference_mode
+        from layers.base.megatron_compat import gpt_inference_wrapper, inference_mode
 
         new = params.num_tokens_to_generate
         check_batch(prompts, new, vocab_size=self.vocab_size, max_positions=self.max_positions,

@@ -193,8 +193,8 @@ def mtp_prefix(k: int) -> str:
 
 def mtp_layer_prefix(k: int) -> str:
     """The key prefix of MTP layer ``k``'s transformer layer: ``mtp.layers.<k>.transformer_layer.`` (megatron-core
-    0.19: ``mtp_model_layer.``, ``layers.megatron_compat.mtp_inner_layer_name``)."""
-    from layers.megatron_compat import mtp_inner_layer_name
+    0.19: ``mtp_model_layer.``, ``layers.base.megatron_compat.mtp_inner_layer_name``)."""
+    from layers.base.megatron_compat import mtp_inner_layer_name
 
     return f"{mtp_prefix(k)}{mtp_inner_layer_name()}."
 
@@ -267,11 +267,11 @@ def mla_fields(hf: dict, model_type: str, rope_type: str, rope: dict) -> dict:
 
 
 def mla_rules(mcore: str, hf: str, mixer_fields: dict, heads: int, *, rope_interleave: bool) -> list[TensorRule]:
-    """``layers.mla.MultiLatentAttention`` from ``DeepseekV3Attention`` / ``KimiLinearAttention`` tensors
-    (``layers.mla``'s name map; rotary rows permuted when transformers' layout is half-split)."""
+    """``layers.mixers.mla.layer.MultiLatentAttention`` from ``DeepseekV3Attention`` / ``KimiLinearAttention`` tensors
+    (``layers.mixers.mla.layer``'s name map; rotary rows permuted when transformers' layout is half-split)."""
     from types import SimpleNamespace
 
-    from layers.mla import HF_TO_MLA, mla_state_dict_from_hf, mla_state_dict_to_hf
+    from layers.mixers.mla.layer import HF_TO_MLA, mla_state_dict_from_hf, mla_state_dict_to_hf
 
     dims = SimpleNamespace(num_attention_heads=heads, qk_head_dim=mixer_fields["qk_head_dim"],
                            qk_pos_emb_head_dim=mixer_fields["qk_pos_emb_head_dim"])

@@ -10,7 +10,7 @@ from hp_megatron.selfcheck.device import (DEVICE_TYPES, accelerator_count, comm_
 from hp_megatron.selfcheck.report import (DTYPE_NAMES, TOLERANCES, dtype_name, format_details, format_requirements,
                                           format_results, summary)
 from hp_megatron.selfcheck.select import selector
-from layers.choices import BACKENDS
+from layers.base.choices import BACKENDS
 from layers.ops import requirements
 
 DEFAULT_DTYPES = "bf16"

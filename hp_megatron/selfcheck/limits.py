@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from layers.choices import CP_METHODS
+from layers.base.choices import CP_METHODS
 from layers.ops.backends import get_backend
 
 

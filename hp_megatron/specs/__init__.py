@@ -27,7 +27,7 @@ Every spec builds megatron-core MoE layers where ``--num-experts`` / ``--moe-lay
 (``hp_megatron.hybrid_layer``); real architectures from HF config.json files: ``hp_megatron.models``.
 """
 from hp_megatron.hybrid_layer import HybridLayer, HybridLayerSubmodules
-from hp_megatron.specs.attention import ContextParallelDotProductAttention
+from layers.mixers.attention.context_parallel import ContextParallelDotProductAttention
 from hp_megatron.specs.hybrid_stack import STACK_SPECS, get_hybrid_stack_spec, ready_stack_spec
 from hp_megatron.specs.layer_specs import (MIXERS, SYMBOLS, get_hybrid_layer_spec, get_layer_spec,
                                            get_layer_submodules, get_mixer_spec)

@@ -7,10 +7,10 @@
 ======  ==========================  ===========================================================================
 symbol  slot                        our layer (``get_hybrid_stack_spec``)
 ======  ==========================  ===========================================================================
-``G``   ``gdn_layer``               RMSNorm -> our GDN (``layers.gdn``); with ``g_mixer="kda"`` our KDA
+``G``   ``gdn_layer``               RMSNorm -> our GDN (``layers.mixers.delta.gdn``); with ``g_mixer="kda"`` our KDA
 ``*``   ``attention_layer``         RMSNorm -> causal softmax attention (``ContextParallelDotProductAttention``,
                                     q/k RMSNorms per ``--qk-layernorm``), the model's RoPE
-``+``   ``mla_layer``               RMSNorm -> our MLA (``layers.mla``, its own rotary embedding, ``rope_type``)
+``+``   ``mla_layer``               RMSNorm -> our MLA (``layers.mixers.mla.layer``, its own rotary embedding, ``rope_type``)
 ``-``   ``mlp_layer``               RMSNorm -> megatron-core's ``MLP`` (``--ffn-hidden-size``, ``--swiglu``)
 ``E``   ``moe_layer``               RMSNorm -> megatron-core's ``MoELayer`` (``SequentialMLP`` experts)
 ``M``   ``mamba_layer``             none: refused (``hp_megatron.hybrid_stack.check_slots``)
@@ -32,7 +32,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayerSubmodul
 
 from hp_megatron.specs.layer_specs import _moe_mlp_spec, get_mixer_spec
 from hp_megatron.specs.providers import get_spec_provider
-from layers.megatron_compat import dense_mlp_spec
+from layers.base.megatron_compat import dense_mlp_spec
 
 G_MIXERS = ("gdn", "kda")
 

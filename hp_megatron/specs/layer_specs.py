@@ -23,7 +23,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from hp_megatron.hybrid_layer import HybridLayer, HybridLayerSubmodules, QKNormFromConfig, validate_pattern
 from hp_megatron.specs.providers import get_spec_provider
-from layers.megatron_compat import bind_moe_router_gemm, dense_mlp_spec
+from layers.base.megatron_compat import bind_moe_router_gemm, dense_mlp_spec
 
 MIXERS = ("gdn", "kda", "mla", "attn")
 SYMBOLS = {"G": "gdn", "K": "kda", "M": "mla", "A": "attn"}
@@ -58,9 +58,9 @@ def _attention_spec(provider, qk_layernorm, cp_layout) -> ModuleSpec:
 
 
 def _delta_mixer_spec(mixer: str, provider, cp_layout) -> ModuleSpec:
-    from layers.delta_mixer import DeltaMixerSubmodules
-    from layers.gdn import GatedDeltaNet
-    from layers.kda import KimiDeltaAttention
+    from layers.mixers.delta.mixer import DeltaMixerSubmodules
+    from layers.mixers.delta.gdn import GatedDeltaNet
+    from layers.mixers.delta.kda import KimiDeltaAttention
 
     params = {"backend": provider.mixer_backend}
     if cp_layout is not None:
@@ -77,7 +77,7 @@ def _delta_mixer_spec(mixer: str, provider, cp_layout) -> ModuleSpec:
 
 
 def _mla_spec(provider, cp_layout) -> ModuleSpec:
-    from layers.mla import MLASelfAttentionSubmodules, MultiLatentAttention
+    from layers.mixers.mla.layer import MLASelfAttentionSubmodules, MultiLatentAttention
 
     norm = provider.layer_norm(rms_norm=True, for_qk=True)
     column, row = provider.column_parallel_linear(), provider.row_parallel_linear()

@@ -16,7 +16,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from hp_megatron.hybrid_layer import HybridLayer, HybridLayerSubmodules, MTPHybridLayer, mtp_layer_symbol
 from hp_megatron.specs.providers import get_spec_provider
-from layers.megatron_compat import mtp_layer_submodules
+from layers.base.megatron_compat import mtp_layer_submodules
 
 ATTENTION_KINDS = ("A", "M")  # megatron-core's MTP layer needs an attention mask type (causal attention layers)
 

@@ -12,7 +12,7 @@ TritonSpecProvider same, or TE linears (linear="te")   triton      eager (torch 
 AscendCSpecProvider megatron-core Column/RowParallel   ascendc     npu (fused attention)
 =================  ==================================  ==========  =================
 
-Norms are ``layers.norm.RMSNorm`` everywhere (megatron's ``WrappedTorchNorm`` refuses sequence
+Norms are ``layers.shared.norm.RMSNorm`` everywhere (megatron's ``WrappedTorchNorm`` refuses sequence
 parallelism). Nothing falls back silently: asking for TE linears without Transformer Engine raises.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ from megatron.core.models.backends import BackendSpecProvider
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLPSubmodules
 
-from hp_megatron.specs.attention import ContextParallelDotProductAttention
-from layers.choices import BACKENDS
-from layers.megatron_compat import experts_builder
+from layers.mixers.attention.context_parallel import ContextParallelDotProductAttention
+from layers.base.choices import BACKENDS
+from layers.base.megatron_compat import experts_builder
 
 LINEAR_IMPLS = ("local", "te")
 
@@ -72,7 +72,7 @@ class _HPSpecProvider(BackendSpecProvider):
     def layer_norm(self, rms_norm: bool = True, for_qk: bool = False) -> type:
         if not rms_norm:
             raise ValueError("hp_megatron specs use RMSNorm; rms_norm=False (LayerNorm) is not provided")
-        from layers.norm import RMSNorm
+        from layers.shared.norm import RMSNorm
 
         return RMSNorm
 
@@ -82,13 +82,13 @@ class _HPSpecProvider(BackendSpecProvider):
 
     def latent_core_attention(self) -> type:
         """Core attention of ``layers.MultiLatentAttention`` (unequal q/k and v head dims)."""
-        from layers.attention import CoreAttention, NPUCoreAttention
+        from layers.mixers.attention import CoreAttention, NPUCoreAttention
 
         return NPUCoreAttention if self.attention_backend == "npu" else CoreAttention
 
     def gated_norm(self) -> type:
         """Output norm of the GDN/KDA mixers (RMSNorm times the activated gate)."""
-        from layers.norm import GatedRMSNorm
+        from layers.shared.norm import GatedRMSNorm
 
         return GatedRMSNorm
 

@@ -4,7 +4,7 @@
 Given a layer spec, megatron-core's ``TransformerBlock`` repeats it and takes the block's final norm from its
 module-level ``LayerNormImpl`` (Transformer Engine's, Apex's, or ``WrappedTorchNorm``, which refuses sequence
 parallelism). The builder passes a block spec instead: the layer spec once per layer of this pipeline stage and
-``layers.norm.RMSNorm`` as the final norm, the norm every layer of the hybrid specs uses (zero-centred when
+``layers.shared.norm.RMSNorm`` as the final norm, the norm every layer of the hybrid specs uses (zero-centred when
 ``config.layernorm_zero_centered_gamma``), so nothing of megatron-core is patched and the final norm is the same
 on every install.
 
@@ -20,7 +20,7 @@ def hybrid_block_spec(layer_spec, config, vp_stage=None):
     for each layer this pipeline stage (and virtual stage ``vp_stage``) builds, ``RMSNorm`` as the final norm."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    from layers.norm import RMSNorm
+    from layers.shared.norm import RMSNorm
 
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage),
                                       layer_norm=RMSNorm)

@@ -94,7 +94,7 @@ class CommStats:
 
 def current_phase() -> str:
     """``"backward"`` while autograd runs a backward pass on this thread, else ``"forward"``."""
-    from layers.compat import in_backward
+    from layers.base.compat import in_backward
 
     return "backward" if in_backward() else "forward"
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from layers.choices import STATE_METHODS  # noqa: F401  (re-exported)
+from layers.base.choices import STATE_METHODS  # noqa: F401  (re-exported)
 from layers.cp.accounting import current_phase
 from layers.cp.collectives import all_gather_raw, exchange, group_rank, group_size
 from layers.ops.summary import apply_summary

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from layers.choices import CP_METHODS
+from layers.base.choices import CP_METHODS
 from layers.cp.accounting import CommStats
 from layers.cp.chain import ChainComm
 from layers.cp.collectives import all_gather, group_rank

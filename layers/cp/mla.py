@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from layers.choices import MLA_CP_STRATEGIES as STRATEGIES
+from layers.base.choices import MLA_CP_STRATEGIES as STRATEGIES
 from layers.cp.collectives import all_gather_raw, all_to_all, all_to_all_start, reduce_scatter_raw
 from layers.cp.sequence import SequencePlan, sequence_plan
 

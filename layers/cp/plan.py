@@ -27,7 +27,7 @@ from functools import lru_cache
 
 import torch
 
-from layers.choices import CP_LAYOUTS as LAYOUTS
+from layers.base.choices import CP_LAYOUTS as LAYOUTS
 from layers.ops.validation import as_cu_seqlens
 
 

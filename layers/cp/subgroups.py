@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from layers.choices import CP_METHOD_CHOICES, CP_METHODS
-from layers.compat import process_group_alive
+from layers.base.choices import CP_METHOD_CHOICES, CP_METHODS
+from layers.base.compat import process_group_alive
 
 
 def hybrid_degrees(P: int, method: str, group_size: int | None, ulysses_degree: int | None) -> int:

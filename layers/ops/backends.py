@@ -12,7 +12,7 @@ A backend is a module exposing, with already-validated inputs (see ``layers/ops/
 
 Optional: ``qk_l2norm(x) -> x / sqrt(sum x^2 + 1e-6)`` (differentiable) where it is the very kernel the ops run with
 ``use_qk_l2norm_in_kernel`` (triton: FLA's ``l2norm``); the mixers' ``hp_conv`` recompute part then normalises q/k
-itself (layers/delta_mixer.py).
+itself (layers/mixers/delta/mixer.py).
 
 Backends hold no CP code: native CP decompositions live with the CP engine (``layers/cp/state_parallel.py``'s
 ``NATIVE_CP``).
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import importlib
 
-from layers.choices import BACKENDS
+from layers.base.choices import BACKENDS
 
 _MODULES = {
     "eager": "layers.ops.eager.backend",

@@ -61,7 +61,7 @@ def test_truncated_distcp_is_one_line_naming_the_file_and_save_is_untouched(conv
 @pytest.mark.parametrize("damage", ["missing_distcp", "truncated_metadata", "truncated_common"])
 def test_other_damage_is_reported_with_the_file(converted, capsys, damage):
     from hp_megatron.convert.__main__ import main
-    from layers.megatron_compat import common_state_in_dcp
+    from layers.base.megatron_compat import common_state_in_dcp
 
     if damage == "truncated_common" and common_state_in_dcp():
         pytest.skip("this megatron-core keeps the common state inside __0_0.distcp (no common.pt); the truncated "

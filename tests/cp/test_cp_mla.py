@@ -33,7 +33,7 @@ def _case_id(case):
 
 
 def _tp_shard(name, tensor, tp_rank, tp):
-    from layers.mla import _tp_slice
+    from layers.mixers.mla.layer import _tp_slice
 
     return _tp_slice(name, tensor, tp_rank, tp)
 

@@ -19,7 +19,7 @@ from tests.support.helpers import FakeGroup, torch_distributed_answers_fake_grou
 
 
 def _megatron_zigzag(x, P, r, monkeypatch):
-    from layers.megatron_compat import megatron_cp_batch
+    from layers.base.megatron_compat import megatron_cp_batch
 
     torch_distributed_answers_fake_groups(monkeypatch)
     return megatron_cp_batch({"tokens": x.clone()}, cp_group=FakeGroup(P, r))["tokens"]

@@ -7,7 +7,7 @@ from tests.support.helpers import FakeGroup, torch_distributed_answers_fake_grou
 
 
 def _megatron_split(batch, cp, rank, monkeypatch):
-    from layers.megatron_compat import megatron_cp_batch
+    from layers.base.megatron_compat import megatron_cp_batch
 
     torch_distributed_answers_fake_groups(monkeypatch)
     return megatron_cp_batch(dict(batch), cp_group=FakeGroup(cp, rank))

@@ -118,7 +118,7 @@ def _attention(cp_group, solo, layout):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
 
-    from hp_megatron.specs.attention import ContextParallelDotProductAttention
+    from layers.mixers.attention.context_parallel import ContextParallelDotProductAttention
 
     config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, kv_channels=4,
                                attention_dropout=0.0, use_cpu_initialization=True)

@@ -199,7 +199,7 @@ def test_every_mixer_reads_the_shared_layout_field(single_rank):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from hp_megatron.config import HybridTransformerConfig
-    from hp_megatron.specs.attention import ContextParallelDotProductAttention
+    from layers.mixers.attention.context_parallel import ContextParallelDotProductAttention
 
     shape = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, use_cpu_initialization=True,
                  add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, linear_num_key_heads=2,

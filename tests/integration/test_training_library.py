@@ -38,7 +38,7 @@ def test_hybrid_gpt_model_has_our_final_norm_and_patches_nothing(single_rank):
 
     from hp_megatron.specs import get_hybrid_layer_spec
     from hp_megatron.training.gpt_model import hybrid_gpt_model
-    from layers.norm import RMSNorm
+    from layers.shared.norm import RMSNorm
 
     before = transformer_block.LayerNormImpl
     model = hybrid_gpt_model(_config(layernorm_zero_centered_gamma=True, layernorm_epsilon=1e-6),
@@ -69,7 +69,7 @@ def test_launcher_builds_its_model_with_the_library_builder(single_rank, monkeyp
     import megatron.core.transformer.transformer_block as transformer_block
     from pretrain_gpt_hp import _hybrid_gpt_builder
 
-    from layers.norm import RMSNorm
+    from layers.shared.norm import RMSNorm
 
     before = transformer_block.LayerNormImpl
     model = _hybrid_gpt_builder(_launcher_args(), True, True, config=_config())

@@ -1,10 +1,10 @@
-"""layers.compat: each private torch API the project uses still behaves as relied on (one test each)."""
+"""layers.base.compat: each private torch API the project uses still behaves as relied on (one test each)."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from layers.compat import in_backward, process_group_alive, tensor_version
+from layers.base.compat import in_backward, process_group_alive, tensor_version
 from tests.support.dist import run_distributed_once
 
 

@@ -223,7 +223,7 @@ def test_softmax_core_attention_with_cached_keys(single_rank):
     from megatron.core.inference.utils import get_attention_mask
     from megatron.core.transformer import TransformerConfig
 
-    from hp_megatron.specs.attention import ContextParallelDotProductAttention
+    from layers.mixers.attention.context_parallel import ContextParallelDotProductAttention
 
     config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2, attention_dropout=0.0,
                                use_cpu_initialization=True, params_dtype=torch.float32)

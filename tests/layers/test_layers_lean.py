@@ -35,7 +35,7 @@ interpreted = pytest.mark.skipif(REASON is not None, reason=f"triton interpreter
 
 
 def _norm_case(activation, zero_centered):
-    from layers.norm import GatedRMSNorm
+    from layers.shared.norm import GatedRMSNorm
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 11, 3, 32, generator=gen)
@@ -166,7 +166,7 @@ def test_eager_delta_rule_saves_only_inputs(kind):
 
 
 def test_eager_conv_and_gated_norm_save_only_inputs():
-    from layers.norm import gated_rms_norm
+    from layers.shared.norm import gated_rms_norm
     from layers.ops import causal_conv1d
 
     gen = torch.Generator().manual_seed(0)

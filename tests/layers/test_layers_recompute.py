@@ -1,5 +1,5 @@
 """Selective recompute of our mixer parts (``--recompute-granularity selective --recompute-modules hp_conv
-hp_gated_norm hp_mla_up_proj``; layers/recompute.py): the GDN / KDA / MLA layer with recompute must give the same output, input gradient and
+hp_gated_norm hp_mla_up_proj``; layers/shared/recompute.py): the GDN / KDA / MLA layer with recompute must give the same output, input gradient and
 every parameter gradient as the same layer without, bit for bit (fp32, CPU): the recompute re-runs the same ops on
 the same saved inputs. Single rank (BSHD and packed THD documents; eager, and triton through Triton's interpreter)
 and on two gloo ranks under TP2 + SP and CP2 (MLA: TP2 + SP; its recompute is CP 1 only). On the triton backend
@@ -189,7 +189,7 @@ def test_part_refill_moves_no_bytes_and_its_graph_keeps_the_output():
     backpropagates it exactly; after backward the kept output holds its values again."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from layers.recompute import _SWAPS, PartRecompute
+    from layers.shared.recompute import _SWAPS, PartRecompute
 
     class Ops(TorchDispatchMode):
         def __init__(self):

@@ -1,4 +1,4 @@
-"""layers.megatron_compat on the installed megatron-core: each mapping gives what that megatron-core consumes
+"""layers.base.megatron_compat on the installed megatron-core: each mapping gives what that megatron-core consumes
 (tests/run_mcore_versions.sh runs this file on 0.16.1 too)."""
 from __future__ import annotations
 

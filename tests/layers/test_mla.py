@@ -71,7 +71,7 @@ HF_GRADS = {"kv_b_proj.weight": "linear_kv_up_proj.weight", "kv_a_proj_with_mqa.
 @pytest.mark.parametrize("q_lora_rank,rope_interleave,rope", [(16, True, "yarn"), (None, False, "rope"),
                                                              (16, False, "yarn")])
 def test_matches_transformers_deepseek_v3(single_rank, q_lora_rank, rope_interleave, rope):
-    from layers.mla import mla_state_dict_from_hf
+    from layers.mixers.mla.layer import mla_state_dict_from_hf
 
     torch.manual_seed(1)
     hf, rotary = _hf_deepseek(q_lora_rank, rope_interleave, rope)
@@ -95,7 +95,7 @@ def test_matches_transformers_kimi_linear(single_rank):
     from transformers import KimiLinearConfig
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
 
-    from layers.mla import mla_state_dict_from_hf
+    from layers.mixers.mla.layer import mla_state_dict_from_hf
 
     torch.manual_seed(2)
     cfg = KimiLinearConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
@@ -117,7 +117,7 @@ def test_packed_documents_restart_positions(single_rank):
     """THD: each document equals transformers run on that document alone (positions from 0)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from layers.mla import mla_state_dict_from_hf
+    from layers.mixers.mla.layer import mla_state_dict_from_hf
 
     torch.manual_seed(3)
     hf, rotary = _hf_deepseek(16, True, "yarn")
@@ -139,7 +139,7 @@ def test_packed_documents_restart_positions(single_rank):
 
 @pytest.mark.parametrize("block_size", [3, 1024])
 def test_core_attention_against_plain_softmax(block_size):
-    from layers.attention.eager import eager_causal_attention
+    from layers.mixers.attention.eager import eager_causal_attention
 
     torch.manual_seed(4)
     T, H = 16, 2
@@ -158,7 +158,7 @@ def test_core_attention_against_plain_softmax(block_size):
 
 
 def test_block_masks_stay_small():
-    from layers.attention.masking import query_blocks
+    from layers.mixers.attention.masking import query_blocks
 
     T = 4096
     cu = torch.tensor([0, 1024, 2048, 4096])
@@ -170,7 +170,7 @@ def test_block_masks_stay_small():
 
 def test_npu_adapter_call_contract(monkeypatch):
     """The Ascend path calls torch_npu.npu_fusion_attention with its documented parameters."""
-    from layers.attention import causal_attention
+    from layers.mixers.attention import causal_attention
 
     calls = []
 
@@ -208,7 +208,7 @@ def test_npu_adapter_call_contract(monkeypatch):
 
 
 def test_npu_backend_missing_names_package(monkeypatch):
-    from layers.attention import causal_attention
+    from layers.mixers.attention import causal_attention
 
     monkeypatch.setitem(sys.modules, "torch_npu", None)
     with pytest.raises(RuntimeError, match="torch_npu"):
@@ -217,7 +217,7 @@ def test_npu_backend_missing_names_package(monkeypatch):
 
 
 def test_checkpoint_names_and_conversion_roundtrip(single_rank):
-    from layers.mla import mla_state_dict_from_hf, mla_state_dict_to_hf
+    from layers.mixers.mla.layer import mla_state_dict_from_hf, mla_state_dict_to_hf
 
     torch.manual_seed(6)
     hf, _ = _hf_deepseek(16, False, "yarn")

@@ -31,7 +31,7 @@ def test_mtp_converts_and_matches_the_reference(single_rank, arch, tmp_path, cap
 
     from hp_megatron.convert.__main__ import main
     from hp_megatron.models import get_architecture
-    from layers.megatron_compat import mtp_loss_values
+    from layers.base.megatron_compat import mtp_loss_values
 
     hf_dir, ckpt, back = str(tmp_path / "hf"), str(tmp_path / "mcore"), str(tmp_path / "back")
     hf_model, config = tiny_mtp_checkpoint(arch, hf_dir)
@@ -87,7 +87,7 @@ def test_mtp_layer_kind_is_declared_or_refused(single_rank):
     from hp_megatron.platform import CPU_SAFE_CONFIG
     from hp_megatron.specs import get_hybrid_layer_spec
     from hp_megatron.specs.mtp import get_mtp_block_spec
-    from layers.megatron_compat import mtp_inner_layer_name
+    from layers.base.megatron_compat import mtp_inner_layer_name
 
     preset = preset_from_hf(tiny_hf_config("qwen3_next")[1].to_dict())   # pattern GGAA
     undeclared = preset.transformer_config(**CPU_SAFE_CONFIG, mtp_num_layers=1, hp_mtp_layer_kind=None)

@@ -96,7 +96,7 @@ def _step(model, ids, labels, mask, sizes, packed_seq_params=None, cols=None):
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    from layers.megatron_compat import mtp_loss_values
+    from layers.base.megatron_compat import mtp_loss_values
 
     MTPLossLoggingHelper.tracker.clear()
     cols = torch.arange(ids.shape[1]) if cols is None else cols

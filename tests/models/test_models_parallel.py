@@ -36,7 +36,7 @@ _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.")
 
 def _named_tensors(model, ep_rank):
     """(TP=1 global key, parameter or buffer, owning delta mixer or None, path inside it) for this rank's model."""
-    from layers.delta_mixer import DeltaMixer
+    from layers.mixers.delta.mixer import DeltaMixer
 
     def walk(module, prefix, layer_mixer=None):
         for name, t in list(module.named_parameters()) + list(module.named_buffers()):

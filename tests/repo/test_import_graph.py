@@ -100,12 +100,39 @@ def test_ops_never_import_cp_and_layers_never_import_hp_megatron():
                   for m, deps in graph.items() if m.startswith("layers")}
     assert {m: d for m, d in bad_layers.items() if d} == {}
     # cp sits between the mixers and ops: it imports only cp, ops and the leaves, never a mixer module
-    mixers = {"layers.gdn", "layers.kda", "layers.mla", "layers.delta_mixer", "layers.attention"}
+    mixers = {"layers.mixers.delta.gdn", "layers.mixers.delta.kda", "layers.mixers.mla.layer",
+              "layers.mixers.delta.mixer", "layers.mixers.attention"}
     assert mixers <= set(graph)
-    allowed = ("layers.cp", "layers.ops", "layers.choices", "layers.compat", "layers.keywords")
+    allowed = ("layers.cp", "layers.ops", "layers.base")
     bad_cp = {m: sorted(d for d in deps if not any(d == a or d.startswith(a + ".") for a in allowed))
               for m, deps in graph.items() if m == "layers.cp" or m.startswith("layers.cp.")}
     assert {m: d for m, d in bad_cp.items() if d} == {}
+
+
+# layers/ by kind, lowest first: each package imports only itself and the packages before it
+LAYERS_ORDER = ("layers.base", "layers.ops", "layers.cp", "layers.shared", "layers.mixers")
+
+
+def _kind(module: str) -> str | None:
+    return next((k for k in LAYERS_ORDER if module == k or module.startswith(k + ".")), None)
+
+
+def test_layers_by_kind_import_only_downwards():
+    """base (leaf tables) <- ops <- cp <- shared (building blocks) <- mixers; every module of layers/ but the
+    package's own ``__init__`` lies in one of them."""
+    graph = import_graph()
+    loose = sorted(m for m in graph if m.startswith("layers.") and _kind(m) is None and m != "layers.convert")
+    assert loose == []
+    upward = {}
+    for module, deps in graph.items():
+        kind = _kind(module)
+        if kind is None:
+            continue
+        level = LAYERS_ORDER.index(kind)
+        bad = sorted(d for d in deps if _kind(d) is not None and LAYERS_ORDER.index(_kind(d)) > level)
+        if bad:
+            upward[module] = bad
+    assert upward == {}
 
 
 def test_no_cycles_in_hp_megatron_and_the_converter_never_imports_models():
@@ -139,7 +166,7 @@ def test_graph_sees_known_edges():
     graph = import_graph()
     assert "layers.ops.backends" in graph["layers.ops.delta_rule"]
     assert "layers.cp.chain" in graph["layers.cp.state_parallel"]
-    assert "layers.attention.masking" in graph["layers.attention.eager"]   # relative import
+    assert "layers.mixers.attention.masking" in graph["layers.mixers.attention.eager"]   # relative import
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
 
 

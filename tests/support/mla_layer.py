@@ -24,7 +24,7 @@ def make_config(*, hidden=32, heads=4, q_lora_rank=16, kv_lora_rank=12, qk=8, pe
 def build_layer(config, tp_group, cp_group, **kwargs):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from layers.mla import MultiLatentAttention, mla_submodules
+    from layers.mixers.mla.layer import MultiLatentAttention, mla_submodules
 
     pgs = ProcessGroupCollection(tp=tp_group, cp=cp_group)
     return MultiLatentAttention(config, mla_submodules(), layer_number=1, pg_collection=pgs, **kwargs)

@@ -7,7 +7,7 @@ parameter and checkpoint names and TE's math, on megatron-core's local modules:
 * :class:`LayerNormColumnParallelLinear` for ``TELayerNormColumnParallelLinear``: an RMSNorm fused in front of a
   column-parallel linear, its weight ``layer_norm_weight`` (zero-centred with ``config.layernorm_zero_centered_gamma``)
   saved replicated next to the TP-sharded ``weight``, as TE's wrapper saves it;
-* ``TENorm`` -> ``layers.norm.RMSNorm`` (same weight name and zero-centring); ``TEColumnParallelLinear`` /
+* ``TENorm`` -> ``layers.shared.norm.RMSNorm`` (same weight name and zero-centring); ``TEColumnParallelLinear`` /
   ``TERowParallelLinear`` -> megatron's ``ColumnParallelLinear`` / ``RowParallelLinear``; ``TEDotProductAttention``
   -> megatron's ``DotProductAttention``.
 
@@ -28,7 +28,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from layers.norm import RMSNorm
+from layers.shared.norm import RMSNorm
 
 
 class LayerNormColumnParallelLinear(ColumnParallelLinear):

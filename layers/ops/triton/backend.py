@@ -71,7 +71,7 @@ def qk_l2norm(x: torch.Tensor) -> torch.Tensor:
     ``l2norm_fwd`` / ``l2norm_bwd`` kernels FLA's GDN and KDA ops run with ``use_qk_l2norm_in_kernel``, so a q/k
     normalised here and given to the op with that flag off has the values the flag would give (forward bit for bit;
     in backward the op hands over dq/dk cast to x's dtype, a rounding only below fp32). The mixers call it inside
-    their ``hp_conv`` recompute part (layers/delta_mixer.py), so the op keeps the part's freed outputs instead of
+    their ``hp_conv`` recompute part (layers/mixers/delta/mixer.py), so the op keeps the part's freed outputs instead of
     its own normalised copies."""
     check_tensor_device("x", x)
     return load_fla().l2norm(x)

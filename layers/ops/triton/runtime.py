@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from layers.compat import tensor_version
+from layers.base.compat import tensor_version
 # MIN_TRITON is FLA 0.6's own floor, 3.7.1 is required for GDN backward on Hopper (see module doc)
 from layers.ops.triton.versions import INSTALL_HINT, MIN_FLA, MIN_TRITON, PACKAGES, SAFE_TRITON_HOPPER_GDN_BWD
 

@@ -12,13 +12,13 @@ output (FLA's ``l2norm`` saves it), the memory is handed back to it and then ret
 without the swap copies the bytes instead (one copy kernel per output storage).
 
 ``recomputes(config, name)``: whether ``--recompute-granularity selective --recompute-modules`` names our
-part ``name`` (one of ``layers.choices.RECOMPUTE_MODULES``, held in the config field ``hp_recompute_modules``).
+part ``name`` (one of ``layers.base.choices.RECOMPUTE_MODULES``, held in the config field ``hp_recompute_modules``).
 """
 from __future__ import annotations
 
 import torch
 
-from layers.choices import RECOMPUTE_MODULES
+from layers.base.choices import RECOMPUTE_MODULES
 
 
 def recomputes(config, name: str) -> bool:

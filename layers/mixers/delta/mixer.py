@@ -11,9 +11,9 @@ parallelism the input and output hold ``s / tp`` of them)::
 Tensor parallelism splits heads: every TP rank holds ``H/tp`` query/key heads and ``HV/tp`` value heads
 (value head i reads query/key head ``i // (HV/H)``, so contiguous head slices stay consistent).
 
-The concerns live apart: the option table in ``layers.delta_options``, the parameter layout and its
-layout-independent initialisation in ``layers.delta_params``, checkpoint sharding in ``layers.delta_checkpoint``,
-the CP context of a forward (and ``cp_method="auto"``) in ``layers.delta_cp``; this module builds the layer and
+The concerns live apart: the option table in ``layers.mixers.delta.options``, the parameter layout and its
+layout-independent initialisation in ``layers.mixers.delta.params``, checkpoint sharding in ``layers.mixers.delta.checkpoint``,
+the CP context of a forward (and ``cp_method="auto"``) in ``layers.mixers.delta.cp``; this module builds the layer and
 runs its forward.
 """
 from __future__ import annotations
@@ -31,23 +31,23 @@ from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParal
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from layers.choices import CP_LAYOUTS
+from layers.base.choices import CP_LAYOUTS
 from layers.cp.sequence import packed_cu_seqlens
-from layers.delta_checkpoint import delta_sharded_state_dict
-from layers.delta_cp import cp_context
-from layers.delta_decode import delta_inference_forward
-from layers.delta_options import (COMMON_OPTIONS, check_cp_auto_options, positive_int, resolve_cp_method,
+from layers.mixers.delta.checkpoint import delta_sharded_state_dict
+from layers.mixers.delta.cp import cp_context
+from layers.mixers.delta.decode import delta_inference_forward
+from layers.mixers.delta.options import (COMMON_OPTIONS, check_cp_auto_options, positive_int, resolve_cp_method,
                                   resolve_options)
-from layers.delta_params import (ParamLayout, Part, ShortConvWeights, constant_init, initialize, megatron_init,
+from layers.mixers.delta.params import (ParamLayout, Part, ShortConvWeights, constant_init, initialize, megatron_init,
                                  skip_init, uniform_init)
-from layers.inference import static_context
-from layers.keywords import check_keywords, declared_keywords
-from layers.masks import check_causal_mask
-from layers.norm import GATE_ACTIVATIONS, GatedRMSNorm
+from layers.shared.inference import static_context
+from layers.base.keywords import check_keywords, declared_keywords
+from layers.shared.masks import check_causal_mask
+from layers.shared.norm import GATE_ACTIVATIONS, GatedRMSNorm
 from layers.ops import causal_conv1d
 from layers.ops.backends import get_backend
 from layers.ops.kinds import delta_kind
-from layers.recompute import PartRecompute, recomputes
+from layers.shared.recompute import PartRecompute, recomputes
 
 def _all_reduce_grad_hook(group):
     def hook(grad):
@@ -90,7 +90,7 @@ def _module_class(spec):
 class DeltaMixerSubmodules:
     """Spec-swappable parts of a delta-rule mixer (column/row-parallel linear classes and the output norm).
 
-    ``out_norm`` may be :class:`layers.norm.GatedRMSNorm` (it then applies the gate itself) or any plain
+    ``out_norm`` may be :class:`layers.shared.norm.GatedRMSNorm` (it then applies the gate itself) or any plain
     norm built as ``(config=, hidden_size=, eps=)`` (the mixer multiplies by the activated gate in fp32).
     """
 
@@ -102,7 +102,7 @@ class DeltaMixerSubmodules:
 class DeltaMixer(MegatronModule):
     """Base class of :class:`layers.GatedDeltaNet` and :class:`layers.KimiDeltaAttention`.
 
-    Subclasses set ``kind`` (the name of a ``layers.ops.kinds`` descriptor; part of the shape ``layers.delta_cp``
+    Subclasses set ``kind`` (the name of a ``layers.ops.kinds`` descriptor; part of the shape ``layers.mixers.delta.cp``
     describes, and what the decode path runs), ``gate_activation`` and ``OPTIONS``, and implement
     :meth:`_in_proj_parts`, :meth:`_extra_layouts`, :meth:`_build_extra` and :meth:`_delta_rule`.
     """
@@ -138,7 +138,7 @@ class DeltaMixer(MegatronModule):
         backend_module = get_backend(self.backend)  # validates the name; a missing optional backend raises now
         self.cp_method, self.cp_ulysses_degree = resolve_cp_method(name, opts, cp_comm_type, config)
         self.cp_layout = opts["cp_layout"]
-        # --recompute-modules hp_conv / hp_gated_norm (layers/recompute.py): outputs freed, recomputed in backward
+        # --recompute-modules hp_conv / hp_gated_norm (layers/shared/recompute.py): outputs freed, recomputed in backward
         self.recompute_conv = recomputes(config, "hp_conv")
         self.recompute_norm = recomputes(config, "hp_gated_norm")
         # with hp_conv, a backend whose standalone q/k L2 norm is its in-kernel one (triton: FLA's l2norm) normalises
@@ -317,7 +317,7 @@ class DeltaMixer(MegatronModule):
                 **kwargs):
         """``hidden_states [s, b, h]`` -> ``(output [s, b, h], bias or None)``; positional embeddings are unused.
         With megatron-core's ``StaticInferenceContext`` (eval mode) the layer keeps its state cache there
-        (``layers/delta_decode.py``)."""
+        (``layers/mixers/delta/decode.py``)."""
         name = type(self).__name__
         if key_value_states is not None:
             raise ValueError(f"{name} is a self-attention mixer; key_value_states must be None")
@@ -332,7 +332,7 @@ class DeltaMixer(MegatronModule):
         context = static_context(name, self, inference_context, inference_params, cp_size=cp_size,
                                  sequence_parallel=self.config.sequence_parallel and self.tp_size > 1,
                                  packed_seq_params=packed_seq_params)
-        if context is not None:   # generation: state caches in megatron's static context (layers/delta_decode.py)
+        if context is not None:   # generation: state caches in megatron's static context (layers/mixers/delta/decode.py)
             return delta_inference_forward(self, hidden_states, context, attention_mask)
         cu_global = packed_cu_seqlens(packed_seq_params)
         check_causal_mask(attention_mask, self.cp_layout, cp_size, _group_rank(cp_group), cu_global,

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from layers.choices import ROPE_TYPES
+from layers.base.choices import ROPE_TYPES
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:

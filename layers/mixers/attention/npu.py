@@ -3,7 +3,7 @@
 Parameter names follow the torch_npu API: ``pre_tockens``/``next_tockens`` (sic), ``atten_mask`` with
 True = masked out, ``actual_seq_qlen``/``actual_seq_kvlen`` cumulative ends without a leading 0 for the
 TND layout, ``sparse_mode`` 2 (leftUpCausal) / 3 (rightDownCausal) with the compressed 2048 x 2048 mask.
-Same shapes and mask semantics as :func:`layers.attention.eager.eager_causal_attention`.
+Same shapes and mask semantics as :func:`layers.mixers.attention.eager.eager_causal_attention`.
 """
 from __future__ import annotations
 

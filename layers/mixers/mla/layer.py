@@ -32,18 +32,18 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from layers.attention.masking import document_starts
+from layers.mixers.attention.masking import document_starts
 from layers.cp.auto import AutoLayer, auto_tuner
 from layers.cp.cost_model import MLALayerShape
 from layers.cp.mla import STRATEGIES, MLADims, check_strategy, expand_keys_values, mla_context_parallel
 from layers.cp.plan import check_layout
 from layers.cp.sequence import packed_cu_seqlens, plan_for_batch
-from layers.inference import static_context
-from layers.keywords import check_keywords, declared_keywords
-from layers.masks import check_causal_mask
-from layers.mla_decode import mla_inference_forward
-from layers.recompute import PartRecompute, recomputes
-from layers.rotary import MLARotary, apply_mla_rope, mla_softmax_scale
+from layers.shared.inference import static_context
+from layers.base.keywords import check_keywords, declared_keywords
+from layers.shared.masks import check_causal_mask
+from layers.mixers.mla.decode import mla_inference_forward
+from layers.shared.recompute import PartRecompute, recomputes
+from layers.shared.rotary import MLARotary, apply_mla_rope, mla_softmax_scale
 
 # megatron/TE cp_comm_type names that select one of our strategies; others keep the configured strategy.
 TE_CP_COMM_TYPES = {"a2a": "expanded_ulysses", "all_gather": "latent"}
@@ -132,7 +132,7 @@ class MultiLatentAttention(MegatronModule):
         self.tp_group, self.cp_group = _process_groups(pg_collection)
         self.tp_size = _group_size(self.tp_group)
         self.cp_layout = check_layout(cp_layout or getattr(config, "hp_cp_layout", None) or "zigzag")
-        # --recompute-modules hp_mla_up_proj (layers/recompute.py): per-head K/V recomputed from the latent
+        # --recompute-modules hp_mla_up_proj (layers/shared/recompute.py): per-head K/V recomputed from the latent
         self.recompute_up_proj = recomputes(config, "hp_mla_up_proj")
         self.cp_strategy = self._select_strategy(cp_strategy, cp_comm_type)
         self.checkpoint_norm_names = checkpoint_norm_names
@@ -221,7 +221,7 @@ class MultiLatentAttention(MegatronModule):
         ``attention_mask`` must be None or megatron's plain causal mask (the layer is causal; other masks raise
         ValueError); positions come from the CP layout and ``packed_seq_params`` (THD: global
         ``cu_seqlens_q_padded`` or ``cu_seqlens_q``). With megatron-core's ``StaticInferenceContext`` (eval mode)
-        the layer keeps its latent cache there and decodes in the absorbed form (``layers/mla_decode.py``).
+        the layer keeps its latent cache there and decodes in the absorbed form (``layers/mixers/mla/decode.py``).
         """
         self._check_forward_args(hidden_states, key_value_states, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin,
                                  rotary_pos_cos_sin, attention_bias, position_ids, packed_seq_params)
@@ -231,7 +231,7 @@ class MultiLatentAttention(MegatronModule):
         context = static_context("MultiLatentAttention", self, inference_context, inference_params, cp_size=cp_size,
                                  sequence_parallel=self.config.sequence_parallel and self.tp_size > 1,
                                  packed_seq_params=packed_seq_params)
-        if context is not None:   # generation: the latent cache in megatron's static context (layers/mla_decode.py)
+        if context is not None:   # generation: the latent cache in megatron's static context (layers/mixers/mla/decode.py)
             return mla_inference_forward(self, hidden_states, context, attention_mask)
         cp_rank = torch.distributed.get_rank(cp_group) if cp_size > 1 else 0
         check_causal_mask(attention_mask, self.cp_layout, cp_size, cp_rank, cu_seqlens, owner="MultiLatentAttention")
@@ -399,8 +399,8 @@ def mla_submodules(backend: str = "eager") -> MLASelfAttentionSubmodules:
     ``eager`` (torch SDPA) or ``npu`` (``torch_npu.npu_fusion_attention``) core attention."""
     from megatron.core.tensor_parallel.layers import RowParallelLinear
 
-    from layers.attention import CoreAttention, NPUCoreAttention
-    from layers.norm import RMSNorm
+    from layers.mixers.attention import CoreAttention, NPUCoreAttention
+    from layers.shared.norm import RMSNorm
 
     if backend not in ("eager", "npu"):
         raise ValueError(f"MLA core-attention backend must be 'eager' or 'npu', got {backend!r}")

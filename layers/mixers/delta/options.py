@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layers.choices import CP_METHOD_CHOICES as CP_METHODS
+from layers.base.choices import CP_METHOD_CHOICES as CP_METHODS
 from layers.cp.auto import MEASURE_TOP
 from layers.cp.subgroups import check_auto_leaves_free
 

@@ -18,9 +18,9 @@ import torch
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from torch import nn
 
-from layers.delta_mixer import DeltaMixer, DeltaMixerSubmodules
-from layers.delta_options import COMMON_OPTIONS
-from layers.delta_params import ParamLayout, Part, constant_init, log_uniform_init
+from layers.mixers.delta.mixer import DeltaMixer, DeltaMixerSubmodules
+from layers.mixers.delta.options import COMMON_OPTIONS
+from layers.mixers.delta.params import ParamLayout, Part, constant_init, log_uniform_init
 from layers.ops import chunk_gated_delta_rule
 
 GatedDeltaNetSubmodules = DeltaMixerSubmodules
@@ -29,7 +29,7 @@ GatedDeltaNetSubmodules = DeltaMixerSubmodules
 class GatedDeltaNet(DeltaMixer):
     """GDN mixer: ``GatedDeltaNet(config, submodules, layer_number=None, pg_collection=None, ...)``.
 
-    Options (``ModuleSpec.params`` or config attributes, see ``layers.delta_options.COMMON_OPTIONS``):
+    Options (``ModuleSpec.params`` or config attributes, see ``layers.mixers.delta.options.COMMON_OPTIONS``):
     heads and head dims (megatron-core 0.16's ``linear_*`` config fields), ``conv_kernel_dim``, ``backend``
     (``eager | triton | ascendc``), ``cp_method``, ``cp_layout``, ``cp_group_size``, ``cp_ulysses_degree``,
     ``init_seed``.

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from layers.compat import tensor_version
+from layers.base.compat import tensor_version
 from layers.cp.plan import local_seq_index
 
 _LAST_CHECKED: dict = {}

@@ -14,5 +14,5 @@ CP_LAYOUTS = ("zigzag", "contiguous")                         # token layouts ov
 MLA_CP_STRATEGIES = ("expanded_ulysses", "latent_ulysses", "latent")
 MLA_CP_STRATEGY_CHOICES = MLA_CP_STRATEGIES + ("auto",)       # what an MLA layer / --hp-mla-cp accepts
 ROPE_TYPES = ("rope", "yarn", "none")                         # MLA rotary embeddings ("none": NoPE, Kimi Linear)
-# our parts for megatron's --recompute-granularity selective --recompute-modules (layers/recompute.py)
+# our parts for megatron's --recompute-granularity selective --recompute-modules (layers/shared/recompute.py)
 RECOMPUTE_MODULES = ("hp_conv", "hp_gated_norm", "hp_mla_up_proj")

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layers.choices import BACKENDS
+from layers.base.choices import BACKENDS
 from layers.ops.backends import get_backend
 from layers.ops.eager.recompute import recompute
 
@@ -106,7 +106,7 @@ class GatedRMSNorm(nn.Module):
     ``activation`` is ``"silu"`` (GDN / Qwen3-Next ``RMSNormGated``) or ``"sigmoid"`` (KDA / Kimi Linear
     ``o_norm``); ``backend`` (the mixer passes its own) picks FLA's fused kernel (``"triton"``) or PyTorch ops.
     The weight is shared by all heads, so with heads split over tensor parallelism its gradient is
-    partial on every rank; the mixer that owns this norm completes it (see ``layers.delta_mixer``).
+    partial on every rank; the mixer that owns this norm completes it (see ``layers.mixers.delta.mixer``).
     """
 
     def __init__(self, config=None, hidden_size: int | None = None, eps: float = 1e-5, activation: str = "silu",

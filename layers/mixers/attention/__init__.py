@@ -8,13 +8,14 @@ both lie in one document. Backends: ``eager`` (torch SDPA, any device) and ``npu
 (``torch_npu.npu_fusion_attention``).
 
 ``CoreAttention`` wraps it as the ``core_attention`` submodule of ``layers.MultiLatentAttention``; its
-constructor accepts megatron-core's core-attention arguments.
+constructor accepts megatron-core's core-attention arguments. ``context_parallel.ContextParallelDotProductAttention``
+is the ``core_attention`` of megatron-core's ``SelfAttention`` (the ``A`` layers) under context parallelism.
 """
 from __future__ import annotations
 
 from torch import nn
 
-from layers.keywords import check_keywords, declared_keywords
+from layers.base.keywords import check_keywords, declared_keywords
 
 from .eager import eager_causal_attention
 from .masking import QueryBlock, document_starts, query_blocks

@@ -1,7 +1,7 @@
 """Inference forward of ``MultiLatentAttention`` through megatron-core's static inference context: the latent
 cache and DeepSeek's absorbed decode.
 
-Cache of one layer (``layers.inference``): ``[max_batch, max_seq, kv_lora_rank + qk_pos_emb_head_dim]`` in the
+Cache of one layer (``layers.shared.inference``): ``[max_batch, max_seq, kv_lora_rank + qk_pos_emb_head_dim]`` in the
 parameters' dtype, per token the normalized latent ``c`` and the rotated shared rope key ``k_pe`` (576 values for
 DeepSeek-V3 against 128 heads x (192 + 128) = 40960 for expanded K/V). The latent is shared by all heads, so
 every TP rank holds the whole cache (as megatron's and DeepSeek's own MLA inference do).
@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from layers.cp.mla import expand_keys_values
-from layers.inference import inference_window, layer_cache
-from layers.rotary import apply_mla_rope
+from layers.shared.inference import inference_window, layer_cache
+from layers.shared.rotary import apply_mla_rope
 
 
 def cache_width(dims) -> int:

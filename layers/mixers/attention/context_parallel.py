@@ -12,7 +12,7 @@ forward arguments, so it can be the ``core_attention`` of the standard attention
   to their owners), and let the local (zigzag or contiguous) queries attend with global causal positions.
   Memory per rank is that of the full K/V of one layer.
 
-The attention math is ``layers.attention.causal_attention`` (eager SDPA or Ascend's fused kernel).
+The attention math is ``layers.mixers.attention.causal_attention`` (eager SDPA or Ascend's fused kernel).
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from torch import nn
 
 from layers.cp.plan import check_layout
 from layers.cp.sequence import gather_sequence, packed_cu_seqlens, plan_for_batch
-from layers.inference import check_inference_mask
-from layers.keywords import check_keywords, declared_keywords
-from layers.masks import check_causal_mask
+from layers.shared.inference import check_inference_mask
+from layers.base.keywords import check_keywords, declared_keywords
+from layers.shared.masks import check_causal_mask
 
 
 class ContextParallelDotProductAttention(nn.Module):
@@ -62,7 +62,7 @@ class ContextParallelDotProductAttention(nn.Module):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
-        from layers.attention import causal_attention
+        from layers.mixers.attention import causal_attention
 
         if attention_bias is not None:
             raise ValueError(f"{type(self).__name__} does not take an attention_bias")

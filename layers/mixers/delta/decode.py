@@ -1,6 +1,6 @@
 """Inference forward of the GDN / KDA mixers through megatron-core's static inference context.
 
-Cache of one layer (``layers.inference``), per sequence and TP rank (local heads):
+Cache of one layer (``layers.shared.inference``), per sequence and TP rank (local heads):
 
     conv  [max_batch, W-1, 2*H_l*K + HV_l*V]   the last W-1 inputs of the short conv (params dtype)
     state [max_batch, HV_l, K, V]               the recurrent state (fp32)
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from layers.inference import inference_window, layer_cache
+from layers.shared.inference import inference_window, layer_cache
 from layers.ops import causal_conv1d
 from layers.ops.delta_rule import chunk_op
 from layers.ops.step import causal_conv1d_step, check_decode_backend, delta_rule_step

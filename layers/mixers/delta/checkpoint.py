@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 from megatron.core import parallel_state
 
-from layers.delta_params import ShortConvWeights
+from layers.mixers.delta.params import ShortConvWeights
 
 
 def delta_sharded_state_dict(mixer, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:

@@ -24,9 +24,9 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import nn
 
-from layers.delta_mixer import DeltaMixer, DeltaMixerSubmodules
-from layers.delta_options import COMMON_OPTIONS, Option, positive_int
-from layers.delta_params import (ParamLayout, Part, ReplicatedLinear, constant_init, inverse_softplus_dt_init,
+from layers.mixers.delta.mixer import DeltaMixer, DeltaMixerSubmodules
+from layers.mixers.delta.options import COMMON_OPTIONS, Option, positive_int
+from layers.mixers.delta.params import (ParamLayout, Part, ReplicatedLinear, constant_init, inverse_softplus_dt_init,
                                  log_uniform_init, megatron_init, skip_init)
 from layers.ops import chunk_kda
 
