@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from layers import megatron_compat as compat
+from layers.base import megatron_compat as compat
 
 
 def _config(**overrides):

@@ -63,7 +63,7 @@ def test_mla_and_attention_cores_reject_mistyped_options():
 
 def test_one_definition_of_each_choice():
     import hp_megatron.arguments as arguments
-    from layers import choices
+    from layers.base import choices
     from layers.cp import METHODS
     from layers.cp.chain import STATE_METHODS
     from layers.cp.mla import STRATEGIES
