@@ -29,7 +29,7 @@ Seven launches, each feeding the tests named:
 
 Loss and gradient norm equal the single rank's (relative 1e-5, full precision from tests/megatron_lm/record.py); the
 GPT path's first loss equals examples/pretrain/pretrain_hybrid.py's; every listed CUDA site is reached, no unlisted
-one. About 70 s wall (100 CPU s) on an idle 2-core machine.
+one. About 100 CPU s (nine launches, before: 110 CPU s, 1:26 wall on an idle 2-core machine).
 Skips unless the installed megatron-core is 0.19.x with its Megatron-LM checkout (tests/support/paths.py).
 """
 import os
