@@ -12,25 +12,34 @@ mode of tests/megatron_lm/cpu_mode.py (its core_v0.19.0 site table). Three model
   attention with GQA); its reference is Megatron-LM's unmodified ``pretrain_hybrid.py`` with Megatron-LM's own
   flags (``--linear-*`` for the GDN dims, no ``--hp-*`` flag).
 
-Per model three launches: a single-rank reference (3 iterations, evaluation at 2, torch_dist checkpoints at 2 and
-3; ``hybrid_gdn``: the unmodified script's first iteration); TP2 (sequence parallel) from scratch, its first
-iteration (``gpt``'s saves its TP-sharded checkpoint at exit); CP2 resumed from the reference's iteration-2
-checkpoint (weights only: ``--no-load-optim --no-load-rng``), its iteration 3 (``hybrid_gdn``: CP2 from scratch with
-the ``p2p`` method, its first iteration). Loss and gradient norm equal the single rank's (relative 1e-5, full
-precision from tests/megatron_lm/record.py); the GPT path's first loss equals examples/pretrain/pretrain_hybrid.py's;
-every listed CUDA site is reached, no unlisted one. Nine launches, 4:45-7 minutes on 2 shared cores.
+Seven launches, each feeding the tests named:
+
+* ``gpt`` reference, one rank: 3 iterations, evaluation at 2, torch_dist checkpoints at 2 and 3 (trains, evaluates
+  and saves; the example's first loss; the iterations TP2 / CP2 compare with);
+* ``gpt`` TP2 (sequence parallel) from scratch, its first iteration, saving its TP-sharded checkpoint at exit;
+* ``gpt`` CP2 (allgather) resumed from the reference's iteration-2 checkpoint (weights only: ``--no-load-optim
+  --no-load-rng``), its iteration 3: pretrain_gpt.py's CP2 and checkpoint resume;
+* ``hybrid_kda`` reference, one rank, as ``gpt``'s (pretrain_hybrid.py with our KDA / MLA stack trains, evaluates,
+  saves; the HybridModel it builds). Its TP2 / CP2 runs are not launched: the same layers (KDA, MLA) under TP2 and
+  CP2-resume run through pretrain_gpt.py above, and pretrain_hybrid.py's TP2 / CP2 through ``hybrid_gdn`` below
+  (the CUDA sites they reached are all reached by the other launches);
+* ``hybrid_gdn`` reference: the unmodified script's first iteration (builds our stack from ``--spec`` alone);
+* ``hybrid_gdn`` TP2 and CP2 (``p2p``) from scratch through the launch script, their first iteration:
+  pretrain_hybrid.py's TP2 and CP2.
+
+Loss and gradient norm equal the single rank's (relative 1e-5, full precision from tests/megatron_lm/record.py); the
+GPT path's first loss equals examples/pretrain/pretrain_hybrid.py's; every listed CUDA site is reached, no unlisted
+one. About 100 CPU s (nine launches, before: 110 CPU s, 1:26 wall on an idle 2-core machine).
 Skips unless the installed megatron-core is 0.19.x with its Megatron-LM checkout (tests/support/paths.py).
 """
-import glob
-import json
 import os
 import re
 import sys
 
 import pytest
 
-from tests.support.megatron_lm_runs import (GBS, ITERS, LR, NORM_EPS, NO_SAVE, SEQ, example_first_loss,
-                                            run_megatron_lm_entry, run_script, write_data)
+from tests.support.megatron_lm_runs import (GBS, ITERS, LR, NORM_EPS, NO_SAVE, SEQ, cuda_sites, example_first_loss,
+                                            launched_once, run_megatron_lm_entry, run_script)
 from tests.support.paths import megatron_lm_skip
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cpu_mode
@@ -41,14 +50,13 @@ pytestmark = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
 MLA_DIMS = ["--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "8"]
 # name -> (script, model flags, {parallel layout: (env, resumed from the reference's iteration 2)}, the reference:
 # "full" (the script: 3 iterations, evaluation, checkpoints) or "unmodified" (Megatron-LM's own pretrain_hybrid.py,
-# iteration 1))
+# iteration 1)); hybrid_kda has no parallel layout (the module docstring says which launches cover it)
 MODELS = {
     "gpt": ("train_kimi_linear_like.sh",
             ["--hp-mla-kv-lora-rank", "16", "--hp-mla-qk-head-dim", "8", "--hp-mla-qk-pos-emb-head-dim", "8",
              "--hp-mla-v-head-dim", "8"],
             {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "allgather"}, True)}, "full"),
-    "hybrid_kda": ("train_kimi_linear_like_hybrid.sh", ["--hybrid-layer-pattern", "G-G-G-+-", *MLA_DIMS],
-                   {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "allgather"}, True)}, "full"),
+    "hybrid_kda": ("train_kimi_linear_like_hybrid.sh", ["--hybrid-layer-pattern", "G-G-G-+-", *MLA_DIMS], {}, "full"),
     "hybrid_gdn": ("train_qwen3_next_like_hybrid.sh",
                    ["--hybrid-layer-pattern", "G-G-G-*-", "--kv-channels", "8", "--hp-linear-num-value-heads", "8"],
                    {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "p2p"}, False)}, "unmodified"),
@@ -77,32 +85,9 @@ def _unmodified_hybrid_argv(data):
 
 
 @pytest.fixture(scope="module")
-def data(pydoc_data, tmp_path_factory):
-    return write_data(pydoc_data, str(tmp_path_factory.mktemp("tokenizer")))
-
-
-@pytest.fixture(scope="module")
-def sites_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cuda_sites"))
-
-
-_RUNS = {}
-
-
-@pytest.fixture(scope="module")
 def runs(data, sites_dir, tmp_path_factory):
     """``runs(model)``: ``{"ref" | layout: (records, log)}``, launched once per module."""
-    def get(model):
-        if model not in _RUNS:
-            try:
-                _RUNS[model] = _launch_all(model, data, sites_dir, tmp_path_factory)
-            except Exception as err:  # launch once: later tests of the model fail without relaunching
-                _RUNS[model] = err
-                raise
-        if isinstance(_RUNS[model], Exception):
-            pytest.fail(f"the runs of {model} failed in an earlier test: {str(_RUNS[model])[:300]}")
-        return _RUNS[model]
-    return get
+    return launched_once(lambda model: _launch_all(model, data, sites_dir, tmp_path_factory))
 
 
 def _launch_all(model, data, sites_dir, tmp_path_factory):
@@ -186,12 +171,7 @@ def test_cuda_sites_all_reached_none_unlisted(runs, sites_dir):
 
     for model in MODELS:
         runs(model)
-    reached, unlisted = set(), set()
-    for path in glob.glob(os.path.join(sites_dir, "sites-*.json")):
-        with open(path, encoding="utf-8") as f:
-            sites = json.load(f)
-        reached.update(sites["reached"])
-        unlisted.update(sites["unlisted"])
+    reached, unlisted = cuda_sites(sites_dir)
     listed = {f"{p}:{line} {call}" for p, line, call, _ in cpu_mode.SITES[(0, 19)]
               if not call.startswith("platform:")}
     assert not unlisted

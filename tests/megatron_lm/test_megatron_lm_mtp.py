@@ -7,14 +7,11 @@ below) and the ``mtp_1 loss`` Megatron-LM logs (relative 1e-5 at its 7 printed d
 no run reaches a CUDA call site that tests/megatron_lm/cpu_mode.py does not list. Needs Megatron-LM's training
 code (MEGATRON_LM_PATH, default ../shared/megatron-lm).
 """
-import glob
-import json
-import os
 import re
 
 import pytest
 
-from tests.support.megatron_lm_runs import NO_SAVE, run_script, write_data
+from tests.support.megatron_lm_runs import NO_SAVE, cuda_sites, run_script
 from tests.support.paths import megatron_lm_skip
 
 # Megatron-LM core_v0.16.1's training code: tests/megatron_lm/cpu_mode.py lists its CUDA call sites.
@@ -30,10 +27,8 @@ SAVING = ("single",)
 
 
 @pytest.fixture(scope="module")
-def runs(pydoc_data, tmp_path_factory):
+def runs(data, sites_dir, tmp_path_factory):
     """``{layout: (first-iteration record, its log line, log)}`` and the CUDA-sites folder."""
-    data = write_data(pydoc_data, str(tmp_path_factory.mktemp("tokenizer")))
-    sites_dir = str(tmp_path_factory.mktemp("cuda_sites"))
     out = {}
     for name, env_vars in LAYOUTS.items():
         records, log = run_script(SCRIPT, DIMS, str(tmp_path_factory.mktemp(name)), sites_dir, {**data, **env_vars},
@@ -68,8 +63,5 @@ def test_mtp_through_megatron_lm_cp2_grad_norm_matches_single_rank(runs):
 
 
 def test_mtp_runs_reach_only_listed_cuda_sites(runs):
-    unlisted = set()
-    for path in glob.glob(os.path.join(runs[1], "sites-*.json")):
-        with open(path, encoding="utf-8") as f:
-            unlisted.update(json.load(f)["unlisted"])
+    _, unlisted = cuda_sites(runs[1])
     assert not unlisted

@@ -10,15 +10,13 @@ data (its ``train`` on one gloo rank of tests/support/dist.py, full precision). 
 iteration-2 checkpoint (weights only) and continues (without saving). Needs Megatron-LM's training code:
 MEGATRON_LM_PATH, default ../shared/megatron-lm next to the repository.
 """
-import glob
-import json
 import os
 import re
 import sys
 
 import pytest
 
-from tests.support.megatron_lm_runs import NO_SAVE, SEQ, example_first_loss, write_data
+from tests.support.megatron_lm_runs import NO_SAVE, SEQ, cuda_sites, example_first_loss, launched_once
 from tests.support.megatron_lm_runs import run_script as launch
 from tests.support.paths import EXAMPLE, megatron_lm_skip
 
@@ -55,32 +53,9 @@ def run_script(pattern, workdir, sites_dir, env_vars, extra):
 
 
 @pytest.fixture(scope="module")
-def data(pydoc_data, tmp_path_factory):
-    return write_data(pydoc_data, str(tmp_path_factory.mktemp("tokenizer")))
-
-
-@pytest.fixture(scope="module")
-def sites_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cuda_sites"))
-
-
-_RUNS = {}
-
-
-@pytest.fixture(scope="module")
 def runs(data, sites_dir, tmp_path_factory):
     """``runs(pattern)``: every run of that pattern, launched once per module."""
-    def get(pattern):
-        if pattern not in _RUNS:
-            try:
-                _RUNS[pattern] = _launch_all(pattern, data, sites_dir, tmp_path_factory)
-            except Exception as err:  # launch once: later tests of the pattern fail without relaunching
-                _RUNS[pattern] = err
-                raise
-        if isinstance(_RUNS[pattern], Exception):
-            pytest.fail(f"the runs of {pattern} failed in an earlier test: {str(_RUNS[pattern])[:300]}")
-        return _RUNS[pattern]
-    return get
+    return launched_once(lambda pattern: _launch_all(pattern, data, sites_dir, tmp_path_factory))
 
 
 def _launch_all(pattern, data, sites_dir, tmp_path_factory):
@@ -163,12 +138,7 @@ def test_cuda_sites_all_reached_none_unlisted(runs, sites_dir):
 
     for pattern in PATTERNS:
         runs(pattern)
-    reached, unlisted = set(), set()
-    for path in glob.glob(os.path.join(sites_dir, "sites-*.json")):
-        with open(path, encoding="utf-8") as f:
-            sites = json.load(f)
-        reached.update(sites["reached"])
-        unlisted.update(sites["unlisted"])
+    reached, unlisted = cuda_sites(sites_dir)
     listed = {f"{p}:{line} {call}" for p, line, call, _ in cpu_mode.SITES[(0, 16)] if not call.startswith("platform:")}
     assert not unlisted
     assert reached == listed, {"listed, never reached": sorted(listed - reached),

@@ -19,8 +19,9 @@ parameter gradient (theirs gathered by their own ``sharded_state_dict``, ours by
 
 Their out_norm weight is shared by the heads that TP splits; its gradient here is summed over TP as megatron's
 ``finalize_model_grads`` does under sequence parallelism (without SP megatron-core leaves it per-rank partial,
-NVIDIA/Megatron-LM issue 7452; ours sums it in the layer). Cost: 70 s wall, 69 s CPU for the file (2 ranks; the
-interpreter's first launch of each FLA kernel in a process dominates).
+NVIDIA/Megatron-LM issue 7452; ours sums it in the layer). Cost: 27 s wall, 39 CPU s for the file on an idle
+2-core machine (the spawn 16 s: ~6 s start-up of 2 fresh ranks that import FLA, then single-rank cases ~4.5 s, the
+parallel ones ~1-1.3 s each; the interpreter's first launch of each FLA kernel in a process dominates).
 """
 from __future__ import annotations
 

@@ -4,9 +4,12 @@ pretrain_hybrid_hp.py -> Megatron-LM's ``pretrain``) on CPU/gloo, in the CPU mod
 (its ``site`` folder's ``sitecustomize`` on PYTHONPATH), with tiny dims and docs/usage.md's CPU flags.
 :func:`run_script` returns the per-iteration records of tests/megatron_lm/record.py and the log
 (:func:`run_megatron_lm_entry` the same for Megatron-LM's unmodified entry script);
-:func:`example_first_loss` the first loss of examples/pretrain/pretrain_hybrid.py on the same dims and data."""
+:func:`example_first_loss` the first loss of examples/pretrain/pretrain_hybrid.py on the same dims and data;
+:func:`launched_once` the test modules' launch-once cache and :func:`cuda_sites` what the launches' CUDA sites
+recorded (the ``data`` and ``sites_dir`` fixtures: tests/megatron_lm/conftest.py)."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -59,6 +62,37 @@ def _launch(argv, env_vars, workdir, sites_dir, without_fla):
     assert done.returncode == 0, log[-6000:]
     with open(os.path.join(record_dir, "train.jsonl"), encoding="utf-8") as f:
         return [json.loads(line) for line in f], log
+
+
+def launched_once(launch):
+    """``get(name)``: ``launch(name)``'s result, launched at the first call; a launch that raised makes the later
+    calls for that name raise RuntimeError naming it, without launching again (the first caller gets the error
+    itself)."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            try:
+                done[name] = launch(name)
+            except Exception as err:
+                done[name] = err
+                raise
+        if isinstance(done[name], Exception):
+            raise RuntimeError(f"the runs of {name} failed in an earlier test: {str(done[name])[:300]}")
+        return done[name]
+    return get
+
+
+def cuda_sites(sites_dir: str) -> tuple[set, set]:
+    """(reached, unlisted): the CUDA call sites that the launches writing to ``sites_dir`` met, listed in
+    tests/megatron_lm/cpu_mode.py's table or not (each "<path>:<line> <call>")."""
+    reached, unlisted = set(), set()
+    for path in glob.glob(os.path.join(sites_dir, "sites-*.json")):
+        with open(path, encoding="utf-8") as f:
+            sites = json.load(f)
+        reached.update(sites["reached"])
+        unlisted.update(sites["unlisted"])
+    return reached, unlisted
 
 
 def write_data(data_dir: str, out: str) -> dict:
