@@ -211,7 +211,7 @@ def with_duplicates(rule: TensorRule, copies: tuple) -> TensorRule:
     """``rule`` (one HF tensor) also reading ``copies``, HF tensors the checkpoint stores as exact duplicates of it
     (DeepSeek-V3's per-MTP-layer ``embed_tokens`` / ``shared_head.head``): the model keeps one tensor, the
     conversion checks the copies equal it (CheckpointError naming the first that differs) and writes them back."""
-    from hp_megatron.convert.safetensors_io import CheckpointError
+    from hp_megatron.checkpoint import CheckpointError
 
     if len(rule.hf_keys) != 1:
         raise ValueError(f"{rule.mcore_key}: duplicates need a one-tensor rule, got {rule.hf_keys}")

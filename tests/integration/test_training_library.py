@@ -82,8 +82,8 @@ def test_launcher_builds_its_model_with_the_library_builder(single_rank, monkeyp
 
 
 def test_checkpoint_directories_follow_megatron_lm(tmp_path):
-    from hp_megatron.checkpoint_dirs import TRACKER, find_checkpoint, iteration_directory, write_tracker
-    from hp_megatron.convert.engine import checkpoint_directory
+    from hp_megatron.checkpoint import (TRACKER, checkpoint_directory, find_checkpoint, iteration_directory,
+                                        write_tracker)
 
     root = str(tmp_path)
     assert find_checkpoint(root) is None

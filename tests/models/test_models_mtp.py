@@ -16,7 +16,7 @@ from tests.support.reference import rel_err
 def _converted_model(architecture, config, ckpt):
     from megatron.core import dist_checkpointing
 
-    from hp_megatron.convert.engine import checkpoint_directory
+    from hp_megatron.checkpoint import checkpoint_directory
 
     model = architecture.build_model(config)
     sharded = model.sharded_state_dict()

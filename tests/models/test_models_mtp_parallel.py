@@ -36,7 +36,7 @@ def _checkpoint(arch):
 
     import torch.distributed as dist
 
-    from hp_megatron.convert.engine import checkpoint_directory
+    from hp_megatron.checkpoint import checkpoint_directory
     from tests.support.mtp_case import tiny_mtp_checkpoint
 
     box = [None]
