@@ -136,6 +136,7 @@ def build_block(preset, kinds, *, backend="eager", dtype=torch.bfloat16, experts
     ``TransformerConfig`` parallel fields (``tensor_model_parallel_size``, ``sequence_parallel``)."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
+    from hp_megatron.models import preset_transformer_config
     from hp_megatron.specs import get_hybrid_layer_spec
 
     pattern = "".join(symbol for symbol, _ in kinds)
@@ -146,7 +147,7 @@ def build_block(preset, kinds, *, backend="eager", dtype=torch.bfloat16, experts
         overrides["moe_layer_freq"] = [int(moe) for _, moe in kinds]
         if experts is not None:
             overrides["num_moe_experts"] = experts
-    config = preset.transformer_config(**overrides)
+    config = preset_transformer_config(preset, **overrides)
     spec = get_hybrid_layer_spec(pattern, backend, qk_layernorm=preset.qk_layernorm)
     return TransformerBlock(config, spec, pre_process=True, post_process=False).to(dtype)
 

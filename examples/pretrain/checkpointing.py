@@ -1,6 +1,6 @@
 """Checkpoints of the example in Megatron-LM's conventions: ``<dir>/iter_XXXXXXX`` in megatron-core's
 ``dist_checkpointing`` format plus the ``latest_checkpointed_iteration.txt`` tracker (the layout:
-``hp_megatron.checkpoint_dirs``).
+``hp_megatron.checkpoint``).
 
 * ``--load DIR`` loads when DIR holds a checkpoint and starts from scratch (saying so) when it does not,
   so ``--save X --load X`` works on the first run as in Megatron-LM.
@@ -17,8 +17,8 @@ import os
 
 import torch.distributed as dist
 
-from hp_megatron.checkpoint_dirs import (RELEASE, TRACKER, find_checkpoint, iteration_directory,
-                                         verify_checkpoint_files, write_tracker)
+from hp_megatron.checkpoint import (RELEASE, TRACKER, find_checkpoint, iteration_directory, verify_checkpoint_files,
+                                    write_tracker)
 
 CHECKPOINT_VERSION = 1
 # OptimizerParamScheduler.state_dict() entries that the flags determine (num_steps is progress)
@@ -84,7 +84,7 @@ def schedule_differences(checkpoint_schedule: dict, flags_schedule: dict) -> dic
 
 
 def load_checkpoint(path, model, optimizer, scheduler, warn_schedule=True):
-    """Load ``path`` (``hp_megatron.checkpoint_dirs.find_checkpoint``) into model, optimizer and scheduler.
+    """Load ``path`` (``hp_megatron.checkpoint.find_checkpoint``) into model, optimizer and scheduler.
 
     Returns ``(iteration, consumed samples)``. ``scheduler`` (megatron-core's ``OptimizerParamScheduler``)
     was built with Megatron-LM's ``override_opt_param_scheduler`` choice, which decides whose schedule

@@ -17,7 +17,7 @@ expert groups, ``--expert-model-parallel-size``). MoE (``--num-experts``...) and
 megatron-core ``GPTModel`` with ``hp_megatron.specs.get_hybrid_layer_spec(--hp-layer-pattern)``, or with
 ``--hp-hf-config HF_DIR`` the preset's model of a Qwen3-Next / Kimi Linear / DeepSeek-V3 config.json (start it from
 ``python -m hp_megatron.convert hf-to-mcore`` output with ``--load``; docs/models.md); both built by
-``hp_megatron.training.gpt_model.hybrid_gpt_model``. Data: megatron-core ``GPTDataset``. Gradients: megatron-core
+``hp_megatron.gpt_model.hybrid_gpt_model``. Data: megatron-core ``GPTDataset``. Gradients: megatron-core
 DDP over the data-parallel x CP group. Optimizer: ``hp_megatron.training.optimizer.get_optimizer`` (megatron-core's
 on GPU; on CPU, where its grad scaler allocates CUDA, torch's AdamW over DDP's main grads with megatron's
 gradient-norm clipping). Checkpoints: ``dist_checkpointing`` (model, optimizer, scheduler, iteration, consumed
@@ -44,6 +44,7 @@ from checkpointing import resume, save_checkpoint  # noqa: E402
 from cli import parse_args, quiet_known_warnings, run_reporting_errors, same_on_every_rank, split_weights  # noqa: E402
 from hp_megatron.arguments import apply_hp_config  # noqa: E402
 from hp_megatron.cp_subgroups import register_cp_subgroups_from_args  # noqa: E402
+from hp_megatron.models import preset_gpt_model, preset_transformer_config  # noqa: E402
 from hp_megatron.platform import CPU_SAFE_CONFIG, apply_cpu_training_shims  # noqa: E402
 from hp_megatron.training.model_args import (MODEL_ARGS_KEY, hybrid_config_from_args,  # noqa: E402
                                              hybrid_model_from_args, stored_model_args)
@@ -123,7 +124,7 @@ def build_config(args, vocab_size):
     if args.mtp_num_layers:  # megatron-core's multi-token-prediction block on the last stage (hybrid_gpt_model)
         run.update(mtp_num_layers=args.mtp_num_layers, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
     if args.hp_preset is not None:
-        return apply_hp_config(args.hp_preset.transformer_config(**run), args)
+        return apply_hp_config(preset_transformer_config(args.hp_preset, **run), args)
     return hybrid_config_from_args(args, **run)
 
 
@@ -135,8 +136,8 @@ def build_model(args, config, vocab_size):
     stage = dict(pre_process=parallel_state.is_pipeline_first_stage(),
                  post_process=parallel_state.is_pipeline_last_stage())
     if args.hp_preset is not None:  # exactly the model the conversion rules of --hp-hf-config target
-        model = args.hp_preset.gpt_model(config, args.hp_backend, max_sequence_length=args.seq_length, **stage,
-                                         linear=args.hp_linear, cp_layout=args.hp_cp_layout)
+        model = preset_gpt_model(args.hp_preset, config, args.hp_backend, max_sequence_length=args.seq_length, **stage,
+                                 linear=args.hp_linear, cp_layout=args.hp_cp_layout)
     else:
         model = hybrid_model_from_args(args, config, vocab_size=vocab_size, **stage)
     if torch.cuda.is_available():

@@ -34,16 +34,15 @@ from dataclasses import dataclass
 
 import torch
 
-from hp_megatron.checkpoint_dirs import (COMMON_FILE, COMMON_OBJECT, TRACKER, find_checkpoint, iteration_directory,
-                                         write_tracker)
-from hp_megatron.convert.dcp_io import (ChunkReader, error_summary, object_bytes, read_object, save_lazily,
-                                       verify_dcp_files)
+from hp_megatron.checkpoint.common_state import read_common_state, with_common_state
+from hp_megatron.checkpoint.dcp_io import ChunkReader, save_lazily
+from hp_megatron.checkpoint.directory import checkpoint_directory, iteration_directory, write_tracker
+from hp_megatron.checkpoint.errors import CheckpointError
 from hp_megatron.convert.layout import CheckpointLayout, LayoutEntry, checkpoint_layout
 from hp_megatron.convert.rules import TensorRule
-from hp_megatron.convert.safetensors_io import (CONFIG_NAME, CheckpointError, HFCheckpoint, ShardedSafetensorsWriter,
-                                                load_hf_config, parse_size)
+from hp_megatron.convert.safetensors_io import (CONFIG_NAME, HFCheckpoint, ShardedSafetensorsWriter, load_hf_config,
+                                                parse_size)
 from hp_megatron.platform import single_rank_megatron
-from layers.base.megatron_compat import common_state_in_dcp
 
 NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine")  # tensors of a training checkpoint
 
@@ -153,50 +152,10 @@ def _atomic_directory(target: str, overwrite: bool):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def checkpoint_directory(path: str) -> str:
-    """The directory holding the tensors: ``path`` itself, or the one its tracker file names."""
-    path = find_checkpoint(path) or path
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise CheckpointError(f"{path}: no metadata.json; not a megatron-core dist checkpoint (nor a directory "
-                              f"with {TRACKER})")
-    return path
-
-
-def _read_common(ckpt: str) -> dict:
-    """The common state of the iteration directory ``ckpt`` (``common.pt``, else the DCP object
-    ``COMMON_OBJECT``); CheckpointError naming the file when neither is there or it is unreadable (truncated)."""
-    path = os.path.join(ckpt, COMMON_FILE)
-    if not os.path.isfile(path):
-        metadata = verify_dcp_files(ckpt)
-        if COMMON_OBJECT not in metadata.state_dict_metadata:
-            raise CheckpointError(f"{path}: missing, and {ckpt}/.metadata has no {COMMON_OBJECT}; a megatron-core "
-                                  "dist checkpoint holds its common state in one of them")
-        return read_object(ckpt, COMMON_OBJECT, metadata)[0]
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:
-        raise CheckpointError(f"{path}: unreadable ({error_summary(err)})") from err
-
-
-def with_common_state(ckpt: str, common: dict, objects: dict) -> dict:
-    """The DCP ``objects`` to write into the iteration directory ``ckpt`` with its common state ``common`` where
-    the installed megatron-core keeps it: one more object (``COMMON_OBJECT``, 0.19) or ``ckpt/common.pt`` (0.16),
-    written here with ``metadata.json`` naming the backends."""
-    objects, backends = dict(objects), {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
-    if common_state_in_dcp():
-        objects[COMMON_OBJECT] = object_bytes(common)
-    else:
-        torch.save(common, os.path.join(ckpt, COMMON_FILE))
-        backends.update(common_backend="torch", common_backend_version=1)
-    with open(os.path.join(ckpt, "metadata.json"), "w") as f:
-        json.dump(backends, f)
-    return objects
-
-
 def stored_hf_config(load: str) -> dict:
     """The HF config.json a checkpoint carries (written by :func:`hf_to_mcore`); ``load`` as in :func:`mcore_to_hf`."""
     ckpt = checkpoint_directory(load)
-    return _hf_config_of(_read_common(ckpt), ckpt)
+    return _hf_config_of(read_common_state(ckpt), ckpt)
 
 
 def stored_mtp_depth(load: str) -> int:
@@ -300,7 +259,7 @@ def mcore_to_hf(load: str, save: str, architecture, *, hf_config=None, max_shard
     (:func:`stored_hf_config`)."""
     start = time.perf_counter()
     ckpt = checkpoint_directory(load)
-    common = _read_common(ckpt)
+    common = read_common_state(ckpt)
     reader = ChunkReader(ckpt)  # checks the files .metadata points into: damage is named before any work
     hf_config = _hf_config_of(common, ckpt) if hf_config is None else load_hf_config(hf_config)
     _check_model_type(architecture, hf_config, ckpt)

@@ -33,10 +33,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from hp_megatron.convert.dcp_io import Chunk
+from hp_megatron.checkpoint.dcp_io import Chunk
+from hp_megatron.checkpoint.errors import CheckpointError
 from hp_megatron.convert.engine import _check_model_type, _match_rules, layout_on_meta
 from hp_megatron.convert.layout import _flatten, _piece
-from hp_megatron.convert.safetensors_io import CheckpointError
 
 _SELF_GROUP = {}  # global rank -> this process's one-rank gloo group (created once)
 

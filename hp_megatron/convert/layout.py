@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from hp_megatron.convert.dcp_io import Chunk, object_bytes
-from hp_megatron.convert.safetensors_io import CheckpointError
+from hp_megatron.checkpoint.dcp_io import Chunk, object_bytes
+from hp_megatron.checkpoint.errors import CheckpointError
 
 
 def _flatten(built) -> list:

@@ -14,7 +14,7 @@ tensors are checked against the target's ``sharded_state_dict`` before a byte is
 loads present with its global shape, no other tensor) and the copy holds the target's own non-tensor objects
 (linear layers' ``_extra_state``); without it, the source's objects are copied under their renamed keys. The
 common state (``checkpoint_version``, ``iteration`` and the source's ``content_metadata``) is written where the
-installed megatron-core keeps it (``hp_megatron.convert.engine.with_common_state``).
+installed megatron-core keeps it (``hp_megatron.checkpoint.with_common_state``).
 """
 from __future__ import annotations
 
@@ -23,19 +23,20 @@ import time
 
 import torch
 
-from hp_megatron.checkpoint_dirs import COMMON_FILE, COMMON_OBJECT, iteration_directory, write_tracker
-from hp_megatron.convert.dcp_io import Chunk, ChunkReader, save_lazily
-from hp_megatron.convert.engine import (NON_MODEL_PREFIXES, ConversionReport, _atomic_directory, _read_common,
-                                        checkpoint_directory, with_common_state)
+from hp_megatron.checkpoint.common_state import read_common_state, with_common_state
+from hp_megatron.checkpoint.dcp_io import Chunk, ChunkReader, save_lazily
+from hp_megatron.checkpoint.directory import (COMMON_FILE, COMMON_OBJECT, checkpoint_directory, iteration_directory,
+                                              write_tracker)
+from hp_megatron.checkpoint.errors import CheckpointError
+from hp_megatron.convert.engine import NON_MODEL_PREFIXES, ConversionReport, _atomic_directory
 from hp_megatron.convert.layout import checkpoint_layout
-from hp_megatron.convert.safetensors_io import CheckpointError
 
 
 def _source_common(ckpt: str, reader: ChunkReader) -> dict:
     """The source's common state (``common.pt`` or megatron-core 0.19's ``COMMON_OBJECT``), else nothing (a
     checkpoint saved without common state)."""
     if os.path.isfile(os.path.join(ckpt, COMMON_FILE)) or COMMON_OBJECT in reader.objects:
-        return _read_common(ckpt)
+        return read_common_state(ckpt)
     return {}
 
 

@@ -22,6 +22,8 @@ from typing import Sequence
 
 import torch
 
+from hp_megatron.checkpoint.errors import CheckpointError
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -31,10 +33,6 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be converted: the message names the file and the tensor."""
 
 
 @dataclass(frozen=True)

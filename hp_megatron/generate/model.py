@@ -18,8 +18,7 @@ def load_weights(model, load: str) -> str:
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-    from hp_megatron.checkpoint_dirs import verify_checkpoint_files
-    from hp_megatron.convert.engine import checkpoint_directory
+    from hp_megatron.checkpoint import checkpoint_directory, verify_checkpoint_files
 
     path = checkpoint_directory(load)
     verify_checkpoint_files(path)
@@ -110,8 +109,7 @@ def _common_state(load: str) -> tuple[str, dict]:
     megatron-core's ``dist_checkpointing.load_common_state_dict``; ValueError naming a missing file."""
     from megatron.core import dist_checkpointing
 
-    from hp_megatron.checkpoint_dirs import verify_checkpoint_files
-    from hp_megatron.convert.engine import checkpoint_directory
+    from hp_megatron.checkpoint import checkpoint_directory, verify_checkpoint_files
 
     path = checkpoint_directory(load)
     verify_checkpoint_files(path)

@@ -8,14 +8,17 @@ which is what the conversion engine ``hp_megatron.convert`` takes. ``preset_from
 / ``architecture_of`` take a dict, a ``config.json`` or a checkpoint directory. ``export_hf_weights`` /
 ``hf_weight_exporter`` (``weights.py``) stream a running sharded model's weights in HF names and layouts.
 ``gpt_key_map`` / ``hybrid_key_map`` (``megatron_gdn.py``) map megatron-core's own GatedDeltaNet models to ours.
-Imports go one way: ``hp_megatron.models`` -> ``hp_megatron.convert``.
+A ``ModelPreset`` is a declaration; ``preset_transformer_config`` / ``preset_layer_spec`` / ``preset_gpt_model``
+(``build.py``) build from it. Imports go one way: ``hp_megatron.models`` -> ``hp_megatron.convert`` and the model
+builders (``hp_megatron.config``, ``specs``, ``gpt_model``); never ``hp_megatron.training`` or ``arguments``.
 """
 from hp_megatron.models.architectures import (ARCHITECTURES, Architecture, architecture_of, conversion_rules_from_hf,
                                               get_architecture, preset_from_hf)
+from hp_megatron.models.build import preset_gpt_model, preset_layer_spec, preset_transformer_config
 from hp_megatron.models.common import ModelPreset
 from hp_megatron.models.megatron_gdn import KeyMap, gpt_key_map, hybrid_key_map
 from hp_megatron.models.weights import export_hf_weights, hf_weight_exporter
 
 __all__ = ["ARCHITECTURES", "Architecture", "KeyMap", "ModelPreset", "architecture_of", "conversion_rules_from_hf",
            "export_hf_weights", "get_architecture", "gpt_key_map", "hf_weight_exporter", "hybrid_key_map",
-           "preset_from_hf"]
+           "preset_from_hf", "preset_gpt_model", "preset_layer_spec", "preset_transformer_config"]

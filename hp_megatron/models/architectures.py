@@ -19,6 +19,7 @@ import hp_megatron.models.kimi_linear as kimi_linear
 import hp_megatron.models.llama as llama
 import hp_megatron.models.qwen3_next as qwen3_next
 from hp_megatron.convert.safetensors_io import load_hf_config
+from hp_megatron.models.build import preset_gpt_model, preset_transformer_config
 from hp_megatron.models.common import ModelPreset
 
 
@@ -59,8 +60,8 @@ class Architecture:
             return self.model_builder(hf_config, **config_overrides)
         preset = self.preset(hf_config)
         fields = dict(CPU_SAFE_CONFIG, params_dtype=torch.float32)
-        config = preset.transformer_config(**{**fields, **config_overrides})
-        return preset.gpt_model(config, max_sequence_length=hf_config.get("max_position_embeddings") or 4096,
+        config = preset_transformer_config(preset, **{**fields, **config_overrides})
+        return preset_gpt_model(preset, config, max_sequence_length=hf_config.get("max_position_embeddings") or 4096,
                                 pre_process=parallel_state.is_pipeline_first_stage(),
                                 post_process=parallel_state.is_pipeline_last_stage())
 

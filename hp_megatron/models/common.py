@@ -24,6 +24,7 @@ class ModelPreset:
     ``kda_gate_low_rank_dim``, ``mla_cp_strategy``, ``gated_norm_zero_centered_gamma``); ``gpt_model_kwargs``:
     ``GPTModel`` keywords (vocab size, rotary embedding, tied embeddings); ``pattern``: one layer symbol per layer
     (``G`` GDN, ``K`` KDA, ``M`` MLA, ``A`` attention); ``qk_layernorm``: the spec option for ``A`` layers.
+    A declaration only: ``hp_megatron.models.build`` makes its config, layer spec and ``GPTModel``.
     """
 
     model_type: str
@@ -34,35 +35,6 @@ class ModelPreset:
     qk_layernorm: bool = False
     mtp_symbol: str | None = None   # the kind of the multi-token-prediction layers (DeepSeek-V3 "M", Qwen3-Next "A")
     mtp_num_layers: int = 0          # the MTP depth config.json declares (the checkpoint's MTP layers)
-
-    def transformer_config(self, **overrides):
-        """A ``hp_megatron.config.HybridTransformerConfig`` of this preset (``transformer_fields``, ``mixer_fields``
-        and ``pattern``); ``overrides`` (parallel sizes, dtypes...) win over it."""
-        from hp_megatron.config import HybridTransformerConfig
-
-        # GPTModel records config.rotary_base (a declared MLA field) as its own: the preset's RoPE base where it has one
-        gpt = self.gpt_model_kwargs
-        rotary = {"rotary_base": gpt["rotary_base"]} if "rotary_base" in gpt else {}
-        return HybridTransformerConfig(**{**self.transformer_fields, **rotary, **self.mixer_fields,
-                                          "hp_layer_pattern": self.pattern, **overrides})
-
-    def layer_spec(self, backend="eager", **kwargs):
-        """The ``HybridLayer`` spec of this preset (``kwargs``: ``linear``, ``cp_layout``)."""
-        from hp_megatron.specs import get_hybrid_layer_spec
-
-        return get_hybrid_layer_spec(self.pattern, backend, qk_layernorm=self.qk_layernorm,
-                                     mtp_symbol=self.mtp_symbol, **kwargs)
-
-    def gpt_model(self, config, backend="eager", *, max_sequence_length: int, pre_process: bool = True,
-                  post_process: bool = True, vp_stage=None, **spec_kwargs):
-        """megatron-core ``GPTModel`` of this preset for this pipeline stage
-        (``hp_megatron.training.gpt_model.hybrid_gpt_model``: our RMSNorm as the final norm)."""
-        from hp_megatron.training.gpt_model import hybrid_gpt_model
-
-        return hybrid_gpt_model(config, self.layer_spec(backend, **spec_kwargs),
-                                max_sequence_length=max_sequence_length, pre_process=pre_process,
-                                post_process=post_process, vp_stage=vp_stage, backend=backend,
-                                **self.gpt_model_kwargs)
 
 
 def refuse(model_type: str, name: str, value, supported) -> None:
@@ -211,7 +183,7 @@ def with_duplicates(rule: TensorRule, copies: tuple) -> TensorRule:
     """``rule`` (one HF tensor) also reading ``copies``, HF tensors the checkpoint stores as exact duplicates of it
     (DeepSeek-V3's per-MTP-layer ``embed_tokens`` / ``shared_head.head``): the model keeps one tensor, the
     conversion checks the copies equal it (CheckpointError naming the first that differs) and writes them back."""
-    from hp_megatron.convert.safetensors_io import CheckpointError
+    from hp_megatron.checkpoint import CheckpointError
 
     if len(rule.hf_keys) != 1:
         raise ValueError(f"{rule.mcore_key}: duplicates need a one-tensor rule, got {rule.hf_keys}")

@@ -54,7 +54,7 @@ def hybrid_model_from_args(args, config, *, vocab_size: int, pre_process: bool =
     ``get_hybrid_layer_spec(--hp-layer-pattern)``: RoPE when the pattern (or the MTP layers) has attention,
     untied output layer; the MTP block when ``config.mtp_num_layers``."""
     from hp_megatron.specs import get_hybrid_layer_spec
-    from hp_megatron.training.gpt_model import hybrid_gpt_model
+    from hp_megatron.gpt_model import hybrid_gpt_model
 
     mtp_kind = args.hp_mtp_layer_kind if getattr(config, "mtp_num_layers", None) else None
     spec = get_hybrid_layer_spec(args.hp_layer_pattern, backend=args.hp_backend, linear=args.hp_linear,

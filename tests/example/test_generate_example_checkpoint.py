@@ -83,7 +83,7 @@ def test_checkpoint_without_model_description_is_refused_in_one_line(trained, tm
     import torch
     from megatron.core import dist_checkpointing
 
-    from hp_megatron.checkpoint_dirs import find_checkpoint
+    from hp_megatron.checkpoint import find_checkpoint
     from hp_megatron.generate.__main__ import main
     from hp_megatron.training.model_args import MODEL_ARGS_KEY
 

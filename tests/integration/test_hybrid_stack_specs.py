@@ -70,7 +70,7 @@ def test_hybrid_model_with_our_stack_spec_equals_our_gpt_model(case):
     import hp_megatron.specs as specs
     from hp_megatron.platform import single_rank_megatron
     from hp_megatron.specs import get_hybrid_layer_spec
-    from hp_megatron.training.gpt_model import hybrid_gpt_model
+    from hp_megatron.gpt_model import hybrid_gpt_model
 
     stack_name, hybrid_pattern, gpt_pattern, positions, fields = CASES[case]
     with single_rank_megatron(0):

@@ -1,6 +1,6 @@
-"""The library parts of the training scripts: ``hp_megatron.training.gpt_model`` (the one hybrid GPTModel builder of
-the example, the Megatron-LM launcher and ``ModelPreset.gpt_model``), ``hp_megatron.checkpoint_dirs`` (Megatron-LM's
-checkpoint directory layout, also read by the converter) and ``hp_megatron.platform``'s CPU-safe config fields,
+"""The library parts of the training scripts: ``hp_megatron.gpt_model`` (the one hybrid GPTModel builder of
+the example, the Megatron-LM launcher and ``hp_megatron.models.preset_gpt_model``), ``hp_megatron.checkpoint``
+(Megatron-LM's checkpoint directory layout, also read by the converter) and ``hp_megatron.platform``'s CPU-safe config fields,
 which must say what Megatron-LM's CPU flags say."""
 import os
 import re
@@ -37,7 +37,7 @@ def test_hybrid_gpt_model_has_our_final_norm_and_patches_nothing(single_rank):
     import megatron.core.transformer.transformer_block as transformer_block
 
     from hp_megatron.specs import get_hybrid_layer_spec
-    from hp_megatron.training.gpt_model import hybrid_gpt_model
+    from hp_megatron.gpt_model import hybrid_gpt_model
     from layers.shared.norm import RMSNorm
 
     before = transformer_block.LayerNormImpl
@@ -82,8 +82,8 @@ def test_launcher_builds_its_model_with_the_library_builder(single_rank, monkeyp
 
 
 def test_checkpoint_directories_follow_megatron_lm(tmp_path):
-    from hp_megatron.checkpoint_dirs import TRACKER, find_checkpoint, iteration_directory, write_tracker
-    from hp_megatron.convert.engine import checkpoint_directory
+    from hp_megatron.checkpoint import (TRACKER, checkpoint_directory, find_checkpoint, iteration_directory,
+                                        write_tracker)
 
     root = str(tmp_path)
     assert find_checkpoint(root) is None

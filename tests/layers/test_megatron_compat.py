@@ -54,7 +54,7 @@ def test_gpt_inference_wrapper_serves_the_static_context(single_rank):
     from megatron.core.inference.contexts import StaticInferenceContext
 
     from hp_megatron.specs import get_layer_spec
-    from hp_megatron.training.gpt_model import hybrid_gpt_model
+    from hp_megatron.gpt_model import hybrid_gpt_model
 
     model = hybrid_gpt_model(_config(num_layers=1), get_layer_spec("attn"), vocab_size=24, max_sequence_length=16)
     context = StaticInferenceContext(2, 16)
@@ -73,14 +73,13 @@ def test_common_state_is_read_where_megatron_core_saves_it(single_rank, tmp_path
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    from hp_megatron.checkpoint_dirs import verify_checkpoint_files
-    from hp_megatron.convert.engine import _read_common
+    from hp_megatron.checkpoint import read_common_state, verify_checkpoint_files
 
     state = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0).reshape(2, 3)), "iteration": 3}
     dist_checkpointing.save(state, str(tmp_path))
     assert os.path.isfile(tmp_path / "common.pt") is not compat.common_state_in_dcp()
     verify_checkpoint_files(str(tmp_path))
-    assert _read_common(str(tmp_path))["iteration"] == 3
+    assert read_common_state(str(tmp_path))["iteration"] == 3
 
 
 def test_mtp_names_and_metrics_are_megatron_cores(single_rank):

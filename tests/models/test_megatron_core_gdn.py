@@ -301,7 +301,7 @@ def _save(model, path):
 def _load(model, path):
     from megatron.core import dist_checkpointing
 
-    from hp_megatron.checkpoint_dirs import find_checkpoint
+    from hp_megatron.checkpoint import find_checkpoint
 
     state = dist_checkpointing.load(model.sharded_state_dict(), find_checkpoint(path) or path)
     model.load_state_dict({k: v for k, v in state.items() if k in model.state_dict()})
@@ -331,8 +331,8 @@ def test_checkpoint_to_ours_and_back_is_bit_exact(kind, tmp_path, single_rank):
         assert torch.equal(converted[key], value), key
 
     # without a target: the same tensors, and the source's objects under the new keys
-    from hp_megatron.checkpoint_dirs import find_checkpoint
-    from hp_megatron.convert.dcp_io import ChunkReader
+    from hp_megatron.checkpoint import find_checkpoint
+    from hp_megatron.checkpoint.dcp_io import ChunkReader
 
     key_map.checkpoint_to_ours(str(tmp_path / "theirs"), str(tmp_path / "plain"))
     checked, plain = (ChunkReader(find_checkpoint(str(tmp_path / name))) for name in ("ours", "plain"))

@@ -19,7 +19,8 @@ from tests.support.reference import rel_err
 def test_engine_round_trip_and_load(single_rank, arch, tmp_path):
     from megatron.core import dist_checkpointing
 
-    from hp_megatron.convert.engine import checkpoint_directory, hf_to_mcore, mcore_to_hf
+    from hp_megatron.checkpoint import checkpoint_directory
+    from hp_megatron.convert.engine import hf_to_mcore, mcore_to_hf
     from hp_megatron.models import get_architecture
 
     architecture = get_architecture(arch)
@@ -73,7 +74,7 @@ def test_mtp_tensors_stop_the_conversion_unless_dropped(single_rank, tmp_path, c
 
     from hp_megatron.convert.__main__ import main
     from hp_megatron.convert.engine import hf_to_mcore
-    from hp_megatron.convert.safetensors_io import CheckpointError
+    from hp_megatron.checkpoint import CheckpointError
     from hp_megatron.models import get_architecture
 
     architecture = get_architecture(model_type)

@@ -16,7 +16,7 @@ from tests.support.reference import rel_err
 def _converted_model(architecture, config, ckpt):
     from megatron.core import dist_checkpointing
 
-    from hp_megatron.convert.engine import checkpoint_directory
+    from hp_megatron.checkpoint import checkpoint_directory
 
     model = architecture.build_model(config)
     sharded = model.sharded_state_dict()
@@ -82,7 +82,7 @@ def test_mtp_layer_kind_is_declared_or_refused(single_rank):
     from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlockSubmodules
 
     from hp_megatron.hybrid_layer import MTPHybridLayer
-    from hp_megatron.models import preset_from_hf
+    from hp_megatron.models import preset_from_hf, preset_layer_spec, preset_transformer_config
     from hp_megatron.models.tiny import tiny_hf_config
     from hp_megatron.platform import CPU_SAFE_CONFIG
     from hp_megatron.specs import get_hybrid_layer_spec
@@ -90,7 +90,7 @@ def test_mtp_layer_kind_is_declared_or_refused(single_rank):
     from layers.base.megatron_compat import mtp_inner_layer_name
 
     preset = preset_from_hf(tiny_hf_config("qwen3_next")[1].to_dict())   # pattern GGAA
-    undeclared = preset.transformer_config(**CPU_SAFE_CONFIG, mtp_num_layers=1, hp_mtp_layer_kind=None)
+    undeclared = preset_transformer_config(preset, **CPU_SAFE_CONFIG, mtp_num_layers=1, hp_mtp_layer_kind=None)
     with pytest.raises(ValueError, match=r"^multi-token prediction \(mtp_num_layers=1\) with the hybrid pattern "
                                          r"'GGAA' needs the kind of its MTP layers[^\n]*$"):
         get_mtp_block_spec(undeclared, get_hybrid_layer_spec(preset.pattern))
@@ -100,7 +100,7 @@ def test_mtp_layer_kind_is_declared_or_refused(single_rank):
     assert isinstance(block, MultiTokenPredictionBlockSubmodules) and len(block.layer_specs) == 1
     layer = getattr(block.layer_specs[0].submodules, mtp_inner_layer_name())
     assert layer.module is MTPHybridLayer and layer.params["kind"] == "A"  # an MTP layer of the one kind A
-    assert get_mtp_block_spec(preset.transformer_config(**CPU_SAFE_CONFIG), preset.layer_spec()) is None
+    assert get_mtp_block_spec(preset_transformer_config(preset, **CPU_SAFE_CONFIG), preset_layer_spec(preset)) is None
 
 
 def test_roll_to_next_token_stops_at_document_ends():

@@ -36,7 +36,7 @@ def _checkpoint(arch):
 
     import torch.distributed as dist
 
-    from hp_megatron.convert.engine import checkpoint_directory
+    from hp_megatron.checkpoint import checkpoint_directory
     from tests.support.mtp_case import tiny_mtp_checkpoint
 
     box = [None]
@@ -58,15 +58,16 @@ def _model(arch, config_json, ckpt, sizes):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from hp_megatron.models import get_architecture
+    from hp_megatron.models import get_architecture, preset_gpt_model, preset_transformer_config
 
     preset = get_architecture(arch).preset(config_json)
-    config = preset.transformer_config(
+    config = preset_transformer_config(
+        preset,
         tensor_model_parallel_size=sizes["tp"], pipeline_model_parallel_size=sizes["pp"],
         context_parallel_size=sizes["cp"], expert_model_parallel_size=sizes["ep"], pipeline_dtype=torch.float32,
         sequence_parallel=sizes["tp"] > 1, use_cpu_initialization=True, params_dtype=torch.float32,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, mtp_num_layers=1)
-    model = preset.gpt_model(config, max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
+    model = preset_gpt_model(preset, config, max_sequence_length=64, pre_process=ps.is_pipeline_first_stage(),
                              post_process=ps.is_pipeline_last_stage())
     # no metadata: under PP the MTP stage's embedding copy is tied over the data x context group by default
     sharded = model.sharded_state_dict()

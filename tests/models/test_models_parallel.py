@@ -103,7 +103,7 @@ def _run_case(arch, layout, rank):
     from megatron.core import parallel_state as ps
 
     from hp_megatron.data import cp_token_index
-    from hp_megatron.models import conversion_rules_from_hf, preset_from_hf
+    from hp_megatron.models import conversion_rules_from_hf, preset_from_hf, preset_gpt_model, preset_transformer_config
     from tests.support.models_case import SEQ, VOCAB, read_safetensors, tiny_hf_model, to_mcore, token_batch
 
     s = SIZES[layout]
@@ -119,14 +119,15 @@ def _run_case(arch, layout, rank):
         full = to_mcore(conversion_rules_from_hf(hf_config), read_safetensors(box[0]))
         rules = conversion_rules_from_hf(hf_config)
         preset = preset_from_hf(hf_config)
-        config = preset.transformer_config(
+        config = preset_transformer_config(
+            preset,
             tensor_model_parallel_size=s["tp"], pipeline_model_parallel_size=s["pp"],
             context_parallel_size=s["cp"], expert_model_parallel_size=s["ep"], pipeline_dtype=torch.float32,
             sequence_parallel=s["tp"] > 1,  # megatron's MoE layers refuse TP without sequence parallelism
             use_cpu_initialization=True, params_dtype=torch.float32, gradient_accumulation_fusion=False,
             bias_dropout_fusion=False)
         first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-        model = preset.gpt_model(config, max_sequence_length=64, pre_process=first, post_process=last)
+        model = preset_gpt_model(preset, config, max_sequence_length=64, pre_process=first, post_process=last)
         tp_rank, tp = ps.get_tensor_model_parallel_rank(), s["tp"]
         named = _named_tensors(model, ps.get_expert_model_parallel_rank())
         with torch.no_grad():

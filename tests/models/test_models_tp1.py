@@ -18,12 +18,12 @@ TOL = 1e-4
 
 
 def _ours(hf_config, hf_state):
-    from hp_megatron.models import conversion_rules_from_hf, preset_from_hf
+    from hp_megatron.models import conversion_rules_from_hf, preset_from_hf, preset_gpt_model, preset_transformer_config
 
     preset = preset_from_hf(hf_config)
-    config = preset.transformer_config(use_cpu_initialization=True, params_dtype=torch.float32,
+    config = preset_transformer_config(preset, use_cpu_initialization=True, params_dtype=torch.float32,
                                        gradient_accumulation_fusion=False, bias_dropout_fusion=False)
-    model = preset.gpt_model(config, max_sequence_length=64)
+    model = preset_gpt_model(preset, config, max_sequence_length=64)
     rules = conversion_rules_from_hf(hf_config)
     model.load_state_dict(to_mcore(rules, hf_state), strict=True)
     return model, rules

@@ -1,7 +1,8 @@
-"""The dependency direction of ``layers``: mixers -> ``layers.cp`` -> ``layers.ops``; no cycles; ops never import cp.
+"""The dependency direction of ``layers``: mixers -> ``layers.cp`` -> ``layers.ops``; no cycles; ops never import cp;
+no cycle between the packages of ``hp_megatron`` and ``layers`` (``hp_megatron.X`` / ``layers.X``).
 
-Every import statement in ``layers/`` counts, also the ones inside functions (a lazy import is still a
-dependency), so the graph is read from the source with ``ast`` rather than from ``sys.modules``.
+Every import statement in ``layers/`` and ``hp_megatron/`` counts, also the ones inside functions (a lazy import is
+still a dependency), so the graph is read from the source with ``ast`` rather than from ``sys.modules``.
 """
 from __future__ import annotations
 
@@ -145,6 +146,53 @@ def test_no_cycles_in_hp_megatron_and_the_converter_never_imports_models():
               for m, deps in graph.items() if m.startswith("hp_megatron.convert") and m != entry}
     assert {m: d for m, d in engine.items() if d} == {}
     assert "hp_megatron.models" in graph[entry] and "hp_megatron.convert.rules" in graph["hp_megatron.models.common"]
+
+
+def package_of(module: str) -> str:
+    """The package a module counts for in the package graph: ``hp_megatron.X`` / ``layers.X`` (its first
+    subpackage or top-level module), or the top package itself for its ``__init__``."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph=None) -> dict[str, set[str]]:
+    """``{package: packages it imports}`` of :func:`import_graph` (function-level imports included); entry points
+    (modules named ``__main__``, which may import anything) left out."""
+    graph = import_graph() if graph is None else graph
+    out: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        if module.rpartition(".")[2] == "__main__":
+            continue
+        package = package_of(module)
+        out.setdefault(package, set()).update(
+            package_of(d) for d in deps if d.rpartition(".")[2] != "__main__" and package_of(d) != package)
+    return out
+
+
+def test_no_cycles_between_packages():
+    """No cycle between the packages of hp_megatron/ and layers/, lazy imports counted: e.g. hp_megatron.checkpoint
+    (the files on disk) never imports hp_megatron.convert, hp_megatron.models (architectures, presets) never imports
+    hp_megatron.training or hp_megatron.arguments (which import it)."""
+    packages = package_graph()
+    assert _cycles(packages) == []
+    assert not {d for d in packages["hp_megatron.checkpoint"] if d.startswith("hp_megatron")}
+    assert not packages["hp_megatron.models"] & {"hp_megatron.training", "hp_megatron.arguments"}
+
+
+def test_package_graph_sees_function_level_edges():
+    """The package graph holds edges that only function-level imports make, and leaves entry points out."""
+    graph = import_graph()
+    # hp_megatron/models/build.py imports hp_megatron.gpt_model inside its functions only
+    assert "hp_megatron.gpt_model" in graph["hp_megatron.models.build"]
+    # hp_megatron/generate/model.py imports hp_megatron.checkpoint inside its functions only
+    assert "hp_megatron.checkpoint" in graph["hp_megatron.generate.model"]
+    packages = package_graph(graph)
+    assert {"hp_megatron.gpt_model", "hp_megatron.checkpoint"} <= packages["hp_megatron.models"]
+    assert "hp_megatron.checkpoint" in packages["hp_megatron.generate"]
+    # the converter's command line imports hp_megatron.models; as an entry point it is no edge of convert
+    assert "hp_megatron.models" in graph["hp_megatron.convert.__main__"]
+    assert "hp_megatron.models" not in packages["hp_megatron.convert"]
+    assert package_graph({"x.a.m": {"x.b.n", "x.a.k"}, "x.b.n": set(), "x.a.__main__": {"x.c"}}) == \
+        {"x.a": {"x.b"}, "x.b": set()}
 
 
 def test_cp_imports_no_megatron():

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import (BytesIOWriteData, LoadItemType
                                                   SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from hp_megatron.convert.safetensors_io import CheckpointError
+from hp_megatron.checkpoint.errors import CheckpointError
 
 
 @dataclass(frozen=True)

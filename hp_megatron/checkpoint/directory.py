@@ -4,7 +4,8 @@ A checkpoint root holds ``latest_checkpointed_iteration.txt`` (the tracker: an i
 for weights without training state) and one directory per saved iteration, ``iter_XXXXXXX`` (7 digits), or
 ``release``. The tracker is written last, so a root whose tracker exists holds a finished checkpoint.
 :func:`verify_checkpoint_files` checks a ``dist_checkpointing`` (torch_dist) directory's files before a collective
-load, so a missing or truncated shard is named instead of failing inside torch.distributed.checkpoint.
+load, so a missing or truncated shard is named instead of failing inside torch.distributed.checkpoint;
+:func:`checkpoint_directory` is the directory holding a checkpoint's tensors, given a root or the directory itself.
 
 An iteration directory keeps its common (non-tensor) state in ``common.pt`` (megatron-core 0.16) or inside the
 DCP files as the object ``COMMON_OBJECT`` (0.19, which reads both).
@@ -12,6 +13,9 @@ DCP files as the object ``COMMON_OBJECT`` (0.19, which reads both).
 from __future__ import annotations
 
 import os
+
+from hp_megatron.checkpoint.dcp_io import verify_dcp_files
+from hp_megatron.checkpoint.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -48,12 +52,20 @@ def find_checkpoint(root: str) -> str | None:
     return path
 
 
+def checkpoint_directory(path: str) -> str:
+    """The directory holding the tensors: ``path`` itself, or the one its tracker file names; CheckpointError
+    when that directory has no ``metadata.json`` (not a megatron-core dist checkpoint)."""
+    path = find_checkpoint(path) or path
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise CheckpointError(f"{path}: no metadata.json; not a megatron-core dist checkpoint (nor a directory "
+                              f"with {TRACKER})")
+    return path
+
+
 def verify_checkpoint_files(path: str) -> None:
     """Check that ``path``'s ``.metadata``, every shard it lists and the common state (``common.pt`` or
     ``COMMON_OBJECT``) are present and long enough (a ValueError naming the file otherwise); reads only the small
     ``.metadata`` file."""
-    from hp_megatron.convert.dcp_io import verify_dcp_files
-
     common = os.path.join(path, COMMON_FILE)
     metadata = verify_dcp_files(path)
     if not os.path.isfile(common) and COMMON_OBJECT not in metadata.state_dict_metadata:

@@ -1,5 +1,5 @@
-"""The one builder of a hybrid megatron-core ``GPTModel``: the example's model, the Megatron-LM launcher's and
-``hp_megatron.models.ModelPreset.gpt_model`` all come from :func:`hybrid_gpt_model`.
+"""The one builder of a hybrid megatron-core ``GPTModel``: the example's model, the Megatron-LM launcher's and a
+preset's (``hp_megatron.models.preset_gpt_model``) all come from :func:`hybrid_gpt_model`.
 
 Given a layer spec, megatron-core's ``TransformerBlock`` repeats it and takes the block's final norm from its
 module-level ``LayerNormImpl`` (Transformer Engine's, Apex's, or ``WrappedTorchNorm``, which refuses sequence

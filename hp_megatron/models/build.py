@@ -1,0 +1,39 @@
+"""What a :class:`~hp_megatron.models.common.ModelPreset` builds: its declared config, its layer spec and its
+megatron-core ``GPTModel`` (through ``hp_megatron.gpt_model.hybrid_gpt_model``, the one builder).
+
+The preset itself is a declaration; these functions are the only place that turns one into megatron-core objects
+(``Architecture.build_model``, the example's ``--hp-hf-config`` path, tests and benchmarks call them).
+"""
+from __future__ import annotations
+
+
+def preset_transformer_config(preset, **overrides):
+    """A ``hp_megatron.config.HybridTransformerConfig`` of ``preset`` (``transformer_fields``, ``mixer_fields``
+    and ``pattern``); ``overrides`` (parallel sizes, dtypes...) win over it."""
+    from hp_megatron.config import HybridTransformerConfig
+
+    # GPTModel records config.rotary_base (a declared MLA field) as its own: the preset's RoPE base where it has one
+    gpt = preset.gpt_model_kwargs
+    rotary = {"rotary_base": gpt["rotary_base"]} if "rotary_base" in gpt else {}
+    return HybridTransformerConfig(**{**preset.transformer_fields, **rotary, **preset.mixer_fields,
+                                      "hp_layer_pattern": preset.pattern, **overrides})
+
+
+def preset_layer_spec(preset, backend="eager", **kwargs):
+    """The ``HybridLayer`` spec of ``preset`` (``kwargs``: ``linear``, ``cp_layout``)."""
+    from hp_megatron.specs import get_hybrid_layer_spec
+
+    return get_hybrid_layer_spec(preset.pattern, backend, qk_layernorm=preset.qk_layernorm,
+                                 mtp_symbol=preset.mtp_symbol, **kwargs)
+
+
+def preset_gpt_model(preset, config, backend="eager", *, max_sequence_length: int, pre_process: bool = True,
+                     post_process: bool = True, vp_stage=None, **spec_kwargs):
+    """megatron-core ``GPTModel`` of ``preset`` for this pipeline stage (``hp_megatron.gpt_model.hybrid_gpt_model``:
+    our RMSNorm as the final norm); ``config`` is typically :func:`preset_transformer_config`'s."""
+    from hp_megatron.gpt_model import hybrid_gpt_model
+
+    return hybrid_gpt_model(config, preset_layer_spec(preset, backend, **spec_kwargs),
+                            max_sequence_length=max_sequence_length, pre_process=pre_process,
+                            post_process=post_process, vp_stage=vp_stage, backend=backend,
+                            **preset.gpt_model_kwargs)
