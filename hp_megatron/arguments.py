@@ -15,7 +15,11 @@ field) before megatron-core, which refuses unknown names, builds its config; doc
 from __future__ import annotations
 
 import argparse
+import sys
 
+from hp_megatron.hybrid_layer import validate_pattern
+from hp_megatron.mixers import (MIXER_MODULE_FLAG, describe_symbols, load_mixer_modules, mixer_modules_in, mixers,
+                                mtp_symbols, option_rows, symbols, symbols_where)
 from layers.base.choices import BACKENDS, CP_LAYOUTS, ROPE_TYPES
 from layers.base.choices import CP_METHOD_CHOICES as CP_METHODS
 from layers.base.choices import MLA_CP_STRATEGY_CHOICES as MLA_CP_METHODS
@@ -37,13 +41,39 @@ def _non_negative(text):
     return value
 
 
-def add_hp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``--hp-*`` flags (one argument group) and return the parser."""
-    from hp_megatron.specs.mtp import ATTENTION_KINDS as MTP_LAYER_KINDS
+def _row_type(row):
+    """The argparse ``type`` of a flag-table row: its type, with its check as an ``ArgumentTypeError``."""
+    def parse(text):
+        value = row.type(text)
+        problem = row.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{row.flag} {problem}, got {text}")
+        return value
+    return parse
 
+
+def add_row_arguments(group, rows) -> None:
+    """One flag per flag-table row (``layers.base.options.OptionRow``): ``store_true`` for a bool."""
+    for row in rows:
+        if row.type is bool:
+            group.add_argument(row.flag, action="store_true", help=row.help)
+        else:
+            group.add_argument(row.flag, type=_row_type(row), default=row.default, choices=row.choices,
+                               help=row.help)
+
+
+def add_hp_arguments(parser: argparse.ArgumentParser, argv=None) -> argparse.ArgumentParser:
+    """Add the ``--hp-*`` flags and return the parser: first ``--hp-mixer-module MODULE`` (repeatable), whose
+    modules (read from ``argv``, default ``sys.argv[1:]``) are imported now so that their mixers' symbols and flags
+    exist when the rest is added and parsed; then our flags (one group) and one group per registered mixer that
+    declares flags of its own (``MixerEntry.options``)."""
+    load_mixer_modules(mixer_modules_in(sys.argv[1:] if argv is None else argv))
     g = parser.add_argument_group("hp_megatron (GDN / KDA / MLA layers)")
+    g.add_argument(MIXER_MODULE_FLAG, action="append", default=[], metavar="MODULE",
+                   help="import MODULE before the flags are checked: it registers mixers of its own "
+                        "(hp_megatron.mixers.register_mixer; their pattern symbols and flags); repeatable")
     g.add_argument("--hp-layer-pattern", default=None,
-                   help="repeating layer pattern over the global layer numbers: G=GDN, K=KDA, M=MLA, A=attention "
+                   help=f"repeating layer pattern over the global layer numbers: {describe_symbols()} "
                         "(e.g. KKKM = Kimi Linear 3:1, GGGA = Qwen3-Next 3:1)")
     g.add_argument("--hp-backend", choices=BACKENDS, default="eager",
                    help="kernel backend of the GDN/KDA mixers: eager (PyTorch), triton (flash-linear-attention), "
@@ -93,10 +123,14 @@ def add_hp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         "(hp_megatron.models.args.apply_hf_config_to_args; docs/models.md)")
     g.add_argument("--hp-mla-rope-type", choices=ROPE_TYPES, default="rope",
                    help="MLA rotary embedding (none = NoPE, as Kimi Linear's MLA layers)")
-    g.add_argument("--hp-mtp-layer-kind", choices=MTP_LAYER_KINDS, default=None,
+    g.add_argument("--hp-mtp-layer-kind", choices=mtp_symbols(), default=None,
                    help="the mixer of the multi-token-prediction layers (--mtp-num-layers) under a layer pattern with "
                         "several symbols (M=MLA, A=attention: megatron-core's MTP layer is an attention layer); None: "
                         "the spec's declared kind or the pattern's only symbol")
+    for entry in mixers().values():
+        if entry.options:
+            add_row_arguments(parser.add_argument_group(f"hp_megatron: {entry.title} layers ({entry.symbol})"),
+                              entry.options)
     return parser
 
 
@@ -154,6 +188,7 @@ def hp_config_from_args(args) -> dict:
         "rope_type": args.hp_mla_rope_type,
         "hp_mtp_layer_kind": getattr(args, "hp_mtp_layer_kind", None),
     }
+    fields.update({row.field: getattr(args, row.dest, row.default) for row in option_rows()})
     if getattr(args, "rotary_base", None) is not None:   # --rotary-base: the MLA layers' RoPE base too
         fields["rotary_base"] = float(args.rotary_base)
     return fields
@@ -166,16 +201,14 @@ def validate_hp_args(args) -> None:
     ``num_attention_heads`` from ``args`` (Megatron-LM's names). Raises ValueError naming the flags and
     values; the same checks the layers make later, stated in flag names.
     """
-    from hp_megatron.hybrid_layer import validate_pattern
-    from hp_megatron.specs.layer_specs import SYMBOLS
-
     pattern = args.hp_layer_pattern or ""
     try:
         if args.hp_layer_pattern is not None:
-            validate_pattern(pattern, SYMBOLS)
+            validate_pattern(pattern, symbols())
     except ValueError:
+        modules = f"; {MIXER_MODULE_FLAG} loads a mixer module" if not getattr(args, "hp_mixer_module", None) else ""
         raise ValueError(f"--hp-layer-pattern {args.hp_layer_pattern!r} uses letters outside "
-                         f"{''.join(sorted(SYMBOLS))} (G=GDN, K=KDA, M=MLA, A=attention)") from None
+                         f"{''.join(sorted(symbols()))} ({describe_symbols()}{modules})") from None
     fields = hp_config_from_args(args)
     cp = getattr(args, "context_parallel_size", 1) or 1
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
@@ -185,9 +218,10 @@ def validate_hp_args(args) -> None:
         raise ValueError(f"--seq-length {seq} must be divisible by {parts} ("
                          f"{'2 x ' if parts != cp else ''}--context-parallel-size {cp}, "
                          f"--hp-cp-layout {args.hp_cp_layout})")
-    if "A" in pattern and cp > 1 and args.hp_cp_layout != "zigzag":
-        raise ValueError("attention layers ('A' in --hp-layer-pattern) use megatron's rotary embedding, which "
-                         f"assumes the zigzag CP layout; got --hp-cp-layout {args.hp_cp_layout}")
+    rope = [s for s in symbols_where(lambda e: e.model_rope) if s in pattern]
+    if rope and cp > 1 and args.hp_cp_layout != "zigzag":
+        raise ValueError(f"attention layers ({', '.join(repr(s) for s in rope)} in --hp-layer-pattern) use megatron's "
+                         f"rotary embedding, which assumes the zigzag CP layout; got --hp-cp-layout {args.hp_cp_layout}")
     if args.hp_cp_method == "auto":
         check_auto_leaves_free(args.hp_cp_group_size, args.hp_ulysses_degree,
                                flags=("--hp-cp-group-size", "--hp-ulysses-degree"))
@@ -208,7 +242,8 @@ def validate_hp_args(args) -> None:
     elif args.hp_cp_group_size is not None:
         raise ValueError(f"--hp-cp-group-size is only used by --hp-cp-method grouped_allgather_p2p, got it with "
                          f"--hp-cp-method {args.hp_cp_method}")
-    linear = set(pattern or "GK") & {"G", "K"}
+    delta = set(symbols_where(lambda e: e.family == "delta"))
+    linear = set(pattern) & delta if pattern else delta
     for flag, heads in (("--hp-linear-num-key-heads", fields["linear_num_key_heads"]),
                         ("--hp-linear-num-value-heads", fields["linear_num_value_heads"])):
         if linear and (heads % tp or (heads // tp) % ulysses):

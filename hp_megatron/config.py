@@ -18,6 +18,8 @@ from typing import Optional
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+from hp_megatron.hybrid_layer import validate_pattern
+from hp_megatron.mixers import mixers, option_rows, symbols
 from layers.base.choices import (BACKENDS, CP_LAYOUTS, CP_METHOD_CHOICES, MLA_CP_STRATEGY_CHOICES, RECOMPUTE_MODULES,
                             ROPE_TYPES)
 from layers.cp.auto import MEASURE_TOP
@@ -176,19 +178,17 @@ def check_hybrid_fields(config) -> None:
     if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or bound >= 0):
         raise ValueError(f"{owner}.kda_lower_bound must be a negative number or None, got {bound!r}")
     if config.hp_layer_pattern is not None:
-        from hp_megatron.hybrid_layer import validate_pattern
-        from hp_megatron.specs.layer_specs import SYMBOLS
-
         try:
-            validate_pattern(config.hp_layer_pattern, SYMBOLS)
+            validate_pattern(config.hp_layer_pattern, symbols())
         except ValueError as err:
             raise ValueError(f"{owner}.hp_layer_pattern {config.hp_layer_pattern!r}: {err}") from None
     kind = config.hp_mtp_layer_kind
-    if kind is not None:
-        from hp_megatron.specs.layer_specs import SYMBOLS
-
-        if kind not in SYMBOLS:
-            raise ValueError(f"{owner}.hp_mtp_layer_kind must be one of {sorted(SYMBOLS)} or None, got {kind!r}")
+    if kind is not None and kind not in symbols():
+        raise ValueError(f"{owner}.hp_mtp_layer_kind must be one of {sorted(symbols())} or None, got {kind!r}")
+    for row in option_rows():   # the registered mixers' own fields (attributes of the config when set)
+        problem = row.problem(getattr(config, row.field, row.default))
+        if problem:
+            raise ValueError(f"{owner}.{row.field} {problem}, got {getattr(config, row.field)!r}")
 
 
 @dataclass
@@ -212,13 +212,14 @@ def hybrid_config(config: TransformerConfig, **overrides):
 
     A field-wise copy into the subclass, as ``copy.copy`` makes (megatron's ``__post_init__`` is not run again:
     it is not idempotent, e.g. ``enable_cuda_graph`` sets ``cuda_graph_impl`` and then refuses it); only our
-    fields are checked (:func:`check_hybrid_fields`). An override or attribute that is no field of the class
-    raises TypeError naming it.
+    fields are checked (:func:`check_hybrid_fields`). A registered mixer's own config field
+    (``MixerEntry.options``, e.g. of a mixer loaded by ``--hp-mixer-module``) is accepted as an attribute. An
+    override or attribute that is neither raises TypeError naming it.
     """
     if not isinstance(config, TransformerConfig):
         raise TypeError(f"hybrid_config needs a megatron TransformerConfig, got {type(config).__name__}")
     cls = HybridMLATransformerConfig if isinstance(config, MLATransformerConfig) else HybridTransformerConfig
-    known = cls.__dataclass_fields__
+    known = {**cls.__dataclass_fields__, **{row.field: row for row in option_rows()}}
     carried = vars(config)
     for what, names in (("override", overrides), (f"{type(config).__name__} attribute", carried)):
         unknown = sorted(set(names) - set(known))
@@ -238,7 +239,8 @@ def check_auto_fields(config) -> None:
     ``delta_cp_method`` or ``mla_cp_strategy`` ``"auto"``; ``delta_cp_auto_measure`` other than its default needs
     ``delta_cp_method="auto"``."""
     owner = type(config).__name__
-    if config.hp_cp_calibration is not None and "auto" not in (config.delta_cp_method, config.mla_cp_strategy):
+    auto_fields = tuple(dict.fromkeys(e.cp_auto_field for e in mixers().values() if e.cp_auto_field))
+    if config.hp_cp_calibration is not None and "auto" not in (getattr(config, f, None) for f in auto_fields):
         raise ValueError(f"{owner}.hp_cp_calibration {config.hp_cp_calibration!r} needs delta_cp_method or "
                          f"mla_cp_strategy 'auto' (got {config.delta_cp_method!r} / {config.mla_cp_strategy!r})")
     if config.delta_cp_auto_measure != MEASURE_TOP and config.delta_cp_method != "auto":

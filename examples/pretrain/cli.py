@@ -60,8 +60,10 @@ class RankZeroArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The example's flags; add groups to the returned parser to extend it (its defaults show in --help)."""
+def build_parser(argv=None) -> argparse.ArgumentParser:
+    """The example's flags; add groups to the returned parser to extend it (its defaults show in --help).
+    ``argv`` (default ``sys.argv[1:]``): where ``--hp-mixer-module`` modules are read from, imported before the
+    ``--hp-*`` flags are added (``hp_megatron.arguments.add_hp_arguments``)."""
     parser = RankZeroArgumentParser(prog=PROG, description="Pretrain a hybrid GDN/KDA/MLA GPT with megatron-core",
                                     allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = parser.add_argument_group("parallelism (Megatron-LM names)")
@@ -142,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on resume, take the LR schedule from the flags instead of the checkpoint")
     g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
                    help="on resume, keep the checkpoint's LR schedule without a warning")
-    add_hp_arguments(parser)
+    add_hp_arguments(parser, argv)
     show_defaults(parser)
     return parser
 
@@ -157,7 +159,7 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
 
 def parse_args(argv=None, parser=None):
     """Parse and check the flags; fills the derived defaults (FFN size, decay iters, layer pattern)."""
-    parser = parser or build_parser()
+    parser = parser or build_parser(argv)
     args = parser.parse_args(argv)
     args.hp_preset = apply_hf_preset(parser, args, sys.argv[1:] if argv is None else argv)
     if args.ffn_hidden_size is None:
@@ -343,8 +345,9 @@ def check_moe_args(args, world_size: int) -> None:
 
 def check_mtp_args(args) -> None:
     """``--mtp-num-layers`` and its layer kind (ValueError naming the flags)."""
-    from hp_megatron.specs.mtp import ATTENTION_KINDS
+    from hp_megatron.mixers import mtp_symbols as mtp_kinds
 
+    kinds = " or ".join(mtp_kinds())
     depth = args.mtp_num_layers
     if depth is not None and depth < 0:
         raise ValueError(f"--mtp-num-layers must be non-negative, got {depth}")
@@ -356,11 +359,11 @@ def check_mtp_args(args) -> None:
     kind = args.hp_mtp_layer_kind or (symbols.pop() if len(symbols) == 1 else None)
     if kind is None:
         raise ValueError(f"--mtp-num-layers {depth} with --hp-layer-pattern {args.hp_layer_pattern}: the MTP layers "
-                         f"have one fixed kind; add --hp-mtp-layer-kind ({' or '.join(ATTENTION_KINDS)})")
-    if kind not in ATTENTION_KINDS:
+                         f"have one fixed kind; add --hp-mtp-layer-kind ({kinds})")
+    if kind not in mtp_kinds():
         raise ValueError(f"--mtp-num-layers {depth} with MTP layer kind {kind} (--hp-layer-pattern "
                          f"{args.hp_layer_pattern}): megatron-core's MTP layer is an attention layer; use "
-                         f"--hp-mtp-layer-kind {' or '.join(ATTENTION_KINDS)}")
+                         f"--hp-mtp-layer-kind {kinds}")
 
 
 def _check_writable_dir(flag, path):

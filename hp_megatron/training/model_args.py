@@ -53,13 +53,15 @@ def hybrid_model_from_args(args, config, *, vocab_size: int, pre_process: bool =
     """This pipeline stage's ``GPTModel`` (``hybrid_gpt_model``) of the flags ``args`` over
     ``get_hybrid_layer_spec(--hp-layer-pattern)``: RoPE when the pattern (or the MTP layers) has attention,
     untied output layer; the MTP block when ``config.mtp_num_layers``."""
+    from hp_megatron.mixers import symbols_where
     from hp_megatron.specs import get_hybrid_layer_spec
     from hp_megatron.training.gpt_model import hybrid_gpt_model
 
     mtp_kind = args.hp_mtp_layer_kind if getattr(config, "mtp_num_layers", None) else None
     spec = get_hybrid_layer_spec(args.hp_layer_pattern, backend=args.hp_backend, linear=args.hp_linear,
                                  cp_layout=args.hp_cp_layout, mtp_symbol=mtp_kind)
-    uses_rope = "A" in args.hp_layer_pattern + (mtp_kind or "")  # zigzag with CP: checked by validate_hp_args
+    rope_symbols = symbols_where(lambda e: e.model_rope)   # zigzag with CP: checked by validate_hp_args
+    uses_rope = any(s in args.hp_layer_pattern + (mtp_kind or "") for s in rope_symbols)
     return hybrid_gpt_model(config, spec, vocab_size=vocab_size, max_sequence_length=args.seq_length,
                             pre_process=pre_process, post_process=post_process, backend=args.hp_backend,
                             share_embeddings_and_output_weights=False,
@@ -84,7 +86,7 @@ def args_from_stored(stored: dict) -> argparse.Namespace:
     missing = [name for name in MODEL_ARG_NAMES + ("padded_vocab_size",) if name not in stored]
     if missing:
         raise ValueError(f"the checkpoint's {MODEL_ARGS_KEY} lacks {missing}")
-    args = add_hp_arguments(argparse.ArgumentParser(add_help=False)).parse_args([])
+    args = add_hp_arguments(argparse.ArgumentParser(add_help=False), []).parse_args([])
     for name, value in stored.items():
         setattr(args, name, value)
     return args
