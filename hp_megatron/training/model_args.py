@@ -70,8 +70,15 @@ def hybrid_model_from_args(args, config, *, vocab_size: int, pre_process: bool =
 
 def stored_model_args(args, *, padded_vocab_size: int, vocab_size: int) -> dict:
     """The plain dict a checkpoint stores: :data:`MODEL_ARG_NAMES` of ``args``, ``padded_vocab_size`` (the
-    embedding rows), ``vocab_size`` (the tokenizer's ids) and ``tokenizer`` (its absolute path, or None)."""
+    embedding rows), ``vocab_size`` (the tokenizer's ids) and ``tokenizer`` (its absolute path, or None); with
+    ``--hp-mixer-module``, also those modules and their mixers' model-defining flags (``MixerEntry.options``)."""
+    from hp_megatron.mixers import option_rows
+
     stored = {name: getattr(args, name) for name in MODEL_ARG_NAMES}
+    modules = list(getattr(args, "hp_mixer_module", None) or [])
+    if modules:
+        stored["hp_mixer_module"] = modules
+        stored.update({row.dest: getattr(args, row.dest, row.default) for row in option_rows() if row.model})
     tokenizer = getattr(args, "tokenizer", None)
     stored.update(padded_vocab_size=int(padded_vocab_size), vocab_size=int(vocab_size),
                   tokenizer=os.path.abspath(tokenizer) if tokenizer else None)
@@ -80,13 +87,15 @@ def stored_model_args(args, *, padded_vocab_size: int, vocab_size: int) -> dict:
 
 def args_from_stored(stored: dict) -> argparse.Namespace:
     """The flags of a stored dict as an ``args`` namespace for :func:`hybrid_config_from_args`: the ``--hp-*``
-    defaults (single-rank CP settings) overridden by the stored values; ValueError naming missing entries."""
+    defaults (single-rank CP settings) overridden by the stored values; ValueError naming missing entries. The
+    stored ``hp_mixer_module`` modules are imported first (their mixers registered)."""
     from hp_megatron.arguments import add_hp_arguments
 
     missing = [name for name in MODEL_ARG_NAMES + ("padded_vocab_size",) if name not in stored]
     if missing:
         raise ValueError(f"the checkpoint's {MODEL_ARGS_KEY} lacks {missing}")
-    args = add_hp_arguments(argparse.ArgumentParser(add_help=False), []).parse_args([])
+    modules = [arg for module in stored.get("hp_mixer_module") or () for arg in ("--hp-mixer-module", module)]
+    args = add_hp_arguments(argparse.ArgumentParser(add_help=False), modules).parse_args(modules)
     for name, value in stored.items():
         setattr(args, name, value)
     return args
