@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hp_megatron.hybrid_layer import validate_pattern
 from hp_megatron.mixers import (MIXER_MODULE_FLAG, describe_symbols, load_mixer_modules, mixer_modules_in, mixers,
                                 mtp_symbols, option_rows, symbols, symbols_where)
 from layers.base.choices import BACKENDS, CP_LAYOUTS, ROPE_TYPES
@@ -201,6 +200,8 @@ def validate_hp_args(args) -> None:
     ``num_attention_heads`` from ``args`` (Megatron-LM's names). Raises ValueError naming the flags and
     values; the same checks the layers make later, stated in flag names.
     """
+    from hp_megatron.hybrid_layer import validate_pattern
+
     pattern = args.hp_layer_pattern or ""
     try:
         if args.hp_layer_pattern is not None:

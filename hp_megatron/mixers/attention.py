@@ -1,18 +1,18 @@
 """Registration of ``A``: causal softmax attention (megatron-core's ``SelfAttention`` with our context-parallel core
-attention, ``layers.mixers.attention``), q/k RMSNorms optional; it reads the model's RoPE."""
+attention, ``layers.mixers.attention``), q/k RMSNorms optional; it reads the model's RoPE. megatron-core is imported
+when a spec is built (the registry is read by the flag parsers, before megatron-core's start-up warnings are
+filtered)."""
 from __future__ import annotations
 
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.spec_utils import ModuleSpec
-
-from hp_megatron.hybrid_layer import QKNormFromConfig
 from hp_megatron.mixers.registry import MixerEntry, register_mixer
 
 
 def qk_norm_spec(provider, qk_layernorm):
     """The attention's q/k norm spec: ``qk_layernorm`` True, False, or "config" (``QKNormFromConfig``)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from hp_megatron.hybrid_layer import QKNormFromConfig
+
     if qk_layernorm == "config":
         return QKNormFromConfig(provider.layer_norm(rms_norm=True, for_qk=True))
     if not isinstance(qk_layernorm, bool):
@@ -21,7 +21,11 @@ def qk_norm_spec(provider, qk_layernorm):
     return provider.layer_norm(rms_norm=True, for_qk=True) if qk_layernorm else IdentityOp
 
 
-def attention_spec(provider, *, qk_layernorm=False, cp_layout=None) -> ModuleSpec:
+def attention_spec(provider, *, qk_layernorm=False, cp_layout=None):
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
     norm = qk_norm_spec(provider, qk_layernorm)
     return ModuleSpec(
         module=SelfAttention,

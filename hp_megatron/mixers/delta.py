@@ -1,14 +1,14 @@
 """The ``self_attention`` spec of the GDN/KDA mixers (``layers.mixers.delta``), shared by their registrations."""
 from __future__ import annotations
 
-from megatron.core.transformer.spec_utils import ModuleSpec
-
 from hp_megatron.mixers.registry import resolve
 
 
-def delta_mixer_spec(module: str, provider, cp_layout) -> ModuleSpec:
+def delta_mixer_spec(module: str, provider, cp_layout):
     """``ModuleSpec`` of the delta-rule mixer class ``module`` (``"package.module:Class"``) with the provider's
     linears, gated norm and kernel backend; ``cp_layout`` written into its params unless None."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
     from layers.mixers.delta.mixer import DeltaMixerSubmodules
 
     params = {"backend": provider.mixer_backend}

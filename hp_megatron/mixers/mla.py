@@ -2,15 +2,15 @@
 and Kimi Linear's attention layers). It applies its own rotary embedding (``rope_type``) or none."""
 from __future__ import annotations
 
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.spec_utils import ModuleSpec
-
 from hp_megatron.mixers.registry import MixerEntry, register_mixer, resolve
 
 MODULE = "layers.mixers.mla.layer:MultiLatentAttention"
 
 
-def mla_spec(provider, *, qk_layernorm=False, cp_layout=None) -> ModuleSpec:
+def mla_spec(provider, *, qk_layernorm=False, cp_layout=None):
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
     from layers.mixers.mla.layer import MLASelfAttentionSubmodules
 
     norm = provider.layer_norm(rms_norm=True, for_qk=True)
