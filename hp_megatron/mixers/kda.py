@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hp_megatron.mixers.delta import delta_mixer_spec
 from hp_megatron.mixers.registry import MixerEntry, register_mixer
+from layers.mixers.delta.options import DELTA_ROWS, KDA_ROWS
 
 MODULE = "layers.mixers.delta.kda:KimiDeltaAttention"
 
@@ -13,5 +14,5 @@ def kda_spec(provider, *, qk_layernorm=False, cp_layout=None):
 
 
 KDA = register_mixer(MixerEntry(
-    symbol="K", name="kda", title="KDA", spec=kda_spec, module=MODULE, family="delta", stack_slot="gdn_layer",
+    symbol="K", name="kda", title="KDA", spec=kda_spec, module=MODULE, options=DELTA_ROWS + KDA_ROWS, family="delta", stack_slot="gdn_layer",
     cp_auto_field="delta_cp_method", conversion={"kimi_linear": "hp_megatron.models.kimi_linear:_kda_rules"}))

@@ -3,6 +3,7 @@ and Kimi Linear's attention layers). It applies its own rotary embedding (``rope
 from __future__ import annotations
 
 from hp_megatron.mixers.registry import MixerEntry, register_mixer, resolve
+from layers.mixers.mla.options import MLA_ROWS
 
 MODULE = "layers.mixers.mla.layer:MultiLatentAttention"
 
@@ -33,7 +34,7 @@ def mla_spec(provider, *, qk_layernorm=False, cp_layout=None):
 
 
 MLA = register_mixer(MixerEntry(
-    symbol="M", name="mla", title="MLA", spec=mla_spec, module=MODULE, family="mla", own_positions=True, mtp=True,
+    symbol="M", name="mla", title="MLA", spec=mla_spec, module=MODULE, options=MLA_ROWS, family="mla", own_positions=True, mtp=True,
     stack_slot="mla_layer", cp_auto_field="mla_cp_strategy",
     conversion={"deepseek_v3": "hp_megatron.models.common:mla_rules",
                 "kimi_linear": "hp_megatron.models.common:mla_rules"}))

@@ -90,8 +90,9 @@ def register_mixer(entry: MixerEntry) -> MixerEntry:
     for other in _REGISTRY.values():
         if other.name == entry.name:
             raise ValueError(f"mixer name {entry.name!r} is taken by symbol {other.symbol!r} ({other.module})")
-        taken = {r.flag for r in other.options} | {r.field for r in other.options}
-        clash = sorted(taken & ({r.flag for r in entry.options} | {r.field for r in entry.options}))
+        # a row may be shared (GDN and KDA: the delta rows); another row under a taken flag or field is refused
+        clash = sorted({str(name) for r in entry.options if r not in other.options for o in other.options
+                        for name in {r.flag, r.field} & {o.flag, o.field} if name is not None})
         if clash:
             raise ValueError(f"mixer {entry.name!r}: {clash} already belong to mixer {other.name!r}")
     _REGISTRY[entry.symbol] = entry
@@ -144,8 +145,8 @@ def mtp_symbols() -> tuple:
 
 
 def option_rows() -> tuple:
-    """Every registered mixer's flag-table rows, in registration order."""
-    return tuple(r for e in _REGISTRY.values() for r in e.options)
+    """Every registered mixer's flag-table rows (a shared row once), in registration order."""
+    return tuple(dict.fromkeys(r for e in _REGISTRY.values() for r in e.options))
 
 
 def check_hf_symbols(architecture: str, layer_symbols: Mapping[str, str]) -> Mapping[str, str]:

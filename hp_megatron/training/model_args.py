@@ -13,17 +13,17 @@ from __future__ import annotations
 import argparse
 import os
 
+from hp_megatron.flags import model_flag_dests
+
 MODEL_ARGS_KEY = "hp_model_args"
 
-# the example's flags (``args`` attribute names) that define its model's tensors and forward
-MODEL_ARG_NAMES = (
+# the example's flags (``args`` attribute names) that define its model's tensors and forward: Megatron-LM's, then the
+# flag table's model rows (hp_megatron.flags; the built-in mixers'; a --hp-mixer-module's are stored beside them)
+MEGATRON_MODEL_ARG_NAMES = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "seq_length",
     "rotary_base", "bf16", "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function",
-    "moe_router_enable_expert_bias", "mtp_num_layers", "hp_layer_pattern", "hp_backend", "hp_linear",
-    "hp_linear_num_key_heads", "hp_linear_num_value_heads", "hp_linear_key_head_dim", "hp_linear_value_head_dim",
-    "hp_linear_conv_kernel_dim", "hp_kda_lower_bound", "hp_kda_gate_low_rank_dim", "hp_kda_safe_gate",
-    "hp_mla_q_lora_rank", "hp_mla_kv_lora_rank", "hp_mla_qk_head_dim", "hp_mla_qk_pos_emb_head_dim",
-    "hp_mla_v_head_dim", "hp_mla_rope_type", "hp_mtp_layer_kind")
+    "moe_router_enable_expert_bias", "mtp_num_layers")
+MODEL_ARG_NAMES = MEGATRON_MODEL_ARG_NAMES + model_flag_dests()
 
 
 def hybrid_config_from_args(args, **run):
