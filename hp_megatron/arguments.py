@@ -82,9 +82,9 @@ def hp_config_from_args(args) -> dict:
     if value_heads % key_heads:
         raise ValueError(f"--hp-linear-num-value-heads {value_heads} must be a multiple of the key heads {key_heads}")
     calibration = getattr(args, "hp_cp_calibration", None)
-    if calibration and "auto" not in (args.hp_cp_method, args.hp_mla_cp):
-        raise ValueError(f"--hp-cp-calibration {calibration} needs --hp-cp-method auto or --hp-mla-cp auto "
-                         f"(got {args.hp_cp_method!r} / {args.hp_mla_cp!r})")
+    if calibration and "auto" not in (args.hp_cp_method, args.hp_mla_cp_strategy):
+        raise ValueError(f"--hp-cp-calibration {calibration} needs --hp-cp-method auto or --hp-mla-cp-strategy auto "
+                         f"(got {args.hp_cp_method!r} / {args.hp_mla_cp_strategy!r})")
     measure = getattr(args, "hp_cp_auto_measure", None)
     if measure is not None and args.hp_cp_method != "auto":
         raise ValueError(f"--hp-cp-auto-measure {measure} needs --hp-cp-method auto (got {args.hp_cp_method!r}); "
@@ -145,7 +145,8 @@ def validate_hp_args(args) -> None:
     rope = [s for s in symbols_where(lambda e: e.model_rope) if s in pattern]
     if rope and cp > 1 and args.hp_cp_layout != "zigzag":
         raise ValueError(f"attention layers ({', '.join(repr(s) for s in rope)} in --hp-layer-pattern) use megatron's "
-                         f"rotary embedding, which assumes the zigzag CP layout; got --hp-cp-layout {args.hp_cp_layout}")
+                         "rotary embedding, which assumes the zigzag CP layout; got --hp-cp-layout "
+                         f"{args.hp_cp_layout}")
     if args.hp_cp_method == "auto":
         check_auto_leaves_free(args.hp_cp_group_size, args.hp_ulysses_degree,
                                flags=("--hp-cp-group-size", "--hp-ulysses-degree"))

@@ -59,7 +59,7 @@ class HybridFields:
     """Token layout over the CP ranks of every mixer (GDN, KDA, MLA, attention) and the data path: ``zigzag``
     (Megatron's load-balanced split) or ``contiguous`` (``--hp-cp-layout``)."""
 
-    delta_backend: str = "eager"
+    hp_backend: str = "eager"
     """GDN/KDA kernel backend: ``eager``, ``triton`` (flash-linear-attention) or ``ascendc`` (fla-npu)."""
 
     delta_cp_method: Optional[str] = None

@@ -114,7 +114,7 @@ def describe_model(args, vocab_size, n_params, device) -> str:
                 text += f", group size {args.hp_cp_group_size}"
         parts.append(text)
     if set(pattern) & set(symbols_where(lambda e: e.family == "mla")) and cp > 1:
-        parts.append(f"MLA CP {args.hp_mla_cp}")
+        parts.append(f"MLA CP {args.hp_mla_cp_strategy}")
     if cp > 1:
         parts.append(f"layout {args.hp_cp_layout}")
     parts.append(f"device {device}")

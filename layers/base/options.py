@@ -88,7 +88,7 @@ CP_LAYOUT_ROW = OptionRow("--hp-cp-layout", "hp_cp_layout", "cp_layout", str, de
                                                "contiguous (not with layers that use the model's RoPE, e.g. A)")
 CP_CALIBRATION_ROW = OptionRow(
     "--hp-cp-calibration", "hp_cp_calibration", "cp_calibration", str,
-    help="with --hp-cp-method auto or --hp-mla-cp auto (an error without): JSON file caching the CP group's "
+    help="with --hp-cp-method auto or --hp-mla-cp-strategy auto (an error without): JSON file caching the CP group's "
          "calibration (keyed by world layout and hardware); reused when it holds this layout, else measured and saved "
          "there")
 SHARED_ROWS = (CP_LAYOUT_ROW, CP_CALIBRATION_ROW)

@@ -26,7 +26,7 @@ DECAY = 0.7
 # the example's MLA defaults for the tiny dims, stated for the launch script (whose own MLA dims are large)
 MLA_DIMS = ["--hp-mla-kv-lora-rank", "16", "--hp-mla-qk-head-dim", "8", "--hp-mla-qk-pos-emb-head-dim", "8",
             "--hp-mla-v-head-dim", "8"]
-FLAGS = ["--hp-mixer-module", TOY, "--hp-toy-ema-decay", str(DECAY), "--hp-mla-cp", "latent",
+FLAGS = ["--hp-mixer-module", TOY, "--hp-toy-ema-decay", str(DECAY), "--hp-mla-cp-strategy", "latent",
          "--hp-mla-rope-type", "none"]
 
 
@@ -113,7 +113,8 @@ def test_toy_trains_through_the_example(example_run):
 
 @pytest.mark.skipif(MEGATRON_LM is None, reason="Megatron-LM's training code not found (tests/support/paths.py)")
 def test_toy_trains_through_megatron_lm_pretrain_gpt(data, example_run, tmp_path):
-    records, log = run_script("train_kimi_linear_like.sh", MLA_DIMS, str(tmp_path), str(tmp_path), {**data, "ITERS": "2"},
+    records, log = run_script("train_kimi_linear_like.sh", MLA_DIMS, str(tmp_path), str(tmp_path),
+                              {**data, "ITERS": "2"},
                               ["--spec", "hp_megatron.specs", "hybrid_spec", "--hp-layer-pattern", "TM", *FLAGS,
                                "--eval-iters", "1", *NO_SAVE])
     assert [r["iteration"] for r in records] == [1, 2], records

@@ -79,5 +79,5 @@ def test_one_definition_of_each_choice():
     assert rows["--hp-cp-method"].choices is choices.CP_METHOD_CHOICES
     assert rows["--hp-cp-layout"].choices is choices.CP_LAYOUTS
     assert rows["--hp-backend"].choices is choices.BACKENDS
-    assert rows["--hp-mla-cp"].choices is choices.MLA_CP_STRATEGY_CHOICES
+    assert rows["--hp-mla-cp-strategy"].choices is choices.MLA_CP_STRATEGY_CHOICES
     assert options.CP_METHOD_CHOICES is choices.CP_METHOD_CHOICES

@@ -32,7 +32,7 @@ class Option:
 
 # the GDN/KDA rows of the flag table (hp_megatron assembles it): flag, config field, keyword, type, checks
 DELTA_ROWS = (
-    OptionRow("--hp-backend", "delta_backend", "backend", str, model=True, default="eager", choices=BACKENDS,
+    OptionRow("--hp-backend", "hp_backend", "backend", str, model=True, default="eager", choices=BACKENDS,
               optional=False, help="kernel backend of the GDN/KDA mixers: eager (PyTorch), triton "
                                    "(flash-linear-attention), ascendc (fla-npu)"),
     OptionRow("--hp-cp-method", "delta_cp_method", "cp_method", str, default=DEFAULT_CP_METHOD,
