@@ -15,88 +15,55 @@ field) before megatron-core, which refuses unknown names, builds its config; doc
 from __future__ import annotations
 
 import argparse
+import sys
 
-from layers.base.choices import BACKENDS, CP_LAYOUTS, ROPE_TYPES
-from layers.base.choices import CP_METHOD_CHOICES as CP_METHODS
-from layers.base.choices import MLA_CP_STRATEGY_CHOICES as MLA_CP_METHODS
+from hp_megatron.flags import flag_groups, flag_table
+from hp_megatron.mixers import (MIXER_MODULE_FLAG, describe_symbols, load_mixer_modules, mixer_modules_in, symbols,
+                                symbols_where)
 from layers.cp.auto import MEASURE_TOP
 from layers.cp.subgroups import check_auto_leaves_free
 
 
-def _positive(text):
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
+def _row_type(row):
+    """The argparse ``type`` of a flag-table row: its type, with a positive / non-negative check as an
+    ``ArgumentTypeError`` (a negative one is :func:`hp_config_from_args`'s, naming the flag)."""
+    def parse(text):
+        value = row.type(text)
+        if row.check in _CHECK_WORDS and row.problem(value):
+            raise argparse.ArgumentTypeError(f"expected {_CHECK_WORDS[row.check]}, got {text}")
+        return value
+    parse.__name__ = row.type.__name__   # argparse names the type in "invalid int value: ..."
+    return parse
 
 
-def _non_negative(text):
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
-    return value
+_CHECK_WORDS = {"positive": "a positive integer", "non_negative": "an integer >= 0"}
 
 
-def add_hp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``--hp-*`` flags (one argument group) and return the parser."""
-    from hp_megatron.specs.mtp import ATTENTION_KINDS as MTP_LAYER_KINDS
+def add_row_arguments(group, rows) -> None:
+    """One flag per flag-table row that has one (``layers.base.options.OptionRow``): ``store_true`` for a bool."""
+    for row in rows:
+        if row.flag is None:
+            continue
+        if row.type is bool:
+            group.add_argument(row.flag, action="store_true", help=row.help)
+        else:
+            group.add_argument(row.flag, type=_row_type(row), default=row.default, choices=row.choices,
+                               help=row.help)
 
-    g = parser.add_argument_group("hp_megatron (GDN / KDA / MLA layers)")
-    g.add_argument("--hp-layer-pattern", default=None,
-                   help="repeating layer pattern over the global layer numbers: G=GDN, K=KDA, M=MLA, A=attention "
-                        "(e.g. KKKM = Kimi Linear 3:1, GGGA = Qwen3-Next 3:1)")
-    g.add_argument("--hp-backend", choices=BACKENDS, default="eager",
-                   help="kernel backend of the GDN/KDA mixers: eager (PyTorch), triton (flash-linear-attention), "
-                        "ascendc (fla-npu)")
-    g.add_argument("--hp-linear", choices=("local", "te"), default="local",
-                   help="column/row-parallel linear classes: megatron-core's (local) or Transformer Engine's (te)")
-    g.add_argument("--hp-cp-method", choices=CP_METHODS, default="allgather",
-                   help="context-parallel method of the GDN/KDA layers; auto: the fastest for this CP group and "
-                        "layer shape from a calibrated cost model (docs/cp.md, section 3)")
-    g.add_argument("--hp-cp-calibration", default=None, metavar="PATH",
-                   help="with --hp-cp-method auto: JSON file caching the CP group's calibration (keyed by world "
-                        "layout and hardware); reused when it holds this layout, else measured and saved there")
-    g.add_argument("--hp-cp-auto-measure", type=_non_negative, default=None, metavar="N",
-                   help="with --hp-cp-method auto: time the cost model's N fastest candidates on each GDN/KDA layer "
-                        f"shape at its first forward and take the fastest (default {MEASURE_TOP}; 0: the model "
-                        "decides alone)")
-    g.add_argument("--hp-cp-layout", choices=CP_LAYOUTS, default="zigzag",
-                   help="token layout over CP ranks: zigzag (Megatron's load-balanced split) or contiguous")
-    g.add_argument("--hp-cp-group-size", type=_positive, default=None,
-                   help="group size g of the grouped_allgather_p2p method (divides the CP size)")
-    g.add_argument("--hp-ulysses-degree", type=_positive, default=None,
-                   help="hybrid CP: all-to-all over this many ranks, state passing across the rest")
-    g.add_argument("--hp-mla-cp", choices=MLA_CP_METHODS, default="latent",
-                   help="context-parallel strategy of the MLA layers (auto: from the calibrated cost model)")
-    g.add_argument("--hp-linear-num-key-heads", type=_positive, default=None,
-                   help="GDN/KDA query/key heads H (default: --num-attention-heads)")
-    g.add_argument("--hp-linear-num-value-heads", type=_positive, default=None,
-                   help="GDN/KDA value heads HV, a multiple of H (default: H)")
-    g.add_argument("--hp-linear-key-head-dim", type=_positive, default=None,
-                   help="GDN/KDA key head dim K (default: hidden / heads)")
-    g.add_argument("--hp-linear-value-head-dim", type=_positive, default=None,
-                   help="GDN/KDA value head dim V (default: K)")
-    g.add_argument("--hp-linear-conv-kernel-dim", type=_positive, default=4, help="short convolution width")
-    g.add_argument("--hp-kda-lower-bound", type=float, default=None,
-                   help="KDA gate lower bound (negative): g = lower_bound * sigmoid(exp(A_log) (g + dt_bias))")
-    g.add_argument("--hp-kda-gate-low-rank-dim", type=_positive, default=None,
-                   help="KDA forget/output-gate low-rank dim (default: the value head dim, as Kimi Linear)")
-    g.add_argument("--hp-kda-safe-gate", action="store_true", help="KDA safe gate (needs a lower bound in [-5, 0))")
-    g.add_argument("--hp-mla-q-lora-rank", type=_positive, default=None, help="MLA query LoRA rank (None: no q down-proj)")
-    g.add_argument("--hp-mla-kv-lora-rank", type=_positive, default=None, help="MLA KV latent rank (default max(hidden/2, 16))")
-    g.add_argument("--hp-mla-qk-head-dim", type=_positive, default=None, help="MLA no-rope q/k head dim")
-    g.add_argument("--hp-mla-qk-pos-emb-head-dim", type=_positive, default=None, help="MLA rope q/k head dim")
-    g.add_argument("--hp-mla-v-head-dim", type=_positive, default=None, help="MLA value head dim")
-    g.add_argument("--hp-hf-config", default=None,
-                   help="Hugging Face config.json (or a checkpoint directory holding one) of a supported architecture "
-                        "(qwen3_next, deepseek_v3, kimi_linear): the model flags come from it "
-                        "(hp_megatron.models.args.apply_hf_config_to_args; docs/models.md)")
-    g.add_argument("--hp-mla-rope-type", choices=ROPE_TYPES, default="rope",
-                   help="MLA rotary embedding (none = NoPE, as Kimi Linear's MLA layers)")
-    g.add_argument("--hp-mtp-layer-kind", choices=MTP_LAYER_KINDS, default=None,
-                   help="the mixer of the multi-token-prediction layers (--mtp-num-layers) under a layer pattern with "
-                        "several symbols (M=MLA, A=attention: megatron-core's MTP layer is an attention layer); None: "
-                        "the spec's declared kind or the pattern's only symbol")
+
+def add_hp_arguments(parser: argparse.ArgumentParser, argv=None) -> argparse.ArgumentParser:
+    """Add the ``--hp-*`` flags and return the parser: first ``--hp-mixer-module MODULE`` (repeatable), whose
+    modules (read from ``argv``, default ``sys.argv[1:]``) are imported now so that their mixers' symbols and flags
+    exist when the rest is added and parsed; then one group per part of the flag table (``hp_megatron.flags``:
+    hp_megatron's rows, then each registered mixer's)."""
+    load_mixer_modules(mixer_modules_in(sys.argv[1:] if argv is None else argv))
+    for i, (title, rows) in enumerate(flag_groups()):
+        group = parser.add_argument_group(title)
+        if i == 0:
+            group.add_argument(MIXER_MODULE_FLAG, action="append", default=[], metavar="MODULE",
+                               help="import MODULE before the flags are checked: it registers mixers of its own "
+                                    "(hp_megatron.mixers.register_mixer; their pattern symbols and flags); repeatable")
+        add_row_arguments(group, rows)
     return parser
 
 
@@ -115,9 +82,9 @@ def hp_config_from_args(args) -> dict:
     if value_heads % key_heads:
         raise ValueError(f"--hp-linear-num-value-heads {value_heads} must be a multiple of the key heads {key_heads}")
     calibration = getattr(args, "hp_cp_calibration", None)
-    if calibration and "auto" not in (args.hp_cp_method, args.hp_mla_cp):
-        raise ValueError(f"--hp-cp-calibration {calibration} needs --hp-cp-method auto or --hp-mla-cp auto "
-                         f"(got {args.hp_cp_method!r} / {args.hp_mla_cp!r})")
+    if calibration and "auto" not in (args.hp_cp_method, args.hp_mla_cp_strategy):
+        raise ValueError(f"--hp-cp-calibration {calibration} needs --hp-cp-method auto or --hp-mla-cp-strategy auto "
+                         f"(got {args.hp_cp_method!r} / {args.hp_mla_cp_strategy!r})")
     measure = getattr(args, "hp_cp_auto_measure", None)
     if measure is not None and args.hp_cp_method != "auto":
         raise ValueError(f"--hp-cp-auto-measure {measure} needs --hp-cp-method auto (got {args.hp_cp_method!r}); "
@@ -127,33 +94,23 @@ def hp_config_from_args(args) -> dict:
     from hp_megatron.config import split_recompute_modules
 
     split_recompute_modules(args)   # --recompute-modules' hp_* names -> args.hp_recompute_modules
-    fields = {
-        "hp_layer_pattern": args.hp_layer_pattern,
+    # every flag-table row with a flag and a config field, then the defaults that follow from the model size
+    fields = {row.field: getattr(args, row.dest, row.default) for row in flag_table()
+              if row.flag is not None and row.field is not None}
+    fields.update({
         "hp_recompute_modules": tuple(getattr(args, "hp_recompute_modules", ())),
         "linear_num_key_heads": key_heads,
         "linear_num_value_heads": value_heads,
         "linear_key_head_dim": key_dim,
         "linear_value_head_dim": args.hp_linear_value_head_dim or key_dim,
-        "linear_conv_kernel_dim": args.hp_linear_conv_kernel_dim,
-        "delta_backend": args.hp_backend,
-        "delta_cp_method": args.hp_cp_method,
-        "hp_cp_layout": args.hp_cp_layout,
-        "delta_cp_group_size": args.hp_cp_group_size,
-        "delta_cp_ulysses_degree": args.hp_ulysses_degree,
         "hp_cp_calibration": calibration,
         "delta_cp_auto_measure": MEASURE_TOP if measure is None else measure,
-        "kda_lower_bound": args.hp_kda_lower_bound,
-        "kda_gate_low_rank_dim": args.hp_kda_gate_low_rank_dim,
-        "kda_safe_gate": args.hp_kda_safe_gate,
-        "mla_cp_strategy": args.hp_mla_cp,
-        "q_lora_rank": args.hp_mla_q_lora_rank,
         "kv_lora_rank": args.hp_mla_kv_lora_rank or max(hidden // 2, 16),
         "qk_head_dim": args.hp_mla_qk_head_dim or hidden // heads,
         "qk_pos_emb_head_dim": args.hp_mla_qk_pos_emb_head_dim or max(hidden // heads // 2, 8),
         "v_head_dim": args.hp_mla_v_head_dim or hidden // heads,
-        "rope_type": args.hp_mla_rope_type,
         "hp_mtp_layer_kind": getattr(args, "hp_mtp_layer_kind", None),
-    }
+    })
     if getattr(args, "rotary_base", None) is not None:   # --rotary-base: the MLA layers' RoPE base too
         fields["rotary_base"] = float(args.rotary_base)
     return fields
@@ -167,15 +124,15 @@ def validate_hp_args(args) -> None:
     values; the same checks the layers make later, stated in flag names.
     """
     from hp_megatron.hybrid_layer import validate_pattern
-    from hp_megatron.specs.layer_specs import SYMBOLS
 
     pattern = args.hp_layer_pattern or ""
     try:
         if args.hp_layer_pattern is not None:
-            validate_pattern(pattern, SYMBOLS)
+            validate_pattern(pattern, symbols())
     except ValueError:
+        modules = f"; {MIXER_MODULE_FLAG} loads a mixer module" if not getattr(args, "hp_mixer_module", None) else ""
         raise ValueError(f"--hp-layer-pattern {args.hp_layer_pattern!r} uses letters outside "
-                         f"{''.join(sorted(SYMBOLS))} (G=GDN, K=KDA, M=MLA, A=attention)") from None
+                         f"{''.join(sorted(symbols()))} ({describe_symbols()}{modules})") from None
     fields = hp_config_from_args(args)
     cp = getattr(args, "context_parallel_size", 1) or 1
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
@@ -185,9 +142,11 @@ def validate_hp_args(args) -> None:
         raise ValueError(f"--seq-length {seq} must be divisible by {parts} ("
                          f"{'2 x ' if parts != cp else ''}--context-parallel-size {cp}, "
                          f"--hp-cp-layout {args.hp_cp_layout})")
-    if "A" in pattern and cp > 1 and args.hp_cp_layout != "zigzag":
-        raise ValueError("attention layers ('A' in --hp-layer-pattern) use megatron's rotary embedding, which "
-                         f"assumes the zigzag CP layout; got --hp-cp-layout {args.hp_cp_layout}")
+    rope = [s for s in symbols_where(lambda e: e.model_rope) if s in pattern]
+    if rope and cp > 1 and args.hp_cp_layout != "zigzag":
+        raise ValueError(f"attention layers ({', '.join(repr(s) for s in rope)} in --hp-layer-pattern) use megatron's "
+                         "rotary embedding, which assumes the zigzag CP layout; got --hp-cp-layout "
+                         f"{args.hp_cp_layout}")
     if args.hp_cp_method == "auto":
         check_auto_leaves_free(args.hp_cp_group_size, args.hp_ulysses_degree,
                                flags=("--hp-cp-group-size", "--hp-ulysses-degree"))
@@ -208,7 +167,8 @@ def validate_hp_args(args) -> None:
     elif args.hp_cp_group_size is not None:
         raise ValueError(f"--hp-cp-group-size is only used by --hp-cp-method grouped_allgather_p2p, got it with "
                          f"--hp-cp-method {args.hp_cp_method}")
-    linear = set(pattern or "GK") & {"G", "K"}
+    delta = set(symbols_where(lambda e: e.family == "delta"))
+    linear = set(pattern) & delta if pattern else delta
     for flag, heads in (("--hp-linear-num-key-heads", fields["linear_num_key_heads"]),
                         ("--hp-linear-num-value-heads", fields["linear_num_value_heads"])):
         if linear and (heads % tp or (heads // tp) % ulysses):
@@ -233,8 +193,10 @@ def apply_hp_config(config, args):
     if isinstance(config, MLATransformerConfig):
         ours = {name: value for name, value in ours.items() if name not in MLA_FIELD_NAMES}
     if getattr(args, "hp_hf_config", None) is not None:
-        from hp_megatron.models import preset_from_hf
+        preset = getattr(args, "hp_preset", None)   # apply_hf_config_to_args's, when it ran
+        if preset is None:
+            from hp_megatron.models import preset_from_hf
 
-        preset = preset_from_hf(args.hp_hf_config)
+            preset = preset_from_hf(args.hp_hf_config)
         ours.update(preset.mixer_fields, hp_layer_pattern=preset.pattern)
     return hybrid_config(config, **ours)

@@ -18,8 +18,9 @@ from typing import Optional
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from layers.base.choices import (BACKENDS, CP_LAYOUTS, CP_METHOD_CHOICES, MLA_CP_STRATEGY_CHOICES, RECOMPUTE_MODULES,
-                            ROPE_TYPES)
+from hp_megatron.hybrid_layer import validate_pattern
+from hp_megatron.mixers import mixers, option_rows, symbols
+from layers.base.choices import RECOMPUTE_MODULES
 from layers.cp.auto import MEASURE_TOP
 
 # MLATransformerConfig's own fields that the MLA layer reads; multi_latent_attention stays off (GPTModel would drop
@@ -58,7 +59,7 @@ class HybridFields:
     """Token layout over the CP ranks of every mixer (GDN, KDA, MLA, attention) and the data path: ``zigzag``
     (Megatron's load-balanced split) or ``contiguous`` (``--hp-cp-layout``)."""
 
-    delta_backend: str = "eager"
+    hp_backend: str = "eager"
     """GDN/KDA kernel backend: ``eager``, ``triton`` (flash-linear-attention) or ``ascendc`` (fla-npu)."""
 
     delta_cp_method: Optional[str] = None
@@ -140,55 +141,43 @@ def split_recompute_modules(holder) -> None:
                                                       + ours))
 
 
-_CHOICES = {"hp_cp_layout": CP_LAYOUTS, "delta_backend": BACKENDS, "delta_cp_method": CP_METHOD_CHOICES,
-            "mla_cp_strategy": MLA_CP_STRATEGY_CHOICES, "rope_type": ROPE_TYPES}
-_UNSET_ALLOWED = ("delta_cp_method", "mla_cp_strategy")  # None: chosen from megatron's cp_comm_type
-_POSITIVE_INTS = ("delta_cp_group_size", "delta_cp_ulysses_degree", "kda_gate_low_rank_dim")
-_NON_NEGATIVE_INTS = ("delta_cp_auto_measure",)
-_BOOLS = ("linear_conv_bias", "kda_safe_gate", "kda_output_gate_bias", "gated_norm_zero_centered_gamma")
-_OPTIONAL_BOOLS = ("gated_norm_zero_centered_gamma",)
+# the fields whose checks are hand-written below (they read the registry's symbols) or megatron-core's own
+_OWN_CHECKS = ("hp_layer_pattern", "hp_mtp_layer_kind")
+
+
+def _checked_rows(config) -> tuple:
+    """The flag-table rows (``hp_megatron.flags``) whose config field :func:`check_hybrid_fields` checks: our fields
+    (:class:`HybridFields`), ``rope_type`` (a choice of our MLA layer) and the registered mixers' own fields (not
+    fields of the config class); megatron-core's other fields are megatron-core's to check."""
+    from hp_megatron.flags import flag_table
+
+    declared = type(config).__dataclass_fields__ if hasattr(type(config), "__dataclass_fields__") else {}
+    return tuple(row for row in flag_table() if row.field is not None and row.field not in _OWN_CHECKS
+                 and (row.field in HYBRID_FIELD_NAMES or row.field == "rope_type" or row.field not in declared))
 
 
 def check_hybrid_fields(config) -> None:
-    """ValueError naming the field and its value when one of our fields (or ``rope_type``) is out of range."""
+    """ValueError naming the field and its value when one of our fields (or ``rope_type``, or a registered mixer's
+    field) is out of range: the flag table's types, choices and checks, then the pattern, the MTP kind, the
+    recompute names and the fields only ``auto`` reads."""
     owner = type(config).__name__
-    for name, allowed in _CHOICES.items():
-        value, optional = getattr(config, name), name in _UNSET_ALLOWED
-        if value not in allowed and not (optional and value is None):
-            raise ValueError(f"{owner}.{name} must be one of {allowed}{' or None' if optional else ''}, got {value!r}")
-    for name in _POSITIVE_INTS:
-        value = getattr(config, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ValueError(f"{owner}.{name} must be a positive int or None, got {value!r}")
-    for name in _NON_NEGATIVE_INTS:
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{owner}.{name} must be an int >= 0, got {value!r}")
-    for name in _BOOLS:
-        value, optional = getattr(config, name), name in _OPTIONAL_BOOLS
-        if not isinstance(value, bool) and not (optional and value is None):
-            raise ValueError(f"{owner}.{name} must be a bool{' or None' if optional else ''}, got {value!r}")
+    for row in _checked_rows(config):
+        value = getattr(config, row.field, row.default)
+        problem = row.problem(value)
+        if problem:
+            raise ValueError(f"{owner}.{row.field} {problem}, got {value!r}")
     check_auto_fields(config)
     bad = [n for n in config.hp_recompute_modules or () if n not in RECOMPUTE_MODULES]
     if bad:
         raise ValueError(f"{owner}.hp_recompute_modules {bad}: unknown; accepted: {' '.join(RECOMPUTE_MODULES)}")
-    bound = config.kda_lower_bound
-    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or bound >= 0):
-        raise ValueError(f"{owner}.kda_lower_bound must be a negative number or None, got {bound!r}")
     if config.hp_layer_pattern is not None:
-        from hp_megatron.hybrid_layer import validate_pattern
-        from hp_megatron.specs.layer_specs import SYMBOLS
-
         try:
-            validate_pattern(config.hp_layer_pattern, SYMBOLS)
+            validate_pattern(config.hp_layer_pattern, symbols())
         except ValueError as err:
             raise ValueError(f"{owner}.hp_layer_pattern {config.hp_layer_pattern!r}: {err}") from None
     kind = config.hp_mtp_layer_kind
-    if kind is not None:
-        from hp_megatron.specs.layer_specs import SYMBOLS
-
-        if kind not in SYMBOLS:
-            raise ValueError(f"{owner}.hp_mtp_layer_kind must be one of {sorted(SYMBOLS)} or None, got {kind!r}")
+    if kind is not None and kind not in symbols():
+        raise ValueError(f"{owner}.hp_mtp_layer_kind must be one of {sorted(symbols())} or None, got {kind!r}")
 
 
 @dataclass
@@ -212,13 +201,14 @@ def hybrid_config(config: TransformerConfig, **overrides):
 
     A field-wise copy into the subclass, as ``copy.copy`` makes (megatron's ``__post_init__`` is not run again:
     it is not idempotent, e.g. ``enable_cuda_graph`` sets ``cuda_graph_impl`` and then refuses it); only our
-    fields are checked (:func:`check_hybrid_fields`). An override or attribute that is no field of the class
-    raises TypeError naming it.
+    fields are checked (:func:`check_hybrid_fields`). A registered mixer's own config field
+    (``MixerEntry.options``, e.g. of a mixer loaded by ``--hp-mixer-module``) is accepted as an attribute. An
+    override or attribute that is neither raises TypeError naming it.
     """
     if not isinstance(config, TransformerConfig):
         raise TypeError(f"hybrid_config needs a megatron TransformerConfig, got {type(config).__name__}")
     cls = HybridMLATransformerConfig if isinstance(config, MLATransformerConfig) else HybridTransformerConfig
-    known = cls.__dataclass_fields__
+    known = {**cls.__dataclass_fields__, **{row.field: row for row in option_rows()}}
     carried = vars(config)
     for what, names in (("override", overrides), (f"{type(config).__name__} attribute", carried)):
         unknown = sorted(set(names) - set(known))
@@ -238,7 +228,8 @@ def check_auto_fields(config) -> None:
     ``delta_cp_method`` or ``mla_cp_strategy`` ``"auto"``; ``delta_cp_auto_measure`` other than its default needs
     ``delta_cp_method="auto"``."""
     owner = type(config).__name__
-    if config.hp_cp_calibration is not None and "auto" not in (config.delta_cp_method, config.mla_cp_strategy):
+    auto_fields = tuple(dict.fromkeys(e.cp_auto_field for e in mixers().values() if e.cp_auto_field))
+    if config.hp_cp_calibration is not None and "auto" not in (getattr(config, f, None) for f in auto_fields):
         raise ValueError(f"{owner}.hp_cp_calibration {config.hp_cp_calibration!r} needs delta_cp_method or "
                          f"mla_cp_strategy 'auto' (got {config.delta_cp_method!r} / {config.mla_cp_strategy!r})")
     if config.delta_cp_auto_measure != MEASURE_TOP and config.delta_cp_method != "auto":

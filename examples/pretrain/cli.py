@@ -51,6 +51,19 @@ class RankZeroArgumentParser(argparse.ArgumentParser):
         if launch_rank() == 0:
             super()._print_message(message, file)
 
+    def add_argument_group(self, *args, **kwargs):
+        """A group whose value-taking flags without help text get a ``(default: ...)`` line in --help (the formatter
+        appends it to flags that have help text)."""
+        group = super().add_argument_group(*args, **kwargs)
+        add = group.add_argument
+
+        def add_with_default_help(*flags, **options):
+            if options.get("help") is None and options.get("action") not in ("store_true", "store_false"):
+                options["help"] = "(default: %(default)s)"
+            return add(*flags, **options)
+        group.add_argument = add_with_default_help
+        return group
+
     def error(self, message):
         rank = launch_rank()
         if rank == 0:
@@ -60,8 +73,10 @@ class RankZeroArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The example's flags; add groups to the returned parser to extend it (its defaults show in --help)."""
+def build_parser(argv=None) -> argparse.ArgumentParser:
+    """The example's flags; add groups to the returned parser to extend it (its defaults show in --help).
+    ``argv`` (default ``sys.argv[1:]``): where ``--hp-mixer-module`` modules are read from, imported before the
+    ``--hp-*`` flags are added (``hp_megatron.arguments.add_hp_arguments``)."""
     parser = RankZeroArgumentParser(prog=PROG, description="Pretrain a hybrid GDN/KDA/MLA GPT with megatron-core",
                                     allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = parser.add_argument_group("parallelism (Megatron-LM names)")
@@ -142,24 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on resume, take the LR schedule from the flags instead of the checkpoint")
     g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
                    help="on resume, keep the checkpoint's LR schedule without a warning")
-    add_hp_arguments(parser)
-    show_defaults(parser)
+    add_hp_arguments(parser, argv)
     return parser
-
-
-def show_defaults(parser: argparse.ArgumentParser) -> None:
-    """Give every value-taking flag without help text a ``(default: ...)`` line in --help (the formatter
-    appends it to flags that have help text)."""
-    for action in parser._actions:
-        if action.help is None and action.nargs != 0:
-            action.help = "(default: %(default)s)"
 
 
 def parse_args(argv=None, parser=None):
     """Parse and check the flags; fills the derived defaults (FFN size, decay iters, layer pattern)."""
-    parser = parser or build_parser()
+    parser = parser or build_parser(argv)
     args = parser.parse_args(argv)
-    args.hp_preset = apply_hf_preset(parser, args, sys.argv[1:] if argv is None else argv)
+    args.hp_preset = apply_hf_preset(args, sys.argv[1:] if argv is None else argv)
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 64 * math.ceil(8 * args.hidden_size / 3 / 64)
     if args.num_experts is not None and args.moe_ffn_hidden_size is None:
@@ -182,28 +188,22 @@ PRESET_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
 # how the router is balanced is a training choice: given on the command line, these flags (all three, with
 # Megatron-LM's defaults for those not given) replace the preset's balancing (none: transformers' loss has no aux loss)
 TRAINING_MOE_ARGS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_router_bias_update_rate")
-PRESET_LAYER_ATTRS = {
-    "hp_linear_num_key_heads": "linear_num_key_heads", "hp_linear_num_value_heads": "linear_num_value_heads",
-    "hp_linear_key_head_dim": "linear_key_head_dim", "hp_linear_value_head_dim": "linear_value_head_dim",
-    "hp_linear_conv_kernel_dim": "linear_conv_kernel_dim", "hp_kda_lower_bound": "kda_lower_bound",
-    "hp_kda_gate_low_rank_dim": "kda_gate_low_rank_dim", "hp_kda_safe_gate": "kda_safe_gate",
-    "hp_mla_q_lora_rank": "q_lora_rank", "hp_mla_kv_lora_rank": "kv_lora_rank", "hp_mla_qk_head_dim": "qk_head_dim",
-    "hp_mla_qk_pos_emb_head_dim": "qk_pos_emb_head_dim", "hp_mla_v_head_dim": "v_head_dim",
-    "hp_mla_rope_type": "rope_type", "hp_mla_cp": "mla_cp_strategy", "hp_mtp_layer_kind": "hp_mtp_layer_kind"}
 
 
-def _given_on_command_line(parser, argv, dest: str) -> bool:
-    """Whether the flag of ``dest`` is on ``argv`` (``--flag V`` or ``--flag=V``; abbreviations are off)."""
-    strings = next(a.option_strings for a in parser._actions if a.dest == dest)
-    return any(arg == s or arg.startswith(s + "=") for s in strings for arg in argv)
+def _given_on_command_line(argv, dest: str) -> bool:
+    """Whether the flag of ``dest`` (``--`` + dest with dashes) is on ``argv`` (``--flag V`` or ``--flag=V``;
+    abbreviations are off)."""
+    flag = "--" + dest.replace("_", "-")
+    return any(arg == flag or arg.startswith(flag + "=") for arg in argv)
 
 
-def apply_hf_preset(parser, args, argv):
+def apply_hf_preset(args, argv):
     """With ``--hp-hf-config PATH``: the model flags from that HF config (``apply_hf_config_to_args``); returns
     the ``ModelPreset`` (None without the flag). A model flag given on the command line with another value than
     the preset's is refused (ValueError naming both)."""
     if args.hp_hf_config is None:
         return None
+    from hp_megatron.flags import preset_flag_fields
     from hp_megatron.models import preset_from_hf
     from hp_megatron.models.args import apply_hf_config_to_args, megatron_args
 
@@ -214,16 +214,16 @@ def apply_hf_preset(parser, args, argv):
         value = wanted.get(dest, None)
         if dest == "num_query_groups" and value is None:
             value = wanted["num_attention_heads"]
-        if _given_on_command_line(parser, argv, dest) and getattr(args, dest) != value:
+        if _given_on_command_line(argv, dest) and getattr(args, dest) != value:
             raise ValueError(f"--{dest.replace('_', '-')} {getattr(args, dest)} conflicts with {source} "
                              f"({preset.model_type}: {dest} {value})")
-    for dest, attr in PRESET_LAYER_ATTRS.items():
-        if _given_on_command_line(parser, argv, dest) and getattr(args, dest) != preset.mixer_fields.get(attr):
+    for dest, attr in preset_flag_fields().items():   # the flag table's rows the preset decides
+        if _given_on_command_line(argv, dest) and getattr(args, dest) != preset.mixer_fields.get(attr):
             raise ValueError(f"--{dest.replace('_', '-')} {getattr(args, dest)} conflicts with {source} "
                              f"({preset.model_type}: {attr} {preset.mixer_fields.get(attr)})")
     training_choices = {dest: getattr(args, dest) for dest in TRAINING_MOE_ARGS}
-    preset = apply_hf_config_to_args(args)
-    if any(_given_on_command_line(parser, argv, dest) for dest in TRAINING_MOE_ARGS):
+    preset = apply_hf_config_to_args(args, preset)
+    if any(_given_on_command_line(argv, dest) for dest in TRAINING_MOE_ARGS):
         for dest, value in training_choices.items():
             setattr(args, dest, value)
     return preset
@@ -343,8 +343,9 @@ def check_moe_args(args, world_size: int) -> None:
 
 def check_mtp_args(args) -> None:
     """``--mtp-num-layers`` and its layer kind (ValueError naming the flags)."""
-    from hp_megatron.specs.mtp import ATTENTION_KINDS
+    from hp_megatron.mixers import mtp_symbols as mtp_kinds
 
+    kinds = " or ".join(mtp_kinds())
     depth = args.mtp_num_layers
     if depth is not None and depth < 0:
         raise ValueError(f"--mtp-num-layers must be non-negative, got {depth}")
@@ -356,11 +357,11 @@ def check_mtp_args(args) -> None:
     kind = args.hp_mtp_layer_kind or (symbols.pop() if len(symbols) == 1 else None)
     if kind is None:
         raise ValueError(f"--mtp-num-layers {depth} with --hp-layer-pattern {args.hp_layer_pattern}: the MTP layers "
-                         f"have one fixed kind; add --hp-mtp-layer-kind ({' or '.join(ATTENTION_KINDS)})")
-    if kind not in ATTENTION_KINDS:
+                         f"have one fixed kind; add --hp-mtp-layer-kind ({kinds})")
+    if kind not in mtp_kinds():
         raise ValueError(f"--mtp-num-layers {depth} with MTP layer kind {kind} (--hp-layer-pattern "
                          f"{args.hp_layer_pattern}): megatron-core's MTP layer is an attention layer; use "
-                         f"--hp-mtp-layer-kind {' or '.join(ATTENTION_KINDS)}")
+                         f"--hp-mtp-layer-kind {kinds}")
 
 
 def _check_writable_dir(flag, path):

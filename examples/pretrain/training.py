@@ -101,7 +101,9 @@ def describe_model(args, vocab_size, n_params, device) -> str:
         parts.append(f"MTP: {args.mtp_num_layers} depth(s) on the last stage, loss scaling factor "
                      f"{args.mtp_loss_scaling_factor:g}")
     cp = args.context_parallel_size
-    if set(pattern) & {"G", "K"}:
+    from hp_megatron.mixers import symbols_where
+
+    if set(pattern) & set(symbols_where(lambda e: e.family == "delta")):
         text = f"GDN/KDA: backend {args.hp_backend}"
         if cp > 1 and args.hp_cp_method == "auto":
             text += ", CP method auto (method, group size and Ulysses degree chosen per layer shape at the first step)"
@@ -111,8 +113,8 @@ def describe_model(args, vocab_size, n_params, device) -> str:
             if args.hp_cp_group_size:
                 text += f", group size {args.hp_cp_group_size}"
         parts.append(text)
-    if "M" in pattern and cp > 1:
-        parts.append(f"MLA CP {args.hp_mla_cp}")
+    if set(pattern) & set(symbols_where(lambda e: e.family == "mla")) and cp > 1:
+        parts.append(f"MLA CP {args.hp_mla_cp_strategy}")
     if cp > 1:
         parts.append(f"layout {args.hp_cp_layout}")
     parts.append(f"device {device}")

@@ -38,15 +38,18 @@ def megatron_args(preset: ModelPreset) -> dict:
     return args
 
 
-def apply_hf_config_to_args(args):
-    """With ``args.hp_hf_config`` set: put :func:`megatron_args` of that config on ``args`` and return the preset;
-    otherwise return None."""
+def apply_hf_config_to_args(args, preset=None):
+    """With ``args.hp_hf_config`` set: put :func:`megatron_args` of that config on ``args``, keep the preset as
+    ``args.hp_preset`` (``hp_megatron.arguments.apply_hp_config`` reads it instead of parsing the config again) and
+    return it; otherwise return None. ``preset``: that config's preset when the caller has it already."""
     path = getattr(args, "hp_hf_config", None)
     if path is None:
         return None
-    from hp_megatron.models import preset_from_hf
+    if preset is None:
+        from hp_megatron.models import preset_from_hf
 
-    preset = preset_from_hf(path)
+        preset = preset_from_hf(path)
     for name, value in megatron_args(preset).items():
         setattr(args, name, value)
+    args.hp_preset = preset
     return preset

@@ -16,12 +16,14 @@ from __future__ import annotations
 import torch
 
 from hp_megatron.convert.rules import TensorRule, identity_rule
+from hp_megatron.mixers import check_hf_symbols
 from hp_megatron.models.common import (ModelPreset, decoder_config, field_of, layer_norm_rules, layer_prefix,
                                        mla_fields, mla_rules, mlp_rules, model_rules, moe_router_config, refuse,
                                        require, swiglu_fc1_rule)
 
 MODEL_TYPE = "kimi_linear"
-LAYER_SYMBOLS = {"linear_attention": "K", "full_attention": "M"}
+# HF layer type -> pattern symbol (checked against the mixer registry, hp_megatron.mixers)
+LAYER_SYMBOLS = check_hf_symbols(MODEL_TYPE, {"linear_attention": "K", "full_attention": "M"})
 
 
 def _get(hf: dict, *names, default=None):

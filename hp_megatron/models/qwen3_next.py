@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from hp_megatron.convert.rules import TensorRule, identity_rule
+from hp_megatron.mixers import check_hf_symbols
 from hp_megatron.models.common import (ModelPreset, check_mtp_depth, decoder_config, field_of, layer_mlp_rules,
                                        layer_norm_rules, layer_prefix, mlp_rules, model_rules, moe_router_config, moe_rules,
                                        mtp_head_rules, mtp_layer_prefix, norm_rules, refuse, require,
@@ -26,7 +27,8 @@ from hp_megatron.models.common import (ModelPreset, check_mtp_depth, decoder_con
 from layers.convert import GDN_IN_PROJ_PARTS, join_qwen3_next_in_proj, split_qwen3_next_in_proj
 
 MODEL_TYPE = "qwen3_next"
-LAYER_SYMBOLS = {"linear_attention": "G", "full_attention": "A"}
+# HF layer type -> pattern symbol (checked against the mixer registry, hp_megatron.mixers)
+LAYER_SYMBOLS = check_hf_symbols(MODEL_TYPE, {"linear_attention": "G", "full_attention": "A"})
 MTP_FIELD = "mtp_num_hidden_layers"
 
 

@@ -29,8 +29,8 @@ Every spec builds megatron-core MoE layers where ``--num-experts`` / ``--moe-lay
 from hp_megatron.hybrid_layer import HybridLayer, HybridLayerSubmodules
 from layers.mixers.attention.context_parallel import ContextParallelDotProductAttention
 from hp_megatron.specs.hybrid_stack import STACK_SPECS, get_hybrid_stack_spec, ready_stack_spec
-from hp_megatron.specs.layer_specs import (MIXERS, SYMBOLS, get_hybrid_layer_spec, get_layer_spec,
-                                           get_layer_submodules, get_mixer_spec)
+from hp_megatron.mixers import mixer_names, symbols
+from hp_megatron.specs.layer_specs import get_hybrid_layer_spec, get_layer_spec, get_layer_submodules, get_mixer_spec
 from hp_megatron.specs.providers import (AscendCSpecProvider, EagerSpecProvider, TritonSpecProvider,
                                          get_spec_provider)
 
@@ -39,26 +39,41 @@ READY_MTP_SYMBOLS = {"qwen3_next": "A"}  # the kind of the MTP layers (Qwen3-Nex
 _SUFFIX = {"eager": "", "triton": "_triton", "ascendc": "_ascendc"}
 
 
+BUILTIN_MIXERS = ("gdn", "kda", "mla", "attn")  # the ready one-mixer specs; a registered mixer: get_layer_spec
+# the pattern-less specs (every registered symbol, pattern from --hp-layer-pattern): built on first access, so that
+# mixers registered by --hp-mixer-module before the model is built are in them
+LAZY_SPECS = {f"hybrid{suffix}_spec": backend for backend, suffix in _SUFFIX.items()}
+
+
 def _ready_specs():
     specs = {}
     for backend, suffix in _SUFFIX.items():
         for name, pattern in READY_PATTERNS.items():
             specs[f"{name}{suffix}_spec"] = get_hybrid_layer_spec(pattern, backend, qk_layernorm="config",
                                                                     mtp_symbol=READY_MTP_SYMBOLS.get(name))
-        specs[f"hybrid{suffix}_spec"] = get_hybrid_layer_spec(None, backend, qk_layernorm="config")
-        for mixer in MIXERS:
+        for mixer in BUILTIN_MIXERS:
             specs[f"{mixer}{suffix}_spec"] = get_layer_spec(mixer, backend, qk_layernorm="config")
     return specs
 
 
-READY_SPECS = sorted(_ready_specs_dict := _ready_specs())
+_ready_specs_dict = _ready_specs()
+READY_SPECS = sorted([*_ready_specs_dict, *LAZY_SPECS])
 globals().update(_ready_specs_dict)
 del _ready_specs_dict
 
 def __getattr__(name):
-    """The stack specs of ``STACK_SPECS`` (``hybrid_stack_spec`` ...), built on first access and then module globals
-    (Megatron-LM's ``import_module`` reads ``vars(module)`` after its ``from``-import has touched the name): they need
-    megatron-core's HybridModel (0.19+), and ``import hp_megatron.specs`` works on every supported version."""
+    """Built on first access, then module globals (Megatron-LM's ``import_module`` reads ``vars(module)`` after its
+    ``from``-import has touched the name): the stack specs of ``STACK_SPECS`` (``hybrid_stack_spec`` ...; they need
+    megatron-core's HybridModel, 0.19+, and ``import hp_megatron.specs`` works on every supported version) and the
+    pattern-less ``hybrid*_spec`` of :data:`LAZY_SPECS` (every mixer registered by then). ``SYMBOLS`` / ``MIXERS``:
+    the registry's ``{symbol: name}`` and names, read now."""
+    if name == "SYMBOLS":
+        return symbols()
+    if name == "MIXERS":
+        return mixer_names()
+    if name in LAZY_SPECS:
+        spec = globals()[name] = get_hybrid_layer_spec(None, LAZY_SPECS[name], qk_layernorm="config")
+        return spec
     if name not in STACK_SPECS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     spec = globals()[name] = ready_stack_spec(name)

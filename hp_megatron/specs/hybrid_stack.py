@@ -30,11 +30,15 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
+from hp_megatron.mixers import mixer_named, mixers, symbols_where
 from hp_megatron.specs.layer_specs import _moe_mlp_spec, get_mixer_spec
 from hp_megatron.specs.providers import get_spec_provider
 from layers.base.megatron_compat import dense_mlp_spec
 
-G_MIXERS = ("gdn", "kda")
+
+def g_mixers() -> tuple:
+    """The names of the registered mixers that may fill HybridModel's ``G`` slot (``MixerEntry.stack_slot``)."""
+    return tuple(mixers()[s].name for s in symbols_where(lambda e: e.stack_slot == "gdn_layer"))
 
 
 def _megatron_hybrid():
@@ -55,7 +59,7 @@ def _megatron_hybrid():
 def _mixer_layer(mixer: str, provider, qk_layernorm, cp_layout) -> ModuleSpec:
     from hp_megatron.hybrid_stack import HybridStackLayer
 
-    return ModuleSpec(module=HybridStackLayer, params={"own_positions": mixer == "mla"},
+    return ModuleSpec(module=HybridStackLayer, params={"own_positions": mixer_named(mixer).own_positions},
                       submodules=TransformerLayerSubmodules(
                           input_layernorm=provider.layer_norm(rms_norm=True),
                           self_attention=get_mixer_spec(mixer, provider, qk_layernorm=qk_layernorm,
@@ -71,8 +75,8 @@ def get_hybrid_stack_spec(backend="eager", *, g_mixer: str = "gdn", qk_layernorm
     mixer of the ``G`` slot, ``gdn`` or ``kda``; ``qk_layernorm``: the attention layers' q/k RMSNorms (True, False
     or ``"config"``: per ``config.qk_layernorm``); ``cp_layout``: written into the mixers' params (None: their
     default, ``config.hp_cp_layout``)."""
-    if g_mixer not in G_MIXERS:
-        raise ValueError(f"g_mixer (the mixer of the 'G' slot) must be one of {G_MIXERS}, got {g_mixer!r}")
+    if g_mixer not in g_mixers():
+        raise ValueError(f"g_mixer (the mixer of the 'G' slot) must be one of {g_mixers()}, got {g_mixer!r}")
     HybridStackSubmodules, MLPLayer, MoETransformerLayer = _megatron_hybrid()
     from hp_megatron.hybrid_stack import HybridStack
 

@@ -8,94 +8,34 @@ MoE: every spec carries megatron-core's ``MoELayer`` (router, token dispatcher, 
 experts with the optional shared-expert gate); the layers build it where ``config.num_moe_experts`` and
 ``config.moe_layer_freq`` say (see ``hp_megatron.hybrid_layer``), the dense MLP elsewhere.
 
-Pattern symbols (``SYMBOLS``): ``G`` GDN, ``K`` KDA, ``M`` MLA, ``A`` standard causal softmax attention.
+Pattern symbols (``SYMBOLS``, the mixer registry ``hp_megatron.mixers``): ``G`` GDN, ``K`` KDA, ``M`` MLA, ``A``
+standard causal softmax attention, plus any registered mixer (``--hp-mixer-module``).
 """
 from __future__ import annotations
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-from hp_megatron.hybrid_layer import HybridLayer, HybridLayerSubmodules, QKNormFromConfig, validate_pattern
+from hp_megatron.hybrid_layer import HybridLayer, HybridLayerSubmodules, validate_pattern
+from hp_megatron.mixers import mixer_named, mixer_names, symbols, symbols_where
 from hp_megatron.specs.providers import get_spec_provider
 from layers.base.megatron_compat import bind_moe_router_gemm, dense_mlp_spec
 
-MIXERS = ("gdn", "kda", "mla", "attn")
-SYMBOLS = {"G": "gdn", "K": "kda", "M": "mla", "A": "attn"}
-OWN_POSITIONS = ("M",)  # MLA applies its own rotary embedding (or none); G/K ignore positions
 
 
-def _qk_norm(provider, qk_layernorm):
-    """The attention's q/k norm spec: ``qk_layernorm`` True, False, or "config" (``QKNormFromConfig``)."""
-    if qk_layernorm == "config":
-        return QKNormFromConfig(provider.layer_norm(rms_norm=True, for_qk=True))
-    if not isinstance(qk_layernorm, bool):
-        raise ValueError(f"qk_layernorm must be True, False or 'config' (follow config.qk_layernorm when the layer "
-                         f"is built), got {qk_layernorm!r}")
-    return provider.layer_norm(rms_norm=True, for_qk=True) if qk_layernorm else IdentityOp
-
-
-def _attention_spec(provider, qk_layernorm, cp_layout) -> ModuleSpec:
-    norm = _qk_norm(provider, qk_layernorm)
-    return ModuleSpec(
-        module=SelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal},
-        submodules=SelfAttentionSubmodules(
-            linear_qkv=provider.column_parallel_linear(),
-            core_attention=ModuleSpec(module=provider.core_attention(),
-                                      params={"backend": provider.attention_backend,
-                                              **({} if cp_layout is None else {"layout": cp_layout})}),
-            linear_proj=provider.row_parallel_linear(),
-            q_layernorm=norm,
-            k_layernorm=norm,
-        ),
-    )
-
-
-def _delta_mixer_spec(mixer: str, provider, cp_layout) -> ModuleSpec:
-    from layers.mixers.delta.mixer import DeltaMixerSubmodules
-    from layers.mixers.delta.gdn import GatedDeltaNet
-    from layers.mixers.delta.kda import KimiDeltaAttention
-
-    params = {"backend": provider.mixer_backend}
-    if cp_layout is not None:
-        params["cp_layout"] = cp_layout
-    return ModuleSpec(
-        module=GatedDeltaNet if mixer == "gdn" else KimiDeltaAttention,
-        params=params,
-        submodules=DeltaMixerSubmodules(
-            in_proj=provider.column_parallel_linear(),
-            out_norm=provider.gated_norm(),
-            out_proj=provider.row_parallel_linear(),
-        ),
-    )
-
-
-def _mla_spec(provider, cp_layout) -> ModuleSpec:
-    from layers.mixers.mla.layer import MLASelfAttentionSubmodules, MultiLatentAttention
-
-    norm = provider.layer_norm(rms_norm=True, for_qk=True)
-    column, row = provider.column_parallel_linear(), provider.row_parallel_linear()
-    return ModuleSpec(
-        module=MultiLatentAttention,
-        params={"attn_mask_type": AttnMaskType.causal, **({} if cp_layout is None else {"cp_layout": cp_layout})},
-        submodules=MLASelfAttentionSubmodules(
-            linear_q_proj=column,
-            linear_q_down_proj=column,
-            linear_q_up_proj=column,
-            linear_kv_down_proj=column,
-            linear_kv_up_proj=column,
-            core_attention=provider.latent_core_attention(),
-            linear_proj=row,
-            q_layernorm=norm,
-            kv_layernorm=norm,
-        ),
-    )
+def __getattr__(name):
+    """``SYMBOLS`` (``{symbol: mixer name}``), ``MIXERS`` (the mixer names) and ``OWN_POSITIONS`` (the symbols whose
+    mixer applies its own positions): live views of the registry (``hp_megatron.mixers``)."""
+    if name == "SYMBOLS":
+        return symbols()
+    if name == "MIXERS":
+        return mixer_names()
+    if name == "OWN_POSITIONS":
+        return symbols_where(lambda e: e.own_positions)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _moe_mlp_spec(provider) -> ModuleSpec:
@@ -107,18 +47,14 @@ def _moe_mlp_spec(provider) -> ModuleSpec:
 
 def get_mixer_spec(mixer: str, backend="eager", *, qk_layernorm: bool | str = False, linear: str = "local",
                    cp_layout: str | None = None) -> ModuleSpec:
-    """The ``self_attention`` spec of one mixer (``gdn | kda | mla | attn``) for a backend or provider.
+    """The ``self_attention`` spec of one registered mixer (``gdn | kda | mla | attn`` or a registered one's name)
+    for a backend or provider: the registry entry's spec builder (``hp_megatron.mixers``).
 
     ``cp_layout`` (``zigzag | contiguous``) is written into the mixer's params; None leaves the mixer's own
     default (config ``hp_cp_layout``, set by ``--hp-cp-layout``; zigzag when unset)."""
-    if mixer not in MIXERS:
-        raise ValueError(f"mixer must be one of {MIXERS}, got {mixer!r}")
+    entry = mixer_named(mixer)
     provider = get_spec_provider(backend, linear=linear)
-    if mixer == "attn":
-        return _attention_spec(provider, qk_layernorm, cp_layout)
-    if mixer == "mla":
-        return _mla_spec(provider, cp_layout)
-    return _delta_mixer_spec(mixer, provider, cp_layout)
+    return entry.spec(provider, qk_layernorm=qk_layernorm, cp_layout=cp_layout)
 
 
 def get_layer_submodules(mixer: str, backend="eager", *, qk_layernorm: bool | str = False, linear: str = "local",
@@ -141,10 +77,7 @@ def get_layer_spec(mixer: str, backend="eager", *, qk_layernorm: bool | str = Fa
                    cp_layout: str | None = None) -> ModuleSpec:
     """A layer spec whose ``self_attention`` is one mixer in every layer (a one-symbol ``HybridLayer``, so MoE
     layers follow ``config.num_moe_experts`` / ``moe_layer_freq`` as in every spec here)."""
-    symbol = {name: sym for sym, name in SYMBOLS.items()}.get(mixer)
-    if symbol is None:
-        raise ValueError(f"mixer must be one of {MIXERS}, got {mixer!r}")
-    return get_hybrid_layer_spec(symbol, backend, qk_layernorm=qk_layernorm, linear=linear, cp_layout=cp_layout)
+    return get_hybrid_layer_spec(mixer_named(mixer).symbol, backend, qk_layernorm=qk_layernorm, linear=linear, cp_layout=cp_layout)
 
 
 def get_hybrid_layer_spec(pattern: str | None, backend="eager", *, qk_layernorm: bool | str = False,
@@ -160,16 +93,18 @@ def get_hybrid_layer_spec(pattern: str | None, backend="eager", *, qk_layernorm:
     ``mtp_symbol``: the kind of the multi-token-prediction layers built from this spec
     (``hp_megatron.specs.get_mtp_block_spec``); None: ``config.hp_mtp_layer_kind``, else the pattern's only symbol.
     """
-    symbols = sorted(SYMBOLS) if pattern is None else sorted(set(validate_pattern(pattern, SYMBOLS)))
+    known = symbols()
+    used = sorted(known) if pattern is None else sorted(set(validate_pattern(pattern, known)))
     if mtp_symbol is not None:
-        validate_pattern(mtp_symbol, SYMBOLS)
+        validate_pattern(mtp_symbol, known)
         if len(mtp_symbol) != 1:
-            raise ValueError(f"mtp_symbol must be one layer symbol of {sorted(SYMBOLS)}, got {mtp_symbol!r}")
-        symbols = sorted(set(symbols) | {mtp_symbol})
-    layer_types = {symbol: get_layer_submodules(SYMBOLS[symbol], backend, qk_layernorm=qk_layernorm,
+            raise ValueError(f"mtp_symbol must be one layer symbol of {sorted(known)}, got {mtp_symbol!r}")
+        used = sorted(set(used) | {mtp_symbol})
+    layer_types = {symbol: get_layer_submodules(known[symbol], backend, qk_layernorm=qk_layernorm,
                                                 linear=linear, cp_layout=cp_layout)
-                   for symbol in symbols}
+                   for symbol in used}
+    own_positions = symbols_where(lambda e: e.own_positions)
     return ModuleSpec(module=HybridLayer, params={"pattern": pattern},
-                      submodules=HybridLayerSubmodules(layer_types=layer_types, own_positions=OWN_POSITIONS,
+                      submodules=HybridLayerSubmodules(layer_types=layer_types, own_positions=own_positions,
                                                        moe_mlp=_moe_mlp_spec(get_spec_provider(backend, linear)),
                                                        mtp_symbol=mtp_symbol))

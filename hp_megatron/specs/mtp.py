@@ -15,10 +15,9 @@ from megatron.core.transformer.multi_token_prediction import (MultiTokenPredicti
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from hp_megatron.hybrid_layer import HybridLayer, HybridLayerSubmodules, MTPHybridLayer, mtp_layer_symbol
+from hp_megatron.mixers import mtp_symbols as mtp_kinds
 from hp_megatron.specs.providers import get_spec_provider
 from layers.base.megatron_compat import mtp_layer_submodules
-
-ATTENTION_KINDS = ("A", "M")  # megatron-core's MTP layer needs an attention mask type (causal attention layers)
 
 
 def mtp_transformer_layer_spec(config, layer_spec: ModuleSpec) -> ModuleSpec:
@@ -32,9 +31,9 @@ def mtp_transformer_layer_spec(config, layer_spec: ModuleSpec) -> ModuleSpec:
         raise ValueError("multi-token prediction with a pattern-less HybridLayer spec reads config.hp_layer_pattern "
                          "(--hp-layer-pattern), which is not set")
     kind = mtp_layer_symbol(submodules, pattern, config)
-    if kind not in ATTENTION_KINDS:
+    if kind not in mtp_kinds():
         raise ValueError(f"MTP layer kind {kind!r}: megatron-core's MTP layers need an attention layer "
-                         f"(one of {ATTENTION_KINDS})")
+                         f"(one of {mtp_kinds()})")
     params = {k: v for k, v in layer_spec.params.items() if k not in ("pattern", "mtp")}
     return ModuleSpec(module=MTPHybridLayer, submodules=submodules.layer_types[kind],
                       params={**params, "kind": kind, "moe_mlp": submodules.moe_mlp,

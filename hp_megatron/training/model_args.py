@@ -13,17 +13,17 @@ from __future__ import annotations
 import argparse
 import os
 
+from hp_megatron.flags import model_flag_dests
+
 MODEL_ARGS_KEY = "hp_model_args"
 
-# the example's flags (``args`` attribute names) that define its model's tensors and forward
-MODEL_ARG_NAMES = (
+# the example's flags (``args`` attribute names) that define its model's tensors and forward: Megatron-LM's, then the
+# flag table's model rows (hp_megatron.flags; the built-in mixers'; a --hp-mixer-module's are stored beside them)
+MEGATRON_MODEL_ARG_NAMES = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "seq_length",
     "rotary_base", "bf16", "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function",
-    "moe_router_enable_expert_bias", "mtp_num_layers", "hp_layer_pattern", "hp_backend", "hp_linear",
-    "hp_linear_num_key_heads", "hp_linear_num_value_heads", "hp_linear_key_head_dim", "hp_linear_value_head_dim",
-    "hp_linear_conv_kernel_dim", "hp_kda_lower_bound", "hp_kda_gate_low_rank_dim", "hp_kda_safe_gate",
-    "hp_mla_q_lora_rank", "hp_mla_kv_lora_rank", "hp_mla_qk_head_dim", "hp_mla_qk_pos_emb_head_dim",
-    "hp_mla_v_head_dim", "hp_mla_rope_type", "hp_mtp_layer_kind")
+    "moe_router_enable_expert_bias", "mtp_num_layers")
+MODEL_ARG_NAMES = MEGATRON_MODEL_ARG_NAMES + model_flag_dests()
 
 
 def hybrid_config_from_args(args, **run):
@@ -53,13 +53,15 @@ def hybrid_model_from_args(args, config, *, vocab_size: int, pre_process: bool =
     """This pipeline stage's ``GPTModel`` (``hybrid_gpt_model``) of the flags ``args`` over
     ``get_hybrid_layer_spec(--hp-layer-pattern)``: RoPE when the pattern (or the MTP layers) has attention,
     untied output layer; the MTP block when ``config.mtp_num_layers``."""
+    from hp_megatron.mixers import symbols_where
     from hp_megatron.specs import get_hybrid_layer_spec
     from hp_megatron.gpt_model import hybrid_gpt_model
 
     mtp_kind = args.hp_mtp_layer_kind if getattr(config, "mtp_num_layers", None) else None
     spec = get_hybrid_layer_spec(args.hp_layer_pattern, backend=args.hp_backend, linear=args.hp_linear,
                                  cp_layout=args.hp_cp_layout, mtp_symbol=mtp_kind)
-    uses_rope = "A" in args.hp_layer_pattern + (mtp_kind or "")  # zigzag with CP: checked by validate_hp_args
+    rope_symbols = symbols_where(lambda e: e.model_rope)   # zigzag with CP: checked by validate_hp_args
+    uses_rope = any(s in args.hp_layer_pattern + (mtp_kind or "") for s in rope_symbols)
     return hybrid_gpt_model(config, spec, vocab_size=vocab_size, max_sequence_length=args.seq_length,
                             pre_process=pre_process, post_process=post_process, backend=args.hp_backend,
                             share_embeddings_and_output_weights=False,
@@ -68,8 +70,15 @@ def hybrid_model_from_args(args, config, *, vocab_size: int, pre_process: bool =
 
 def stored_model_args(args, *, padded_vocab_size: int, vocab_size: int) -> dict:
     """The plain dict a checkpoint stores: :data:`MODEL_ARG_NAMES` of ``args``, ``padded_vocab_size`` (the
-    embedding rows), ``vocab_size`` (the tokenizer's ids) and ``tokenizer`` (its absolute path, or None)."""
+    embedding rows), ``vocab_size`` (the tokenizer's ids) and ``tokenizer`` (its absolute path, or None); with
+    ``--hp-mixer-module``, also those modules and their mixers' model-defining flags (``MixerEntry.options``)."""
+    from hp_megatron.mixers import option_rows
+
     stored = {name: getattr(args, name) for name in MODEL_ARG_NAMES}
+    modules = list(getattr(args, "hp_mixer_module", None) or [])
+    if modules:
+        stored["hp_mixer_module"] = modules
+        stored.update({row.dest: getattr(args, row.dest, row.default) for row in option_rows() if row.model})
     tokenizer = getattr(args, "tokenizer", None)
     stored.update(padded_vocab_size=int(padded_vocab_size), vocab_size=int(vocab_size),
                   tokenizer=os.path.abspath(tokenizer) if tokenizer else None)
@@ -78,13 +87,15 @@ def stored_model_args(args, *, padded_vocab_size: int, vocab_size: int) -> dict:
 
 def args_from_stored(stored: dict) -> argparse.Namespace:
     """The flags of a stored dict as an ``args`` namespace for :func:`hybrid_config_from_args`: the ``--hp-*``
-    defaults (single-rank CP settings) overridden by the stored values; ValueError naming missing entries."""
+    defaults (single-rank CP settings) overridden by the stored values; ValueError naming missing entries. The
+    stored ``hp_mixer_module`` modules are imported first (their mixers registered)."""
     from hp_megatron.arguments import add_hp_arguments
 
     missing = [name for name in MODEL_ARG_NAMES + ("padded_vocab_size",) if name not in stored]
     if missing:
         raise ValueError(f"the checkpoint's {MODEL_ARGS_KEY} lacks {missing}")
-    args = add_hp_arguments(argparse.ArgumentParser(add_help=False)).parse_args([])
+    modules = [arg for module in stored.get("hp_mixer_module") or () for arg in ("--hp-mixer-module", module)]
+    args = add_hp_arguments(argparse.ArgumentParser(add_help=False), modules).parse_args(modules)
     for name, value in stored.items():
         setattr(args, name, value)
     return args

@@ -12,7 +12,7 @@ CP_METHOD_CHOICES = STATE_METHODS + ("ulysses", "auto")       # what a layer / -
                                                               # layers/cp/auto.py picks one of CP_METHODS)
 CP_LAYOUTS = ("zigzag", "contiguous")                         # token layouts over CP ranks
 MLA_CP_STRATEGIES = ("expanded_ulysses", "latent_ulysses", "latent")
-MLA_CP_STRATEGY_CHOICES = MLA_CP_STRATEGIES + ("auto",)       # what an MLA layer / --hp-mla-cp accepts
+MLA_CP_STRATEGY_CHOICES = MLA_CP_STRATEGIES + ("auto",)       # what an MLA layer / --hp-mla-cp-strategy accepts
 ROPE_TYPES = ("rope", "yarn", "none")                         # MLA rotary embeddings ("none": NoPE, Kimi Linear)
 # our parts for megatron's --recompute-granularity selective --recompute-modules (layers/shared/recompute.py)
 RECOMPUTE_MODULES = ("hp_conv", "hp_gated_norm", "hp_mla_up_proj")

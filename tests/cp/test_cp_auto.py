@@ -258,7 +258,7 @@ def test_auto_flags_become_config_fields():
     parser.add_argument("--num-attention-heads", type=int, default=4)
     parser.add_argument("--hidden-size", type=int, default=64)
     add_hp_arguments(parser)
-    fields = hp_config_from_args(parser.parse_args(["--hp-cp-method", "auto", "--hp-mla-cp", "auto",
+    fields = hp_config_from_args(parser.parse_args(["--hp-cp-method", "auto", "--hp-mla-cp-strategy", "auto",
                                                     "--hp-cp-calibration", "cal.json"]))
     assert (fields["delta_cp_method"], fields["mla_cp_strategy"], fields["hp_cp_calibration"]) == (
         "auto", "auto", "cal.json")

@@ -27,7 +27,7 @@ def test_auto_measure_flag_needs_auto():
     with pytest.raises(ValueError, match="--hp-cp-auto-measure 2 needs --hp-cp-method auto"):
         hp_config_from_args(parser.parse_args(["--hp-cp-auto-measure", "2"]))
     with pytest.raises(ValueError, match="--hp-cp-auto-measure 0 needs --hp-cp-method auto"):
-        hp_config_from_args(parser.parse_args(["--hp-cp-method", "p2p", "--hp-mla-cp", "auto",
+        hp_config_from_args(parser.parse_args(["--hp-cp-method", "p2p", "--hp-mla-cp-strategy", "auto",
                                                "--hp-cp-auto-measure", "0"]))
     fields = hp_config_from_args(parser.parse_args(["--hp-cp-method", "auto", "--hp-cp-auto-measure", "0"]))
     assert fields["delta_cp_auto_measure"] == 0
@@ -39,9 +39,9 @@ def test_calibration_flag_needs_an_auto():
     from hp_megatron.arguments import hp_config_from_args
 
     parser = _parser()
-    with pytest.raises(ValueError, match="needs --hp-cp-method auto or --hp-mla-cp auto"):
+    with pytest.raises(ValueError, match="needs --hp-cp-method auto or --hp-mla-cp-strategy auto"):
         hp_config_from_args(parser.parse_args(["--hp-cp-method", "p2p", "--hp-cp-calibration", "cal.json"]))
-    fields = hp_config_from_args(parser.parse_args(["--hp-mla-cp", "auto", "--hp-cp-calibration", "cal.json"]))
+    fields = hp_config_from_args(parser.parse_args(["--hp-mla-cp-strategy", "auto", "--hp-cp-calibration", "cal.json"]))
     assert fields["hp_cp_calibration"] == "cal.json"
 
 

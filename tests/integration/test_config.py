@@ -67,14 +67,14 @@ def test_class_choice_and_declared_fields():
     assert set(MLA_FIELD_NAMES) == mla_only - {"multi_latent_attention", "cache_mla_latents"}
     assert _field_names(plain) == _field_names(TransformerConfig) | set(MLA_FIELD_NAMES) | set(HYBRID_FIELD_NAMES)
     assert _field_names(mla) == _field_names(MLATransformerConfig) | set(HYBRID_FIELD_NAMES)
-    assert (plain.q_lora_rank, plain.rope_type, plain.hp_cp_layout, plain.delta_backend) == (512, "yarn", "zigzag", "eager")
+    assert (plain.q_lora_rank, plain.rope_type, plain.hp_cp_layout, plain.hp_backend) == (512, "yarn", "zigzag", "eager")
     assert mla.kv_lora_rank == 16 and set(vars(plain)) <= _field_names(plain) and set(vars(mla)) <= _field_names(mla)
     # built directly, megatron's __post_init__ runs too
     direct = HybridTransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, hp_layer_pattern="GA")
     assert direct.ffn_hidden_size == 128 and direct.kv_channels == 8
     # a config Megatron-LM's deprecated --enable-cuda-graph built: its __post_init__ would refuse a second run
     graphs = _plain(enable_cuda_graph=True)
-    assert_megatron_fields_kept(graphs, hybrid_config(graphs, delta_backend="triton"), {"delta_backend"})
+    assert_megatron_fields_kept(graphs, hybrid_config(graphs, hp_backend="triton"), {"hp_backend"})
     # attributes set the old way (setattr of our names on a plain config) become the fields
     old = _plain()
     old.delta_cp_method = "p2p"
@@ -88,7 +88,7 @@ def test_class_choice_and_declared_fields():
         hybrid_config(object())
 
 
-BAD_VALUES = [("hp_cp_layout", "zz"), ("delta_backend", "cuda"), ("delta_cp_method", "ring"),
+BAD_VALUES = [("hp_cp_layout", "zz"), ("hp_backend", "cuda"), ("delta_cp_method", "ring"),
               ("mla_cp_strategy", "ulysses"), ("rope_type", "nope"), ("delta_cp_group_size", 0),
               ("delta_cp_ulysses_degree", 1.5), ("kda_gate_low_rank_dim", True), ("kda_lower_bound", 0.0),
               ("kda_safe_gate", "yes"), ("linear_conv_bias", 1), ("gated_norm_zero_centered_gamma", 0),

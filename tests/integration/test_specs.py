@@ -186,7 +186,7 @@ def test_arguments_become_config_fields():
                               "--hp-linear-num-value-heads", "8", "--hp-kda-lower-bound", "-5",
                               "--hp-mla-kv-lora-rank", "48", "--hp-mla-rope-type", "none"])
     fields = hp_config_from_args(args)
-    assert fields["hp_layer_pattern"] == "KKKM" and fields["delta_backend"] == "triton"
+    assert fields["hp_layer_pattern"] == "KKKM" and fields["hp_backend"] == "triton"
     assert fields["delta_cp_method"] == "p2p" and fields["hp_cp_layout"] == "zigzag"
     assert (fields["linear_num_key_heads"], fields["linear_num_value_heads"], fields["linear_key_head_dim"]) == (4, 8, 16)
     assert fields["kda_lower_bound"] == -5.0 and fields["kv_lora_rank"] == 48 and fields["rope_type"] == "none"

@@ -62,7 +62,8 @@ def test_mla_and_attention_cores_reject_mistyped_options():
 
 
 def test_one_definition_of_each_choice():
-    import hp_megatron.arguments as arguments
+    import hp_megatron.flags as flags
+    import layers.mixers.delta.options as options
     from layers.base import choices
     from layers.cp import METHODS
     from layers.cp.chain import STATE_METHODS
@@ -73,5 +74,10 @@ def test_one_definition_of_each_choice():
     assert METHODS is choices.CP_METHODS and STATE_METHODS is choices.STATE_METHODS
     assert LAYOUTS is choices.CP_LAYOUTS and STRATEGIES is choices.MLA_CP_STRATEGIES
     assert BACKENDS is choices.BACKENDS
-    assert arguments.CP_METHODS is choices.CP_METHOD_CHOICES and arguments.CP_LAYOUTS is choices.CP_LAYOUTS
-    assert arguments.BACKENDS is choices.BACKENDS and arguments.MLA_CP_METHODS is choices.MLA_CP_STRATEGY_CHOICES
+    # the flags' choices are the flag table's rows (hp_megatron.flags), which name these tuples
+    rows = {row.flag: row for row in flags.flag_table()}
+    assert rows["--hp-cp-method"].choices is choices.CP_METHOD_CHOICES
+    assert rows["--hp-cp-layout"].choices is choices.CP_LAYOUTS
+    assert rows["--hp-backend"].choices is choices.BACKENDS
+    assert rows["--hp-mla-cp-strategy"].choices is choices.MLA_CP_STRATEGY_CHOICES
+    assert options.CP_METHOD_CHOICES is choices.CP_METHOD_CHOICES

@@ -161,7 +161,7 @@ def test_gpt_first_loss_matches_the_example(runs, data):
     """pretrain_gpt.py's KKKM model (our HybridLayer spec) and examples/pretrain/pretrain_hybrid.py's on the same
     dims, data and split: the same first loss (the GPT path of 0.19 builds what the example builds)."""
     ref, _ = runs("gpt")["ref"]
-    example = example_first_loss("KKKM", data, ["--hp-mla-cp", "latent", "--hp-mla-rope-type", "none"])
+    example = example_first_loss("KKKM", data, ["--hp-mla-cp-strategy", "latent", "--hp-mla-rope-type", "none"])
     assert _rel(ref[0]["lm loss"], example) <= 1e-5, (ref[0], example)
 
 

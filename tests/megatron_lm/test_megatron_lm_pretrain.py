@@ -35,7 +35,7 @@ PATTERNS = {
     "KKKM": ("train_kimi_linear_like.sh",
              ["--hp-mla-kv-lora-rank", "16", "--hp-mla-qk-head-dim", "8", "--hp-mla-qk-pos-emb-head-dim", "8",
               "--hp-mla-v-head-dim", "8"],
-             ["--hp-mla-cp", "latent", "--hp-mla-rope-type", "none"]),
+             ["--hp-mla-cp-strategy", "latent", "--hp-mla-rope-type", "none"]),
     "GGGA": ("train_qwen3_next_like.sh",
              ["--kv-channels", "8", "--hp-linear-num-value-heads", "8"],
              ["--num-query-groups", "2", "--rotary-base", "10000000", "--hp-linear-num-value-heads", "8"]),

@@ -117,13 +117,24 @@ def example_first_loss(pattern: str, data: dict, flags) -> float:
     precision); ``flags``: the model's other flags."""
     from tests.support.dist import run_distributed
 
+    return run_distributed(_example_first_iteration, 1, example_argv(pattern, data, flags))[0]["lm_loss"]
+
+
+def example_records(pattern: str, data: dict, flags) -> list:
+    """Every iteration's record of the run of :func:`example_first_loss` (``ITERS`` iterations)."""
+    from tests.support.dist import run_distributed
+
+    return run_distributed(_example_iterations, 1, example_argv(pattern, data, flags))[0]
+
+
+def example_argv(pattern: str, data: dict, flags) -> list:
+    """The example's flags for the launches' dims, data, split and schedule, with ``pattern`` and ``flags``."""
     tokenizer_json = os.path.join(os.path.dirname(data["DATA"]), "tokenizer.json")
-    argv = ["--hp-layer-pattern", pattern, "--seq-length", str(SEQ), "--micro-batch-size", "1",
+    return ["--hp-layer-pattern", pattern, "--seq-length", str(SEQ), "--micro-batch-size", "1",
             "--global-batch-size", str(GBS), "--train-iters", str(ITERS), "--eval-interval", "100",
             "--eval-iters", "1", "--lr", str(LR), "--lr-warmup-iters", "0", "--split", "99,1,0",
             "--data-path", data["DATA"], "--tokenizer", tokenizer_json, "--no-progress",
             "--hp-linear-conv-kernel-dim", "4", *TINY, *flags]
-    return run_distributed(_example_first_iteration, 1, argv)[0]["lm_loss"]
 
 
 def _example_first_iteration(rank, world_size, argv):
@@ -132,3 +143,10 @@ def _example_first_iteration(rank, world_size, argv):
     record = first_iteration(argv)
     assert record["iteration"] == 1, record
     return record
+
+
+def _example_iterations(rank, world_size, argv):
+    from tests.support.converted_runs import example
+
+    pretrain_hybrid = example()
+    return pretrain_hybrid.train(pretrain_hybrid.parse_args(list(argv)))

@@ -44,7 +44,7 @@ class HybridGPTModelBuilder(GPTModelBuilder):
         return hybrid_gpt_model(
             cfg.transformer, cfg.transformer_layer_spec, vocab_size=vocab_size, max_sequence_length=cfg.seq_length,
             pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-            backend=cfg.transformer.delta_backend, fp16_lm_cross_entropy=cfg.fp16_lm_cross_entropy,
+            backend=cfg.transformer.hp_backend, fp16_lm_cross_entropy=cfg.fp16_lm_cross_entropy,
             parallel_output=cfg.parallel_output,
             share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
             position_embedding_type=cfg.position_embedding_type, rotary_percent=cfg.rotary_percent,

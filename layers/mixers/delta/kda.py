@@ -25,18 +25,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import nn
 
 from layers.mixers.delta.mixer import DeltaMixer, DeltaMixerSubmodules
-from layers.mixers.delta.options import COMMON_OPTIONS, Option, positive_int
+from layers.mixers.delta.options import COMMON_OPTIONS, KDA_DEFAULTS, KDA_ROWS, options_of, positive_int
 from layers.mixers.delta.params import (ParamLayout, Part, ReplicatedLinear, constant_init, inverse_softplus_dt_init,
                                  log_uniform_init, megatron_init, skip_init)
 from layers.ops import chunk_kda
 
-KDA_OPTIONS = {
-    **COMMON_OPTIONS,
-    "gate_low_rank_dim": Option(("kda_gate_low_rank_dim",), None),  # None -> value_head_dim (Kimi Linear)
-    "lower_bound": Option(("kda_lower_bound",), None),
-    "safe_gate": Option(("kda_safe_gate",), False),
-    "output_gate_bias": Option(("kda_output_gate_bias",), False),  # Kimi Linear: False; FLA's layer: True
-}
+KDA_OPTIONS = {**COMMON_OPTIONS, **options_of(KDA_ROWS, KDA_DEFAULTS)}
 
 
 @dataclass

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from layers.base.choices import CP_METHOD_CHOICES as CP_METHODS
+from layers.base.choices import BACKENDS, CP_METHOD_CHOICES
+from layers.base.options import SHARED_ROWS, OptionRow, keyword_attrs
 from layers.cp.auto import MEASURE_TOP
 from layers.cp.subgroups import check_auto_leaves_free
 
@@ -29,25 +30,82 @@ class Option:
     default: object = None
 
 
-COMMON_OPTIONS = {
-    "num_key_heads": Option(("linear_num_key_heads",), _REQUIRED),
-    "num_value_heads": Option(("linear_num_value_heads",), None),  # None -> num_key_heads
-    "key_head_dim": Option(("linear_key_head_dim",), _REQUIRED),
-    "value_head_dim": Option(("linear_value_head_dim",), None),  # None -> key_head_dim
-    "conv_kernel_dim": Option(("linear_conv_kernel_dim",), 4),
-    "conv_bias": Option(("linear_conv_bias",), False),
-    "conv_init": Option((), None),  # None -> U(-1/sqrt(W), 1/sqrt(W)), nn.Conv1d's default
-    "A_init_range": Option((), (1.0, 16.0)),
-    "norm_eps": Option((), None),  # None -> config.layernorm_epsilon
-    "backend": Option(("delta_backend",), "eager"),
-    "cp_method": Option(("delta_cp_method",), None),  # None -> cp_comm_type mapping, else DEFAULT_CP_METHOD
-    "cp_layout": Option(("hp_cp_layout",), "zigzag"),
-    "cp_group_size": Option(("delta_cp_group_size",), None),
-    "cp_ulysses_degree": Option(("delta_cp_ulysses_degree",), None),
-    "cp_calibration": Option(("hp_cp_calibration",), None),  # cp_method="auto": calibration JSON cache path
-    "cp_auto_measure": Option(("delta_cp_auto_measure",), MEASURE_TOP),  # auto: best candidates timed on the layer
-    "init_seed": Option(("delta_init_seed",), None),  # None -> torch.initial_seed()
+# the GDN/KDA rows of the flag table (hp_megatron assembles it): flag, config field, keyword, type, checks
+DELTA_ROWS = (
+    OptionRow("--hp-backend", "hp_backend", "backend", str, model=True, default="eager", choices=BACKENDS,
+              optional=False, help="kernel backend of the GDN/KDA mixers: eager (PyTorch), triton "
+                                   "(flash-linear-attention), ascendc (fla-npu)"),
+    OptionRow("--hp-cp-method", "delta_cp_method", "cp_method", str, default=DEFAULT_CP_METHOD,
+              choices=CP_METHOD_CHOICES, help="context-parallel method of the GDN/KDA layers; auto: the fastest for "
+              "this CP group and layer shape from a calibrated cost model (docs/cp.md, section 3)"),
+    OptionRow("--hp-cp-auto-measure", "delta_cp_auto_measure", "cp_auto_measure", int, check="non_negative",
+              optional=False, help="with --hp-cp-method auto: time the cost model's N fastest candidates on each "
+              f"GDN/KDA layer shape at its first forward and take the fastest (default {MEASURE_TOP}; 0: the model "
+              "decides alone)"),
+    OptionRow("--hp-cp-group-size", "delta_cp_group_size", "cp_group_size", int, check="positive",
+              help="group size g of the grouped_allgather_p2p method (divides the CP size)"),
+    OptionRow("--hp-ulysses-degree", "delta_cp_ulysses_degree", "cp_ulysses_degree", int, check="positive",
+              help="hybrid CP: all-to-all over this many ranks, state passing across the rest"),
+    OptionRow("--hp-linear-num-key-heads", "linear_num_key_heads", "num_key_heads", int, model=True, check="positive",
+              preset=True, help="GDN/KDA query/key heads H (default: --num-attention-heads)"),
+    OptionRow("--hp-linear-num-value-heads", "linear_num_value_heads", "num_value_heads", int, model=True,
+              check="positive", preset=True, help="GDN/KDA value heads HV, a multiple of H (default: H)"),
+    OptionRow("--hp-linear-key-head-dim", "linear_key_head_dim", "key_head_dim", int, model=True, check="positive",
+              preset=True, help="GDN/KDA key head dim K (default: hidden / heads)"),
+    OptionRow("--hp-linear-value-head-dim", "linear_value_head_dim", "value_head_dim", int, model=True,
+              check="positive", preset=True, help="GDN/KDA value head dim V (default: K)"),
+    OptionRow("--hp-linear-conv-kernel-dim", "linear_conv_kernel_dim", "conv_kernel_dim", int, model=True, default=4,
+              check="positive", preset=True, help="short convolution width"),
+    OptionRow(None, "linear_conv_bias", "conv_bias", bool, optional=False),
+    OptionRow(None, "delta_init_seed", "init_seed", int),
+    OptionRow(None, "gated_norm_zero_centered_gamma", None, bool),
+)
+
+# KDA's own rows (here, not in kda.py, so that the flag table is read without importing the layers)
+KDA_ROWS = (
+    OptionRow("--hp-kda-lower-bound", "kda_lower_bound", "lower_bound", float, model=True, check="negative",
+              preset=True, help="KDA gate lower bound (negative): g = lower_bound * sigmoid(exp(A_log) (g + dt_bias))"),
+    OptionRow("--hp-kda-gate-low-rank-dim", "kda_gate_low_rank_dim", "gate_low_rank_dim", int, model=True,
+              check="positive", preset=True,
+              help="KDA forget/output-gate low-rank dim (default: the value head dim, as Kimi Linear)"),
+    OptionRow("--hp-kda-safe-gate", "kda_safe_gate", "safe_gate", bool, model=True, optional=False, preset=True,
+              help="KDA safe gate (needs a lower bound in [-5, 0))"),
+    OptionRow(None, "kda_output_gate_bias", "output_gate_bias", bool, optional=False),
+)
+KDA_DEFAULTS = {
+    "gate_low_rank_dim": None,  # None -> value_head_dim (Kimi Linear)
+    "lower_bound": None,
+    "safe_gate": False,
+    "output_gate_bias": False,  # Kimi Linear: False; FLA's layer: True
 }
+
+_DEFAULTS = {  # keyword -> default when neither the keyword nor a config field gives it
+    "num_key_heads": _REQUIRED,
+    "num_value_heads": None,  # None -> num_key_heads
+    "key_head_dim": _REQUIRED,
+    "value_head_dim": None,  # None -> key_head_dim
+    "conv_kernel_dim": 4,
+    "conv_bias": False,
+    "conv_init": None,  # None -> U(-1/sqrt(W), 1/sqrt(W)), nn.Conv1d's default
+    "A_init_range": (1.0, 16.0),
+    "norm_eps": None,  # None -> config.layernorm_epsilon
+    "backend": "eager",
+    "cp_method": None,  # None -> cp_comm_type mapping, else DEFAULT_CP_METHOD
+    "cp_layout": "zigzag",
+    "cp_group_size": None,
+    "cp_ulysses_degree": None,
+    "cp_calibration": None,  # cp_method="auto": calibration JSON cache path
+    "cp_auto_measure": MEASURE_TOP,  # auto: best candidates timed on the layer
+    "init_seed": None,  # None -> torch.initial_seed()
+}
+
+
+def options_of(rows, defaults: dict) -> dict:
+    """``{keyword: Option}``: each keyword read from the config fields its rows declare, else its default."""
+    return {name: Option(keyword_attrs(rows, name), default) for name, default in defaults.items()}
+
+
+COMMON_OPTIONS = options_of(DELTA_ROWS + SHARED_ROWS, _DEFAULTS)
 
 
 def resolve_options(table: dict, config, overrides: dict, owner: str) -> dict:
@@ -97,8 +155,8 @@ def resolve_cp_method(owner: str, opts: dict, cp_comm_type, config) -> tuple:
                                  "(its first entry is the Ulysses degree)")
             degree = int(sizes[0])
     method = method or DEFAULT_CP_METHOD
-    if method not in CP_METHODS:
-        raise ValueError(f"{owner}: cp_method must be one of {CP_METHODS}, got {method!r}")
+    if method not in CP_METHOD_CHOICES:
+        raise ValueError(f"{owner}: cp_method must be one of {CP_METHOD_CHOICES}, got {method!r}")
     return method, degree
 
 

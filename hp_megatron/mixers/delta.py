@@ -1,0 +1,25 @@
+"""The ``self_attention`` spec of the GDN/KDA mixers (``layers.mixers.delta``), shared by their registrations."""
+from __future__ import annotations
+
+from hp_megatron.mixers.registry import resolve
+
+
+def delta_mixer_spec(module: str, provider, cp_layout):
+    """``ModuleSpec`` of the delta-rule mixer class ``module`` (``"package.module:Class"``) with the provider's
+    linears, gated norm and kernel backend; ``cp_layout`` written into its params unless None."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from layers.mixers.delta.mixer import DeltaMixerSubmodules
+
+    params = {"backend": provider.mixer_backend}
+    if cp_layout is not None:
+        params["cp_layout"] = cp_layout
+    return ModuleSpec(
+        module=resolve(module),
+        params=params,
+        submodules=DeltaMixerSubmodules(
+            in_proj=provider.column_parallel_linear(),
+            out_norm=provider.gated_norm(),
+            out_proj=provider.row_parallel_linear(),
+        ),
+    )

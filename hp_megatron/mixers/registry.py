@@ -1,0 +1,178 @@
+"""The mixer registry: pattern symbol -> :class:`MixerEntry` (mixer class, spec builder, config rows, conversion
+rules, CP-auto field, MTP eligibility), read by the specs, the config checks, the flags, the MTP block and the
+model presets.
+
+A mixer is registered by a module that calls :func:`register_mixer` at import; the built-in ones
+(``hp_megatron.mixers.gdn`` / ``kda`` / ``mla`` / ``attention``) are imported by the package ``hp_megatron.mixers``
+itself, a third-party one by :func:`load_mixer_modules` (the flag ``--hp-mixer-module MODULE`` of every entry point,
+handled before the pattern is checked). The mixer classes themselves live in ``layers.mixers`` (or anywhere).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
+
+from layers.base.options import OptionRow
+
+MIXER_MODULE_FLAG = "--hp-mixer-module"
+
+
+@dataclass(frozen=True)
+class MixerEntry:
+    """One mixer of the layer patterns.
+
+    * ``symbol``: its one-letter pattern symbol (``--hp-layer-pattern``); ``name``: its spec name (``get_layer_spec``,
+      the ready specs ``<name>_spec``); ``title``: how messages name it (``"GDN"``).
+    * ``spec(provider, *, qk_layernorm, cp_layout) -> ModuleSpec``: the ``self_attention`` spec of a layer, from a
+      spec provider (``hp_megatron.specs.providers``); ``module``: ``"package.module:Class"`` of the mixer class.
+    * ``options``: the mixer's flag-table rows (``layers.base.options.OptionRow``; flags, config fields, checks).
+    * ``family``: ``"delta"`` (GDN/KDA: linear heads checked against TP x Ulysses), ``"mla"``, ``"attention"`` or
+      the mixer's own word; ``model_rope``: it reads the model's rotary tables (RoPE; zigzag under CP);
+      ``own_positions``: it computes its own positions, so the model's rotary tables are dropped for it;
+      ``mtp``: megatron-core's MTP layer can be this mixer (it needs a causal attention mask type);
+      ``stack_slot``: the ``HybridStackSubmodules`` slot of megatron-core's ``HybridModel`` it may fill.
+    * ``cp_auto_field``: the config field whose value ``"auto"`` picks the CP method from the cost model
+      (``layers.cp.auto``), None when the mixer has no ``auto``.
+    * ``conversion``: ``{architecture: "package.module:function"}``, where the mixer's per-tensor HF conversion
+      rules of that architecture live (``hp_megatron.models``).
+    """
+
+    symbol: str
+    name: str
+    title: str
+    spec: Callable
+    module: str
+    options: tuple = ()
+    family: str = ""
+    model_rope: bool = False
+    own_positions: bool = False
+    mtp: bool = False
+    stack_slot: Optional[str] = None
+    cp_auto_field: Optional[str] = None
+    conversion: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not (isinstance(self.symbol, str) and len(self.symbol) == 1 and self.symbol.isalpha()):
+            raise ValueError(f"MixerEntry.symbol must be one letter, got {self.symbol!r}")
+        if not (isinstance(self.name, str) and self.name.isidentifier()):
+            raise ValueError(f"MixerEntry.name must be an identifier, got {self.name!r}")
+        if not callable(self.spec):
+            raise TypeError(f"MixerEntry {self.name}: spec must be callable, got {self.spec!r}")
+        bad = [r for r in self.options if not isinstance(r, OptionRow)]
+        if bad:
+            raise TypeError(f"MixerEntry {self.name}: options must be OptionRow objects, got {bad!r}")
+
+    def mixer_class(self) -> type:
+        """The mixer class named by ``module`` (imported now)."""
+        return resolve(self.module)
+
+
+_REGISTRY: dict = {}
+
+
+def resolve(reference: str):
+    """The object of ``"package.module:attribute"``."""
+    module, _, attr = reference.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def register_mixer(entry: MixerEntry) -> MixerEntry:
+    """Add ``entry``; registering the same entry again is a no-op, another one under a taken symbol or name (or a
+    flag or config field of another mixer) a ValueError naming it."""
+    if not isinstance(entry, MixerEntry):
+        raise TypeError(f"register_mixer needs a MixerEntry, got {type(entry).__name__}")
+    known = _REGISTRY.get(entry.symbol)
+    if known == entry:
+        return entry
+    if known is not None:
+        raise ValueError(f"mixer symbol {entry.symbol!r} is taken by {known.name!r} ({known.module})")
+    for other in _REGISTRY.values():
+        if other.name == entry.name:
+            raise ValueError(f"mixer name {entry.name!r} is taken by symbol {other.symbol!r} ({other.module})")
+        # a row may be shared (GDN and KDA: the delta rows); another row under a taken flag or field is refused
+        clash = sorted({str(name) for r in entry.options if r not in other.options for o in other.options
+                        for name in {r.flag, r.field} & {o.flag, o.field} if name is not None})
+        if clash:
+            raise ValueError(f"mixer {entry.name!r}: {clash} already belong to mixer {other.name!r}")
+    _REGISTRY[entry.symbol] = entry
+    return entry
+
+
+def mixers() -> dict:
+    """``{symbol: MixerEntry}`` of every registered mixer, in registration order."""
+    return dict(_REGISTRY)
+
+
+def mixer(symbol: str) -> MixerEntry:
+    """The entry of ``symbol``; ValueError naming the known symbols."""
+    if symbol not in _REGISTRY:
+        raise ValueError(f"no mixer is registered under symbol {symbol!r}; known: {describe_symbols()}")
+    return _REGISTRY[symbol]
+
+
+def mixer_named(name: str) -> MixerEntry:
+    """The entry whose ``name`` is ``name``; ValueError naming the known names."""
+    for entry in _REGISTRY.values():
+        if entry.name == name:
+            return entry
+    raise ValueError(f"mixer must be one of {mixer_names()}, got {name!r}")
+
+
+def symbols() -> dict:
+    """``{symbol: name}`` of the registered mixers."""
+    return {s: e.name for s, e in _REGISTRY.items()}
+
+
+def mixer_names() -> tuple:
+    return tuple(e.name for e in _REGISTRY.values())
+
+
+def describe_symbols() -> str:
+    """``"G=GDN, K=KDA, M=MLA, A=attention"`` for messages and help texts."""
+    return ", ".join(f"{s}={e.title}" for s, e in _REGISTRY.items())
+
+
+def symbols_where(predicate) -> tuple:
+    """The registered symbols whose entry satisfies ``predicate(entry)``."""
+    return tuple(s for s, e in _REGISTRY.items() if predicate(e))
+
+
+def mtp_symbols() -> tuple:
+    """The symbols megatron-core's MTP layer can be (``MixerEntry.mtp``: causal attention layers with a mask type),
+    sorted."""
+    return tuple(sorted(symbols_where(lambda e: e.mtp)))
+
+
+def option_rows() -> tuple:
+    """Every registered mixer's flag-table rows (a shared row once), in registration order."""
+    return tuple(dict.fromkeys(r for e in _REGISTRY.values() for r in e.options))
+
+
+def check_hf_symbols(architecture: str, layer_symbols: Mapping[str, str]) -> Mapping[str, str]:
+    """An architecture's ``{HF layer type: pattern symbol}`` map, checked against the registry (ValueError naming
+    the symbols no mixer is registered under); returned unchanged."""
+    unknown = sorted(set(layer_symbols.values()) - set(_REGISTRY))
+    if unknown:
+        raise ValueError(f"{architecture}: layer symbols {unknown} have no registered mixer ({describe_symbols()})")
+    return layer_symbols
+
+
+def mixer_modules_in(argv) -> list:
+    """The modules named by ``--hp-mixer-module MODULE`` / ``--hp-mixer-module=MODULE`` in ``argv``, in order."""
+    argv, found = list(argv), []
+    for i, arg in enumerate(argv):
+        if arg == MIXER_MODULE_FLAG and i + 1 < len(argv):
+            found.append(argv[i + 1])
+        elif arg.startswith(MIXER_MODULE_FLAG + "="):
+            found.append(arg.split("=", 1)[1])
+    return found
+
+
+def load_mixer_modules(modules) -> None:
+    """Import each module (which registers its mixers); ImportError naming the flag and the module."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise ImportError(f"{MIXER_MODULE_FLAG} {name}: cannot import it ({err})") from err

@@ -1,0 +1,94 @@
+"""One row of the flag table: a parameter's command-line flag, config field, mixer keyword, type and checks.
+
+A leaf module (it imports only ``layers.base.choices``): a mixer declares its rows beside its options
+(``layers.mixers.*``), ``hp_megatron`` assembles the table from them and its own rows and derives the argparse
+groups, the config fields and their checks from it (``hp_megatron.mixers.registry``, ``hp_megatron.arguments``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from layers.base.choices import CP_LAYOUTS
+
+CHECKS = ("positive", "non_negative", "negative")
+
+
+@dataclass(frozen=True)
+class OptionRow:
+    """``flag`` (``--hp-...``; its argparse dest is the flag without dashes; None: a config field without a flag) sets
+    config ``field`` (None: a flag without a config field), which the mixer reads as its ``keyword``
+    (``ModuleSpec.params``) when that is not given. ``type``: int, float, str or bool (a bool flag is
+    ``store_true``); ``model``: the value defines the model's tensors or forward (stored in the example's
+    checkpoints); ``default``: the flag's default; ``help``: its help text; ``choices``: the accepted values;
+    ``check``: one of :data:`CHECKS` for numbers; ``optional``: the config field may be None (not set);
+    ``preset``: ``--hp-hf-config``'s architecture sets it (a flag given beside it must agree)."""
+
+    flag: Optional[str]
+    field: Optional[str]
+    keyword: Optional[str] = None
+    type: type = str
+    model: bool = False
+    default: object = None
+    help: str = ""
+    choices: Optional[tuple] = None
+    check: Optional[str] = None
+    optional: bool = True
+    preset: bool = False
+
+    def __post_init__(self):
+        if self.flag is None and self.field is None:
+            raise ValueError("OptionRow needs a flag, a config field or both")
+        if self.flag is not None and not self.flag.startswith("--"):
+            raise ValueError(f"OptionRow.flag must start with '--', got {self.flag!r}")
+        if self.type not in (int, float, str, bool):
+            raise ValueError(f"OptionRow {self.flag}: type must be int, float, str or bool, got {self.type!r}")
+        if self.check is not None and self.check not in CHECKS:
+            raise ValueError(f"OptionRow {self.flag}: check must be one of {CHECKS} or None, got {self.check!r}")
+
+    @property
+    def dest(self) -> str:
+        """The argparse attribute of the flag (``--hp-toy-decay`` -> ``hp_toy_decay``); None without a flag."""
+        return None if self.flag is None else self.flag[2:].replace("-", "_")
+
+    def problem(self, value) -> Optional[str]:
+        """Why ``value`` is not accepted for this row (None when it is): type, choices, check; the text reads after
+        the field's name (``"must be a positive int or None"``)."""
+        if value is None:
+            return None if self.optional else f"must be {self._what()}"
+        wrong_type = {bool: not isinstance(value, bool),
+                      int: isinstance(value, bool) or not isinstance(value, int),
+                      float: isinstance(value, bool) or not isinstance(value, (int, float)),
+                      str: not isinstance(value, str)}[self.type]
+        bad_value = self.choices is not None and value not in self.choices
+        if not wrong_type and not bad_value and self.check is not None and self.type is not bool:
+            bad_value = {"positive": value <= 0, "non_negative": value < 0, "negative": value >= 0}[self.check]
+        if wrong_type or bad_value:
+            return f"must be {self._what()}{' or None' if self.optional else ''}"
+        return None
+
+    def _what(self) -> str:
+        if self.choices is not None:
+            return f"one of {self.choices}"
+        if self.type is bool:
+            return "a bool"
+        number = "an int" if self.type is int else "a number" if self.type is float else "a string"
+        return {None: number, "positive": f"a positive {self.type.__name__}", "non_negative": f"{number} >= 0",
+                "negative": "a negative number"}[self.check]
+
+
+def keyword_attrs(rows, keyword: str) -> tuple:
+    """The config fields a mixer reads its ``keyword`` option from: those of the rows declaring that keyword."""
+    return tuple(r.field for r in rows if r.keyword == keyword and r.field is not None)
+
+
+# the rows every mixer shares: the token layout over CP ranks and the calibration cache of the CP method "auto"
+CP_LAYOUT_ROW = OptionRow("--hp-cp-layout", "hp_cp_layout", "cp_layout", str, default="zigzag", choices=CP_LAYOUTS,
+                          optional=False, help="token layout over CP ranks: zigzag (Megatron's load-balanced split) or "
+                                               "contiguous (not with layers that use the model's RoPE, e.g. A)")
+CP_CALIBRATION_ROW = OptionRow(
+    "--hp-cp-calibration", "hp_cp_calibration", "cp_calibration", str,
+    help="with --hp-cp-method auto or --hp-mla-cp-strategy auto (an error without): JSON file caching the CP group's "
+         "calibration (keyed by world layout and hardware); reused when it holds this layout, else measured and saved "
+         "there")
+SHARED_ROWS = (CP_LAYOUT_ROW, CP_CALIBRATION_ROW)

@@ -1,0 +1,49 @@
+"""The mixer registry (hp_megatron.mixers): the built-in entries, what reads them, and the refusals (no entry is
+added in this process: each refused registration raises before it is stored)."""
+import pytest
+
+
+def test_builtin_entries_and_their_readers():
+    from hp_megatron.mixers import mixers, mtp_symbols, symbols, symbols_where
+    from hp_megatron.models import kimi_linear, qwen3_next
+    from hp_megatron.specs import hybrid_stack, layer_specs
+
+    assert symbols() == {"G": "gdn", "K": "kda", "M": "mla", "A": "attn"}
+    assert layer_specs.SYMBOLS == symbols() and layer_specs.MIXERS == ("gdn", "kda", "mla", "attn")
+    assert layer_specs.OWN_POSITIONS == ("M",) and mtp_symbols() == ("A", "M")
+    assert hybrid_stack.g_mixers() == ("gdn", "kda") and symbols_where(lambda e: e.model_rope) == ("A",)
+    assert set(kimi_linear.LAYER_SYMBOLS.values()) | set(qwen3_next.LAYER_SYMBOLS.values()) <= set(symbols())
+    for entry in mixers().values():
+        assert entry.mixer_class().__name__ in entry.module
+        for reference in entry.conversion.values():   # where the per-tensor HF rules live: each resolves
+            from hp_megatron.mixers.registry import resolve
+
+            assert callable(resolve(reference)), reference
+
+
+def test_refusals_name_the_clash():
+    from hp_megatron.mixers import MixerEntry, check_hf_symbols, mixer, register_mixer, symbols
+    from hp_megatron.mixers.gdn import GDN
+
+    assert register_mixer(GDN) is GDN   # the same entry again: a no-op
+    with pytest.raises(ValueError, match=r"mixer symbol 'G' is taken by 'gdn'"):
+        register_mixer(MixerEntry(symbol="G", name="other", title="other", spec=GDN.spec, module=GDN.module))
+    with pytest.raises(ValueError, match=r"mixer name 'gdn' is taken by symbol 'G'"):
+        register_mixer(MixerEntry(symbol="Z", name="gdn", title="other", spec=GDN.spec, module=GDN.module))
+    with pytest.raises(ValueError, match=r"MixerEntry.symbol must be one letter, got 'GG'"):
+        MixerEntry(symbol="GG", name="x", title="x", spec=GDN.spec, module=GDN.module)
+    with pytest.raises(ValueError, match=r"no mixer is registered under symbol 'Z'; known: G=GDN, K=KDA"):
+        mixer("Z")
+    with pytest.raises(ValueError, match=r"demo: layer symbols \['Z'\] have no registered mixer"):
+        check_hf_symbols("demo", {"linear_attention": "Z"})
+    assert "Z" not in symbols()
+
+
+def test_pattern_errors_name_the_registered_symbols():
+    from hp_megatron.specs import get_hybrid_layer_spec, get_layer_spec
+
+    with pytest.raises(ValueError, match=r"symbols \['X'\] that have no layer spec; known symbols: \['A', 'G', 'K', "
+                                         r"'M'\]"):
+        get_hybrid_layer_spec("KKXM")
+    with pytest.raises(ValueError, match=r"mixer must be one of \('gdn', 'kda', 'mla', 'attn'\), got 'mamba'"):
+        get_layer_spec("mamba")
