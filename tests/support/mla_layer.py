@@ -24,7 +24,15 @@ def make_config(*, hidden=32, heads=4, q_lora_rank=16, kv_lora_rank=12, qk=8, pe
 def build_layer(config, tp_group, cp_group, **kwargs):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from layers.mixers.mla.layer import MultiLatentAttention, mla_submodules
+    from layers.mixers.mla.layer import MultiLatentAttention
 
     pgs = ProcessGroupCollection(tp=tp_group, cp=cp_group)
     return MultiLatentAttention(config, mla_submodules(), layer_number=1, pg_collection=pgs, **kwargs)
+
+
+def mla_submodules():
+    """The MLA submodules of the eager spec (``hp_megatron.specs``): column/row-parallel linears, RMSNorm latents,
+    torch SDPA core attention."""
+    from hp_megatron.specs import get_mixer_spec
+
+    return get_mixer_spec("mla").submodules
