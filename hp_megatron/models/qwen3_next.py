@@ -58,7 +58,7 @@ def moe_layers(hf: dict) -> list:
     return [i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
 
 
-def gdn_dims(hf: dict) -> dict:
+def _gdn_dims(hf: dict) -> dict:
     return dict(num_key_heads=field_of(hf, MODEL_TYPE, "linear_num_key_heads"),
                 num_value_heads=field_of(hf, MODEL_TYPE, "linear_num_value_heads"),
                 key_head_dim=field_of(hf, MODEL_TYPE, "linear_key_head_dim"),
@@ -89,7 +89,7 @@ def megatron_config(hf: dict) -> ModelPreset:
                       moe_layer_freq=[int(f) for f in flags],
                       moe_ffn_hidden_size=field_of(hf, MODEL_TYPE, "moe_intermediate_size"),
                       moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
-    dims = gdn_dims(hf)
+    dims = _gdn_dims(hf)
     mixer = dict(linear_num_key_heads=dims["num_key_heads"], linear_num_value_heads=dims["num_value_heads"],
                  linear_key_head_dim=dims["key_head_dim"], linear_value_head_dim=dims["value_head_dim"],
                  linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4), gated_norm_zero_centered_gamma=False,
@@ -135,7 +135,7 @@ def _attention_rules(mcore: str, hf: str, preset: ModelPreset) -> list[TensorRul
             identity_rule(mcore + "k_layernorm.weight", hf + "k_norm.weight")]
 
 
-def gdn_dims(num_key_heads, num_value_heads, key_head_dim, value_head_dim):
+def gdn_head_groups(num_key_heads, num_value_heads, key_head_dim, value_head_dim):
     """``(H, HV, K, V, HV // H)``; ValueError unless HV is a multiple of H."""
     if num_value_heads % num_key_heads:
         raise ValueError(f"num_value_heads={num_value_heads} must be a multiple of num_key_heads={num_key_heads}")
@@ -146,7 +146,7 @@ def split_qwen3_next_in_proj(qkvz, ba, num_key_heads, num_value_heads, key_head_
     """Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` weights -> our in_proj parts (q, k, v, z, beta, alpha),
     each ``[rows, hidden]``: Qwen3-Next groups rows per key head (``[q K, k K, v r*V, z r*V]`` and ``[b r, a r]``,
     r = HV/H), our parts hold all heads of one kind."""
-    H, HV, K, V, r = gdn_dims(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
+    H, HV, K, V, r = gdn_head_groups(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
     hidden = qkvz.shape[1]
     q, k, v, z = qkvz.reshape(H, 2 * K + 2 * r * V, hidden).split([K, K, r * V, r * V], dim=1)
     b, a = ba.reshape(H, 2 * r, hidden).split([r, r], dim=1)
@@ -156,7 +156,7 @@ def split_qwen3_next_in_proj(qkvz, ba, num_key_heads, num_value_heads, key_head_
 
 def join_qwen3_next_in_proj(q, k, v, z, b, a, num_key_heads, num_value_heads, key_head_dim, value_head_dim):
     """Inverse of :func:`split_qwen3_next_in_proj`: ``(in_proj_qkvz, in_proj_ba)`` weights."""
-    H, HV, K, V, r = gdn_dims(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
+    H, HV, K, V, r = gdn_head_groups(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
     hidden = q.shape[1]
     grouped = [q.reshape(H, K, hidden), k.reshape(H, K, hidden), v.reshape(H, r * V, hidden),
                z.reshape(H, r * V, hidden)]
@@ -203,7 +203,7 @@ def conversion_rules(hf: dict, mtp_num_layers: int = 0) -> list[TensorRule]:
     """One rule per megatron-core tensor of the model of :func:`megatron_config`, with ``mtp_num_layers`` MTP layers
     (0 or config.json's ``mtp_num_hidden_layers``)."""
     preset = megatron_config(hf)
-    dims = gdn_dims(hf)
+    dims = _gdn_dims(hf)
     rules = model_rules(preset.gpt_model_kwargs["share_embeddings_and_output_weights"])
     for i, (symbol, is_moe) in enumerate(zip(preset.pattern, moe_layers(hf))):
         mcore = layer_prefix(i) + "self_attention."

@@ -51,3 +51,11 @@ def refill_storage(kept: torch.UntypedStorage, new: torch.UntypedStorage) -> boo
 def swap_storages(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
     """Swap the memory of two storages (only after :func:`refill_storage` returned True for them)."""
     a._swap_data_ptr_(b)
+
+
+def own_state_dict(module: torch.nn.Module) -> dict:
+    """``module``'s own entries of its state dict (parameters, persistent buffers, extra state; not its
+    children's), tensors kept as they are (``nn.Module._save_to_state_dict`` with ``keep_vars=True``)."""
+    own = {}
+    module._save_to_state_dict(own, "", keep_vars=True)
+    return own

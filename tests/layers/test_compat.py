@@ -6,7 +6,8 @@ import pytest
 import torch.distributed as dist
 
 from layers.base import compat
-from layers.base.compat import in_backward, process_group_alive, refill_storage, storage_key, tensor_version
+from layers.base.compat import (in_backward, own_state_dict, process_group_alive, refill_storage, storage_key,
+                                tensor_version)
 from tests.support.dist import run_distributed_once
 
 
@@ -72,3 +73,13 @@ def test_refill_storage_gives_a_freed_storage_the_new_bytes(monkeypatch, swap):
     assert refill_storage(kept.untyped_storage(), new.untyped_storage()) is swap
     assert torch.equal(kept, torch.arange(6.0).view(2, 3)) and torch.equal(view, torch.arange(3.0, 6.0))
     assert (kept.untyped_storage().data_ptr() == new_ptr) is swap
+
+
+def test_own_state_dict_holds_the_modules_own_entries_as_they_are():
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(torch.ones(2))
+    module.register_buffer("kept", torch.zeros(1))
+    module.register_buffer("scratch", torch.zeros(1), persistent=False)
+    module.child = torch.nn.Linear(2, 2)
+    own = own_state_dict(module)
+    assert list(own) == ["weight", "kept"] and own["weight"] is module.weight

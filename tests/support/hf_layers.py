@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from hp_megatron.models.qwen3_next import (GDN_IN_PROJ_PARTS, gdn_dims, join_qwen3_next_in_proj,
+from hp_megatron.models.qwen3_next import (GDN_IN_PROJ_PARTS, gdn_head_groups, join_qwen3_next_in_proj,
                                            split_qwen3_next_in_proj)
 
 
@@ -51,7 +51,7 @@ def gdn_from_qwen3_next(hf_state_dict: dict, *, num_key_heads: int, num_value_he
     Qwen3-Next groups its fused projections per key head: ``in_proj_qkvz`` rows are, for each key head,
     ``[q (K), k (K), v (r*V), z (r*V)]`` and ``in_proj_ba`` rows ``[b (r), a (r)]`` with r = HV/H.
     """
-    H, HV, K, V, r = gdn_dims(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
+    H, HV, K, V, r = gdn_head_groups(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
     qkvz = hf_state_dict[prefix + "in_proj_qkvz.weight"]
     hidden = qkvz.shape[1]
     qkvz = _take(hf_state_dict, prefix, "in_proj_qkvz.weight", (H * (2 * K + 2 * r * V), hidden))
