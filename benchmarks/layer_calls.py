@@ -41,12 +41,13 @@ def _build(kind, args, cp_group, solo):
                   gradient_accumulation_fusion=False, bias_dropout_fusion=False, add_bias_linear=False)
     torch.manual_seed(0)
     if kind == "mla":
-        from layers.mixers.mla.layer import MultiLatentAttention, mla_submodules
+        from hp_megatron.specs import get_mixer_spec
+        from layers.mixers.mla.layer import MultiLatentAttention
 
         config = MLATransformerConfig(num_attention_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8,
                                       qk_pos_emb_head_dim=8, v_head_dim=8, rope_type="rope", rotary_base=10000,
                                       layernorm_epsilon=1e-6, **common)
-        return MultiLatentAttention(config, mla_submodules(), layer_number=1, pg_collection=pgs)
+        return MultiLatentAttention(config, get_mixer_spec("mla").submodules, layer_number=1, pg_collection=pgs)
     from layers import GatedDeltaNet, KimiDeltaAttention
 
     config = TransformerConfig(num_attention_heads=4, **common)

@@ -234,7 +234,8 @@ def build(kind, impl, hidden, gva, dtype):
     if kind == "mla":   # DeepSeek-V3's per-head dims (qk 128 + rope 64, v 128, kv latent 512), heads = hidden / 128
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-        from layers.mixers.mla.layer import MultiLatentAttention, mla_submodules
+        from hp_megatron.specs import get_mixer_spec
+        from layers.mixers.mla.layer import MultiLatentAttention
 
         config = MLATransformerConfig(
             num_layers=1, hidden_size=hidden, num_attention_heads=hidden // HEAD_DIM, q_lora_rank=hidden // 2,
@@ -243,7 +244,7 @@ def build(kind, impl, hidden, gva, dtype):
             bias_dropout_fusion=False, add_bias_linear=False)
         if impl.endswith(RECOMPUTE):
             config.recompute_granularity, config.hp_recompute_modules = "selective", ("hp_mla_up_proj",)
-        return MultiLatentAttention(config, mla_submodules(), layer_number=1)
+        return MultiLatentAttention(config, get_mixer_spec("mla").submodules, layer_number=1)
     backend = impl.removesuffix(RECOMPUTE)
     args = layer_args(hidden, gva, backend=backend if backend in ("eager", "triton") else "eager")
     if backend in ("eager", "triton"):

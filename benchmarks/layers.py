@@ -6,7 +6,7 @@ Rows (one process, TP=1, CP=1, the current device; every row is wrapped so a fai
   mcore GDN     megatron.core.ssm.gated_delta_net.GatedDeltaNet (needs flash-linear-attention and CUDA;
                 the row says why when it cannot run)
   hf GDN / KDA  transformers' Qwen3NextGatedDeltaNet / KimiLinearDeltaAttention (pure-PyTorch paths), with
-                the same weights as ours (``layers.convert``), so their outputs are compared with ours
+                the same weights as ours (``tests.support.hf_layers``), so their outputs are compared with ours
 
 Input ``[T, B, hidden]`` (``[B, T, hidden]`` for transformers), loss = sum(y * dy) with a fixed random dy.
 Time: wall clock of forward + backward (device-synchronised), ``--warmup`` untimed runs, then the median of
@@ -99,7 +99,7 @@ def torch_path(modeling):
 
 
 def build_hf(kind, args, dtype, device, ours_parts, ours_dims):
-    from layers.convert import gdn_to_qwen3_next, kda_to_kimi_linear
+    from tests.support.hf_layers import gdn_to_qwen3_next, kda_to_kimi_linear
 
     if kind == "gdn":
         from transformers.models.qwen3_next import modeling_qwen3_next as modeling

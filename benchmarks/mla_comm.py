@@ -1,7 +1,7 @@
 """Bytes per rank per layer moved by MLA context parallelism: our strategies vs Transformer Engine's ring.
 
 Closed forms from ``layers.cp.mla.mla_comm_bytes`` (tests/cp/test_cp_mla.py checks them against the bytes the
-layer actually moves on gloo ranks). Ring = TE's P2P ring attention passing the expanded K/V
+layer actually moves on gloo ranks). Ring (``tests.support.mla_layer.ring_comm_bytes``) = TE's P2P ring attention passing the expanded K/V
 (heads x (qk + rope + v) values per token) around the CP ring: P-1 hops forward, K/V and dK/dV backward.
 
 Usage: ``python benchmarks/mla_comm.py [--seq 131072] [--dtype-bytes 2] [--json out.json] [--no-docs]``
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 import os
 import sys
 
@@ -18,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks._common import DOCS, marked_section, write_docs_section  # noqa: E402
 from layers.cp.mla import mla_comm_bytes  # noqa: E402
+from tests.support.mla_layer import ring_comm_bytes  # noqa: E402
 
 MODELS = {
     # heads, qk_head_dim (no-rope), qk_pos_emb_head_dim, v_head_dim, kv_lora_rank
@@ -37,7 +39,8 @@ def rows(seq_len: int, element_size: int) -> list[dict]:
                 if s in ("latent_ulysses", "expanded_ulysses") and dims["heads"] % P:
                     row[s] = None                                    # needs heads % P == 0
                     continue
-                b = mla_comm_bytes(s, world_size=P, tokens_per_rank=seq_len // P, element_size=element_size, **dims)
+                comm_bytes = ring_comm_bytes if s == "ring" else partial(mla_comm_bytes, s)
+                b = comm_bytes(world_size=P, tokens_per_rank=seq_len // P, element_size=element_size, **dims)
                 row[s] = {"forward": b["forward"], "backward": b["backward"]}
             row["ring_over_latent_fwd"] = row["ring"]["forward"] / row["latent"]["forward"]
             row["ring_over_latent_fwd_bwd"] = (sum(row["ring"].values()) / sum(row["latent"].values()))
@@ -53,7 +56,8 @@ def markdown(table: list[dict], seq_len: int, element_size: int) -> str:
     lines = [f"MLA CP communication per rank per layer, forward + backward, MiB (global sequence {seq_len:,} "
              f"tokens, {element_size}-byte elements, TP = 1). Closed forms of `layers.cp.mla.mla_comm_bytes`, "
              "checked against measured bytes on gloo in `tests/cp/test_cp_mla.py`. Ring = Transformer Engine's "
-             "P2P ring attention exchanging expanded K/V. n/a: Ulysses strategies need heads % P == 0.",
+             "P2P ring attention exchanging expanded K/V (`ring_comm_bytes` of `tests/support/mla_layer.py`). n/a: "
+             "Ulysses strategies need heads % P == 0.",
              "",
              "| model | P | latent | latent_ulysses | expanded_ulysses | TE ring | ring / latent (fwd) | ring / latent (fwd+bwd) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]

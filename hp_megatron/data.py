@@ -17,6 +17,7 @@ import torch
 
 from layers.cp.plan import LAYOUTS, check_layout
 from layers.cp.sequence import plan_for_batch, sequence_plan
+from layers.shared.parallel import forward_cp_group, group_rank, group_size
 
 __all__ = ["LAYOUTS", "cp_token_index", "get_batch_on_this_cp_rank"]
 
@@ -33,10 +34,9 @@ def cp_token_index(seq_len: int, cp_size: int, cp_rank: int, cu_seqlens: Optiona
 
 
 def _cp_group_of(packed_seq_params, cp_group):
-    if cp_group is not None:
-        return cp_group
-    group = getattr(packed_seq_params, "cp_group", None) if packed_seq_params is not None else None
-    if group is not None and getattr(packed_seq_params, "local_cp_size", None):
+    # the mixers' rule (layers.shared.parallel.forward_cp_group): the micro-batch's group, else the model's
+    group = cp_group if cp_group is not None else forward_cp_group(packed_seq_params, None)
+    if group is not None:
         return group
     from megatron.core import parallel_state
 
@@ -49,15 +49,15 @@ def get_batch_on_this_cp_rank(batch: dict, packed_seq_params=None, *, cp_group=N
     BSHD: tensors are ``[b, s, ...]`` (``attention_mask`` ``[b, 1, s, s]`` is sliced on its query axis,
     dim 2). THD (``packed_seq_params.qkv_format == "thd"``): tensors are ``[1, t]`` over the packed stream
     and the split follows ``cu_seqlens_q_padded`` (or ``cu_seqlens_q``); ``attention_mask`` must be None.
-    The CP group is ``cp_group``, else ``packed_seq_params.cp_group`` when it carries a ``local_cp_size``
-    (megatron's hybrid CP), else ``parallel_state``'s context-parallel group.
+    The CP group is ``cp_group``, else the one the mixers use: ``packed_seq_params.cp_group`` (megatron's hybrid
+    CP), else ``parallel_state``'s context-parallel group.
     """
     check_layout(layout)
     group = _cp_group_of(packed_seq_params, cp_group)
-    cp_size = group.size() if group is not None else 1
+    cp_size = group_size(group)
     if cp_size == 1:
         return dict(batch)
-    cp_rank = group.rank()
+    cp_rank = group_rank(group)
     thd = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
     out = {}
     for key, value in batch.items():

@@ -9,7 +9,7 @@ nothing. It also flushes denormal floats to zero on this thread and the threads 
 
 :data:`CPU_SAFE_CONFIG` is the one set of ``TransformerConfig`` fields that keeps megatron-core off the fused
 kernels of Apex / Transformer Engine / CUDA, and :data:`MEGATRON_LM_CPU_FLAGS` the same fields as Megatron-LM's
-command line plus what its training loop needs on gloo (tests/test_training_library.py keeps the two equal).
+command line plus what its training loop needs on gloo (tests/integration/test_training_library.py keeps the two equal).
 """
 from __future__ import annotations
 

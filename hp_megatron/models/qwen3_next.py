@@ -24,12 +24,12 @@ from hp_megatron.models.common import (ModelPreset, check_mtp_depth, decoder_con
                                        layer_norm_rules, layer_prefix, mlp_rules, model_rules, moe_router_config, moe_rules,
                                        mtp_head_rules, mtp_layer_prefix, norm_rules, refuse, require,
                                        rope_parameters)
-from layers.convert import GDN_IN_PROJ_PARTS, join_qwen3_next_in_proj, split_qwen3_next_in_proj
 
 MODEL_TYPE = "qwen3_next"
 # HF layer type -> pattern symbol (checked against the mixer registry, hp_megatron.mixers)
 LAYER_SYMBOLS = check_hf_symbols(MODEL_TYPE, {"linear_attention": "G", "full_attention": "A"})
 MTP_FIELD = "mtp_num_hidden_layers"
+GDN_IN_PROJ_PARTS = ("query", "key", "value", "z", "beta", "alpha")  # row order of our GDN in_proj
 
 
 def mtp_depth(hf: dict) -> int:
@@ -135,6 +135,35 @@ def _attention_rules(mcore: str, hf: str, preset: ModelPreset) -> list[TensorRul
             identity_rule(mcore + "linear_proj.weight", hf + "o_proj.weight"),
             identity_rule(mcore + "q_layernorm.weight", hf + "q_norm.weight"),
             identity_rule(mcore + "k_layernorm.weight", hf + "k_norm.weight")]
+
+
+def gdn_head_groups(num_key_heads, num_value_heads, key_head_dim, value_head_dim):
+    """``(H, HV, K, V, HV // H)``; ValueError unless HV is a multiple of H."""
+    if num_value_heads % num_key_heads:
+        raise ValueError(f"num_value_heads={num_value_heads} must be a multiple of num_key_heads={num_key_heads}")
+    return num_key_heads, num_value_heads, key_head_dim, value_head_dim, num_value_heads // num_key_heads
+
+
+def split_qwen3_next_in_proj(qkvz, ba, num_key_heads, num_value_heads, key_head_dim, value_head_dim):
+    """Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` weights -> our in_proj parts (q, k, v, z, beta, alpha),
+    each ``[rows, hidden]``: Qwen3-Next groups rows per key head (``[q K, k K, v r*V, z r*V]`` and ``[b r, a r]``,
+    r = HV/H), our parts hold all heads of one kind."""
+    H, HV, K, V, r = gdn_head_groups(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
+    hidden = qkvz.shape[1]
+    q, k, v, z = qkvz.reshape(H, 2 * K + 2 * r * V, hidden).split([K, K, r * V, r * V], dim=1)
+    b, a = ba.reshape(H, 2 * r, hidden).split([r, r], dim=1)
+    return (q.reshape(H * K, hidden), k.reshape(H * K, hidden), v.reshape(HV * V, hidden), z.reshape(HV * V, hidden),
+            b.reshape(HV, hidden), a.reshape(HV, hidden))
+
+
+def join_qwen3_next_in_proj(q, k, v, z, b, a, num_key_heads, num_value_heads, key_head_dim, value_head_dim):
+    """Inverse of :func:`split_qwen3_next_in_proj`: ``(in_proj_qkvz, in_proj_ba)`` weights."""
+    H, HV, K, V, r = gdn_head_groups(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
+    hidden = q.shape[1]
+    grouped = [q.reshape(H, K, hidden), k.reshape(H, K, hidden), v.reshape(H, r * V, hidden),
+               z.reshape(H, r * V, hidden)]
+    ba = [b.reshape(H, r, hidden), a.reshape(H, r, hidden)]
+    return torch.cat(grouped, dim=1).reshape(-1, hidden), torch.cat(ba, dim=1).reshape(-1, hidden)
 
 
 def _gdn_rules(mcore: str, hf: str, dims: dict) -> list[TensorRule]:

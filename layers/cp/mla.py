@@ -246,9 +246,7 @@ def mla_comm_bytes(strategy: str, *, world_size: int, tokens_per_rank: int, head
                    qk_pos_emb_head_dim: int, v_head_dim: int, kv_lora_rank: int, element_size: int = 4) -> dict:
     """Bytes one rank sends (= receives) per layer: ``{"forward": n, "backward": n}``.
 
-    ``tokens_per_rank`` = B * S local tokens; ``heads`` the TP-local head count. Strategies as above plus
-    ``"ring"``: Transformer Engine's P2P ring attention, which passes every rank's expanded K and V around
-    the ring (P-1 hops) forward, and in backward K/V again plus dK/dV (P-1 hops each).
+    ``tokens_per_rank`` = B * S local tokens; ``heads`` the TP-local head count; strategies as above.
     """
     P, n, H, es = world_size, tokens_per_rank, heads, element_size
     dq, dv = qk_head_dim + qk_pos_emb_head_dim, v_head_dim
@@ -261,7 +259,4 @@ def mla_comm_bytes(strategy: str, *, world_size: int, tokens_per_rank: int, head
     if strategy == "expanded_ulysses":
         total = a2a(dq) + a2a(dq) + a2a(dv) + a2a(dv)
         return {"forward": total, "backward": total}
-    if strategy == "ring":
-        kv = (P - 1) * n * H * (dq + dv) * es
-        return {"forward": kv, "backward": 2 * kv}
-    raise ValueError(f"strategy must be one of {STRATEGIES + ('ring',)}, got {strategy!r}")
+    raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")

@@ -113,6 +113,19 @@ def packed_cu_seqlens(packed_seq_params) -> torch.Tensor | None:
     return cache["cu"]
 
 
+def check_packed_tokens(owner: str, cu_seqlens, batch: int, seq: int, cp_size: int) -> None:
+    """ValueError unless a packed THD input (``cu_seqlens`` not None) has batch 1 and ``cu_seqlens`` (the global,
+    pre-CP-split boundaries) ends at the ``seq`` local tokens x ``cp_size`` it holds."""
+    if cu_seqlens is None:
+        return
+    if batch != 1:
+        raise ValueError(f"{owner}: packed THD input must have batch size 1 ([t, 1, h]), got b={batch}")
+    if int(cu_seqlens[-1]) != seq * cp_size:
+        raise ValueError(f"{owner}: cu_seqlens end at {int(cu_seqlens[-1])} tokens but the input holds {seq} "
+                         f"local tokens x context-parallel size {cp_size} = {seq * cp_size}; cu_seqlens must be "
+                         "the global (pre-CP-split) boundaries")
+
+
 def micro_batch_cache(packed_seq_params) -> dict:
     """A dict living on the micro-batch's ``PackedSeqParams`` object: what every layer of the micro-batch shares
     (the boundaries, the plans, the CP contexts) is computed once and dies with the micro-batch."""

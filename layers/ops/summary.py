@@ -64,14 +64,3 @@ def segment_summary(kind, k, v, g, beta, *, cu_seqlens=None, backend="eager", **
 def apply_summary(M: torch.Tensor, E: torch.Tensor, S_in: torch.Tensor) -> torch.Tensor:
     """S_out = M S_in + E."""
     return M @ S_in + E
-
-
-def compose_summaries(later, earlier):
-    """Summary of running ``earlier`` then ``later``: (M2 M1, M2 E1 + E2)."""
-    (M2, E2), (M1, E1) = later, earlier
-    return M2 @ M1, M2 @ E1 + E2
-
-
-def summary_adjoint(M: torch.Tensor, dS_out: torch.Tensor) -> torch.Tensor:
-    """Gradient carried to S_in by a segment: M^T dS_out."""
-    return M.transpose(-1, -2) @ dS_out

@@ -15,6 +15,8 @@ import torch
 
 from megatron.core.utils import deprecate_inference_params
 
+from layers.shared.masks import check_inference_mask
+
 
 def static_context(owner: str, module, inference_context, inference_params, *, cp_size: int,
                    sequence_parallel: bool, packed_seq_params):
@@ -70,18 +72,3 @@ def layer_cache(owner: str, context, layer_number, specs) -> tuple:
         raise ValueError(f"{owner}: the inference context's cache of layer {layer_number} holds {got}, this layer "
                          f"needs {want} (one context per model; reset it with a new StaticInferenceContext)")
     return cache
-
-
-def check_inference_mask(owner: str, mask, offset: int, seq: int) -> None:
-    """Accept None or megatron's causal mask of this window: ``[.., seq, offset + seq]`` with query row i at
-    position ``offset + i`` (what megatron's GPT inference wrapper slices out of its full mask)."""
-    if mask is None:
-        return
-    if mask.dtype != torch.bool or mask.ndim != 4 or tuple(mask.shape[-2:]) != (seq, offset + seq):
-        raise ValueError(f"{owner}: attention_mask in inference must be None or the causal bool mask "
-                         f"[b, 1, {seq}, {offset + seq}] of this window; got {mask.dtype} {tuple(mask.shape)}")
-    rows = torch.arange(offset, offset + seq, device=mask.device)
-    expected = torch.arange(offset + seq, device=mask.device)[None, :] > rows[:, None]
-    if not bool((mask[:, 0] == expected).all()):
-        raise ValueError(f"{owner} is causal and cannot apply a non-causal attention_mask in inference (padding "
-                         "masks: megatron's static controller feeds each sequence's own tokens, no padding)")

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from tests.support.dist import case_result, case_started, run_distributed_cases
-from tests.support.models_case import read_safetensors, tiny_hf_model, tiny_llama
-from tests.support.mtp_case import MTP_PREFIX, tiny_mtp_checkpoint
+from tests.support.models_case import converted_tiny_model, read_safetensors
+from tests.support.mtp_case import MTP_PREFIX
 
 # (case, model_type, layout, dst)
 CASES = (("qwen3_next", "qwen3_next", "tp2_pp2_ep2", None), ("deepseek_v3", "deepseek_v3", "tp2_pp2_ep2", 0),
@@ -174,7 +174,7 @@ def export_cases(rank, world_size, cases):
 def converted(tmp_path_factory):
     """(the spawn's cases, case -> the HF tensors ``mcore_to_hf`` writes for its checkpoint; MTP cases: the HF
     checkpoint's own)."""
-    from hp_megatron.convert import hf_to_mcore, mcore_to_hf
+    from hp_megatron.convert import mcore_to_hf
     from hp_megatron.models import get_architecture
 
     tmp = tmp_path_factory.mktemp("export")
@@ -184,15 +184,10 @@ def converted(tmp_path_factory):
         source = model_type + ("_mtp" if mtp else "")
         hf_dir, ckpt, out = tmp / f"{source}_hf", tmp / f"{source}_mcore", tmp / f"{source}_out"
         if mtp:
-            tiny_mtp_checkpoint(model_type, str(hf_dir))
-            hf_to_mcore(str(hf_dir), str(ckpt), get_architecture(model_type).with_mtp(1))
+            converted_tiny_model(model_type, hf_dir, ckpt, mtp_num_layers=1)
             out = hf_dir
         elif not out.exists():
-            if model_type == "llama":
-                _, hf_dir = tiny_llama(tmp, tied=True)
-            else:
-                tiny_hf_model(model_type, str(hf_dir))
-            hf_to_mcore(str(hf_dir), str(ckpt), get_architecture(model_type))
+            converted_tiny_model(model_type, hf_dir, ckpt, tied=True)   # tied: llama's tied embeddings
             mcore_to_hf(str(ckpt), str(out), get_architecture(model_type))
         references[name] = read_safetensors(str(out))
         cases.append((name, str(hf_dir), str(ckpt / "release"), layout, dst))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.support.dist import run_distributed_once
-from tests.support.models_case import LLAMA_VOCAB, read_safetensors, tiny_llama
+from tests.support.models_case import LLAMA_VOCAB, converted_tiny_model, read_safetensors
 from tests.support.paths import EXAMPLE
 from tests.support.reference import rel_err
 
@@ -141,34 +141,18 @@ def _example_load(hf_config, ckpt_root, tokens):
     return iteration, consumed, gather_from_tensor_model_parallel_region(logits)
 
 
-def _converted_qwen3_next(tmp):
-    """A tiny Qwen3-Next (tests/support/models_case.py) saved and converted; returns (HF dir, checkpoint root)."""
-    from tests.support.models_case import tiny_hf_model
-
-    from hp_megatron.convert import hf_to_mcore
-    from hp_megatron.models import get_architecture
-
-    hf_dir, ckpt = str(tmp / "qwen3_next_hf"), str(tmp / "qwen3_next_mcore")
-    tiny_hf_model("qwen3_next", hf_dir)
-    hf_to_mcore(hf_dir, ckpt, get_architecture("qwen3_next"))
-    return hf_dir, ckpt
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from hp_megatron.convert import hf_to_mcore
-    from hp_megatron.models import get_architecture
-
     tmp = tmp_path_factory.mktemp("convert_load")
-    model, hf_dir = tiny_llama(tmp)
-    ckpt = str(tmp / "mcore")
-    hf_to_mcore(hf_dir, ckpt, get_architecture("llama"))
+    hf_dir, ckpt = str(tmp / "hf"), str(tmp / "mcore")
+    model = converted_tiny_model("llama", hf_dir, ckpt)
     tokens = torch.randint(0, LLAMA_VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = model(tokens).logits
     resaved = tmp / "resaved_tp2"
     resaved.mkdir()
-    moe_hf_dir, moe_ckpt = _converted_qwen3_next(tmp)
+    moe_hf_dir, moe_ckpt = str(tmp / "qwen3_next_hf"), str(tmp / "qwen3_next_mcore")   # a tiny Qwen3-Next
+    converted_tiny_model("qwen3_next", moe_hf_dir, moe_ckpt)
     per_rank = run_distributed_once(load_and_run, 2, hf_dir, ckpt + "/release", tokens, str(resaved), moe_hf_dir,
                                     moe_ckpt + "/release")
     return expected, per_rank, hf_dir, str(resaved), tmp

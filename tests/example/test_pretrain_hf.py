@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from tests.support.models_case import tiny_hf_model
+from tests.support.models_case import converted_tiny_model
 from tests.support.paths import EXAMPLE, REPO, pythonpath
 
 if EXAMPLE not in sys.path:
@@ -26,15 +26,11 @@ def converted(pydoc_data, tmp_path_factory):
     """(data flags, HF directory, converted checkpoint root, the transformers model)."""
     from prepare_data import BPETokenizer
 
-    from hp_megatron.convert import hf_to_mcore
-    from hp_megatron.models import get_architecture
-
     root = tmp_path_factory.mktemp("pretrain_hf")
     data = ["--data-path", os.path.join(pydoc_data, "pydoc_text_document"),
             "--tokenizer", os.path.join(pydoc_data, "tokenizer.json")]
     vocab = BPETokenizer(data[-1]).vocab_size
-    model, _ = tiny_hf_model(ARCH, str(root / "hf"), seed=3, vocab_size=vocab)
-    hf_to_mcore(str(root / "hf"), str(root / "ckpt"), get_architecture(ARCH))
+    model = converted_tiny_model(ARCH, root / "hf", root / "ckpt", seed=3, vocab_size=vocab)
     return data, str(root / "hf"), str(root / "ckpt"), model
 
 

@@ -1,7 +1,7 @@
 """Single-rank equivalence of our GDN / KDA mixers with transformers' layers (the independent reference).
 
 Weights come from randomly initialised ``Qwen3NextGatedDeltaNet`` / ``KimiLinearDeltaAttention`` through
-``layers.convert``; our layer (TP=1, CP=1, eager backend) must match their output and input gradient in fp32,
+``tests.support.hf_layers``; our layer (TP=1, CP=1, eager backend) must match their output and input gradient in fp32,
 for batched rows and for packed documents (THD, compared with the reference run per document).
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _kimi_linear_layer(seed):
 def _pair(kind, seed=0):
     """(transformers layer, our layer with the same weights, global parts) for ``kind``."""
     from layers import GatedDeltaNet, KimiDeltaAttention
-    from layers.convert import (gdn_dims_from_qwen3_next_config, gdn_from_qwen3_next,
+    from tests.support.hf_layers import (gdn_dims_from_qwen3_next_config, gdn_from_qwen3_next,
                                 kda_dims_from_kimi_linear_config, kda_from_kimi_linear)
 
     if kind == "gdn":
@@ -137,7 +137,7 @@ def test_matches_transformers_packed_thd(single_rank, kind):
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 def test_conversion_round_trip(single_rank, kind):
-    from layers.convert import gdn_to_qwen3_next, kda_to_kimi_linear
+    from tests.support.hf_layers import gdn_to_qwen3_next, kda_to_kimi_linear
 
     hf, ours, parts, dims = _pair(kind, seed=5)
     gathered = ours.global_parts()

@@ -8,7 +8,7 @@
   every parameter gradient, fp32.
 * The eager ops (delta rule, conv, gated norm) save for backward only storages of their inputs: the chunked
   intermediates are recomputed in backward (``layers.ops.eager.recompute``); the fp64 references of
-  tests/test_delta_rule.py and tests/test_conv.py check the recomputed gradients.
+  tests/ops/test_delta_rule.py and tests/ops/test_conv.py check the recomputed gradients.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tests.support.dist import case_result, run_distributed_cases
 from tests.support.reference import rel_err
 
 TOL = 1e-5    # fp32 kernels vs fp32 eager (observed ~1e-7 for the norm, ~1e-6 for the layers)
-LAYER_TOL = 1e-4   # the layer tolerance of tests/test_layers_delta_parallel.py
+LAYER_TOL = 1e-4   # the layer tolerance of tests/layers/test_layers_delta_parallel.py
 # GDN's A_log / dt_bias gradients are sums over every token of the scalar gate gradient, with heavy cancellation:
 # FLA's fp32 gate backward and the eager one differ by 1.1e-4 with the eager norm on both sides (before the
 # fused norm) and by 2.7e-4 with FLA's fused norm, whose output differs from the eager norm's by 2e-7.

@@ -6,7 +6,8 @@ and on two gloo ranks under TP2 + SP and CP2 (MLA: TP2 + SP; its recompute is CP
 ``hp_conv`` also moves q/k's L2 norm from FLA's op into the recomputed part (FLA's own l2norm kernel, the op then
 without ``use_qk_l2norm_in_kernel``): checked single rank on packed documents and under CP2 on both triton CP
 paths (FLA's own KCP for allgather on a contiguous packed sequence, FLA's kernels with our exchange for p2p zigzag).
-Also: the refill of a freed output by a storage pointer swap (no copy) with the part's own graph still exact, the config / command-line split of our names from megatron-core's, and the one-line error for bad names.
+Also: the refill of a freed output by a storage pointer swap (no copy) with the part's own graph still exact, the
+same with the copy fallback of torches without the swap (on the part and on each layer), the config / command-line split of our names from megatron-core's, and the one-line error for bad names.
 """
 from __future__ import annotations
 
@@ -183,13 +184,20 @@ def test_recompute_frees_the_parts_outputs(single_rank):
     assert held[False] - held[True] >= conv_out + norm_out - SEQ * 2 * HIDDEN * 4, held
 
 
-def test_part_refill_moves_no_bytes_and_its_graph_keeps_the_output():
+@pytest.mark.parametrize("swap", [True, False], ids=["pointer_swap", "copy_fallback"])
+def test_part_refill_moves_no_bytes_and_its_graph_keeps_the_output(monkeypatch, swap):
     """The refill gives the freed storage the recomputed output's memory (no copy kernel where torch has the
     storage pointer swap); the part's own recomputed graph saved that output (exp keeps its result) and still
-    backpropagates it exactly; after backward the kept output holds its values again."""
+    backpropagates it exactly; after backward the kept output holds its values again. ``copy_fallback`` forces the
+    path of a torch without the swap (``layers.base.compat.STORAGE_SWAP`` False: resize and copy)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from layers.shared.recompute import _SWAPS, PartRecompute
+    from layers.base import compat
+    from layers.shared.recompute import PartRecompute
+
+    if swap and not compat.STORAGE_SWAP:
+        pytest.skip(f"torch {torch.__version__} has no UntypedStorage._swap_data_ptr_")
+    monkeypatch.setattr(compat, "STORAGE_SWAP", swap)
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -215,7 +223,18 @@ def test_part_refill_moves_no_bytes_and_its_graph_keeps_the_output():
     (torch.exp(x_ref) * w).backward(dz)
     assert torch.equal(x.grad, x_ref.grad)
     assert torch.equal(y.detach(), torch.exp(x0))
-    assert ("copy_" in ops.names) == (not _SWAPS), ops.names
+    assert ("copy_" in ops.names) == (not swap), ops.names
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda", "mla"])
+def test_recompute_is_exact_with_the_copy_fallback(single_rank, monkeypatch, kind):
+    """The layers' recompute on the path of a torch without the storage pointer swap (torch 2.6, setup.py's floor:
+    the freed outputs are refilled by a copy) gives the same output and gradients as no recompute, bit for bit."""
+    from layers.base import compat
+
+    monkeypatch.setattr(compat, "STORAGE_SWAP", False)
+    x, dy = _inputs(SEQ, 2)
+    assert _compare(kind, 1, 1, False, x, dy) == []
 
 
 def _worker(rank, world_size):

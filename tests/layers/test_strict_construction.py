@@ -45,11 +45,11 @@ def test_delta_mixer_must_name_a_registered_kind():
 
 
 def test_mla_and_attention_cores_reject_mistyped_options():
-    from tests.support.mla_layer import make_config
+    from tests.support.mla_layer import make_config, mla_submodules
 
     from layers.mixers.attention.context_parallel import ContextParallelDotProductAttention
     from layers.mixers.attention import CoreAttention
-    from layers.mixers.mla.layer import MultiLatentAttention, mla_submodules
+    from layers.mixers.mla.layer import MultiLatentAttention
 
     with pytest.raises(TypeError, match=r"MultiLatentAttention got unknown keyword\(s\) \['cp_strategie'\]; "
                                         r"accepted: .*'cp_strategy'"):

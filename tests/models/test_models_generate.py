@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from tests.support.models_case import tiny_hf_model, tiny_llama
+from tests.support.models_case import converted_tiny_model
 from tests.support.paths import REPO, pythonpath
 
 ARCHS = ("qwen3_next", "kimi_linear", "deepseek_v3", "llama")
@@ -30,21 +30,13 @@ def prompts_for(vocab: int, seed: int = 0):
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """{arch: (transformers model, HF directory, converted checkpoint directory)}, built on first use."""
-    from hp_megatron.convert.engine import hf_to_mcore
-    from hp_megatron.models import architecture_of
-
     made = {}
 
     def get(arch):
         if arch not in made:
             root = tmp_path_factory.mktemp(arch)
-            if arch == "llama":
-                model, hf_dir = tiny_llama(root)
-            else:
-                hf_dir = str(root / "hf")
-                model, _ = tiny_hf_model(arch, hf_dir)
-            ckpt = str(root / "ckpt")
-            hf_to_mcore(hf_dir, ckpt, architecture_of(hf_dir), drop_unmodeled=True)
+            hf_dir, ckpt = str(root / "hf"), str(root / "ckpt")
+            model = converted_tiny_model(arch, hf_dir, ckpt, drop_unmodeled=True)
             model.generation_config.eos_token_id = None  # 32 tokens, no early stop
             made[arch] = (model.eval(), hf_dir, ckpt)
         return made[arch]

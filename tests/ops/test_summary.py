@@ -10,8 +10,20 @@ import pytest
 import torch
 
 from layers.ops.delta_rule import chunk_gated_delta_rule, chunk_kda
-from layers.ops.summary import apply_summary, compose_summaries, segment_summary, summary_adjoint
+from layers.ops.summary import apply_summary, segment_summary
 from tests.support.reference import as_f64_leaves, make_problem, recurrent_delta_rule, rel_err, transition_product
+
+
+def compose_summaries(later, earlier):
+    """Summary of running ``earlier`` then ``later``: (M2 M1, M2 E1 + E2)."""
+    (M2, E2), (M1, E1) = later, earlier
+    return M2 @ M1, M2 @ E1 + E2
+
+
+def summary_adjoint(M: torch.Tensor, dS_out: torch.Tensor) -> torch.Tensor:
+    """Gradient carried to S_in by a segment: M^T dS_out."""
+    return M.transpose(-1, -2) @ dS_out
+
 
 OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}
 TOL = 1e-5

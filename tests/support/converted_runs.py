@@ -9,6 +9,7 @@ import os
 import sys
 
 from tests.support.dist import DistributedTestError, case_result, case_started, run_distributed, run_distributed_cases
+from tests.support.models_case import converted_tiny_model
 from tests.support.paths import EXAMPLE
 
 SEQ, GBS = 32, 4
@@ -31,18 +32,11 @@ def write_converted(root: str, data_dir: str, archs, mtp_num_layers: int = 0) ->
     example()
     from prepare_data import BPETokenizer
 
-    from hp_megatron.convert import hf_to_mcore
-    from hp_megatron.models import get_architecture
-    from hp_megatron.models.tiny import add_tiny_mtp_layer, build_tiny_hf_model
-
     os.symlink(data_dir, os.path.join(root, "data"))
     vocab = BPETokenizer(os.path.join(root, "data", "tokenizer.json")).vocab_size
     for arch in archs:
-        hf_dir = os.path.join(root, f"{arch}_hf")
-        build_tiny_hf_model(arch, seed=3, vocab_size=vocab).save_pretrained(hf_dir)
-        if mtp_num_layers:
-            add_tiny_mtp_layer(hf_dir, arch, seed=4)
-        hf_to_mcore(hf_dir, os.path.join(root, f"{arch}_ckpt"), get_architecture(arch).with_mtp(mtp_num_layers))
+        converted_tiny_model(arch, os.path.join(root, f"{arch}_hf"), os.path.join(root, f"{arch}_ckpt"), seed=3,
+                             vocab_size=vocab, mtp_num_layers=mtp_num_layers, mtp_seed=4)
     return root
 
 

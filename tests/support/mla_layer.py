@@ -1,5 +1,6 @@
 """The MultiLatentAttention test layer: a small MLA config and the layer on explicit TP / CP groups (tests/layers,
-tests/cp)."""
+tests/cp); the bytes of Transformer Engine's ring attention, the baseline our MLA CP strategies are measured
+against (tests/cp, benchmarks/mla_comm.py)."""
 from __future__ import annotations
 
 import torch
@@ -24,7 +25,24 @@ def make_config(*, hidden=32, heads=4, q_lora_rank=16, kv_lora_rank=12, qk=8, pe
 def build_layer(config, tp_group, cp_group, **kwargs):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from layers.mixers.mla.layer import MultiLatentAttention, mla_submodules
+    from layers.mixers.mla.layer import MultiLatentAttention
 
     pgs = ProcessGroupCollection(tp=tp_group, cp=cp_group)
     return MultiLatentAttention(config, mla_submodules(), layer_number=1, pg_collection=pgs, **kwargs)
+
+
+def mla_submodules():
+    """The MLA submodules of the eager spec (``hp_megatron.specs``): column/row-parallel linears, RMSNorm latents,
+    torch SDPA core attention."""
+    from hp_megatron.specs import get_mixer_spec
+
+    return get_mixer_spec("mla").submodules
+
+
+def ring_comm_bytes(*, world_size: int, tokens_per_rank: int, heads: int, qk_head_dim: int, qk_pos_emb_head_dim: int,
+                    v_head_dim: int, kv_lora_rank: int = 0, element_size: int = 4) -> dict:
+    """Bytes one rank sends per layer under Transformer Engine's P2P ring attention (``{"forward", "backward"}``),
+    keywords as ``layers.cp.mla.mla_comm_bytes``: every rank's expanded K and V go around the ring (P-1 hops)
+    forward, and in backward K/V again plus dK/dV (P-1 hops each); ``kv_lora_rank`` plays no part."""
+    kv = (world_size - 1) * tokens_per_rank * heads * (qk_head_dim + qk_pos_emb_head_dim + v_head_dim) * element_size
+    return {"forward": kv, "backward": 2 * kv}

@@ -40,6 +40,11 @@ def tiny_hf_model(arch: str, directory: str, seed: int = 0, save: bool = True, v
 def tiny_llama(tmp_path, tied=False, shard="40KB"):
     """A random tiny LlamaForCausalLM (vocabulary ``LLAMA_VOCAB``) saved in shards under ``tmp_path / "hf"``
     (``"hf_tied"`` when ``tied``); returns (model, directory)."""
+    directory = tmp_path / ("hf_tied" if tied else "hf")
+    return _save_tiny_llama(str(directory), tied, shard), str(directory)
+
+
+def _save_tiny_llama(directory: str, tied: bool, shard: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -47,9 +52,29 @@ def tiny_llama(tmp_path, tied=False, shard="40KB"):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied)
     model = LlamaForCausalLM(config).eval()
-    directory = tmp_path / ("hf_tied" if tied else "hf")
     model.save_pretrained(directory, max_shard_size=shard)
-    return model, str(directory)
+    return model
+
+
+def converted_tiny_model(arch: str, hf_dir, ckpt, *, seed: int = 0, vocab_size: int = VOCAB, tied: bool = False,
+                         mtp_num_layers: int = 0, mtp_seed: int | None = None, drop_unmodeled: bool = False):
+    """A converted tiny checkpoint: the tiny random transformers model of ``arch`` saved to ``hf_dir``
+    (:func:`tiny_hf_model` with ``seed`` / ``vocab_size``; ``"llama"``: :func:`tiny_llama`'s model, ``tied`` or
+    not), with ``mtp_num_layers`` released-style MTP layers added (seed ``mtp_seed``, default ``seed``), converted
+    by ``hp_megatron.convert.hf_to_mcore`` into ``ckpt`` (MTP layers kept). Returns the transformers model."""
+    from hp_megatron.convert import hf_to_mcore
+    from hp_megatron.models import get_architecture
+    from hp_megatron.models.tiny import add_tiny_mtp_layer
+
+    hf_dir, ckpt = str(hf_dir), str(ckpt)
+    if arch == "llama":
+        model = _save_tiny_llama(hf_dir, tied, "40KB")
+    else:
+        model, _ = tiny_hf_model(arch, hf_dir, seed, vocab_size=vocab_size)
+    if mtp_num_layers:
+        add_tiny_mtp_layer(hf_dir, arch, seed if mtp_seed is None else mtp_seed)
+    hf_to_mcore(hf_dir, ckpt, get_architecture(arch).with_mtp(mtp_num_layers), drop_unmodeled=drop_unmodeled)
+    return model
 
 
 def read_safetensors(directory: str) -> dict:

@@ -21,9 +21,8 @@ from torch import nn
 
 from layers.cp.plan import check_layout
 from layers.cp.sequence import gather_sequence, packed_cu_seqlens, plan_for_batch
-from layers.shared.inference import check_inference_mask
 from layers.base.keywords import check_keywords, declared_keywords
-from layers.shared.masks import check_causal_mask
+from layers.shared.masks import check_causal_mask, check_inference_mask
 
 
 class ContextParallelDotProductAttention(nn.Module):

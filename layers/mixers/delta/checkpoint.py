@@ -12,6 +12,7 @@ from dataclasses import replace
 import torch
 from megatron.core import parallel_state
 
+from layers.base.compat import own_state_dict
 from layers.mixers.delta.params import ShortConvWeights
 
 
@@ -25,8 +26,7 @@ def delta_sharded_state_dict(mixer, prefix: str = "", sharded_offsets=(), metada
         metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
     groups = dict(tp_group=mixer.tp_group, dp_cp_group=metadata.get("dp_cp_group"))
     layouts = mixer.param_layouts
-    own = {}
-    mixer._save_to_state_dict(own, "", keep_vars=True)
+    own = own_state_dict(mixer)
     own_axes = {path: lay.tp_dim for path, lay in layouts.items() if "." not in path and lay.tp_dim is not None}
     result = make_sharded_tensors_for_checkpoint(own, prefix, own_axes, sharded_offsets, **groups)
     for child_name, child in mixer.named_children():

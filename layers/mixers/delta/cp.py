@@ -14,7 +14,7 @@ import torch
 from layers.cp import CommStats, build_cp_context
 from layers.cp.auto import AutoLayer, auto_tuner
 from layers.cp.cost_model import DeltaLayerShape
-from layers.cp.sequence import micro_batch_cache
+from layers.cp.sequence import check_packed_tokens, micro_batch_cache
 from layers.cp.state_parallel import NATIVE_CP
 from layers.cp.subgroups import solo_group
 
@@ -97,14 +97,7 @@ def cp_configuration(mixer, cp_group, seq_len, batch, cu_seqlens, hidden_states,
 def cp_context(mixer, packed_seq_params, cu, cp_group, cp_size, seq, batch, hidden_states):
     """``(cu_seqlens for the local op, CP context)`` of a forward on ``seq`` local tokens x ``batch`` rows: without
     CP the boundaries ``cu`` and None; under CP None and the context holding the global boundaries."""
-    name = type(mixer).__name__
-    if cu is not None:
-        if batch != 1:
-            raise ValueError(f"{name}: packed THD input must have batch size 1, got b={batch}")
-        if int(cu[-1]) != seq * cp_size:
-            raise ValueError(f"{name}: cu_seqlens end at {int(cu[-1])} tokens but the input holds "
-                             f"{seq} local tokens x context-parallel size {cp_size} = {seq * cp_size}; "
-                             "cu_seqlens must be the global (pre-CP-split) boundaries")
+    check_packed_tokens(type(mixer).__name__, cu, batch, seq, cp_size)
     if cp_size == 1:
         return cu, None
     method, group_size, degree = cp_configuration(mixer, cp_group, seq * cp_size, batch, cu, hidden_states,

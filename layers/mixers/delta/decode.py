@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 
 from layers.shared.inference import inference_window, layer_cache
-from layers.ops import causal_conv1d
 from layers.ops.delta_rule import chunk_op
-from layers.ops.step import causal_conv1d_step, check_decode_backend, delta_rule_step
+from layers.ops.step import check_decode_backend, delta_rule_step
 
 IN_KERNEL = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True)
 
@@ -51,26 +50,17 @@ def delta_inference_forward(mixer, hidden_states, context, attention_mask):
     history, state = conv_cache[rows], state_cache[rows]   # views: in-place updates land in the cache
     decode = offset > 0 and seq == 1
 
-    projected, _ = mixer.in_proj(hidden_states)
-    x = projected.transpose(0, 1)   # [b, s, D_local]
-    sizes = [n // mixer.tp_size for _, n in mixer._in_parts]
-    parts = dict(zip((n for n, _ in mixer._in_parts), torch.split(x, sizes, dim=-1)))
-    qkv = x[..., :mixer.conv_dim // mixer.tp_size]
-    weight, bias = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias
+    qkv, parts = mixer.split_projection(hidden_states)   # the forward's split and conv (DeltaMixer methods)
+    weight, bias = mixer.conv1d.weight, mixer.conv1d.bias
     if decode:
-        y = causal_conv1d_step(qkv, history, weight, bias=bias, activation="silu", backend=mixer.backend)
+        q, k, v = mixer.conv_heads(qkv, weight, bias, step_cache=history)
     else:
         prior = history if offset > 0 else None
-        y = causal_conv1d(qkv, weight, bias=bias, activation="silu", history=prior, backend=mixer.backend)
+        q, k, v = mixer.conv_heads(qkv, weight, bias, history=prior)
         if mixer.conv_kernel_dim > 1:
             history.copy_(conv_tail(prior, qkv, mixer.conv_kernel_dim - 1))
-    kd = mixer.key_heads_local * mixer.key_head_dim
-    q, k, v = torch.split(y, [kd, kd, mixer.value_heads_local * mixer.value_head_dim], dim=-1)
-    q = q.reshape(batch, seq, mixer.key_heads_local, mixer.key_head_dim)
-    k = k.reshape(batch, seq, mixer.key_heads_local, mixer.key_head_dim)
-    v = v.reshape(batch, seq, mixer.value_heads_local, mixer.value_head_dim)
 
-    g, beta, gate, gate_keywords = mixer._recurrence_inputs(parts, hidden_states, batch, seq)
+    g, beta, gate, gate_keywords = mixer.gates(parts, hidden_states)
     flags = dict(IN_KERNEL, backend=mixer.backend, **gate_keywords)
     if decode:
         core = delta_rule_step(mixer.kind, q, k, v, g, beta, state, **flags)
@@ -78,4 +68,4 @@ def delta_inference_forward(mixer, hidden_states, context, attention_mask):
         core, final = chunk_op(mixer.kind)(q, k, v, g, beta, initial_state=state if offset > 0 else None,
                                            output_final_state=True, **flags)
         state.copy_(final)
-    return mixer.out_proj(mixer._normed_sbh(core, gate))
+    return mixer.out_proj(mixer.normed_output(core, gate))

@@ -18,12 +18,9 @@ import torch
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from torch import nn
 
-from layers.mixers.delta.mixer import DeltaMixer, DeltaMixerSubmodules
+from layers.mixers.delta.mixer import DeltaMixer
 from layers.mixers.delta.options import COMMON_OPTIONS
 from layers.mixers.delta.params import ParamLayout, Part, constant_init, log_uniform_init
-from layers.ops import chunk_gated_delta_rule
-
-GatedDeltaNetSubmodules = DeltaMixerSubmodules
 
 
 class GatedDeltaNet(DeltaMixer):
@@ -55,17 +52,8 @@ class GatedDeltaNet(DeltaMixer):
         return [ParamLayout("A_log", 0, (Part(None, (HV,), log_uniform_init(*self.A_init_range)),)),
                 ParamLayout("dt_bias", 0, (Part(None, (HV,), constant_init(1.0)),))]
 
-    def _delta_rule(self, q, k, v, parts, hidden_states, cu_seqlens, cp_context, *, l2norm_in_kernel=True):
-        batch, seq = v.shape[:2]
-        z = parts["z"].reshape(batch, seq, self.value_heads_local, self.value_head_dim)
-        core, _ = chunk_gated_delta_rule(
-            q, k, v, g=parts["alpha"].contiguous(), beta=parts["beta"].contiguous(),
-            use_qk_l2norm_in_kernel=l2norm_in_kernel, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
-            A_log=self.A_log, dt_bias=self.dt_bias, cu_seqlens=cu_seqlens, cp_context=cp_context,
-            backend=self.backend)
-        return core, z
-
-    def _recurrence_inputs(self, parts, hidden_states, batch, seq):
+    def gates(self, parts, hidden_states):
+        batch, seq = parts["z"].shape[:2]
         z = parts["z"].reshape(batch, seq, self.value_heads_local, self.value_head_dim)
         return (parts["alpha"].contiguous(), parts["beta"].contiguous(), z,
                 dict(A_log=self.A_log, dt_bias=self.dt_bias))

@@ -16,28 +16,17 @@ Parameters (global shapes, r = gate_low_rank_dim, default V): ``in_proj.weight [
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Union
-
 import torch
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_utils import build_module
 from torch import nn
 
-from layers.mixers.delta.mixer import DeltaMixer, DeltaMixerSubmodules
+from layers.mixers.delta.mixer import DeltaMixer
 from layers.mixers.delta.options import COMMON_OPTIONS, KDA_DEFAULTS, KDA_ROWS, options_of, positive_int
 from layers.mixers.delta.params import (ParamLayout, Part, ReplicatedLinear, constant_init, inverse_softplus_dt_init,
                                  log_uniform_init, megatron_init, skip_init)
-from layers.ops import chunk_kda
 
 KDA_OPTIONS = {**COMMON_OPTIONS, **options_of(KDA_ROWS, KDA_DEFAULTS)}
-
-
-@dataclass
-class KimiDeltaAttentionSubmodules(DeltaMixerSubmodules):
-    """Adds the column-parallel class of the two gate up-projections (None: the class of ``in_proj``)."""
-
-    gate_up_proj: Optional[Union[ModuleSpec, type]] = None
 
 
 class KimiDeltaAttention(DeltaMixer):
@@ -70,7 +59,7 @@ class KimiDeltaAttention(DeltaMixer):
             raise ValueError(f"{name}: safe_gate=True requires lower_bound in [-5, 0), got {lb!r}")
         r = self.gate_low_rank_dim
         self.gate_down_proj = ReplicatedLinear(self.hidden_size, 2 * r, self.config, device, dtype)
-        up = getattr(submodules, "gate_up_proj", None) or submodules.in_proj
+        up = submodules.in_proj   # the gate up-projections are column parallel, as in_proj
         common = dict(config=self.config, init_method=skip_init, gather_output=False, skip_bias_add=False,
                       is_expert=False, tp_comm_buffer_name=None, tp_group=self.tp_group)
         self.forget_gate_up_proj = build_module(up, r, self.num_value_heads * self.key_head_dim, bias=False,
@@ -98,25 +87,11 @@ class KimiDeltaAttention(DeltaMixer):
             layouts.append(ParamLayout("output_gate_up_proj.bias", 0, (Part(None, (HV * V,), constant_init(0.0)),)))
         return layouts
 
-    def _delta_rule(self, q, k, v, parts, hidden_states, cu_seqlens, cp_context, *, l2norm_in_kernel=True):
-        batch, seq = v.shape[:2]
+    def gates(self, parts, hidden_states):
+        batch, seq = parts["beta"].shape[:2]
         forget_low, output_low = self.gate_down_proj(hidden_states).chunk(2, dim=-1)  # [s(/tp), b, r] each
         forget, _ = self.forget_gate_up_proj(forget_low.contiguous())  # [s, b, HV_local * K]
         gate, _ = self.output_gate_up_proj(output_low.contiguous())  # [s, b, HV_local * V]
-        forget = forget.transpose(0, 1).reshape(batch, seq, self.value_heads_local, self.key_head_dim)
-        gate = gate.transpose(0, 1).reshape(batch, seq, self.value_heads_local, self.value_head_dim)
-        core, _ = chunk_kda(
-            q, k, v, g=forget, beta=parts["beta"].contiguous(),
-            use_qk_l2norm_in_kernel=l2norm_in_kernel,
-            use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
-            lower_bound=self.lower_bound, safe_gate=self.safe_gate, cu_seqlens=cu_seqlens, cp_context=cp_context,
-            backend=self.backend)
-        return core, gate
-
-    def _recurrence_inputs(self, parts, hidden_states, batch, seq):
-        forget_low, output_low = self.gate_down_proj(hidden_states).chunk(2, dim=-1)
-        forget, _ = self.forget_gate_up_proj(forget_low.contiguous())
-        gate, _ = self.output_gate_up_proj(output_low.contiguous())
         forget = forget.transpose(0, 1).reshape(batch, seq, self.value_heads_local, self.key_head_dim)
         gate = gate.transpose(0, 1).reshape(batch, seq, self.value_heads_local, self.value_head_dim)
         return (forget, parts["beta"].contiguous(), gate,

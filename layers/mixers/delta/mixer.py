@@ -23,9 +23,6 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
-import torch.distributed as dist
-
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                   set_tensor_model_parallel_attributes)
 from megatron.core.transformer.module import MegatronModule
@@ -45,42 +42,17 @@ from layers.base.keywords import check_keywords, declared_keywords
 from layers.shared.masks import check_causal_mask
 from layers.shared.norm import GATE_ACTIVATIONS, GatedRMSNorm
 from layers.ops import causal_conv1d
+from layers.ops.delta_rule import chunk_op
+from layers.ops.step import causal_conv1d_step
 from layers.ops.backends import get_backend
 from layers.ops.kinds import delta_kind
+from layers.shared.parallel import ContextParallelMixer, group_rank, group_size, spec_module, tp_cp_groups, tp_grad_sum_hook
 from layers.shared.recompute import PartRecompute, recomputes
-
-def _all_reduce_grad_hook(group):
-    def hook(grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=group)
-        return grad
-    return hook
-
 
 def _param_device(config):
     if getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
-
-
-def _group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
-
-
-
-def _module_class(spec):
-    if isinstance(spec, ModuleSpec):
-        module = spec.module
-        if isinstance(module, tuple):
-            import importlib
-
-            module = getattr(importlib.import_module(module[0]), module[1])
-        return module
-    return spec
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -99,12 +71,13 @@ class DeltaMixerSubmodules:
     out_proj: Union[ModuleSpec, type] = RowParallelLinear
 
 
-class DeltaMixer(MegatronModule):
+class DeltaMixer(ContextParallelMixer, MegatronModule):
     """Base class of :class:`layers.GatedDeltaNet` and :class:`layers.KimiDeltaAttention`.
 
     Subclasses set ``kind`` (the name of a ``layers.ops.kinds`` descriptor; part of the shape ``layers.mixers.delta.cp``
     describes, and what the decode path runs), ``gate_activation`` and ``OPTIONS``, and implement
-    :meth:`_in_proj_parts`, :meth:`_extra_layouts`, :meth:`_build_extra` and :meth:`_delta_rule`.
+    :meth:`_in_proj_parts`, :meth:`_extra_layouts`, :meth:`_build_extra` and :meth:`gates` (read by the
+    forward and by the decode path, ``layers/mixers/delta/decode.py``).
     """
 
     kind = None
@@ -160,14 +133,8 @@ class DeltaMixer(MegatronModule):
             raise ValueError(f"{name}: num_value_heads={self.num_value_heads} must be a multiple of "
                              f"num_key_heads={self.num_key_heads}")
 
-        self.tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
-        self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-        if parallel_state.model_parallel_is_initialized():
-            if self.tp_group is None:
-                self.tp_group = parallel_state.get_tensor_model_parallel_group()
-            if self.cp_group is None:
-                self.cp_group = parallel_state.get_context_parallel_group()
-        self.tp_size, self.tp_rank = _group_size(self.tp_group), _group_rank(self.tp_group)
+        self.tp_group, self.cp_group = tp_cp_groups(pg_collection)
+        self.tp_size, self.tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
         for label, heads in (("num_key_heads", self.num_key_heads), ("num_value_heads", self.num_value_heads)):
             if heads % self.tp_size:
                 raise ValueError(f"{name}: {label}={heads} must be divisible by the tensor-parallel size "
@@ -207,7 +174,7 @@ class DeltaMixer(MegatronModule):
             raise ValueError(f"{type(self).__name__} is causal; attn_mask_type must be causal, got {label}")
 
     def _build_out_norm(self, spec):
-        cls = _module_class(spec)
+        cls = spec_module(spec)
         kwargs = dict(config=self.config, hidden_size=self.value_head_dim, eps=self.norm_eps)
         if isinstance(cls, type) and issubclass(cls, GatedRMSNorm):
             kwargs.update(activation=self.gate_activation, backend=self.backend)  # triton: FLA's fused kernel
@@ -218,7 +185,7 @@ class DeltaMixer(MegatronModule):
         for p in norm.parameters():
             setattr(p, "sequence_parallel", False)
             if self.tp_size > 1 and p.requires_grad:
-                p.register_hook(_all_reduce_grad_hook(self.tp_group))
+                p.register_hook(tp_grad_sum_hook(self.tp_group))
         return norm
 
     def _common_layouts(self) -> list:
@@ -328,19 +295,42 @@ class DeltaMixer(MegatronModule):
             raise ValueError(f"{name}: hidden_states must be [s, b, h], got "
                              f"{getattr(hidden_states, 'shape', type(hidden_states).__name__)}")
         cp_group = self.cp_group_for(packed_seq_params)
-        cp_size = _group_size(cp_group)
+        cp_size = group_size(cp_group)
         context = static_context(name, self, inference_context, inference_params, cp_size=cp_size,
                                  sequence_parallel=self.config.sequence_parallel and self.tp_size > 1,
                                  packed_seq_params=packed_seq_params)
         if context is not None:   # generation: state caches in megatron's static context (layers/mixers/delta/decode.py)
             return delta_inference_forward(self, hidden_states, context, attention_mask)
         cu_global = packed_cu_seqlens(packed_seq_params)
-        check_causal_mask(attention_mask, self.cp_layout, cp_size, _group_rank(cp_group), cu_global,
+        check_causal_mask(attention_mask, self.cp_layout, cp_size, group_rank(cp_group), cu_global,
                           owner=type(self).__name__)
 
-        projected, _ = self.in_proj(hidden_states)  # [s, b, D_local]
-        seq, batch = projected.shape[:2]
+        qkv, parts = self.split_projection(hidden_states)
+        batch, seq = qkv.shape[:2]
         cu_seqlens, ctx = cp_context(self, packed_seq_params, cu_global, cp_group, cp_size, seq, batch, hidden_states)
+        conv_part = PartRecompute() if self.recompute_conv else None
+        q, k, v = self._conv_qkv(conv_part, qkv, cu_seqlens, ctx)
+        g, beta, gate, gate_keywords = self.gates(parts, hidden_states)
+        core, _ = chunk_op(self.kind)(
+            q, k, v, g, beta, use_qk_l2norm_in_kernel=conv_part is None or self._part_l2norm is None,
+            use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True, cu_seqlens=cu_seqlens, cp_context=ctx,
+            backend=self.backend, **gate_keywords)
+        if conv_part is not None:
+            conv_part.discard(core)   # q, k, v refilled before the op's backward
+        if self.recompute_norm:
+            norm_part = PartRecompute()
+            normed = norm_part.run(self.normed_output, core, gate)   # the norm weight's gradient: in the recompute
+        else:
+            normed = self.normed_output(core, gate)
+        out, bias = self.out_proj(normed)
+        if self.recompute_norm:
+            norm_part.discard(out)    # out_proj's saved input, refilled before its backward
+        return out, bias
+
+    def split_projection(self, hidden_states):
+        """in_proj of ``hidden_states [s(/tp), b, h]`` -> ``(qkv [b, s, conv_dim_local], parts)``: the short conv's
+        channels (query, key, value) and the other parts by name (``[b, s, rows_local]`` views)."""
+        projected, _ = self.in_proj(hidden_states)  # [s, b, D_local]
         x = projected.transpose(0, 1)  # [b, s, D_local]
         # in_proj starts with query, key, value: one piece for the conv, so that every piece of the split gets a
         # gradient and its backward is one cat (q/k/v pieces left unused would each add a zero-filled gradient,
@@ -348,41 +338,35 @@ class DeltaMixer(MegatronModule):
         names = [n for n, _ in self._in_parts[3:]]
         sizes = [self.conv_dim // self.tp_size] + [rows // self.tp_size for _, rows in self._in_parts[3:]]
         qkv, *rest = torch.split(x, sizes, dim=-1)
-        parts = dict(zip(names, rest))
-        conv_part = PartRecompute() if self.recompute_conv else None
-        q, k, v = self._conv_qkv(conv_part, qkv, cu_seqlens, ctx)
-        core, gate = self._delta_rule(q, k, v, parts, hidden_states, cu_seqlens, ctx,
-                                      l2norm_in_kernel=conv_part is None or self._part_l2norm is None)
-        if conv_part is not None:
-            conv_part.discard(core)   # q, k, v refilled before the op's backward
-        if self.recompute_norm:
-            norm_part = PartRecompute()
-            normed = norm_part.run(self._normed_sbh, core, gate)   # the norm weight's gradient: in the recompute
+        return qkv, dict(zip(names, rest))
+
+    def conv_heads(self, qkv, weight, bias=None, *, step_cache=None, **conv_keywords):
+        """Short causal conv + SiLU of ``qkv [b, s, conv_dim_local]`` with ``weight [C, 1, W]`` and ``bias`` (the
+        conv1d parameters, passed in so that a recomputed part takes them as inputs) -> q, k ``[b, s, H_local, K]``,
+        v ``[b, s, HV_local, V]`` (views of the conv output). ``conv_keywords``: ``cu_seqlens``, ``cp_context``,
+        ``history`` of ``layers.ops.causal_conv1d``; ``step_cache`` (``[b, W-1, C]``): one decode step
+        (``layers.ops.causal_conv1d_step``, which updates it in place)."""
+        batch, seq = qkv.shape[:2]
+        weight = weight.squeeze(1)
+        if step_cache is not None:
+            y = causal_conv1d_step(qkv, step_cache, weight, bias=bias, activation="silu", backend=self.backend)
         else:
-            normed = self._normed_sbh(core, gate)
-        out, bias = self.out_proj(normed)
-        if self.recompute_norm:
-            norm_part.discard(out)    # out_proj's saved input, refilled before its backward
-        return out, bias
+            y = causal_conv1d(qkv, weight, bias=bias, activation="silu", backend=self.backend, **conv_keywords)
+        kd, vd = self.key_heads_local * self.key_head_dim, self.value_heads_local * self.value_head_dim
+        q, k, v = torch.split(y, [kd, kd, vd], dim=-1)
+        return (q.reshape(batch, seq, self.key_heads_local, self.key_head_dim),
+                k.reshape(batch, seq, self.key_heads_local, self.key_head_dim),
+                v.reshape(batch, seq, self.value_heads_local, self.value_head_dim))
 
     def _conv_qkv(self, part, qkv, cu_seqlens, ctx):
-        """Short causal conv + SiLU of ``qkv [b, s, conv_dim_local]`` -> q, k ``[b, s, H_local, K]``, v
-        ``[b, s, HV_local, V]`` (views of the conv output). With ``part`` the graph is left out and q, k, v are
+        """:meth:`conv_heads` of a training forward. With ``part`` the graph is left out and q, k, v are
         contiguous copies, so that the op keeps them as given (FLA's kernels copy strided inputs) and they are
         freed with the part; the recompute re-runs the conv, with CP its halo exchange, on every rank in the
         same backward order. With ``part`` and the backend's ``qk_l2norm`` q and k leave the part L2-normalised
         (the op then runs with ``use_qk_l2norm_in_kernel=False``; normalising per token commutes with every CP
         method's exchange)."""
-        batch, seq = qkv.shape[:2]
-        kd, vd = self.key_heads_local * self.key_head_dim, self.value_heads_local * self.value_head_dim
-
         def conv(x, weight, *bias):
-            y = causal_conv1d(x, weight.squeeze(1), bias=bias[0] if bias else None, activation="silu",
-                              cu_seqlens=cu_seqlens, cp_context=ctx, backend=self.backend)
-            q, k, v = torch.split(y, [kd, kd, vd], dim=-1)
-            q = q.reshape(batch, seq, self.key_heads_local, self.key_head_dim)
-            k = k.reshape(batch, seq, self.key_heads_local, self.key_head_dim)
-            v = v.reshape(batch, seq, self.value_heads_local, self.value_head_dim)
+            q, k, v = self.conv_heads(x, weight, bias[0] if bias else None, cu_seqlens=cu_seqlens, cp_context=ctx)
             if part is None:
                 return q, k, v
             if self._part_l2norm is not None:   # contiguous outputs of FLA's l2norm
@@ -392,7 +376,7 @@ class DeltaMixer(MegatronModule):
         tensors = (qkv, self.conv1d.weight) + ((self.conv1d.bias,) if self.conv1d.bias is not None else ())
         return conv(*tensors) if part is None else part.run(conv, *tensors)
 
-    def _normed_sbh(self, core, gate):
+    def normed_output(self, core, gate):
         """Gated output norm of ``core [b, s, HV_local, V]`` as out_proj's input ``[s, b, HV_local * V]``."""
         batch, seq = core.shape[:2]
         return self._gated_norm(core, gate).reshape(batch, seq, -1).transpose(0, 1).contiguous()
@@ -402,19 +386,6 @@ class DeltaMixer(MegatronModule):
             return self.out_norm(core, gate)
         act = GATE_ACTIVATIONS[self.gate_activation]
         return (self.out_norm(core).float() * act(gate.float())).to(core.dtype)
-
-    def cp_group_for(self, packed_seq_params):
-        """The CP group of a forward: the micro-batch's ``PackedSeqParams.cp_group`` (megatron's hybrid CP), else
-        the layer's."""
-        group = getattr(packed_seq_params, "cp_group", None) if packed_seq_params is not None else None
-        return group if group is not None else self.cp_group
-
-    def cp_auto_choice(self, cp_group):
-        """What ``cp_method="auto"`` chose for ``cp_group`` (the group object a forward used, see
-        :meth:`cp_group_for`): ``(method, group_size, ulysses_degree)``, or None before the layer's first CP
-        forward on that group. One per group: megatron's hybrid CP hands micro-batches CP groups of several sizes,
-        and a choice for one size may not be valid on another."""
-        return self.cp_auto_choices.get(cp_group)
 
     # ---------------------------------------------------------------- checkpointing
 
@@ -434,15 +405,10 @@ class DeltaMixer(MegatronModule):
     def _extra_layouts(self) -> list:
         raise NotImplementedError
 
-    def _delta_rule(self, q, k, v, parts, hidden_states, cu_seqlens, cp_context, *, l2norm_in_kernel=True):
-        """Return ``(core [b, s, HV_local, V], gate [b, s, HV_local, V])``; ``parts``: the in-projection's parts
-        after query, key and value (``[b, s, rows_local]`` views, by name); ``l2norm_in_kernel`` False: q and k
-        arrive L2-normalised (see :meth:`_conv_qkv`)."""
-        raise NotImplementedError
-
-    def _recurrence_inputs(self, parts, hidden_states, batch, seq):
-        """For the inference path: ``(g, beta, output gate [b, s, HV_local, V], gate keywords of the op)`` with g
-        and beta raw (the op applies the in-kernel gate and sigmoid)."""
+    def gates(self, parts, hidden_states) -> tuple:
+        """``(g, beta, output gate [b, s, HV_local, V], gate keywords of the op)`` from the in-projection's parts
+        after query, key and value (``[b, s, rows_local]`` views, by name) and ``hidden_states [s(/tp), b, h]``;
+        g and beta raw (the op applies the in-kernel gate and sigmoid)."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:

@@ -37,11 +37,13 @@ from layers.cp.auto import AutoLayer, auto_tuner
 from layers.cp.cost_model import MLALayerShape
 from layers.cp.mla import STRATEGIES, MLADims, check_strategy, expand_keys_values, mla_context_parallel
 from layers.cp.plan import check_layout
-from layers.cp.sequence import packed_cu_seqlens, plan_for_batch
+from layers.cp.sequence import check_packed_tokens, packed_cu_seqlens, plan_for_batch
 from layers.shared.inference import static_context
 from layers.base.keywords import check_keywords, declared_keywords
 from layers.shared.masks import check_causal_mask
 from layers.mixers.mla.decode import mla_inference_forward
+from layers.shared.parallel import (ContextParallelMixer, SumGradOverTP, group_rank, group_size, spec_module,
+                                    tp_cp_groups)
 from layers.shared.recompute import PartRecompute, recomputes
 from layers.shared.rotary import MLARotary, apply_mla_rope, mla_softmax_scale
 
@@ -67,46 +69,11 @@ class MLASelfAttentionSubmodules:
     kv_layernorm: Union[ModuleSpec, type] = None
 
 
-def _process_groups(pg_collection):
-    if pg_collection is None:
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
-        pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
-    return pg_collection.tp, getattr(pg_collection, "cp", None)
-
-
-class _SumGradOverTP(torch.autograd.Function):
-    """Identity forward; backward all-reduces the gradient over TP (every TP rank's heads contribute).
-
-    megatron's ``copy_to_tensor_model_parallel_region`` reduces ``grad.contiguous()`` and returns the
-    unreduced gradient when it arrives non-contiguous, which happens here after the layout transposes.
-    """
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def _group_size(group) -> int:
-    return 1 if group is None else group.size()
-
-
-def _spec_module(spec):
-    return spec.module if isinstance(spec, ModuleSpec) else spec
-
-
 def _mask_type_name(attn_mask_type):
     return getattr(attn_mask_type, "name", attn_mask_type)
 
 
-class MultiLatentAttention(MegatronModule):
+class MultiLatentAttention(ContextParallelMixer, MegatronModule):
     """Multi-head latent attention (self-attention, causal) with TP, SP, packed THD and CP.
 
     Args beyond megatron's: ``cp_strategy`` (``"latent"`` default, or ``"latent_ulysses"``,
@@ -129,8 +96,8 @@ class MultiLatentAttention(MegatronModule):
         if checkpoint_norm_names not in ("te", "local"):
             raise ValueError(f"checkpoint_norm_names must be 'te' or 'local', got {checkpoint_norm_names!r}")
         self.layer_number = layer_number
-        self.tp_group, self.cp_group = _process_groups(pg_collection)
-        self.tp_size = _group_size(self.tp_group)
+        self.tp_group, self.cp_group = tp_cp_groups(pg_collection)
+        self.tp_size = group_size(self.tp_group)
         self.cp_layout = check_layout(cp_layout or getattr(config, "hp_cp_layout", None) or "zigzag")
         # --recompute-modules hp_mla_up_proj (layers/shared/recompute.py): per-head K/V recomputed from the latent
         self.recompute_up_proj = recomputes(config, "hp_mla_up_proj")
@@ -192,7 +159,7 @@ class MultiLatentAttention(MegatronModule):
             if hasattr(getattr(self, name, None), "layer_norm_weight"):
                 raise ValueError(f"{name} must be a plain column-parallel linear; fused layer-norm linears are not "
                                  "supported (put the norm in q_layernorm/kv_layernorm)")
-        self._register_load_state_dict_pre_hook(self._accept_te_norm_names)
+        self.register_load_state_dict_pre_hook(self._accept_te_norm_names)
 
     # -- construction helpers ---------------------------------------------------------------------------
     def _select_strategy(self, cp_strategy, cp_comm_type) -> str:
@@ -203,7 +170,7 @@ class MultiLatentAttention(MegatronModule):
         return cp_strategy if cp_strategy == "auto" else check_strategy(cp_strategy)   # auto: layers.cp.auto
 
     def _down_kwargs(self, spec) -> dict:
-        module = _spec_module(spec)
+        module = spec_module(spec)
         if isinstance(module, type) and issubclass(module, ColumnParallelLinear):
             return {"gather_output": False, "tp_group": self.tp_group}
         if self.tp_size > 1:
@@ -226,14 +193,14 @@ class MultiLatentAttention(MegatronModule):
         self._check_forward_args(hidden_states, key_value_states, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin,
                                  rotary_pos_cos_sin, attention_bias, position_ids, packed_seq_params)
         cu_seqlens = packed_cu_seqlens(packed_seq_params)
-        cp_group = self._cp_group(packed_seq_params)
-        cp_size = _group_size(cp_group)
+        cp_group = self.cp_group_for(packed_seq_params)
+        cp_size = group_size(cp_group)
         context = static_context("MultiLatentAttention", self, inference_context, inference_params, cp_size=cp_size,
                                  sequence_parallel=self.config.sequence_parallel and self.tp_size > 1,
                                  packed_seq_params=packed_seq_params)
         if context is not None:   # generation: the latent cache in megatron's static context (layers/mixers/mla/decode.py)
             return mla_inference_forward(self, hidden_states, context, attention_mask)
-        cp_rank = torch.distributed.get_rank(cp_group) if cp_size > 1 else 0
+        cp_rank = group_rank(cp_group) if cp_size > 1 else 0
         check_causal_mask(attention_mask, self.cp_layout, cp_size, cp_rank, cu_seqlens, owner="MultiLatentAttention")
         dims = self.dims
 
@@ -290,12 +257,6 @@ class MultiLatentAttention(MegatronModule):
             self.cp_auto_choices[cp_group] = auto_tuner().choose(cp_group, layer).method
         return self.cp_auto_choices[cp_group]
 
-    def cp_auto_choice(self, cp_group):
-        """The strategy ``cp_strategy="auto"`` chose for ``cp_group`` (the group object a forward used), or None
-        before the layer's first CP forward on that group (one per group, as megatron's hybrid CP may hand
-        micro-batches CP groups of several sizes)."""
-        return self.cp_auto_choices.get(cp_group)
-
     def _check_forward_args(self, hidden_states, key_value_states, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin,
                             rotary_pos_cos_sin, attention_bias, position_ids, packed_seq_params):
         if hidden_states.dim() != 3:
@@ -311,24 +272,12 @@ class MultiLatentAttention(MegatronModule):
         if position_ids is not None:
             raise ValueError("MultiLatentAttention derives positions from the CP layout and packed_seq_params; "
                              "explicit position_ids are not supported")
-        if packed_seq_params is not None and getattr(packed_seq_params, "local_cp_size", None) is not None \
-                and packed_seq_params.cp_group is None:
-            raise ValueError("packed_seq_params.local_cp_size is set without packed_seq_params.cp_group")
-
-    def _cp_group(self, packed_seq_params):
-        group = getattr(packed_seq_params, "cp_group", None) if packed_seq_params is not None else None
-        return group if group is not None else self.cp_group
 
     def _token_positions(self, batch, seq, cp_size, cp_rank, packed_seq_params, cu_seqlens, device):
         """The micro-batch's sequence plan (None without CP) and rotary positions ([seq] on device) of the
         local tokens."""
         total = seq * cp_size
-        if cu_seqlens is not None:
-            if batch != 1:
-                raise ValueError(f"packed THD input needs batch 1 (hidden_states [t, 1, h]), got batch {batch}")
-            if int(cu_seqlens[-1]) != total:
-                raise ValueError(f"cu_seqlens[-1]={int(cu_seqlens[-1])} must equal the global packed token count "
-                                 f"{total} (local tokens {seq} x CP {cp_size})")
+        check_packed_tokens("MultiLatentAttention", cu_seqlens, batch, seq, cp_size)
         plan = None if cp_size == 1 else plan_for_batch(packed_seq_params, cp_size, cp_rank, self.cp_layout, total)
         ids = torch.arange(seq) if plan is None else plan.local_index
         positions = ids - document_starts(ids, cu_seqlens) if cu_seqlens is not None else ids
@@ -348,9 +297,9 @@ class MultiLatentAttention(MegatronModule):
         if sp:
             latent = gather_from_sequence_parallel_region(latent, group=self.tp_group)
         elif self.tp_size > 1:
-            latent = _SumGradOverTP.apply(latent, self.tp_group)
+            latent = SumGradOverTP.apply(latent, self.tp_group)
         if self.tp_size > 1:
-            rope_key = _SumGradOverTP.apply(rope_key, self.tp_group)
+            rope_key = SumGradOverTP.apply(rope_key, self.tp_group)
         return latent, rope_key
 
     def _gather_columns(self, x, width):
@@ -388,36 +337,13 @@ class MultiLatentAttention(MegatronModule):
                 value.key = value.key[: len(value.key) - len(local)] + TE_NORM_NAMES[local]
         return sharded
 
-    def _accept_te_norm_names(self, state_dict, prefix, *args, **kwargs):
+    @staticmethod
+    def _accept_te_norm_names(module, state_dict, prefix, *args):
+        """Load-state-dict pre-hook (``nn.Module.register_load_state_dict_pre_hook``: called with the module
+        first): TE's fused norm names are read as ours."""
         for ours, te in TE_NORM_NAMES.items():
             if prefix + te in state_dict and prefix + ours not in state_dict:
                 state_dict[prefix + ours] = state_dict.pop(prefix + te)
-
-
-def mla_submodules(backend: str = "eager") -> MLASelfAttentionSubmodules:
-    """Submodules without Transformer Engine: column/row-parallel linears, RMSNorm latents, and the
-    ``eager`` (torch SDPA) or ``npu`` (``torch_npu.npu_fusion_attention``) core attention."""
-    from megatron.core.tensor_parallel.layers import RowParallelLinear
-
-    from layers.mixers.attention import CoreAttention, NPUCoreAttention
-    from layers.shared.norm import RMSNorm
-
-    if backend not in ("eager", "npu"):
-        raise ValueError(f"MLA core-attention backend must be 'eager' or 'npu', got {backend!r}")
-    return MLASelfAttentionSubmodules(
-        linear_q_proj=ColumnParallelLinear, linear_q_down_proj=ColumnParallelLinear,
-        linear_q_up_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear,
-        linear_kv_up_proj=ColumnParallelLinear,
-        core_attention=CoreAttention if backend == "eager" else NPUCoreAttention,
-        linear_proj=RowParallelLinear, q_layernorm=RMSNorm, kv_layernorm=RMSNorm)
-
-
-def mla_module_spec(backend: str = "eager", **params) -> ModuleSpec:
-    """``ModuleSpec`` of ``MultiLatentAttention`` for a ``TransformerLayer``'s ``self_attention``."""
-    from megatron.core.transformer.enums import AttnMaskType
-
-    return ModuleSpec(module=MultiLatentAttention, params={"attn_mask_type": AttnMaskType.causal, **params},
-                      submodules=mla_submodules(backend))
 
 
 # -- transformers (DeepSeek-V3 / Kimi-Linear) state dicts ------------------------------------------------------
@@ -510,5 +436,5 @@ def mla_state_dict_to_hf(state: dict, config, *, rope_interleave: bool = True) -
     return out
 
 
-__all__ = ["MultiLatentAttention", "MLASelfAttentionSubmodules", "mla_submodules", "mla_module_spec",
+__all__ = ["MultiLatentAttention", "MLASelfAttentionSubmodules",
            "mla_state_dict_from_hf", "mla_state_dict_to_hf", "HF_TO_MLA", "TE_CP_COMM_TYPES", "TE_NORM_NAMES"]

@@ -1,4 +1,6 @@
-"""Weight conversion between transformers' layers and ours (GDN <-> Qwen3-Next, KDA <-> Kimi Linear).
+"""Weight conversion between transformers' single layers and ours (GDN <-> Qwen3-Next, KDA <-> Kimi Linear), for the
+tests and benchmarks that compare our layers with transformers' (the model converter, ``hp_megatron.convert``,
+has its own rules in ``hp_megatron/models``).
 
 Our side is the dict of *global logical tensors* of a layer (``layer.global_part_names()``: fused parameters
 split into their parts, e.g. ``in_proj.weight.query``), which ``layer.load_global_parts(...)`` loads under any
@@ -13,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-GDN_IN_PROJ_PARTS = ("query", "key", "value", "z", "beta", "alpha")  # row order of our GDN in_proj
+from hp_megatron.models.qwen3_next import (GDN_IN_PROJ_PARTS, gdn_head_groups, join_qwen3_next_in_proj,
+                                           split_qwen3_next_in_proj)
 
 
 def gdn_dims_from_qwen3_next_config(hf_config) -> dict:
@@ -41,34 +44,6 @@ def _take(state_dict, prefix, key, shape):
     return t
 
 
-def _gdn_dims(num_key_heads, num_value_heads, key_head_dim, value_head_dim):
-    if num_value_heads % num_key_heads:
-        raise ValueError(f"num_value_heads={num_value_heads} must be a multiple of num_key_heads={num_key_heads}")
-    return num_key_heads, num_value_heads, key_head_dim, value_head_dim, num_value_heads // num_key_heads
-
-
-def split_qwen3_next_in_proj(qkvz, ba, num_key_heads, num_value_heads, key_head_dim, value_head_dim):
-    """Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` weights -> our in_proj parts (q, k, v, z, beta, alpha),
-    each ``[rows, hidden]``: Qwen3-Next groups rows per key head (``[q K, k K, v r*V, z r*V]`` and ``[b r, a r]``,
-    r = HV/H), our parts hold all heads of one kind."""
-    H, HV, K, V, r = _gdn_dims(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
-    hidden = qkvz.shape[1]
-    q, k, v, z = qkvz.reshape(H, 2 * K + 2 * r * V, hidden).split([K, K, r * V, r * V], dim=1)
-    b, a = ba.reshape(H, 2 * r, hidden).split([r, r], dim=1)
-    return (q.reshape(H * K, hidden), k.reshape(H * K, hidden), v.reshape(HV * V, hidden), z.reshape(HV * V, hidden),
-            b.reshape(HV, hidden), a.reshape(HV, hidden))
-
-
-def join_qwen3_next_in_proj(q, k, v, z, b, a, num_key_heads, num_value_heads, key_head_dim, value_head_dim):
-    """Inverse of :func:`split_qwen3_next_in_proj`: ``(in_proj_qkvz, in_proj_ba)`` weights."""
-    H, HV, K, V, r = _gdn_dims(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
-    hidden = q.shape[1]
-    grouped = [q.reshape(H, K, hidden), k.reshape(H, K, hidden), v.reshape(H, r * V, hidden),
-               z.reshape(H, r * V, hidden)]
-    ba = [b.reshape(H, r, hidden), a.reshape(H, r, hidden)]
-    return torch.cat(grouped, dim=1).reshape(-1, hidden), torch.cat(ba, dim=1).reshape(-1, hidden)
-
-
 def gdn_from_qwen3_next(hf_state_dict: dict, *, num_key_heads: int, num_value_heads: int, key_head_dim: int,
                         value_head_dim: int, prefix: str = "", **_unused) -> dict:
     """``Qwen3NextGatedDeltaNet`` state dict -> our GDN global parts.
@@ -76,7 +51,7 @@ def gdn_from_qwen3_next(hf_state_dict: dict, *, num_key_heads: int, num_value_he
     Qwen3-Next groups its fused projections per key head: ``in_proj_qkvz`` rows are, for each key head,
     ``[q (K), k (K), v (r*V), z (r*V)]`` and ``in_proj_ba`` rows ``[b (r), a (r)]`` with r = HV/H.
     """
-    H, HV, K, V, r = _gdn_dims(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
+    H, HV, K, V, r = gdn_head_groups(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
     qkvz = hf_state_dict[prefix + "in_proj_qkvz.weight"]
     hidden = qkvz.shape[1]
     qkvz = _take(hf_state_dict, prefix, "in_proj_qkvz.weight", (H * (2 * K + 2 * r * V), hidden))
