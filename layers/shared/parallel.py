@@ -9,8 +9,6 @@ import importlib
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.transformer.spec_utils import ModuleSpec
 
 
 def group_size(group) -> int:
@@ -26,6 +24,8 @@ def group_rank(group) -> int:
 def tp_cp_groups(pg_collection) -> tuple:
     """``(tp_group, cp_group)`` of a mixer: ``pg_collection``'s, each missing one from megatron's
     ``parallel_state`` when it is initialized, else None."""
+    from megatron.core import parallel_state  # here: importing megatron.core prints its start-up warnings
+
     tp = getattr(pg_collection, "tp", None) if pg_collection is not None else None
     cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
     if parallel_state.model_parallel_is_initialized():
@@ -75,6 +75,8 @@ class SumGradOverTP(torch.autograd.Function):
 
 def spec_module(spec):
     """The class a ``ModuleSpec`` (or a bare class) builds; ``(module path, name)`` specs are imported."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
     if not isinstance(spec, ModuleSpec):
         return spec
     module = spec.module
