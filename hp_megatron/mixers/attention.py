@@ -45,4 +45,5 @@ def attention_spec(provider, *, qk_layernorm=False, cp_layout=None):
 ATTENTION = register_mixer(MixerEntry(
     symbol="A", name="attn", title="attention", spec=attention_spec,
     module="megatron.core.transformer.attention:SelfAttention", family="attention", model_rope=True, mtp=True,
-    stack_slot="attention_layer", conversion={"qwen3_next": "hp_megatron.models.qwen3_next:_attention_rules"}))
+    stack_slot="attention_layer",
+    conversion={"qwen3_next": "hp_megatron.models.qwen3_next:attention_layer_rules"}))

@@ -14,4 +14,5 @@ def gdn_spec(provider, *, qk_layernorm=False, cp_layout=None):
 
 GDN = register_mixer(MixerEntry(
     symbol="G", name="gdn", title="GDN", spec=gdn_spec, module=MODULE, options=DELTA_ROWS, family="delta",
-    stack_slot="gdn_layer", cp_auto_field="delta_cp_method", conversion={"qwen3_next": "hp_megatron.models.qwen3_next:_gdn_rules"}))
+    stack_slot="gdn_layer", cp_auto_field="delta_cp_method",
+    conversion={"qwen3_next": "hp_megatron.models.qwen3_next:gdn_layer_rules"}))

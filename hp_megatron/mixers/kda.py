@@ -15,4 +15,5 @@ def kda_spec(provider, *, qk_layernorm=False, cp_layout=None):
 
 KDA = register_mixer(MixerEntry(
     symbol="K", name="kda", title="KDA", spec=kda_spec, module=MODULE, options=DELTA_ROWS + KDA_ROWS,
-    family="delta", stack_slot="gdn_layer", cp_auto_field="delta_cp_method", conversion={"kimi_linear": "hp_megatron.models.kimi_linear:_kda_rules"}))
+    family="delta", stack_slot="gdn_layer", cp_auto_field="delta_cp_method",
+    conversion={"kimi_linear": "hp_megatron.models.kimi_linear:kda_layer_rules"}))

@@ -34,7 +34,8 @@ def mla_spec(provider, *, qk_layernorm=False, cp_layout=None):
 
 
 MLA = register_mixer(MixerEntry(
-    symbol="M", name="mla", title="MLA", spec=mla_spec, module=MODULE, options=MLA_ROWS, family="mla", own_positions=True, mtp=True,
+    symbol="M", name="mla", title="MLA", spec=mla_spec, module=MODULE, options=MLA_ROWS, family="mla",
+    own_positions=True, mtp=True,
     stack_slot="mla_layer", cp_auto_field="mla_cp_strategy",
-    conversion={"deepseek_v3": "hp_megatron.models.common:mla_rules",
-                "kimi_linear": "hp_megatron.models.common:mla_rules"}))
+    conversion={"deepseek_v3": "hp_megatron.models.deepseek_v3:mla_layer_rules",
+                "kimi_linear": "hp_megatron.models.kimi_linear:mla_layer_rules"}))

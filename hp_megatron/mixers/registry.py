@@ -34,8 +34,11 @@ class MixerEntry:
       ``stack_slot``: the ``HybridStackSubmodules`` slot of megatron-core's ``HybridModel`` it may fill.
     * ``cp_auto_field``: the config field whose value ``"auto"`` picks the CP method from the cost model
       (``layers.cp.auto``), None when the mixer has no ``auto``.
-    * ``conversion``: ``{architecture: "package.module:function"}``, where the mixer's per-tensor HF conversion
-      rules of that architecture live (``hp_megatron.models``).
+    * ``conversion``: ``{architecture: "package.module:function"}``: the mixer's HF conversion rules in that
+      architecture, ``function(mcore_prefix, hf_layer_prefix, hf, preset) -> [TensorRule]`` (``mcore_prefix``: the
+      layer's ``...self_attention.``; ``hf_layer_prefix``: the HF decoder layer's ``model.layers.<i>.``; ``hf``:
+      config.json as a dict; ``preset``: the architecture's ``ModelPreset``), read by the architectures' rules
+      through :func:`conversion_rules_of`.
     """
 
     symbol: str
@@ -147,6 +150,16 @@ def mtp_symbols() -> tuple:
 def option_rows() -> tuple:
     """Every registered mixer's flag-table rows (a shared row once), in registration order."""
     return tuple(dict.fromkeys(r for e in _REGISTRY.values() for r in e.options))
+
+
+def conversion_rules_of(architecture: str, symbol: str):
+    """The conversion-rule function of mixer ``symbol`` in ``architecture`` (``MixerEntry.conversion``); ValueError
+    naming the architectures the mixer has rules for."""
+    entry = mixer(symbol)
+    if architecture not in entry.conversion:
+        raise ValueError(f"{architecture}: mixer {entry.name!r} ({symbol}) has no conversion rules for it; it has "
+                         f"them for {sorted(entry.conversion) or 'no architecture'}")
+    return resolve(entry.conversion[architecture])
 
 
 def check_hf_symbols(architecture: str, layer_symbols: Mapping[str, str]) -> Mapping[str, str]:

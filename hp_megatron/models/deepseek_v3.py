@@ -14,6 +14,7 @@ copies. Without MTP, ``unmodeled_tensors`` lists them and the converter drops th
 from __future__ import annotations
 
 from hp_megatron.convert.rules import TensorRule
+from hp_megatron.mixers import conversion_rules_of
 from hp_megatron.models.common import (ModelPreset, check_mtp_depth, decoder_config, field_of, layer_prefix,
                                        mla_fields, mla_rules, mlp_rules, model_rules, moe_router_config, moe_rules,
                                        mtp_head_rules, mtp_layer_prefix, norm_rules, refuse, require, rope_parameters,
@@ -76,9 +77,14 @@ def megatron_config(hf: dict) -> ModelPreset:
                        gpt_model_kwargs=gpt, mtp_symbol="M", mtp_num_layers=mtp_depth(hf))
 
 
+def mla_layer_rules(mcore: str, hf_layer: str, hf: dict, preset: ModelPreset) -> list[TensorRule]:
+    """The ``M`` mixer's rules (registered in ``hp_megatron.mixers.mla``): DeepSeek-V3's ``self_attn``."""
+    return mla_rules(mcore, hf_layer + "self_attn.", preset.mixer_fields,
+                     preset.transformer_fields["num_attention_heads"], rope_interleave=hf.get("rope_interleave", True))
+
+
 def _decoder_layer_rules(mcore: str, hf_prefix: str, hf: dict, preset: ModelPreset, is_moe: bool) -> list[TensorRule]:
-    rules = mla_rules(mcore + "self_attention.", hf_prefix + "self_attn.", preset.mixer_fields,
-                      preset.transformer_fields["num_attention_heads"], rope_interleave=hf.get("rope_interleave", True))
+    rules = conversion_rules_of(MODEL_TYPE, "M")(mcore + "self_attention.", hf_prefix, hf, preset)
     rules += norm_rules(mcore, hf_prefix)
     if not is_moe:
         return rules + mlp_rules(mcore + "mlp.", hf_prefix + "mlp.")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from hp_megatron.convert.rules import TensorRule, identity_rule
-from hp_megatron.mixers import check_hf_symbols
+from hp_megatron.mixers import check_hf_symbols, conversion_rules_of
 from hp_megatron.models.common import (ModelPreset, decoder_config, field_of, layer_norm_rules, layer_prefix,
                                        mla_fields, mla_rules, mlp_rules, model_rules, moe_router_config, refuse,
                                        require, swiglu_fc1_rule)
@@ -126,6 +126,18 @@ def _kda_rules(mcore: str, hf: str, kda: dict) -> list[TensorRule]:
             identity_rule(mcore + "out_proj.weight", hf + "o_proj.weight")]
 
 
+def kda_layer_rules(mcore: str, hf_layer: str, hf: dict, preset: ModelPreset) -> list[TensorRule]:
+    """The ``K`` mixer's rules (registered in ``hp_megatron.mixers.kda``): Kimi Linear's KDA ``self_attn``."""
+    return _kda_rules(mcore, hf_layer + "self_attn.", _kda_dims(hf))
+
+
+def mla_layer_rules(mcore: str, hf_layer: str, hf: dict, preset: ModelPreset) -> list[TensorRule]:
+    """The ``M`` mixer's rules (registered in ``hp_megatron.mixers.mla``): Kimi Linear's MLA ``self_attn`` (NoPE;
+    rotary rows interleaved)."""
+    return mla_rules(mcore, hf_layer + "self_attn.", preset.mixer_fields,
+                     preset.transformer_fields["num_attention_heads"], rope_interleave=True)
+
+
 def _moe_rules(mcore: str, hf: str, num_experts: int, shared: bool) -> list[TensorRule]:
     rules = [identity_rule(mcore + "router.weight", hf + "gate.weight"),
              identity_rule(mcore + "router.expert_bias", hf + "gate.e_score_correction_bias")]
@@ -141,18 +153,13 @@ def _moe_rules(mcore: str, hf: str, num_experts: int, shared: bool) -> list[Tens
 def conversion_rules(hf: dict) -> list[TensorRule]:
     """One rule per megatron-core tensor of the model of :func:`megatron_config`."""
     preset = megatron_config(hf)
-    kda, heads = _kda_dims(hf), preset.transformer_fields["num_attention_heads"]
     experts = preset.transformer_fields.get("num_moe_experts", 0)
     shared = bool(preset.transformer_fields.get("moe_shared_expert_intermediate_size"))
     dense = "block_sparse_moe." if "mlp_layer_types" in hf else "mlp."  # written by transformers / by Moonshot
     rules = model_rules(preset.gpt_model_kwargs["share_embeddings_and_output_weights"])
     for i, (symbol, is_moe) in enumerate(zip(preset.pattern, moe_layers(hf))):
         mcore, theirs = layer_prefix(i), f"model.layers.{i}."
-        if symbol == "K":
-            rules += _kda_rules(mcore + "self_attention.", theirs + "self_attn.", kda)
-        else:
-            rules += mla_rules(mcore + "self_attention.", theirs + "self_attn.", preset.mixer_fields, heads,
-                               rope_interleave=True)
+        rules += conversion_rules_of(MODEL_TYPE, symbol)(mcore + "self_attention.", theirs, hf, preset)
         rules += layer_norm_rules(i)
         if is_moe:
             rules += _moe_rules(mcore + "mlp.", theirs + "block_sparse_moe.", experts, shared)

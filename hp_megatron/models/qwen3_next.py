@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 
 from hp_megatron.convert.rules import TensorRule, identity_rule
-from hp_megatron.mixers import check_hf_symbols
+from hp_megatron.mixers import check_hf_symbols, conversion_rules_of
 from hp_megatron.models.common import (ModelPreset, check_mtp_depth, decoder_config, field_of, layer_mlp_rules,
-                                       layer_norm_rules, layer_prefix, mlp_rules, model_rules, moe_router_config, moe_rules,
-                                       mtp_head_rules, mtp_layer_prefix, norm_rules, refuse, require,
+                                       layer_norm_rules, layer_prefix, mlp_rules, model_rules, moe_router_config,
+                                       moe_rules, mtp_head_rules, mtp_layer_prefix, norm_rules, refuse, require,
                                        rope_parameters)
 
 MODEL_TYPE = "qwen3_next"
@@ -185,6 +185,16 @@ def _gdn_rules(mcore: str, hf: str, dims: dict) -> list[TensorRule]:
             identity_rule(mcore + "out_proj.weight", hf + "out_proj.weight")]
 
 
+def attention_layer_rules(mcore: str, hf_layer: str, hf: dict, preset: ModelPreset) -> list[TensorRule]:
+    """The ``A`` mixer's rules (registered in ``hp_megatron.mixers.attention``): Qwen3-Next's ``self_attn``."""
+    return _attention_rules(mcore, hf_layer + "self_attn.", preset)
+
+
+def gdn_layer_rules(mcore: str, hf_layer: str, hf: dict, preset: ModelPreset) -> list[TensorRule]:
+    """The ``G`` mixer's rules (registered in ``hp_megatron.mixers.gdn``): Qwen3-Next's ``linear_attn``."""
+    return _gdn_rules(mcore, hf_layer + "linear_attn.", _gdn_dims(hf))
+
+
 def _mtp_rules(hf: dict, preset: ModelPreset, mtp_num_layers: int) -> list[TensorRule]:
     check_mtp_depth(MODEL_TYPE, MTP_FIELD, mtp_depth(hf), mtp_num_layers)
     if mtp_num_layers != 1:
@@ -193,7 +203,7 @@ def _mtp_rules(hf: dict, preset: ModelPreset, mtp_num_layers: int) -> list[Tenso
     mcore = mtp_layer_prefix(0)
     rules = mtp_head_rules(0, enorm="mtp.pre_fc_norm_embedding.weight", hnorm="mtp.pre_fc_norm_hidden.weight",
                            eh_proj="mtp.fc.weight", final_norm="mtp.norm.weight")
-    rules += _attention_rules(mcore + "self_attention.", "mtp.layers.0.self_attn.", preset)
+    rules += conversion_rules_of(MODEL_TYPE, preset.mtp_symbol)(mcore + "self_attention.", "mtp.layers.0.", hf, preset)
     rules += norm_rules(mcore, "mtp.layers.0.")
     if preset.transformer_fields.get("num_moe_experts"):
         return rules + moe_rules(mcore + "mlp.", "mtp.layers.0.mlp.", hf["num_experts"], router="gate.weight",
@@ -205,14 +215,10 @@ def conversion_rules(hf: dict, mtp_num_layers: int = 0) -> list[TensorRule]:
     """One rule per megatron-core tensor of the model of :func:`megatron_config`, with ``mtp_num_layers`` MTP layers
     (0 or config.json's ``mtp_num_hidden_layers``)."""
     preset = megatron_config(hf)
-    dims = _gdn_dims(hf)
     rules = model_rules(preset.gpt_model_kwargs["share_embeddings_and_output_weights"])
     for i, (symbol, is_moe) in enumerate(zip(preset.pattern, moe_layers(hf))):
-        mcore = layer_prefix(i) + "self_attention."
-        if symbol == "A":
-            rules += _attention_rules(mcore, f"model.layers.{i}.self_attn.", preset)
-        else:
-            rules += _gdn_rules(mcore, f"model.layers.{i}.linear_attn.", dims)
+        rules += conversion_rules_of(MODEL_TYPE, symbol)(layer_prefix(i) + "self_attention.", f"model.layers.{i}.",
+                                                         hf, preset)
         rules += layer_norm_rules(i)
         rules += layer_mlp_rules(i, is_moe, hf.get("num_experts", 0), router="gate.weight",
                                  shared="shared_expert.", shared_gate="shared_expert_gate.weight")

@@ -39,6 +39,22 @@ def test_refusals_name_the_clash():
     assert "Z" not in symbols()
 
 
+def test_architectures_take_each_mixers_rules_from_the_registry():
+    """The conversion rules of a layer are looked up by (architecture, symbol): every symbol an architecture maps
+    has rules there; a mixer without rules for an architecture is refused naming the ones it has."""
+    from hp_megatron.mixers import conversion_rules_of
+    from hp_megatron.models import deepseek_v3, kimi_linear, qwen3_next
+
+    for module in (kimi_linear, qwen3_next):
+        for symbol in module.LAYER_SYMBOLS.values():
+            assert callable(conversion_rules_of(module.MODEL_TYPE, symbol))
+    assert conversion_rules_of("deepseek_v3", "M") is deepseek_v3.mla_layer_rules
+    assert conversion_rules_of("kimi_linear", "M") is kimi_linear.mla_layer_rules
+    with pytest.raises(ValueError, match=r"qwen3_next: mixer 'kda' \(K\) has no conversion rules for it; it has "
+                                         r"them for \['kimi_linear'\]"):
+        conversion_rules_of("qwen3_next", "K")
+
+
 def test_pattern_errors_name_the_registered_symbols():
     from hp_megatron.specs import get_hybrid_layer_spec, get_layer_spec
 
