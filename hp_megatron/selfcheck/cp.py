@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from hp_megatron.selfcheck.problems import (CONV_WIDTH, DeltaCase, conv_inputs, cotangents, default_lower_bound,
-                                            delta_inputs, head_dims, to_device)
+                                            delta_inputs, head_dims, KINDS, to_device)
 from hp_megatron.selfcheck.report import Row, error_rows, na_row, rel_err
-from hp_megatron.selfcheck.single import OP_NAMES, OPS
 from layers.ops import causal_conv1d
+from layers.ops.delta_rule import chunk_op
+from layers.ops.kinds import delta_kind
 
 WORLD = 2
 # name -> (layout, B, T, global cu_seqlens); zigzag documents are multiples of 2P = 4 tokens
@@ -40,7 +41,7 @@ def conv_name(layout_name):
 
 def plan(wanted) -> list[tuple[str, str, tuple]]:
     """(op, case, phases) of every CP row ``wanted(op, case)`` selects, in table order."""
-    rows = [(OP_NAMES[kind], delta_name(method, lay), ("fwd", "bwd")) for kind in ("gdn", "kda")
+    rows = [(delta_kind(kind).op, delta_name(method, lay), ("fwd", "bwd")) for kind in KINDS
             for method, _, lay in METHODS]
     rows += [("causal_conv1d", conv_name(lay), ("fwd", "bwd")) for lay in CONV_LAYOUTS]
     return [r for r in rows if wanted(r[0], r[1])]
@@ -58,7 +59,7 @@ def _summed(x):
 def delta_rows(backend, device, dtype, kind, method, opts, layout_name, limits):
     from layers.cp import build_cp_context, shard, unshard
 
-    op, name = OP_NAMES[kind], delta_name(method, layout_name)
+    op, name = delta_kind(kind).op, delta_name(method, layout_name)
     reason = limits.cp_methods.get(method) or (None if method == "ulysses" else limits.state_cp.get(kind))
     if reason:
         return [na_row(op, name, phase, dtype, reason) for phase in ("fwd", "bwd")]
@@ -75,11 +76,11 @@ def delta_rows(backend, device, dtype, kind, method, opts, layout_name, limits):
         do = cotangents((B, T, 2, V), (1,), 11)[0].to(device)
         with torch.set_grad_enabled(grad):
             ref = to_device(tensors, device, torch.float32, grad)
-            o_ref, _ = OPS[kind](**ref, **flags, cu_seqlens=cu_t, backend="eager")
+            o_ref, _ = chunk_op(kind)(**ref, **flags, cu_seqlens=cu_t, backend="eager")
             ref_grads = torch.autograd.grad((o_ref * do).sum(), list(ref.values())) if grad else ()
             leaves = to_device(tensors, device, dtype, grad)
             local = {n: (shard(x, ctx, 1) if n in ("q", "k", "v", "g", "beta") else x) for n, x in leaves.items()}
-            o_local, _ = OPS[kind](**local, **flags, cp_context=ctx, backend=backend)
+            o_local, _ = chunk_op(kind)(**local, **flags, cp_context=ctx, backend=backend)
             grads = (torch.autograd.grad((o_local.float() * shard(do, ctx, 1)).sum(), list(leaves.values()))
                      if grad else ())
         rows = [Row(op, name, "fwd", dtype, {"o": rel_err(unshard(o_local.detach(), ctx, 1), o_ref)}).judge()]
@@ -130,9 +131,9 @@ def cp_rows(backend, device, dtypes, limits, wanted):
     """Every wanted CP row on this rank (all ranks run the same cases in the same order)."""
     rows = []
     for dtype in dtypes:
-        for kind in ("gdn", "kda"):
+        for kind in KINDS:
             for method, opts, lay in METHODS:
-                if wanted(OP_NAMES[kind], delta_name(method, lay)):
+                if wanted(delta_kind(kind).op, delta_name(method, lay)):
                     rows += delta_rows(backend, device, dtype, kind, method, opts, lay, limits)
         for lay in CONV_LAYOUTS:
             if wanted("causal_conv1d", conv_name(lay)):

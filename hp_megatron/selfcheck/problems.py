@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from layers.ops.gates import l2norm
-from layers.ops.kinds import delta_kind
+from layers.ops.kinds import delta_kind, known_kinds
 
 CONV_WIDTH, CONV_CHANNELS = 4, 64
 
@@ -62,8 +62,9 @@ SINGLE = (
     DeltaCase("kda", B=2, T=70, H=2, HV=2, in_kernel=True, lower_bound=-5.0, seed=3),
     DeltaCase("kda", B=1, T=100, H=1, HV=2, cu_seqlens=(0, 5, 70, 100), in_kernel=False, seed=4),
 )
+KINDS = known_kinds()   # every registered delta-rule kind (layers.ops.kinds)
 DECODE = {kind: DeltaCase(kind, B=2, T=3, H=1, HV=2, lower_bound=default_lower_bound(kind), seed=5 + i)
-          for i, kind in enumerate(("gdn", "kda"))}     # N = B sequences, T decode tokens from a cached state
+          for i, kind in enumerate(KINDS)}     # N = B sequences, T decode tokens from a cached state
 # (name, B, T, cu_seqlens, with history and bias)
 CONV = (("B=2 T=70 silu", 2, 70, None, False), ("packed 3 docs T=100 history bias silu", 1, 100, (0, 5, 70, 100), True))
 CONV_STEP_TOKENS = 3

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from hp_megatron.selfcheck.problems import (CONV, CONV_STEP_TOKENS, CONV_WIDTH, DECODE, SINGLE, conv_inputs,
+from hp_megatron.selfcheck.problems import (CONV, CONV_STEP_TOKENS, CONV_WIDTH, DECODE, KINDS, SINGLE, conv_inputs,
                                             cotangents, delta_inputs, head_dims, to_device)
 from hp_megatron.selfcheck.report import Row, error_rows, na_row, rel_err
-from layers.ops import causal_conv1d, causal_conv1d_step, chunk_gated_delta_rule, chunk_kda, delta_rule_step
-
-OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}
-OP_NAMES = {"gdn": "chunk_gated_delta_rule", "kda": "chunk_kda"}
+from layers.ops import causal_conv1d, causal_conv1d_step, delta_rule_step
+from layers.ops.delta_rule import chunk_op
+from layers.ops.kinds import delta_kind
 
 
 def _delta_run(kind, backend, leaves, flags, cu, do, dS, grad):
-    o, S = OPS[kind](**leaves, **flags, cu_seqlens=cu, output_final_state=True, backend=backend)
+    o, S = chunk_op(kind)(**leaves, **flags, cu_seqlens=cu, output_final_state=True, backend=backend)
     out = {"o": o.detach(), "final_state": S.detach()}
     if not grad:
         return out, {}
@@ -24,7 +23,7 @@ def _delta_run(kind, backend, leaves, flags, cu, do, dS, grad):
 
 def delta_rows(backend, device, dtype, case, limits):
     """fwd and bwd rows of one GDN / KDA case."""
-    op = OP_NAMES[case.kind]
+    op = delta_kind(case.kind).op
     no_bwd = limits.backward.get(case.kind)
     K, V = head_dims(backend)
     try:
@@ -127,12 +126,12 @@ def single_rows(backend, device, dtype, limits, wanted=lambda op, case: True):
     """Every single-process row (those ``wanted(op, case)`` selects), in table order."""
     rows = []
     for case in SINGLE:
-        if wanted(OP_NAMES[case.kind], case.name):
+        if wanted(delta_kind(case.kind).op, case.name):
             rows += delta_rows(backend, device, dtype, case, limits)
     for name, B, T, cu, with_history_bias in CONV:
         if wanted("causal_conv1d", name):
             rows += conv_rows(backend, device, dtype, name, B, T, cu, with_history_bias)
-    for kind in ("gdn", "kda"):
+    for kind in KINDS:
         if wanted("delta_rule_step", decode_name(kind)):
             rows += decode_rows(backend, device, dtype, kind, limits)
     if wanted("causal_conv1d_step", CONV_STEP_NAME):

@@ -10,7 +10,6 @@ tests/backends/test_backend_triton.py check the same on compiled kernels in bf16
 """
 from __future__ import annotations
 
-import traceback
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import torch
 from hp_megatron.selfcheck.gloo import accept_stacked_all_gather_on_gloo
 from tests.support import triton_interpreter
 from tests.support.delta_layer_cases import HALF_HEADS
-from tests.support.dist import case_result, case_started, run_distributed_cases
+from tests.support.dist import run_case, run_distributed_cases
 from tests.support.triton_cases import compare_conv_single_rank, compare_single_rank, cp_case, cp_conv_case
 
 WORLD = 4
@@ -86,21 +85,12 @@ def conv_single_case(case):
 
 def worker(rank, world):
     """Every case of this file on one rank; per case a dict of errors or {"error": traceback}."""
-    import torch.distributed as dist
-
     triton_interpreter.enable()
     accept_stacked_all_gather_on_gloo()
     results = {}
 
     def attempt(key, fn, *args, collective=False):
-        case_started(key)  # per-case deadline (tests/support/dist.py)
-        try:
-            results[key] = fn(*args)
-        except Exception:  # noqa: BLE001 - reported per case; ranks stay in lockstep
-            results[key] = {"error": traceback.format_exc()}
-            if collective:
-                dist.barrier()
-        case_result(key, results[key])  # kept if a later case fails the spawn
+        run_case(results, key, fn, *args, collective=collective)
 
     single = list(SINGLE_CASES) + list(CONV_CASES)
     for index, key in enumerate(single):

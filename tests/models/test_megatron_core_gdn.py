@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import traceback
 
 import pytest
 import torch
 
 from tests.support import triton_interpreter
-from tests.support.dist import case_result, case_started, run_distributed_cases
+from tests.support.dist import run_case, run_distributed_cases
 from tests.support.reference import rel_err
 
 WORLD = 2
@@ -208,7 +207,6 @@ def worker(rank, world):
     """Every case of the spawn on this rank; per case its result or {"error": traceback}."""
     triton_interpreter.enable()   # before megatron-core (its GDN module) imports FLA
     import megatron.core.jit
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     megatron.core.jit.disable_jit_fuser()   # before their GDN is imported: its @jit_fuser functions run uncompiled
@@ -221,15 +219,7 @@ def worker(rank, world):
     results = {}
 
     def attempt(key, fn, *args, collective=False):
-        case_started(key)
-        apply_cpu_shims(2024)
-        try:
-            results[key] = fn(*args)
-        except Exception:  # noqa: BLE001 - reported per case; ranks stay in lockstep
-            results[key] = {"error": traceback.format_exc()}
-            if collective:
-                dist.barrier()
-        case_result(key, results[key])
+        run_case(results, key, fn, *args, collective=collective, before=lambda: apply_cpu_shims(2024))
 
     key, *case = SINGLE[rank]
     attempt(key, layer_case, *case)

@@ -77,6 +77,23 @@ def case_result(key, value) -> None:
         _send(_QUEUE, _RANK, "result", (key, value))
 
 
+def run_case(results: dict, key, fn, *args, collective: bool = False, before=None) -> None:
+    """In a worker: one case of a spawn that runs many. ``results[key] = fn(*args)``, or ``{"error": traceback}`` when
+    it raises (a ``collective`` case then meets the other ranks at a barrier, so they stay in lockstep); ``before()``
+    runs first (e.g. CPU shims); the case's deadline restarts, and its result is sent to the parent at once (kept if a
+    later case fails the spawn)."""
+    case_started(key)
+    if before is not None:
+        before()
+    try:
+        results[key] = fn(*args)
+    except Exception:  # noqa: BLE001 - reported per case; ranks stay in lockstep
+        results[key] = {"error": traceback.format_exc()}
+        if collective:
+            dist.barrier()
+    case_result(key, results[key])
+
+
 class _ParentStreams:
     """The parent's current stdout and stderr, handed to a forked rank as file descriptors: the fork server's own
     are those of the moment it started (another test's captured output under pytest)."""
