@@ -148,14 +148,14 @@ def validate_hp_args(args) -> None:
                          "rotary embedding, which assumes the zigzag CP layout; got --hp-cp-layout "
                          f"{args.hp_cp_layout}")
     if args.hp_cp_method == "auto":
-        check_auto_leaves_free(args.hp_cp_group_size, args.hp_ulysses_degree,
-                               flags=("--hp-cp-group-size", "--hp-ulysses-degree"))
-    ulysses = cp if args.hp_cp_method == "ulysses" else (args.hp_ulysses_degree or 1)
-    if args.hp_cp_method == "ulysses" and args.hp_ulysses_degree not in (None, cp):
+        check_auto_leaves_free(args.hp_cp_group_size, args.hp_cp_ulysses_degree,
+                               flags=("--hp-cp-group-size", "--hp-cp-ulysses-degree"))
+    ulysses = cp if args.hp_cp_method == "ulysses" else (args.hp_cp_ulysses_degree or 1)
+    if args.hp_cp_method == "ulysses" and args.hp_cp_ulysses_degree not in (None, cp):
         raise ValueError(f"--hp-cp-method ulysses uses all --context-parallel-size {cp} ranks; drop "
-                         f"--hp-ulysses-degree {args.hp_ulysses_degree} or set it to {cp}")
+                         f"--hp-cp-ulysses-degree {args.hp_cp_ulysses_degree} or set it to {cp}")
     if cp % ulysses:
-        raise ValueError(f"--hp-ulysses-degree {ulysses} must divide --context-parallel-size {cp}")
+        raise ValueError(f"--hp-cp-ulysses-degree {ulysses} must divide --context-parallel-size {cp}")
     state_ranks = cp // ulysses
     if args.hp_cp_method == "grouped_allgather_p2p":
         if args.hp_cp_group_size is None:

@@ -26,7 +26,7 @@ def _model_cp_groups(args) -> list:
 
 def register_cp_subgroups_from_args(args, cp_groups=None) -> list:
     """``layers.cp.register_cp_subgroups`` for the GDN/KDA CP configuration of the flags ``--hp-cp-method``,
-    ``--hp-ulysses-degree``, ``--hp-cp-group-size`` (``auto``: every configuration it may choose).
+    ``--hp-cp-ulysses-degree``, ``--hp-cp-group-size`` (``auto``: every configuration it may choose).
 
     COLLECTIVE over the whole world: every rank, at the same point, after ``initialize_model_parallel``.
     cp_groups: the CP groups this rank may use (default: megatron's CP group, plus the hybrid DP x CP groups
@@ -41,5 +41,5 @@ def register_cp_subgroups_from_args(args, cp_groups=None) -> list:
                                                                               False):
             return []
         cp_groups = _model_cp_groups(args)
-    return register_cp_subgroups(cp_groups, method=args.hp_cp_method, ulysses_degree=args.hp_ulysses_degree,
+    return register_cp_subgroups(cp_groups, method=args.hp_cp_method, ulysses_degree=args.hp_cp_ulysses_degree,
                                  group_size=args.hp_cp_group_size)

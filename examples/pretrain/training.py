@@ -108,7 +108,7 @@ def describe_model(args, vocab_size, n_params, device) -> str:
         if cp > 1 and args.hp_cp_method == "auto":
             text += ", CP method auto (method, group size and Ulysses degree chosen per layer shape at the first step)"
         elif cp > 1:
-            ulysses = cp if args.hp_cp_method == "ulysses" else (args.hp_ulysses_degree or 1)
+            ulysses = cp if args.hp_cp_method == "ulysses" else (args.hp_cp_ulysses_degree or 1)
             text += f", CP method {args.hp_cp_method}, Ulysses degree {ulysses}"
             if args.hp_cp_group_size:
                 text += f", group size {args.hp_cp_group_size}"

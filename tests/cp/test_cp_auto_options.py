@@ -48,10 +48,10 @@ def test_calibration_flag_needs_an_auto():
 def test_auto_flags_with_group_size_name_the_flags():
     from hp_megatron.arguments import validate_hp_args
 
-    args = _parser().parse_args(["--hp-cp-method", "auto", "--hp-ulysses-degree", "2"])
+    args = _parser().parse_args(["--hp-cp-method", "auto", "--hp-cp-ulysses-degree", "2"])
     args.context_parallel_size, args.tensor_model_parallel_size, args.seq_length = 4, 1, 64
     with pytest.raises(ValueError, match="--hp-cp-method auto chooses the group size and Ulysses degree itself; "
-                                         "drop --hp-cp-group-size None / --hp-ulysses-degree 2"):
+                                         "drop --hp-cp-group-size None / --hp-cp-ulysses-degree 2"):
         validate_hp_args(args)
 
 

@@ -65,7 +65,7 @@ def _worker(rank, world_size):
         out["unregistered"] = str(err)
 
     case_started("register")
-    flags = Namespace(hp_cp_method="grouped_allgather_p2p", hp_cp_group_size=2, hp_ulysses_degree=None,
+    flags = Namespace(hp_cp_method="grouped_allgather_p2p", hp_cp_group_size=2, hp_cp_ulysses_degree=None,
                       context_parallel_size=4)
     out["registered_flags"] = register_cp_subgroups_from_args(flags, cp_groups=[block])
     if rank < 4:   # the ranks ask for different things; the union is registered on every rank

@@ -18,7 +18,7 @@ from tests.support.dist import case_started, members_sum, run_distributed
 WORLD = 8
 CASE_TIMEOUT_S = 120
 SIZES = (2, 4, 8)   # megatron's hybrid group sizes at DP x CP = 8: 2 .. 2**(log2 8 - 1), and 8 itself
-FLAGS = Namespace(hybrid_context_parallel=True, context_parallel_size=1, hp_cp_method="p2p", hp_ulysses_degree=2,
+FLAGS = Namespace(hybrid_context_parallel=True, context_parallel_size=1, hp_cp_method="p2p", hp_cp_ulysses_degree=2,
                   hp_cp_group_size=None)
 
 

@@ -46,8 +46,8 @@ BAD_FLAGS = [  # (flags, world size, text the error must contain)
     (["--context-parallel-size", "2", "--hp-cp-method", "grouped_allgather_p2p", "--hp-cp-group-size", "3"], 2,
      "--hp-cp-group-size 3 must divide"),
     (["--context-parallel-size", "2", "--hp-cp-group-size", "2"], 2, "--hp-cp-group-size is only used by"),
-    (["--context-parallel-size", "2", "--hp-ulysses-degree", "3"], 2, "--hp-ulysses-degree 3 must divide"),
-    (["--context-parallel-size", "2", "--hp-cp-method", "auto", "--hp-ulysses-degree", "2"], 2,
+    (["--context-parallel-size", "2", "--hp-cp-ulysses-degree", "3"], 2, "--hp-cp-ulysses-degree 3 must divide"),
+    (["--context-parallel-size", "2", "--hp-cp-method", "auto", "--hp-cp-ulysses-degree", "2"], 2,
      "--hp-cp-method auto chooses the group size and Ulysses degree itself"),
     (["--context-parallel-size", "2", "--hp-cp-layout", "contiguous", "--hp-layer-pattern", "GGGA"], 2,
      "--hp-cp-layout contiguous"),
@@ -226,7 +226,7 @@ def test_header_tells_the_truth(monkeypatch):
     header = describe_model(args, 4096, 10, "cpu")
     assert "6 layers AAAMAA (pattern AAAM)" in header and "MLA CP latent" in header
     assert "backend" not in header and "CP method" not in header and "Ulysses" not in header
-    args = parse_args(["--hp-layer-pattern", "GA", "--context-parallel-size", "4", "--hp-ulysses-degree", "2",
+    args = parse_args(["--hp-layer-pattern", "GA", "--context-parallel-size", "4", "--hp-cp-ulysses-degree", "2",
                        "--hp-cp-method", "grouped_allgather_p2p", "--hp-cp-group-size", "2"])
     args.data_parallel_size = 1
     header = describe_model(args, 4096, 10, "cpu")

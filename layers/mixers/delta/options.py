@@ -44,7 +44,7 @@ DELTA_ROWS = (
               "decides alone)"),
     OptionRow("--hp-cp-group-size", "delta_cp_group_size", "cp_group_size", int, check="positive",
               help="group size g of the grouped_allgather_p2p method (divides the CP size)"),
-    OptionRow("--hp-ulysses-degree", "delta_cp_ulysses_degree", "cp_ulysses_degree", int, check="positive",
+    OptionRow("--hp-cp-ulysses-degree", "delta_cp_ulysses_degree", "cp_ulysses_degree", int, check="positive",
               help="hybrid CP: all-to-all over this many ranks, state passing across the rest"),
     OptionRow("--hp-linear-num-key-heads", "linear_num_key_heads", "num_key_heads", int, model=True, check="positive",
               preset=True, help="GDN/KDA query/key heads H (default: --num-attention-heads)"),
