@@ -17,6 +17,7 @@ VERSIONS="${HP_MCORE_VERSIONS:-0.16.1}"
 # (common.pt checkpoints), the example's MoE/EP and MTP runs and generation from its checkpoint, the in-process
 # Megatron-LM 0.16 tests and Megatron-LM core_v0.16.1's pretrain_gpt.py (with MTP): 234 tests, 7 minutes on 2 cores.
 MATRIX=(tests/integration/test_specs.py tests/integration/test_config.py tests/integration/test_training_library.py
+        tests/integration/test_toy_mixer.py tests/integration/test_mixer_registry.py
         tests/layers/test_megatron_compat.py tests/layers/test_layers_delta.py tests/layers/test_layers_checkpoint.py
         tests/layers/test_mla.py tests/cp/test_cp_mla.py tests/cp/test_cp_plan.py tests/cp/test_data.py
         tests/cp/test_cp_subgroups_hybrid.py tests/models/test_models_mtp.py tests/models/test_models_mtp_parallel.py
