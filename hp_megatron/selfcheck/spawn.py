@@ -45,6 +45,7 @@ def _rank_main(rank, world, store, out_dir, device_type, count, comm, backend, d
                 install_gloo_device_staging()
         try:
             rows = cp_rows(backend, device, dtypes, probe(backend, device), selector(patterns))
+            dist.barrier()   # no rank tears its process group down while a peer still sends to it
         finally:
             dist.destroy_process_group()
         result = {"rows": rows}
