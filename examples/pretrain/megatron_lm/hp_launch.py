@@ -5,7 +5,7 @@
   declared ``hp_megatron.config`` class with the ``--hp-*`` fields (``hp_megatron.arguments.apply_hp_config``),
   after :func:`check_args`;
 * :func:`uses_config_container`: whether Megatron-LM's ``pretrain`` is 0.19's (a ``PretrainConfigContainer`` with
-  the model's ``ModelConfig``, built from the args before ``pretrain``) or 0.14-0.16's (a model provider);
+  the model's ``ModelConfig``, built from the args before ``pretrain``) or 0.16's (a model provider);
 * :func:`pretrain_from_container`: 0.19's ``__main__`` of ``pretrain_gpt.py`` / ``pretrain_hybrid.py`` with the
   ``--hp-*`` flags, our config in the model config, and the CP sub-groups registered before the model is wrapped.
 
@@ -53,7 +53,7 @@ def import_megatron_lm(entry: str):
 
 
 def uses_config_container(pretrain) -> bool:
-    """Megatron-LM 0.19's ``pretrain(cfg_container, ...)`` (the model from ``cfg_container.model``), not 0.14-0.16's
+    """Megatron-LM 0.19's ``pretrain(cfg_container, ...)`` (the model from ``cfg_container.model``), not 0.16's
     ``pretrain(datasets_provider, model_provider, ...)``."""
     return next(iter(inspect.signature(pretrain).parameters)) == "cfg_container"
 

@@ -37,21 +37,12 @@ from hp_launch import (import_megatron_lm, pretrain_from_container, uses_config_
 
 
 def _patch_config_builders(pretrain_gpt):
-    """Megatron-LM 0.14 builds the config in pretrain_gpt.model_provider, 0.15+ in gpt_builders.gpt_builder."""
-    modules = [pretrain_gpt]
-    try:
-        import gpt_builders
-        modules.append(gpt_builders)
-    except ImportError:
-        pass
-    patched = False
-    for module in modules:
-        if hasattr(module, "core_transformer_config_from_args"):
-            module.core_transformer_config_from_args = with_hp_config(module.core_transformer_config_from_args)
-            patched = True
-    if not patched:
-        raise RuntimeError("found no core_transformer_config_from_args in pretrain_gpt/gpt_builders; "
-                           "this Megatron-LM version is not supported by the launcher")
+    """Megatron-LM 0.16 builds the config with ``core_transformer_config_from_args`` in ``gpt_builders.gpt_builder``
+    (and ``pretrain_gpt``'s own helpers): both names get our fields."""
+    import gpt_builders
+
+    for module in (pretrain_gpt, gpt_builders):
+        module.core_transformer_config_from_args = with_hp_config(module.core_transformer_config_from_args)
 
 
 def _is_hp_spec(args) -> bool:
@@ -96,12 +87,8 @@ def _model_provider(pretrain_gpt):
 
         megatron_args = get_args()
         register_cp_subgroups_from_args(megatron_args)
-        if hasattr(pretrain_gpt, "gpt_builder"):  # 0.15+: model_provider(model_builder, pre_process, ...)
-            builder = _hybrid_gpt_builder if _is_hp_spec(megatron_args) else pretrain_gpt.gpt_builder
-            return pretrain_gpt.model_provider(builder, *args, **kwargs)
-        if _is_hp_spec(megatron_args):  # 0.14: model_provider(pre_process, post_process, vp_stage)
-            return _hybrid_gpt_builder(megatron_args, *args, **kwargs)
-        return pretrain_gpt.model_provider(*args, **kwargs)
+        builder = _hybrid_gpt_builder if _is_hp_spec(megatron_args) else pretrain_gpt.gpt_builder
+        return pretrain_gpt.model_provider(builder, *args, **kwargs)   # model_provider(model_builder, pre_process, ...)
     return with_cp_subgroups
 
 
