@@ -121,20 +121,26 @@ class HybridFields:
 
 # megatron-core 0.16's TransformerConfig.recompute_modules names (its __post_init__ refuses any other)
 MEGATRON_RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+# megatron-core 0.19's names for what our layers recompute as their own parts: its GatedDeltaNet's output norm is
+# the gated norm of our GDN / KDA (a user of megatron-core's GDN keeps their flag)
+RECOMPUTE_ALIASES = {"gdn_norm_out": "hp_gated_norm"}
 
 
 def split_recompute_modules(holder) -> None:
     """Move our names (``layers.base.choices.RECOMPUTE_MODULES``) from ``holder.recompute_modules`` to
     ``holder.hp_recompute_modules``, leaving megatron-core's; ``holder`` is a config or Megatron-LM's parsed
-    args. A name of neither raises a one-line ValueError naming the accepted ones. Only our names given:
-    megatron-core recomputes none of its modules (its default ``["core_attn"]`` applies only to no names)."""
+    args; megatron-core 0.19's ``gdn_norm_out`` becomes our ``hp_gated_norm`` (:data:`RECOMPUTE_ALIASES`). A name of
+    neither raises a one-line ValueError naming the accepted ones. Only our names given: megatron-core recomputes
+    none of its modules (its default ``["core_attn"]`` applies only to no names)."""
     names = getattr(holder, "recompute_modules", None)
     if names is None:
         return
+    names = [RECOMPUTE_ALIASES.get(n, n) for n in names]
     unknown = [n for n in names if n not in MEGATRON_RECOMPUTE_MODULES + RECOMPUTE_MODULES]
     if unknown:
         raise ValueError(f"--recompute-modules {' '.join(unknown)}: unknown; accepted: megatron-core's "
-                         f"{' '.join(MEGATRON_RECOMPUTE_MODULES)}; hp_megatron's {' '.join(RECOMPUTE_MODULES)}")
+                         f"{' '.join(MEGATRON_RECOMPUTE_MODULES)}; hp_megatron's {' '.join(RECOMPUTE_MODULES)} "
+                         f"({' '.join(f'{a} = {b}' for a, b in RECOMPUTE_ALIASES.items())})")
     ours = tuple(n for n in names if n in RECOMPUTE_MODULES)
     holder.recompute_modules = [n for n in names if n not in RECOMPUTE_MODULES]
     holder.hp_recompute_modules = tuple(dict.fromkeys(tuple(getattr(holder, "hp_recompute_modules", None) or ())

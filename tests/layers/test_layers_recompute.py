@@ -275,6 +275,10 @@ def test_recompute_names_split_from_megatron():
     assert args.recompute_modules == ["core_attn"] and args.hp_recompute_modules == ("hp_conv", "hp_gated_norm")
     config = _config(1, 1, False, True)
     assert config.recompute_modules == [] and config.hp_recompute_modules == tuple(OURS)
+    # megatron-core 0.19's name for its GDN's output-norm recompute is our layers' gated norm
+    args = argparse.Namespace(recompute_modules=["gdn_norm_out", "mlp"])
+    split_recompute_modules(args)
+    assert args.recompute_modules == ["mlp"] and args.hp_recompute_modules == ("hp_gated_norm",)
 
 
 def test_bad_recompute_name_is_one_line():
@@ -284,5 +288,5 @@ def test_bad_recompute_name_is_one_line():
         split_recompute_modules(argparse.Namespace(recompute_modules=["hp_conv", "conv"]))
     message = str(err.value)
     assert "\n" not in message and "conv" in message
-    for name in ("core_attn", "mla_up_proj", "hp_conv", "hp_gated_norm", "hp_mla_up_proj"):
+    for name in ("core_attn", "mla_up_proj", "hp_conv", "hp_gated_norm", "hp_mla_up_proj", "gdn_norm_out"):
         assert name in message
