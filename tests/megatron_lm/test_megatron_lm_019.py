@@ -12,7 +12,7 @@ mode of tests/megatron_lm/cpu_mode.py (its core_v0.19.0 site table). Three model
   attention with GQA); its reference is Megatron-LM's unmodified ``pretrain_hybrid.py`` with Megatron-LM's own
   flags (``--linear-*`` for the GDN dims, no ``--hp-*`` flag).
 
-Seven launches, each feeding the tests named:
+Nine launches, each feeding the tests named:
 
 * ``gpt`` reference, one rank: 3 iterations, evaluation at 2, torch_dist checkpoints at 2 and 3 (trains, evaluates
   and saves; the example's first loss; the iterations TP2 / CP2 compare with);
@@ -20,16 +20,15 @@ Seven launches, each feeding the tests named:
 * ``gpt`` CP2 (allgather) resumed from the reference's iteration-2 checkpoint (weights only: ``--no-load-optim
   --no-load-rng``), its iteration 3: pretrain_gpt.py's CP2 and checkpoint resume;
 * ``hybrid_kda`` reference, one rank, as ``gpt``'s (pretrain_hybrid.py with our KDA / MLA stack trains, evaluates,
-  saves; the HybridModel it builds). Its TP2 / CP2 runs are not launched: the same layers (KDA, MLA) under TP2 and
-  CP2-resume run through pretrain_gpt.py above, and pretrain_hybrid.py's TP2 / CP2 through ``hybrid_gdn`` below
-  (the CUDA sites they reached are all reached by the other launches);
+  saves; the HybridModel it builds), its TP2 from scratch and its CP2 (allgather) resumed from the reference's
+  iteration-2 checkpoint: pretrain_hybrid.py's TP2, CP2 and checkpoint resume;
 * ``hybrid_gdn`` reference: the unmodified script's first iteration (builds our stack from ``--spec`` alone);
 * ``hybrid_gdn`` TP2 and CP2 (``p2p``) from scratch through the launch script, their first iteration:
   pretrain_hybrid.py's TP2 and CP2.
 
 Loss and gradient norm equal the single rank's (relative 1e-5, full precision from tests/megatron_lm/record.py); the
 GPT path's first loss equals examples/pretrain/pretrain_hybrid.py's; every listed CUDA site is reached, no unlisted
-one. About 100 CPU s (nine launches, before: 110 CPU s, 1:26 wall on an idle 2-core machine).
+one. 1:26 wall (110 CPU s) on an idle 2-core machine.
 Skips unless the installed megatron-core is 0.19.x with its Megatron-LM checkout (tests/support/paths.py).
 """
 import os
@@ -50,13 +49,14 @@ pytestmark = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
 MLA_DIMS = ["--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "8"]
 # name -> (script, model flags, {parallel layout: (env, resumed from the reference's iteration 2)}, the reference:
 # "full" (the script: 3 iterations, evaluation, checkpoints) or "unmodified" (Megatron-LM's own pretrain_hybrid.py,
-# iteration 1)); hybrid_kda has no parallel layout (the module docstring says which launches cover it)
+# iteration 1))
 MODELS = {
     "gpt": ("train_kimi_linear_like.sh",
             ["--hp-mla-kv-lora-rank", "16", "--hp-mla-qk-head-dim", "8", "--hp-mla-qk-pos-emb-head-dim", "8",
              "--hp-mla-v-head-dim", "8"],
             {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "allgather"}, True)}, "full"),
-    "hybrid_kda": ("train_kimi_linear_like_hybrid.sh", ["--hybrid-layer-pattern", "G-G-G-+-", *MLA_DIMS], {}, "full"),
+    "hybrid_kda": ("train_kimi_linear_like_hybrid.sh", ["--hybrid-layer-pattern", "G-G-G-+-", *MLA_DIMS],
+                   {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "allgather"}, True)}, "full"),
     "hybrid_gdn": ("train_qwen3_next_like_hybrid.sh",
                    ["--hybrid-layer-pattern", "G-G-G-*-", "--kv-channels", "8", "--hp-linear-num-value-heads", "8"],
                    {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "p2p"}, False)}, "unmodified"),
