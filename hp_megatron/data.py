@@ -33,10 +33,13 @@ def cp_token_index(seq_len: int, cp_size: int, cp_rank: int, cu_seqlens: Optiona
     return sequence_plan(cp_size, cp_rank, layout, seq_len, cu_seqlens).local_index
 
 
+_MODEL_GROUP = object()   # "the model's CP group" (parallel_state's), as opposed to None: no CP
+
+
 def _cp_group_of(packed_seq_params, cp_group):
     # the mixers' rule (layers.shared.parallel.forward_cp_group): the micro-batch's group, else the model's
-    group = cp_group if cp_group is not None else forward_cp_group(packed_seq_params, None)
-    if group is not None:
+    group = cp_group if cp_group is not None else forward_cp_group(packed_seq_params, _MODEL_GROUP)
+    if group is not _MODEL_GROUP:
         return group
     from megatron.core import parallel_state
 

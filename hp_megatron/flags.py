@@ -5,7 +5,7 @@ third-party mixer's module).
 
 Derived from it: the argparse groups of ``hp_megatron.arguments.add_hp_arguments`` and the field values of
 ``hp_config_from_args``, the config checks of ``hp_megatron.config.check_hybrid_fields``, the model flags the
-example's checkpoints store (``hp_megatron.training.model_args.MODEL_ARG_NAMES``), the flags ``--hp-hf-config``
+example's checkpoints store (``hp_megatron.training.model_args.model_arg_names``), the flags ``--hp-hf-config``
 decides (``preset`` rows) and docs/usage.md's flag table (:func:`markdown_table`, checked by tests/repo).
 """
 from __future__ import annotations

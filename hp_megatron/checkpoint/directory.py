@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 
-from hp_megatron.checkpoint.dcp_io import verify_dcp_files
 from hp_megatron.checkpoint.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -66,6 +65,8 @@ def verify_checkpoint_files(path: str) -> None:
     """Check that ``path``'s ``.metadata``, every shard it lists and the common state (``common.pt`` or
     ``COMMON_OBJECT``) are present and long enough (a ValueError naming the file otherwise); reads only the small
     ``.metadata`` file."""
+    from hp_megatron.checkpoint.dcp_io import verify_dcp_files   # torch.distributed.checkpoint: only here
+
     common = os.path.join(path, COMMON_FILE)
     metadata = verify_dcp_files(path)
     if not os.path.isfile(common) and COMMON_OBJECT not in metadata.state_dict_metadata:

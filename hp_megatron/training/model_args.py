@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 
-from hp_megatron.flags import model_flag_dests
-
 MODEL_ARGS_KEY = "hp_model_args"
 
 # the example's flags (``args`` attribute names) that define its model's tensors and forward: Megatron-LM's, then the
@@ -23,7 +21,14 @@ MEGATRON_MODEL_ARG_NAMES = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "seq_length",
     "rotary_base", "bf16", "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_score_function",
     "moe_router_enable_expert_bias", "mtp_num_layers")
-MODEL_ARG_NAMES = MEGATRON_MODEL_ARG_NAMES + model_flag_dests()
+
+
+def model_arg_names() -> tuple:
+    """The ``args`` names a checkpoint stores: Megatron-LM's model flags, then the flag table's model rows (read when
+    called: the registry, and with it torch, is imported only then)."""
+    from hp_megatron.flags import model_flag_dests
+
+    return MEGATRON_MODEL_ARG_NAMES + model_flag_dests()
 
 
 def hybrid_config_from_args(args, **run):
@@ -69,16 +74,17 @@ def hybrid_model_from_args(args, config, *, vocab_size: int, pre_process: bool =
 
 
 def stored_model_args(args, *, padded_vocab_size: int, vocab_size: int) -> dict:
-    """The plain dict a checkpoint stores: :data:`MODEL_ARG_NAMES` of ``args``, ``padded_vocab_size`` (the
+    """The plain dict a checkpoint stores: :func:`model_arg_names` of ``args``, ``padded_vocab_size`` (the
     embedding rows), ``vocab_size`` (the tokenizer's ids) and ``tokenizer`` (its absolute path, or None); with
     ``--hp-mixer-module``, also those modules and their mixers' model-defining flags (``MixerEntry.options``)."""
     from hp_megatron.mixers import option_rows
 
-    stored = {name: getattr(args, name) for name in MODEL_ARG_NAMES}
+    stored = {name: getattr(args, name) for name in model_arg_names()}
     modules = list(getattr(args, "hp_mixer_module", None) or [])
     if modules:
         stored["hp_mixer_module"] = modules
-        stored.update({row.dest: getattr(args, row.dest, row.default) for row in option_rows() if row.model})
+        stored.update({row.dest: getattr(args, row.dest, row.default) for row in option_rows()
+                       if row.model and row.flag is not None})
     tokenizer = getattr(args, "tokenizer", None)
     stored.update(padded_vocab_size=int(padded_vocab_size), vocab_size=int(vocab_size),
                   tokenizer=os.path.abspath(tokenizer) if tokenizer else None)
@@ -91,7 +97,7 @@ def args_from_stored(stored: dict) -> argparse.Namespace:
     stored ``hp_mixer_module`` modules are imported first (their mixers registered)."""
     from hp_megatron.arguments import add_hp_arguments
 
-    missing = [name for name in MODEL_ARG_NAMES + ("padded_vocab_size",) if name not in stored]
+    missing = [name for name in model_arg_names() + ("padded_vocab_size",) if name not in stored]
     if missing:
         raise ValueError(f"the checkpoint's {MODEL_ARGS_KEY} lacks {missing}")
     modules = [arg for module in stored.get("hp_mixer_module") or () for arg in ("--hp-mixer-module", module)]

@@ -36,12 +36,16 @@ def tp_cp_groups(pg_collection) -> tuple:
 
 def forward_cp_group(packed_seq_params, default):
     """The CP group of a forward: the micro-batch's ``PackedSeqParams.cp_group`` (megatron's hybrid CP), else
-    ``default``. ValueError when ``packed_seq_params`` sets ``local_cp_size`` without a ``cp_group``."""
+    ``default``. megatron's hybrid CP marks a micro-batch without CP by ``local_cp_size=1`` and no group: None (no
+    CP). ValueError when ``local_cp_size`` is larger than 1 without a ``cp_group``."""
     if packed_seq_params is None:
         return default
     group = getattr(packed_seq_params, "cp_group", None)
-    if group is None and getattr(packed_seq_params, "local_cp_size", None) is not None:
-        raise ValueError("packed_seq_params.local_cp_size is set without packed_seq_params.cp_group")
+    local_size = getattr(packed_seq_params, "local_cp_size", None)
+    if group is None and local_size is not None:
+        if local_size == 1:
+            return None
+        raise ValueError(f"packed_seq_params.local_cp_size={local_size} needs packed_seq_params.cp_group (got None)")
     return default if group is None else group
 
 

@@ -92,3 +92,23 @@ def test_errors_name_the_constraint():
         cp_token_index(8, 2, 2)
     with pytest.raises(ValueError, match="strictly increasing"):   # an empty document: the model rejects it too
         cp_token_index(8, 2, 0, torch.tensor([0, 4, 4, 8]))
+
+
+def test_hybrid_cp_micro_batch_groups():
+    """megatron's hybrid CP: a micro-batch's ``PackedSeqParams.cp_group`` wins over the model's group;
+    ``local_cp_size=1`` without a group is a micro-batch without CP (megatron-core 0.19 builds it so); a larger
+    ``local_cp_size`` without a group is refused, naming it."""
+    from types import SimpleNamespace
+
+    from layers.shared.parallel import forward_cp_group
+
+    tokens = torch.arange(8).view(1, 8)
+    model = FakeGroup(2, 1)
+    micro = SimpleNamespace(qkv_format="sbhd", cp_group=FakeGroup(4, 3), local_cp_size=4)
+    assert get_batch_on_this_cp_rank({"tokens": tokens}, micro)["tokens"].flatten().tolist() == [3, 4]
+    solo = SimpleNamespace(qkv_format="sbhd", cp_group=None, local_cp_size=1)
+    assert forward_cp_group(solo, model) is None
+    assert torch.equal(get_batch_on_this_cp_rank({"tokens": tokens}, solo)["tokens"], tokens)
+    assert forward_cp_group(SimpleNamespace(cp_group=None, local_cp_size=None), model) is model
+    with pytest.raises(ValueError, match=r"local_cp_size=2 needs packed_seq_params.cp_group \(got None\)"):
+        forward_cp_group(SimpleNamespace(cp_group=None, local_cp_size=2), model)
