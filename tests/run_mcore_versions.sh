@@ -16,7 +16,7 @@ VERSIONS="${HP_MCORE_VERSIONS:-0.16.1}"
 # CP slicing and hybrid CP groups, MTP (conversion, losses, parallel layouts), conversion and generation
 # (common.pt checkpoints), the example's MoE/EP and MTP runs and generation from its checkpoint, the in-process
 # Megatron-LM 0.16 tests and Megatron-LM core_v0.16.1's pretrain_gpt.py (with MTP), the mixer registry and a toy mixer
-# registered from a test module: 244 tests, about 4 minutes on an idle 2-core machine.
+# registered from a test module: 245 tests, about 4 minutes on an idle 2-core machine.
 MATRIX=(tests/integration/test_specs.py tests/integration/test_config.py tests/integration/test_training_library.py
         tests/integration/test_toy_mixer.py tests/integration/test_mixer_registry.py
         tests/layers/test_megatron_compat.py tests/layers/test_layers_delta.py tests/layers/test_layers_checkpoint.py
