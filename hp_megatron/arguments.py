@@ -26,7 +26,7 @@ from layers.cp.subgroups import check_auto_leaves_free
 
 def _row_type(row):
     """The argparse ``type`` of a flag-table row: its type, with a positive / non-negative check as an
-    ``ArgumentTypeError`` (a negative one is :func:`hp_config_from_args`'s, naming the flag)."""
+    ``ArgumentTypeError`` (every row's check runs again in :func:`hp_config_from_args`, naming the flag)."""
     def parse(text):
         value = row.type(text)
         if row.check in _CHECK_WORDS and row.problem(value):
@@ -89,8 +89,11 @@ def hp_config_from_args(args) -> dict:
     if measure is not None and args.hp_cp_method != "auto":
         raise ValueError(f"--hp-cp-auto-measure {measure} needs --hp-cp-method auto (got {args.hp_cp_method!r}); "
                          "only auto times candidates on the layers")
-    if args.hp_kda_lower_bound is not None and args.hp_kda_lower_bound >= 0:
-        raise ValueError(f"--hp-kda-lower-bound must be negative, got {args.hp_kda_lower_bound}")
+    for row in flag_table():   # every row's own check (argparse ran the positive ones; args built in code did not)
+        value = getattr(args, row.dest, None) if row.flag is not None else None
+        why = None if value is None else row.problem(value)   # None: not given, the field's default applies
+        if why:
+            raise ValueError(f"{row.flag} {value!r}: {why}")
     from hp_megatron.config import split_recompute_modules
 
     split_recompute_modules(args)   # --recompute-modules' hp_* names -> args.hp_recompute_modules

@@ -38,22 +38,16 @@ def global_rows() -> tuple:
     )
 
 
-def _unique(rows) -> tuple:
-    seen, out = set(), []
-    for row in rows:
-        if (row.flag, row.field) not in seen:
-            seen.add((row.flag, row.field))
-            out.append(row)
-    return tuple(out)
-
-
 def flag_groups() -> list:
     """``[(group title, rows)]``: hp_megatron's rows, then each registered mixer's rows not listed before."""
     groups, listed = [("hp_megatron (layer pattern, linears, CP layout, presets)", global_rows())], set()
     listed.update((r.flag, r.field) for r in groups[0][1])
     for entry in mixers().values():
-        rows = tuple(r for r in _unique(entry.options) if (r.flag, r.field) not in listed)
-        listed.update((r.flag, r.field) for r in rows)
+        rows = []
+        for row in entry.options:   # a row shared by several mixers (GDN and KDA: the delta rows) is listed once
+            if (row.flag, row.field) not in listed:
+                listed.add((row.flag, row.field))
+                rows.append(row)
         if rows:
             groups.append((f"hp_megatron: {entry.title} layers ({entry.symbol})", rows))
     return groups

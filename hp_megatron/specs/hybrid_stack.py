@@ -10,7 +10,7 @@ symbol  slot                        our layer (``get_hybrid_stack_spec``)
 ``G``   ``gdn_layer``               RMSNorm -> our GDN (``layers.mixers.delta.gdn``); with ``g_mixer="kda"`` our KDA
 ``*``   ``attention_layer``         RMSNorm -> causal softmax attention (``ContextParallelDotProductAttention``,
                                     q/k RMSNorms per ``--qk-layernorm``), the model's RoPE
-``+``   ``mla_layer``               RMSNorm -> our MLA (``layers.mixers.mla.layer``, its own rotary embedding, ``rope_type``)
+``+``   ``mla_layer``               RMSNorm -> our MLA (``layers.mixers.mla.layer``; its own rotary embedding)
 ``-``   ``mlp_layer``               RMSNorm -> megatron-core's ``MLP`` (``--ffn-hidden-size``, ``--swiglu``)
 ``E``   ``moe_layer``               RMSNorm -> megatron-core's ``MoELayer`` (``SequentialMLP`` experts)
 ``M``   ``mamba_layer``             none: refused (``hp_megatron.hybrid_stack.check_slots``)

@@ -77,7 +77,8 @@ def get_layer_spec(mixer: str, backend="eager", *, qk_layernorm: bool | str = Fa
                    cp_layout: str | None = None) -> ModuleSpec:
     """A layer spec whose ``self_attention`` is one mixer in every layer (a one-symbol ``HybridLayer``, so MoE
     layers follow ``config.num_moe_experts`` / ``moe_layer_freq`` as in every spec here)."""
-    return get_hybrid_layer_spec(mixer_named(mixer).symbol, backend, qk_layernorm=qk_layernorm, linear=linear, cp_layout=cp_layout)
+    return get_hybrid_layer_spec(mixer_named(mixer).symbol, backend, qk_layernorm=qk_layernorm, linear=linear,
+                                 cp_layout=cp_layout)
 
 
 def get_hybrid_layer_spec(pattern: str | None, backend="eager", *, qk_layernorm: bool | str = False,

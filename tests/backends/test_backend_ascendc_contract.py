@@ -20,7 +20,7 @@ from layers.ops import chunk_gated_delta_rule, chunk_kda
 from layers.ops.ascendc import runtime
 from tests.support.reference import make_problem, rel_err
 from tests.support.ascendc_standin import (GRAD_TOL, KNOBS, OUT_TOL, STANDIN, StandinDevice, assert_close, compare,
-                                          forget_fla_npu, install_standin)
+                                           forget_fla_npu, install_standin)
 
 pytestmark = pytest.mark.skipif(os.environ.get("HP_ASCEND_REAL") == "1", reason="targets the stand-in")
 K128 = dict(K=128, V=128)

@@ -72,7 +72,7 @@ def _pair(kind, seed=0):
     """(transformers layer, our layer with the same weights, global parts) for ``kind``."""
     from layers import GatedDeltaNet, KimiDeltaAttention
     from tests.support.hf_layers import (gdn_dims_from_qwen3_next_config, gdn_from_qwen3_next,
-                                kda_dims_from_kimi_linear_config, kda_from_kimi_linear)
+                                         kda_dims_from_kimi_linear_config, kda_from_kimi_linear)
 
     if kind == "gdn":
         hf_cfg, hf = _qwen3_next_layer(seed)

@@ -11,7 +11,7 @@ of the builder (virtual pipeline stages, pre-wrap hooks, DDP, mixed precision) i
 from typing import ClassVar
 
 from megatron.core.pipeline_parallel.utils import (is_pp_first_stage, is_pp_last_stage, is_vp_first_stage,
-                                                  is_vp_last_stage)
+                                                   is_vp_last_stage)
 from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 

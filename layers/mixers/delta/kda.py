@@ -24,7 +24,7 @@ from torch import nn
 from layers.mixers.delta.mixer import DeltaMixer
 from layers.mixers.delta.options import COMMON_OPTIONS, KDA_DEFAULTS, KDA_ROWS, options_of, positive_int
 from layers.mixers.delta.params import (ParamLayout, Part, ReplicatedLinear, constant_init, inverse_softplus_dt_init,
-                                 log_uniform_init, megatron_init, skip_init)
+                                        log_uniform_init, megatron_init, skip_init)
 
 KDA_OPTIONS = {**COMMON_OPTIONS, **options_of(KDA_ROWS, KDA_DEFAULTS)}
 

@@ -11,9 +11,9 @@ parallelism the input and output hold ``s / tp`` of them)::
 Tensor parallelism splits heads: every TP rank holds ``H/tp`` query/key heads and ``HV/tp`` value heads
 (value head i reads query/key head ``i // (HV/H)``, so contiguous head slices stay consistent).
 
-The concerns live apart: the option table in ``layers.mixers.delta.options``, the parameter layout and its
-layout-independent initialisation in ``layers.mixers.delta.params``, checkpoint sharding in ``layers.mixers.delta.checkpoint``,
-the CP context of a forward (and ``cp_method="auto"``) in ``layers.mixers.delta.cp``; this module builds the layer and
+The concerns live apart (in ``layers.mixers.delta``): the option table in ``options``, the parameter layout and its
+layout-independent initialisation in ``params``, checkpoint sharding in ``checkpoint``, the CP context of a forward
+(and ``cp_method="auto"``) in ``cp``; this module builds the layer and
 runs its forward.
 """
 from __future__ import annotations
@@ -29,25 +29,27 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from layers.base.choices import CP_LAYOUTS
+from layers.base.keywords import check_keywords, declared_keywords
 from layers.cp.sequence import packed_cu_seqlens
 from layers.mixers.delta.checkpoint import delta_sharded_state_dict
 from layers.mixers.delta.cp import cp_context
 from layers.mixers.delta.decode import delta_inference_forward
 from layers.mixers.delta.options import (COMMON_OPTIONS, check_cp_auto_options, positive_int, resolve_cp_method,
-                                  resolve_options)
+                                         resolve_options)
 from layers.mixers.delta.params import (ParamLayout, Part, ShortConvWeights, constant_init, initialize, megatron_init,
-                                 skip_init, uniform_init)
+                                        skip_init, uniform_init)
+from layers.ops import causal_conv1d
+from layers.ops.backends import get_backend
+from layers.ops.delta_rule import chunk_op
+from layers.ops.kinds import delta_kind
+from layers.ops.step import causal_conv1d_step
 from layers.shared.inference import static_context
-from layers.base.keywords import check_keywords, declared_keywords
 from layers.shared.masks import check_causal_mask
 from layers.shared.norm import GATE_ACTIVATIONS, GatedRMSNorm
-from layers.ops import causal_conv1d
-from layers.ops.delta_rule import chunk_op
-from layers.ops.step import causal_conv1d_step
-from layers.ops.backends import get_backend
-from layers.ops.kinds import delta_kind
-from layers.shared.parallel import ContextParallelMixer, group_rank, group_size, spec_module, tp_cp_groups, tp_grad_sum_hook
+from layers.shared.parallel import (ContextParallelMixer, group_rank, group_size, spec_module, tp_cp_groups,
+                                    tp_grad_sum_hook)
 from layers.shared.recompute import PartRecompute, recomputes
+
 
 def _param_device(config):
     if getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available():
@@ -111,7 +113,7 @@ class DeltaMixer(ContextParallelMixer, MegatronModule):
         backend_module = get_backend(self.backend)  # validates the name; a missing optional backend raises now
         self.cp_method, self.cp_ulysses_degree = resolve_cp_method(name, opts, cp_comm_type, config)
         self.cp_layout = opts["cp_layout"]
-        # --recompute-modules hp_conv / hp_gated_norm (layers/shared/recompute.py): outputs freed, recomputed in backward
+        # --recompute-modules hp_conv / hp_gated_norm (shared/recompute.py): outputs freed, recomputed in backward
         self.recompute_conv = recomputes(config, "hp_conv")
         self.recompute_norm = recomputes(config, "hp_gated_norm")
         # with hp_conv, a backend whose standalone q/k L2 norm is its in-kernel one (triton: FLA's l2norm) normalises
@@ -299,7 +301,7 @@ class DeltaMixer(ContextParallelMixer, MegatronModule):
         context = static_context(name, self, inference_context, inference_params, cp_size=cp_size,
                                  sequence_parallel=self.config.sequence_parallel and self.tp_size > 1,
                                  packed_seq_params=packed_seq_params)
-        if context is not None:   # generation: state caches in megatron's static context (layers/mixers/delta/decode.py)
+        if context is not None:   # generation: state caches in megatron's static context (delta/decode.py)
             return delta_inference_forward(self, hidden_states, context, attention_mask)
         cu_global = packed_cu_seqlens(packed_seq_params)
         check_causal_mask(attention_mask, self.cp_layout, cp_size, group_rank(cp_group), cu_global,

@@ -198,7 +198,7 @@ class MultiLatentAttention(ContextParallelMixer, MegatronModule):
         context = static_context("MultiLatentAttention", self, inference_context, inference_params, cp_size=cp_size,
                                  sequence_parallel=self.config.sequence_parallel and self.tp_size > 1,
                                  packed_seq_params=packed_seq_params)
-        if context is not None:   # generation: the latent cache in megatron's static context (layers/mixers/mla/decode.py)
+        if context is not None:   # generation: the latent cache in megatron's static context (mla/decode.py)
             return mla_inference_forward(self, hidden_states, context, attention_mask)
         cp_rank = group_rank(cp_group) if cp_size > 1 else 0
         check_causal_mask(attention_mask, self.cp_layout, cp_size, cp_rank, cu_seqlens, owner="MultiLatentAttention")

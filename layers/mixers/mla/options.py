@@ -7,7 +7,8 @@ from layers.base.options import OptionRow
 
 MLA_ROWS = (
     OptionRow("--hp-mla-cp-strategy", "mla_cp_strategy", "cp_strategy", str, default="latent",
-              choices=MLA_CP_STRATEGY_CHOICES, preset=True, help="context-parallel strategy of the MLA layers (auto: from the calibrated cost model)"),
+              choices=MLA_CP_STRATEGY_CHOICES, preset=True,
+              help="context-parallel strategy of the MLA layers (auto: from the calibrated cost model)"),
     OptionRow("--hp-mla-q-lora-rank", "q_lora_rank", None, int, model=True, check="positive", preset=True,
               help="MLA query LoRA rank (None: no q down-proj)"),
     OptionRow("--hp-mla-kv-lora-rank", "kv_lora_rank", None, int, model=True, check="positive", preset=True,
