@@ -361,7 +361,7 @@ def build_our_layer(kind: str):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
 
-    from hp_megatron.specs.layer_specs import get_mixer_spec
+    from hp_megatron.specs.gpt_layer_specs import get_mixer_spec
 
     _init_megatron()
     spec = get_mixer_spec(kind, "triton")

@@ -1,7 +1,7 @@
 """Capacity table: activation bytes per token of the real presets, and the longest sequence per GPU that fits.
 
 Measured, not modelled: every distinct layer kind of a preset (mixer symbol x dense/MoE MLP) is built as a
-one-layer megatron-core ``TransformerBlock`` of our ``HybridLayer`` at the preset's real shapes (bf16, TP = CP = 1,
+one-layer megatron-core ``TransformerBlock`` of our ``PatternLayer`` at the preset's real shapes (bf16, TP = CP = 1,
 CPU, ``--backend`` mixers, default eager) and one forward is measured with ``benchmarks/layer_memory.py``'s
 :func:`~benchmarks.layer_memory.saved_bytes` (saved-tensor hooks, unique storages, parameters excluded, the
 layer's input included). The whole layer is measured: input norm, mixer, residual, pre-MLP norm and the MLP or

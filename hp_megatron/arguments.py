@@ -18,7 +18,7 @@ import argparse
 import sys
 
 from hp_megatron.flags import flag_groups, flag_table
-from hp_megatron.mixers import (MIXER_MODULE_FLAG, describe_symbols, load_mixer_modules, mixer_modules_in, symbols,
+from hp_megatron.registry import (MIXER_MODULE_FLAG, describe_symbols, load_mixer_modules, mixer_modules_in, symbols,
                                 symbols_where)
 from layers.cp.auto import MEASURE_TOP
 from layers.cp.subgroups import check_auto_leaves_free
@@ -62,7 +62,7 @@ def add_hp_arguments(parser: argparse.ArgumentParser, argv=None) -> argparse.Arg
         if i == 0:
             group.add_argument(MIXER_MODULE_FLAG, action="append", default=[], metavar="MODULE",
                                help="import MODULE before the flags are checked: it registers mixers of its own "
-                                    "(hp_megatron.mixers.register_mixer; their pattern symbols and flags); repeatable")
+                                    "(hp_megatron.registry.register_mixer; their pattern symbols and flags); repeatable")
         add_row_arguments(group, rows)
     return parser
 
@@ -73,7 +73,7 @@ def hp_config_from_args(args) -> dict:
     GDN/KDA read megatron-core 0.16's ``linear_*`` names and our ``delta_*`` / ``kda_*`` names; MLA reads
     ``MLATransformerConfig``'s names and ``mla_cp_strategy``; every mixer reads ``hp_cp_layout`` and
     ``hp_cp_calibration``;
-    ``HybridLayer`` reads ``hp_layer_pattern``. All are fields of ``hp_megatron.config``'s classes.
+    ``PatternLayer`` reads ``hp_layer_pattern``. All are fields of ``hp_megatron.config``'s classes.
     """
     heads, hidden = args.num_attention_heads, args.hidden_size
     key_heads = args.hp_linear_num_key_heads or heads
@@ -112,7 +112,7 @@ def hp_config_from_args(args) -> dict:
         "qk_head_dim": args.hp_mla_qk_head_dim or hidden // heads,
         "qk_pos_emb_head_dim": args.hp_mla_qk_pos_emb_head_dim or max(hidden // heads // 2, 8),
         "v_head_dim": args.hp_mla_v_head_dim or hidden // heads,
-        "hp_mtp_layer_kind": getattr(args, "hp_mtp_layer_kind", None),
+        "hp_mtp_layer_symbol": getattr(args, "hp_mtp_layer_symbol", None),
     })
     if getattr(args, "rotary_base", None) is not None:   # --rotary-base: the MLA layers' RoPE base too
         fields["rotary_base"] = float(args.rotary_base)
@@ -126,7 +126,7 @@ def validate_hp_args(args) -> None:
     ``num_attention_heads`` from ``args`` (Megatron-LM's names). Raises ValueError naming the flags and
     values; the same checks the layers make later, stated in flag names.
     """
-    from hp_megatron.hybrid_layer import validate_pattern
+    from hp_megatron.decoder.pattern import validate_pattern
 
     pattern = args.hp_layer_pattern or ""
     try:

@@ -18,8 +18,8 @@ from typing import Optional
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from hp_megatron.hybrid_layer import validate_pattern
-from hp_megatron.mixers import mixers, option_rows, symbols
+from hp_megatron.decoder.pattern import validate_pattern
+from hp_megatron.registry import mixers, option_rows, symbols
 from layers.base.choices import RECOMPUTE_MODULES
 from layers.cp.auto import MEASURE_TOP
 
@@ -47,10 +47,10 @@ class HybridFields:
 
     hp_layer_pattern: Optional[str] = None
     """Layer symbols repeated over the global layer numbers: G=GDN, K=KDA, M=MLA, A=softmax attention
-    (``--hp-layer-pattern``; read by ``HybridLayer`` specs without a pattern of their own)."""
+    (``--hp-layer-pattern``; read by ``PatternLayer`` specs without a pattern of their own)."""
 
-    hp_mtp_layer_kind: Optional[str] = None
-    """The layer symbol of the multi-token-prediction layers (``--mtp-num-layers``) of a ``HybridLayer`` spec whose
+    hp_mtp_layer_symbol: Optional[str] = None
+    """The layer symbol of the multi-token-prediction layers (``--mtp-num-layers``) of a ``PatternLayer`` spec whose
     pattern has several symbols and declares no MTP kind itself (e.g. ``"A"`` for Qwen3-Next, ``"M"`` for
     DeepSeek-V3; the presets set it). MTP layers have this fixed kind, not the one the pattern gives their layer
     number."""
@@ -148,7 +148,7 @@ def split_recompute_modules(holder) -> None:
 
 
 # the fields whose checks are hand-written below (they read the registry's symbols) or megatron-core's own
-_OWN_CHECKS = ("hp_layer_pattern", "hp_mtp_layer_kind")
+_OWN_CHECKS = ("hp_layer_pattern", "hp_mtp_layer_symbol")
 
 
 def _checked_rows(config) -> tuple:
@@ -181,9 +181,9 @@ def check_hybrid_fields(config) -> None:
             validate_pattern(config.hp_layer_pattern, symbols())
         except ValueError as err:
             raise ValueError(f"{owner}.hp_layer_pattern {config.hp_layer_pattern!r}: {err}") from None
-    kind = config.hp_mtp_layer_kind
+    kind = config.hp_mtp_layer_symbol
     if kind is not None and kind not in symbols():
-        raise ValueError(f"{owner}.hp_mtp_layer_kind must be one of {sorted(symbols())} or None, got {kind!r}")
+        raise ValueError(f"{owner}.hp_mtp_layer_symbol must be one of {sorted(symbols())} or None, got {kind!r}")
 
 
 @dataclass

@@ -10,7 +10,7 @@ decides (``preset`` rows) and docs/usage.md's flag table (:func:`markdown_table`
 """
 from __future__ import annotations
 
-from hp_megatron.mixers import MIXER_MODULE_FLAG, describe_symbols, mixers, mtp_symbols
+from hp_megatron.registry import MIXER_MODULE_FLAG, describe_symbols, mixers, mtp_symbols
 from layers.base.options import SHARED_ROWS, OptionRow
 
 LINEAR_IMPLS = ("local", "te")
@@ -30,7 +30,7 @@ def global_rows() -> tuple:
                   help="Hugging Face config.json (or a checkpoint directory holding one) of a supported architecture "
                        "(qwen3_next, deepseek_v3, kimi_linear): the model flags come from it "
                        "(hp_megatron.models.args.apply_hf_config_to_args; docs/models.md)"),
-        OptionRow("--hp-mtp-layer-kind", "hp_mtp_layer_kind", None, str, model=True, choices=mtp_symbols(),
+        OptionRow("--hp-mtp-layer-symbol", "hp_mtp_layer_symbol", None, str, model=True, choices=mtp_symbols(),
                   preset=True,
                   help="the mixer of the multi-token-prediction layers (--mtp-num-layers) under a layer pattern with "
                        "several symbols (M=MLA, A=attention: megatron-core's MTP layer is an attention layer); None: "
@@ -74,7 +74,7 @@ def markdown_table() -> str:
     lines = ["| flag | config field | mixer keyword | type | model | default | meaning |",
              "|---|---|---|---|---|---|---|",
              f"| `{MIXER_MODULE_FLAG} MODULE` (repeatable) | | | str | | | import MODULE first: it registers mixers of "
-             "its own (`hp_megatron.mixers.register_mixer`), whose pattern symbols and flags then exist "
+             "its own (`hp_megatron.registry.register_mixer`), whose pattern symbols and flags then exist "
              "(docs/architecture.md, \"How to add a mixer\") |"]
     for row in flag_table():
         if row.flag is None:

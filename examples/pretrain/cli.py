@@ -343,7 +343,7 @@ def check_moe_args(args, world_size: int) -> None:
 
 def check_mtp_args(args) -> None:
     """``--mtp-num-layers`` and its layer kind (ValueError naming the flags)."""
-    from hp_megatron.mixers import mtp_symbols as mtp_kinds
+    from hp_megatron.registry import mtp_symbols as mtp_kinds
 
     kinds = " or ".join(mtp_kinds())
     depth = args.mtp_num_layers
@@ -354,14 +354,14 @@ def check_mtp_args(args) -> None:
     if not depth or args.hp_preset is not None:  # a preset declares its MTP kind
         return
     symbols = set(args.hp_layer_pattern)
-    kind = args.hp_mtp_layer_kind or (symbols.pop() if len(symbols) == 1 else None)
+    kind = args.hp_mtp_layer_symbol or (symbols.pop() if len(symbols) == 1 else None)
     if kind is None:
         raise ValueError(f"--mtp-num-layers {depth} with --hp-layer-pattern {args.hp_layer_pattern}: the MTP layers "
-                         f"have one fixed kind; add --hp-mtp-layer-kind ({kinds})")
+                         f"have one fixed kind; add --hp-mtp-layer-symbol ({kinds})")
     if kind not in mtp_kinds():
         raise ValueError(f"--mtp-num-layers {depth} with MTP layer kind {kind} (--hp-layer-pattern "
                          f"{args.hp_layer_pattern}): megatron-core's MTP layer is an attention layer; use "
-                         f"--hp-mtp-layer-kind {kinds}")
+                         f"--hp-mtp-layer-symbol {kinds}")
 
 
 def _check_writable_dir(flag, path):

@@ -17,7 +17,7 @@ expert groups, ``--expert-model-parallel-size``). MoE (``--num-experts``...) and
 megatron-core ``GPTModel`` with ``hp_megatron.specs.get_hybrid_layer_spec(--hp-layer-pattern)``, or with
 ``--hp-hf-config HF_DIR`` the preset's model of a Qwen3-Next / Kimi Linear / DeepSeek-V3 config.json (start it from
 ``python -m hp_megatron.convert hf-to-mcore`` output with ``--load``; docs/models.md); both built by
-``hp_megatron.gpt_model.hybrid_gpt_model``. Data: megatron-core ``GPTDataset``. Gradients: megatron-core
+``hp_megatron.model_builders.hybrid_gpt_model``. Data: megatron-core ``GPTDataset``. Gradients: megatron-core
 DDP over the data-parallel x CP group. Optimizer: ``hp_megatron.training.optimizer.get_optimizer`` (megatron-core's
 on GPU; on CPU, where its grad scaler allocates CUDA, torch's AdamW over DDP's main grads with megatron's
 gradient-norm clipping). Checkpoints: ``dist_checkpointing`` (model, optimizer, scheduler, iteration, consumed
@@ -43,7 +43,7 @@ if HERE not in sys.path:
 from checkpointing import resume, save_checkpoint  # noqa: E402
 from cli import parse_args, quiet_known_warnings, run_reporting_errors, same_on_every_rank, split_weights  # noqa: E402
 from hp_megatron.arguments import apply_hp_config  # noqa: E402
-from hp_megatron.cp_subgroups import register_cp_subgroups_from_args  # noqa: E402
+from hp_megatron.training.cp_subgroup_registration import register_cp_subgroups_from_args  # noqa: E402
 from hp_megatron.models import preset_gpt_model, preset_transformer_config  # noqa: E402
 from hp_megatron.platform import CPU_SAFE_CONFIG, apply_cpu_training_shims  # noqa: E402
 from hp_megatron.training.model_args import (MODEL_ARGS_KEY, hybrid_config_from_args,  # noqa: E402

@@ -101,7 +101,7 @@ def describe_model(args, vocab_size, n_params, device) -> str:
         parts.append(f"MTP: {args.mtp_num_layers} depth(s) on the last stage, loss scaling factor "
                      f"{args.mtp_loss_scaling_factor:g}")
     cp = args.context_parallel_size
-    from hp_megatron.mixers import symbols_where
+    from hp_megatron.registry import symbols_where
 
     if set(pattern) & set(symbols_where(lambda e: e.family == "delta")):
         text = f"GDN/KDA: backend {args.hp_backend}"

@@ -1,5 +1,5 @@
 """What a :class:`~hp_megatron.models.common.ModelPreset` builds: its declared config, its layer spec and its
-megatron-core ``GPTModel`` (through ``hp_megatron.gpt_model.hybrid_gpt_model``, the one builder).
+megatron-core ``GPTModel`` (through ``hp_megatron.model_builders.hybrid_gpt_model``, the one builder).
 
 The preset itself is a declaration; these functions are the only place that turns one into megatron-core objects
 (``Architecture.build_model``, the example's ``--hp-hf-config`` path, tests and benchmarks call them).
@@ -20,7 +20,7 @@ def preset_transformer_config(preset, **overrides):
 
 
 def preset_layer_spec(preset, backend="eager", **kwargs):
-    """The ``HybridLayer`` spec of ``preset`` (``kwargs``: ``linear``, ``cp_layout``)."""
+    """The ``PatternLayer`` spec of ``preset`` (``kwargs``: ``linear``, ``cp_layout``)."""
     from hp_megatron.specs import get_hybrid_layer_spec
 
     return get_hybrid_layer_spec(preset.pattern, backend, qk_layernorm=preset.qk_layernorm,
@@ -29,9 +29,9 @@ def preset_layer_spec(preset, backend="eager", **kwargs):
 
 def preset_gpt_model(preset, config, backend="eager", *, max_sequence_length: int, pre_process: bool = True,
                      post_process: bool = True, vp_stage=None, **spec_kwargs):
-    """megatron-core ``GPTModel`` of ``preset`` for this pipeline stage (``hp_megatron.gpt_model.hybrid_gpt_model``:
+    """megatron-core ``GPTModel`` of ``preset`` for this pipeline stage (``hp_megatron.model_builders.hybrid_gpt_model``:
     our RMSNorm as the final norm); ``config`` is typically :func:`preset_transformer_config`'s."""
-    from hp_megatron.gpt_model import hybrid_gpt_model
+    from hp_megatron.model_builders import hybrid_gpt_model
 
     return hybrid_gpt_model(config, preset_layer_spec(preset, backend, **spec_kwargs),
                             max_sequence_length=max_sequence_length, pre_process=pre_process,

@@ -14,7 +14,7 @@ copies. Without MTP, ``unmodeled_tensors`` lists them and the converter drops th
 from __future__ import annotations
 
 from hp_megatron.convert.rules import TensorRule
-from hp_megatron.mixers import conversion_rules_of
+from hp_megatron.registry import conversion_rules_of, register_conversion_rules
 from hp_megatron.models.common import (ModelPreset, check_mtp_depth, decoder_config, field_of, layer_prefix,
                                        mla_fields, mla_rules, mlp_rules, model_rules, moe_router_config, moe_rules,
                                        mtp_head_rules, mtp_layer_prefix, norm_rules, refuse, require, rope_parameters,
@@ -70,7 +70,7 @@ def megatron_config(hf: dict) -> ModelPreset:
         if shared:
             config["moe_shared_expert_intermediate_size"] = shared * hf["moe_intermediate_size"]
     mixer = mla_fields(hf, MODEL_TYPE, rope_type, rope)
-    mixer["hp_mtp_layer_kind"] = "M"
+    mixer["hp_mtp_layer_symbol"] = "M"
     gpt = dict(vocab_size=field_of(hf, MODEL_TYPE, "vocab_size"), position_embedding_type="none",
                share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)))
     return ModelPreset(MODEL_TYPE, "M" * hf["num_hidden_layers"], transformer_fields=config, mixer_fields=mixer,
@@ -78,7 +78,7 @@ def megatron_config(hf: dict) -> ModelPreset:
 
 
 def mla_layer_rules(mcore: str, hf_layer: str, hf: dict, preset: ModelPreset) -> list[TensorRule]:
-    """The ``M`` mixer's rules (registered in ``hp_megatron.mixers.mla``): DeepSeek-V3's ``self_attn``."""
+    """The ``M`` mixer's rules (registered in ``hp_megatron.registry.mla``): DeepSeek-V3's ``self_attn``."""
     return mla_rules(mcore, hf_layer + "self_attn.", preset.mixer_fields,
                      preset.transformer_fields["num_attention_heads"], rope_interleave=hf.get("rope_interleave", True))
 
@@ -117,3 +117,7 @@ def conversion_rules(hf: dict, mtp_num_layers: int = 0) -> list[TensorRule]:
         rules += _decoder_layer_rules(mtp_layer_prefix(k), prefix, hf, preset,
                                       bool(preset.transformer_fields.get("num_moe_experts")))
     return rules
+
+
+# this architecture's rules per mixer symbol, looked up through hp_megatron.registry.conversion_rules_of
+register_conversion_rules(MODEL_TYPE, "M", mla_layer_rules)

@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 
 from hp_megatron.convert.rules import TensorRule, identity_rule
-from hp_megatron.mixers import check_hf_symbols, conversion_rules_of
+from hp_megatron.registry import check_hf_symbols, conversion_rules_of, register_conversion_rules
 from hp_megatron.models.common import (ModelPreset, decoder_config, field_of, layer_norm_rules, layer_prefix,
                                        mla_fields, mla_rules, mlp_rules, model_rules, moe_router_config, refuse,
                                        require, swiglu_fc1_rule)
 
 MODEL_TYPE = "kimi_linear"
-# HF layer type -> pattern symbol (checked against the mixer registry, hp_megatron.mixers)
+# HF layer type -> pattern symbol (checked against the mixer registry, hp_megatron.registry)
 LAYER_SYMBOLS = check_hf_symbols(MODEL_TYPE, {"linear_attention": "K", "full_attention": "M"})
 
 
@@ -127,12 +127,12 @@ def _kda_rules(mcore: str, hf: str, kda: dict) -> list[TensorRule]:
 
 
 def kda_layer_rules(mcore: str, hf_layer: str, hf: dict, preset: ModelPreset) -> list[TensorRule]:
-    """The ``K`` mixer's rules (registered in ``hp_megatron.mixers.kda``): Kimi Linear's KDA ``self_attn``."""
+    """The ``K`` mixer's rules (registered in ``hp_megatron.registry.kda``): Kimi Linear's KDA ``self_attn``."""
     return _kda_rules(mcore, hf_layer + "self_attn.", _kda_dims(hf))
 
 
 def mla_layer_rules(mcore: str, hf_layer: str, hf: dict, preset: ModelPreset) -> list[TensorRule]:
-    """The ``M`` mixer's rules (registered in ``hp_megatron.mixers.mla``): Kimi Linear's MLA ``self_attn`` (NoPE;
+    """The ``M`` mixer's rules (registered in ``hp_megatron.registry.mla``): Kimi Linear's MLA ``self_attn`` (NoPE;
     rotary rows interleaved)."""
     return mla_rules(mcore, hf_layer + "self_attn.", preset.mixer_fields,
                      preset.transformer_fields["num_attention_heads"], rope_interleave=True)
@@ -166,3 +166,8 @@ def conversion_rules(hf: dict) -> list[TensorRule]:
         else:
             rules += mlp_rules(mcore + "mlp.", theirs + dense)
     return rules
+
+
+# this architecture's rules per mixer symbol, looked up through hp_megatron.registry.conversion_rules_of
+register_conversion_rules(MODEL_TYPE, "K", kda_layer_rules)
+register_conversion_rules(MODEL_TYPE, "M", mla_layer_rules)

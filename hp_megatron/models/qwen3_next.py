@@ -19,14 +19,14 @@ from __future__ import annotations
 import torch
 
 from hp_megatron.convert.rules import TensorRule, identity_rule
-from hp_megatron.mixers import check_hf_symbols, conversion_rules_of
+from hp_megatron.registry import check_hf_symbols, conversion_rules_of, register_conversion_rules
 from hp_megatron.models.common import (ModelPreset, check_mtp_depth, decoder_config, field_of, layer_mlp_rules,
                                        layer_norm_rules, layer_prefix, mlp_rules, model_rules, moe_router_config,
                                        moe_rules, mtp_head_rules, mtp_layer_prefix, norm_rules, refuse, require,
                                        rope_parameters)
 
 MODEL_TYPE = "qwen3_next"
-# HF layer type -> pattern symbol (checked against the mixer registry, hp_megatron.mixers)
+# HF layer type -> pattern symbol (checked against the mixer registry, hp_megatron.registry)
 LAYER_SYMBOLS = check_hf_symbols(MODEL_TYPE, {"linear_attention": "G", "full_attention": "A"})
 MTP_FIELD = "mtp_num_hidden_layers"
 GDN_IN_PROJ_PARTS = ("query", "key", "value", "z", "beta", "alpha")  # row order of our GDN in_proj
@@ -95,7 +95,7 @@ def megatron_config(hf: dict) -> ModelPreset:
     mixer = dict(linear_num_key_heads=dims["num_key_heads"], linear_num_value_heads=dims["num_value_heads"],
                  linear_key_head_dim=dims["key_head_dim"], linear_value_head_dim=dims["value_head_dim"],
                  linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4), gated_norm_zero_centered_gamma=False,
-                 hp_mtp_layer_kind="A")
+                 hp_mtp_layer_symbol="A")
     gpt = dict(vocab_size=field_of(hf, MODEL_TYPE, "vocab_size"), position_embedding_type="rope",
                rotary_percent=float(rope.get("partial_rotary_factor", 0.25)),
                rotary_base=float(rope.get("rope_theta", 10000.0)),
@@ -186,12 +186,12 @@ def _gdn_rules(mcore: str, hf: str, dims: dict) -> list[TensorRule]:
 
 
 def attention_layer_rules(mcore: str, hf_layer: str, hf: dict, preset: ModelPreset) -> list[TensorRule]:
-    """The ``A`` mixer's rules (registered in ``hp_megatron.mixers.attention``): Qwen3-Next's ``self_attn``."""
+    """The ``A`` mixer's rules (registered in ``hp_megatron.registry.attention``): Qwen3-Next's ``self_attn``."""
     return _attention_rules(mcore, hf_layer + "self_attn.", preset)
 
 
 def gdn_layer_rules(mcore: str, hf_layer: str, hf: dict, preset: ModelPreset) -> list[TensorRule]:
-    """The ``G`` mixer's rules (registered in ``hp_megatron.mixers.gdn``): Qwen3-Next's ``linear_attn``."""
+    """The ``G`` mixer's rules (registered in ``hp_megatron.registry.gdn``): Qwen3-Next's ``linear_attn``."""
     return _gdn_rules(mcore, hf_layer + "linear_attn.", _gdn_dims(hf))
 
 
@@ -223,3 +223,8 @@ def conversion_rules(hf: dict, mtp_num_layers: int = 0) -> list[TensorRule]:
         rules += layer_mlp_rules(i, is_moe, hf.get("num_experts", 0), router="gate.weight",
                                  shared="shared_expert.", shared_gate="shared_expert_gate.weight")
     return rules + (_mtp_rules(hf, preset, mtp_num_layers) if mtp_num_layers else [])
+
+
+# this architecture's rules per mixer symbol, looked up through hp_megatron.registry.conversion_rules_of
+register_conversion_rules(MODEL_TYPE, "A", attention_layer_rules)
+register_conversion_rules(MODEL_TYPE, "G", gdn_layer_rules)

@@ -16,7 +16,7 @@ Their attention (``A``) layers get q/k RMSNorms when ``--qk-layernorm`` (``confi
 Qwen3-Next's attention has (with ``--attention-output-gate`` for its output gate).
 
 Stack specs for megatron-core's ``HybridModel`` (megatron-core 0.19+, Megatron-LM's ``pretrain_hybrid.py --spec
-hp_megatron.specs NAME --hybrid-layer-pattern ...``; ``hp_megatron.specs.hybrid_stack``), built when first used:
+hp_megatron.specs NAME --hybrid-layer-pattern ...``; ``hp_megatron.specs.hybrid_stack_specs``), built when first used:
 
   ``hybrid_stack_spec``  ``G`` our GDN, ``*`` attention, ``+`` our MLA, ``-`` MLP, ``E`` MoE
   ``kda_hybrid_stack_spec``  the same with our KDA in the ``G`` slot (HybridModel has no KDA symbol)
@@ -24,13 +24,13 @@ hp_megatron.specs NAME --hybrid-layer-pattern ...``; ``hp_megatron.specs.hybrid_
 each also with suffix ``_triton`` / ``_ascendc`` before ``_spec`` (``hybrid_stack_triton_spec``).
 
 Every spec builds megatron-core MoE layers where ``--num-experts`` / ``--moe-layer-freq`` ask for them
-(``hp_megatron.hybrid_layer``); real architectures from HF config.json files: ``hp_megatron.models``.
+(``hp_megatron.decoder.moe_layers``); real architectures from HF config.json files: ``hp_megatron.models``.
 """
-from hp_megatron.hybrid_layer import HybridLayer, HybridLayerSubmodules
+from hp_megatron.gpt.layer import PatternLayer, PatternLayerSubmodules
 from layers.mixers.attention.context_parallel import ContextParallelDotProductAttention
-from hp_megatron.specs.hybrid_stack import STACK_SPECS, get_hybrid_stack_spec, ready_stack_spec
-from hp_megatron.mixers import mixer_names, symbols
-from hp_megatron.specs.layer_specs import get_hybrid_layer_spec, get_layer_spec, get_layer_submodules, get_mixer_spec
+from hp_megatron.specs.hybrid_stack_specs import STACK_SPECS, get_hybrid_stack_spec, ready_stack_spec
+from hp_megatron.registry import mixer_names, symbols
+from hp_megatron.specs.gpt_layer_specs import get_hybrid_layer_spec, get_layer_spec, get_layer_submodules, get_mixer_spec
 from hp_megatron.specs.providers import (AscendCSpecProvider, EagerSpecProvider, TritonSpecProvider,
                                          get_spec_provider)
 
@@ -80,7 +80,7 @@ def __getattr__(name):
     return spec
 
 
-__all__ = ["AscendCSpecProvider", "ContextParallelDotProductAttention", "EagerSpecProvider", "HybridLayer",
-           "HybridLayerSubmodules", "MIXERS", "READY_SPECS", "STACK_SPECS", "SYMBOLS", "TritonSpecProvider",
+__all__ = ["AscendCSpecProvider", "ContextParallelDotProductAttention", "EagerSpecProvider", "PatternLayer",
+           "PatternLayerSubmodules", "MIXERS", "READY_SPECS", "STACK_SPECS", "SYMBOLS", "TritonSpecProvider",
            "get_hybrid_layer_spec", "get_hybrid_stack_spec", "get_layer_spec", "get_layer_submodules",
            "get_mixer_spec", "get_spec_provider", *READY_SPECS]

@@ -8,7 +8,7 @@ would otherwise provide; one job per module, imported by ``examples/pretrain`` a
   ``aux_losses`` ``AuxLossLog``: the MoE load-balancing losses, expert-bias update and MTP losses of an iteration,
                  from megatron-core's trackers, as Megatron-LM logs them
 
-The one ``GPTModel`` builder is ``hp_megatron.gpt_model`` (presets build through it too), the checkpoint files
+The one ``GPTModel`` builder is ``hp_megatron.model_builders`` (presets build through it too), the checkpoint files
 ``hp_megatron.checkpoint`` (the converter reads them too), the CPU-safe config fields
 ``hp_megatron.platform.CPU_SAFE_CONFIG``.
 """

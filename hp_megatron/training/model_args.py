@@ -58,11 +58,11 @@ def hybrid_model_from_args(args, config, *, vocab_size: int, pre_process: bool =
     """This pipeline stage's ``GPTModel`` (``hybrid_gpt_model``) of the flags ``args`` over
     ``get_hybrid_layer_spec(--hp-layer-pattern)``: RoPE when the pattern (or the MTP layers) has attention,
     untied output layer; the MTP block when ``config.mtp_num_layers``."""
-    from hp_megatron.mixers import symbols_where
+    from hp_megatron.registry import symbols_where
     from hp_megatron.specs import get_hybrid_layer_spec
-    from hp_megatron.gpt_model import hybrid_gpt_model
+    from hp_megatron.model_builders import hybrid_gpt_model
 
-    mtp_kind = args.hp_mtp_layer_kind if getattr(config, "mtp_num_layers", None) else None
+    mtp_kind = args.hp_mtp_layer_symbol if getattr(config, "mtp_num_layers", None) else None
     spec = get_hybrid_layer_spec(args.hp_layer_pattern, backend=args.hp_backend, linear=args.hp_linear,
                                  cp_layout=args.hp_cp_layout, mtp_symbol=mtp_kind)
     rope_symbols = symbols_where(lambda e: e.model_rope)   # zigzag with CP: checked by validate_hp_args
@@ -77,7 +77,7 @@ def stored_model_args(args, *, padded_vocab_size: int, vocab_size: int) -> dict:
     """The plain dict a checkpoint stores: :func:`model_arg_names` of ``args``, ``padded_vocab_size`` (the
     embedding rows), ``vocab_size`` (the tokenizer's ids) and ``tokenizer`` (its absolute path, or None); with
     ``--hp-mixer-module``, also those modules and their mixers' model-defining flags (``MixerEntry.options``)."""
-    from hp_megatron.mixers import option_rows
+    from hp_megatron.registry import option_rows
 
     stored = {name: getattr(args, name) for name in model_arg_names()}
     modules = list(getattr(args, "hp_mixer_module", None) or [])

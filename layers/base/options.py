@@ -2,7 +2,7 @@
 
 A leaf module (it imports only ``layers.base.choices``): a mixer declares its rows beside its options
 (``layers.mixers.*``), ``hp_megatron`` assembles the table from them and its own rows and derives the argparse
-groups, the config fields and their checks from it (``hp_megatron.mixers.registry``, ``hp_megatron.arguments``).
+groups, the config fields and their checks from it (``hp_megatron.registry.entries``, ``hp_megatron.arguments``).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ Multi-token prediction: the tiny Qwen3-Next and DeepSeek-V3 checkpoints with one
 ``mtp_num_layers=1`` at TP2 x PP2 x EP2 (the MTP block and its embedding copy on the last stage) and exported by
 the public functions, which take the depth from the model: the tensors equal the original HF checkpoint's bit
 for bit, MTP layers included, with no ``sharded_state_dict`` metadata given anywhere (megatron-core 0.16 reads
-``metadata["dp_cp_group"]`` on that stage; ``HybridGPTModel`` defaults it) and the same state as with it.
+``metadata["dp_cp_group"]`` on that stage; ``MTPGPTModel`` defaults it) and the same state as with it.
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ def _contexts(cp_group) -> dict:
 
 
 def _worker(rank, world_size):
-    from hp_megatron.cp_subgroups import register_cp_subgroups_from_args
+    from hp_megatron.training.cp_subgroup_registration import register_cp_subgroups_from_args
     from layers.cp import build_cp_context, register_cp_subgroups
 
     out = {}

@@ -25,7 +25,7 @@ FLAGS = Namespace(hybrid_context_parallel=True, context_parallel_size=1, hp_cp_m
 def _worker(rank, world_size):
     from megatron.core import parallel_state
 
-    from hp_megatron.cp_subgroups import register_cp_subgroups_from_args
+    from hp_megatron.training.cp_subgroup_registration import register_cp_subgroups_from_args
     from layers.cp import build_cp_context
 
     case_started("initialize")

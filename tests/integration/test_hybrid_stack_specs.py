@@ -70,7 +70,7 @@ def test_hybrid_model_with_our_stack_spec_equals_our_gpt_model(case):
     import hp_megatron.specs as specs
     from hp_megatron.platform import single_rank_megatron
     from hp_megatron.specs import get_hybrid_layer_spec
-    from hp_megatron.gpt_model import hybrid_gpt_model
+    from hp_megatron.model_builders import hybrid_gpt_model
 
     stack_name, hybrid_pattern, gpt_pattern, positions, fields = CASES[case]
     with single_rank_megatron(0):
@@ -115,7 +115,7 @@ def test_module_level_stack_specs(monkeypatch):
     from megatron.core.transformer.spec_utils import import_module
 
     import hp_megatron.specs as specs
-    from hp_megatron.hybrid_stack import HybridStack
+    from hp_megatron.hybrid_model.stack import HybridStack
 
     for name, (backend, g_mixer) in specs.STACK_SPECS.items():
         monkeypatch.delitem(vars(specs), name, raising=False)

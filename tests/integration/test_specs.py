@@ -136,12 +136,12 @@ def test_ready_specs_import_like_megatron_lm():
     from megatron.core.transformer.spec_utils import import_module
 
     import hp_megatron.specs as specs
-    from hp_megatron.hybrid_layer import HybridLayer
+    from hp_megatron.gpt.layer import PatternLayer
 
     for name in specs.READY_SPECS:
         obj = import_module(("hp_megatron.specs", name))
         assert obj is getattr(specs, name)
-    assert specs.kimi_linear_spec.module is HybridLayer and specs.kimi_linear_spec.params["pattern"] == "KKKM"
+    assert specs.kimi_linear_spec.module is PatternLayer and specs.kimi_linear_spec.params["pattern"] == "KKKM"
     assert specs.qwen3_next_spec.params["pattern"] == "GGGA"
     assert specs.hybrid_spec.params["pattern"] is None
     assert specs.gdn_triton_spec.submodules.layer_types["G"].self_attention.params["backend"] == "triton"

@@ -49,7 +49,7 @@ def _forward_worker(rank, world_size):
 
     import tests.support.toy_mixer  # noqa: F401  (registers T)
     from hp_megatron.config import hybrid_config
-    from hp_megatron.mixers import symbols
+    from hp_megatron.registry import symbols
     from hp_megatron.specs import get_mixer_spec
 
     assert symbols()["T"] == "toy_ema"
@@ -90,7 +90,7 @@ def test_toy_forward_matches_fp64_reference_under_tp2():
 
 
 def test_toy_registry_stays_out_of_this_process():
-    from hp_megatron.mixers import symbols
+    from hp_megatron.registry import symbols
 
     assert "T" not in symbols()   # the spawned ranks and launches imported it, this process did not
 

@@ -1,4 +1,4 @@
-"""The library parts of the training scripts: ``hp_megatron.gpt_model`` (the one hybrid GPTModel builder of
+"""The library parts of the training scripts: ``hp_megatron.model_builders`` (the one hybrid GPTModel builder of
 the example, the Megatron-LM launcher and ``hp_megatron.models.preset_gpt_model``), ``hp_megatron.checkpoint``
 (Megatron-LM's checkpoint directory layout, also read by the converter) and ``hp_megatron.platform``'s CPU-safe config fields,
 which must say what Megatron-LM's CPU flags say."""
@@ -37,7 +37,7 @@ def test_hybrid_gpt_model_has_our_final_norm_and_patches_nothing(single_rank):
     import megatron.core.transformer.transformer_block as transformer_block
 
     from hp_megatron.specs import get_hybrid_layer_spec
-    from hp_megatron.gpt_model import hybrid_gpt_model
+    from hp_megatron.model_builders import hybrid_gpt_model
     from layers.shared.norm import RMSNorm
 
     before = transformer_block.LayerNormImpl

@@ -54,7 +54,7 @@ def test_gpt_inference_wrapper_serves_the_static_context(single_rank):
     from megatron.core.inference.contexts import StaticInferenceContext
 
     from hp_megatron.specs import get_layer_spec
-    from hp_megatron.gpt_model import hybrid_gpt_model
+    from hp_megatron.model_builders import hybrid_gpt_model
 
     model = hybrid_gpt_model(_config(num_layers=1), get_layer_spec("attn"), vocab_size=24, max_sequence_length=16)
     context = StaticInferenceContext(2, 16)

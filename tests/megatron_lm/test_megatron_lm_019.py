@@ -158,7 +158,7 @@ def test_hybrid_runs_build_hybrid_model_from_the_pattern(runs, model):
 
 
 def test_gpt_first_loss_matches_the_example(runs, data):
-    """pretrain_gpt.py's KKKM model (our HybridLayer spec) and examples/pretrain/pretrain_hybrid.py's on the same
+    """pretrain_gpt.py's KKKM model (our PatternLayer spec) and examples/pretrain/pretrain_hybrid.py's on the same
     dims, data and split: the same first loss (the GPT path of 0.19 builds what the example builds)."""
     ref, _ = runs("gpt")["ref"]
     example = example_first_loss("KKKM", data, ["--hp-mla-cp-strategy", "latent", "--hp-mla-rope-type", "none"])

@@ -81,16 +81,16 @@ def test_mtp_layer_kind_is_declared_or_refused(single_rank):
     is a one-line ValueError."""
     from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlockSubmodules
 
-    from hp_megatron.hybrid_layer import MTPHybridLayer
+    from hp_megatron.gpt.mtp_layer import MTPPatternLayer
     from hp_megatron.models import preset_from_hf, preset_layer_spec, preset_transformer_config
     from hp_megatron.models.tiny import tiny_hf_config
     from hp_megatron.platform import CPU_SAFE_CONFIG
     from hp_megatron.specs import get_hybrid_layer_spec
-    from hp_megatron.specs.mtp import get_mtp_block_spec
+    from hp_megatron.specs.mtp_specs import get_mtp_block_spec
     from layers.base.megatron_compat import mtp_inner_layer_name
 
     preset = preset_from_hf(tiny_hf_config("qwen3_next")[1].to_dict())   # pattern GGAA
-    undeclared = preset_transformer_config(preset, **CPU_SAFE_CONFIG, mtp_num_layers=1, hp_mtp_layer_kind=None)
+    undeclared = preset_transformer_config(preset, **CPU_SAFE_CONFIG, mtp_num_layers=1, hp_mtp_layer_symbol=None)
     with pytest.raises(ValueError, match=r"^multi-token prediction \(mtp_num_layers=1\) with the hybrid pattern "
                                          r"'GGAA' needs the kind of its MTP layers[^\n]*$"):
         get_mtp_block_spec(undeclared, get_hybrid_layer_spec(preset.pattern))
@@ -99,7 +99,7 @@ def test_mtp_layer_kind_is_declared_or_refused(single_rank):
     block = get_mtp_block_spec(undeclared, get_hybrid_layer_spec(preset.pattern, mtp_symbol="A"))
     assert isinstance(block, MultiTokenPredictionBlockSubmodules) and len(block.layer_specs) == 1
     layer = getattr(block.layer_specs[0].submodules, mtp_inner_layer_name())
-    assert layer.module is MTPHybridLayer and layer.params["kind"] == "A"  # an MTP layer of the one kind A
+    assert layer.module is MTPPatternLayer and layer.params["symbol"] == "A"  # an MTP layer of the one kind A
     assert get_mtp_block_spec(preset_transformer_config(preset, **CPU_SAFE_CONFIG), preset_layer_spec(preset)) is None
 
 
@@ -107,7 +107,7 @@ def test_roll_to_next_token_stops_at_document_ends():
     """One rank: each position gets the next token of its row / packed document, 0 at the end."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from hp_megatron.mtp import roll_to_next_token
+    from hp_megatron.decoder.mtp import roll_to_next_token
 
     x = torch.arange(1, 9).reshape(1, 8)
     assert roll_to_next_token(x).tolist() == [[2, 3, 4, 5, 6, 7, 8, 0]]

@@ -16,7 +16,7 @@ def test_usage_doc_holds_the_generated_flag_table():
 def test_every_parsed_flag_is_a_row():
     from hp_megatron.arguments import add_hp_arguments
     from hp_megatron.flags import flag_table
-    from hp_megatron.mixers import MIXER_MODULE_FLAG
+    from hp_megatron.registry import MIXER_MODULE_FLAG
 
     parser = add_hp_arguments(argparse.ArgumentParser(add_help=False), [])
     defaults = vars(parser.parse_args([]))

@@ -174,7 +174,7 @@ def our_model(key_map):
     """Our GPTModel for a megatron_gdn ``KeyMap`` (its pattern and MoE layers)."""
     from hp_megatron.config import HybridTransformerConfig
     from hp_megatron.specs import get_hybrid_layer_spec
-    from hp_megatron.gpt_model import hybrid_gpt_model
+    from hp_megatron.model_builders import hybrid_gpt_model
 
     moe = dict(MOE_FIELDS, moe_layer_freq=[int(m) for m in key_map.moe_layers]) if any(key_map.moe_layers) else {}
     config = HybridTransformerConfig(num_layers=len(key_map.pattern), hp_layer_pattern=key_map.pattern,

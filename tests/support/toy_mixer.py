@@ -20,7 +20,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from hp_megatron.mixers import MixerEntry, register_mixer
+from hp_megatron.registry import MixerEntry, register_mixer
 from layers.base.options import OptionRow
 
 DEFAULT_DECAY = 0.9

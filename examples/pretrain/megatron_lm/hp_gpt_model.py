@@ -4,7 +4,7 @@
 Megatron-LM 0.19 builds the model from a ``ModelConfig`` whose ``builder`` names a ``ModelBuilder`` class.
 :class:`HybridGPTModelConfig` is ``GPTModelConfig`` (the same fields, from ``gpt_config_from_args``) whose builder
 is :class:`HybridGPTModelBuilder`: ``GPTModelBuilder`` whose ``build_model`` passes the same ``GPTModel`` keywords
-to ``hp_megatron.gpt_model.hybrid_gpt_model``, as the launcher's ``gpt_builder`` does on 0.16 (the
+to ``hp_megatron.model_builders.hybrid_gpt_model``, as the launcher's ``gpt_builder`` does on 0.16 (the
 block-final norm is our RMSNorm; with ``--mtp-num-layers`` the MTP block of the spec's MTP kind). Everything else
 of the builder (virtual pipeline stages, pre-wrap hooks, DDP, mixed precision) is Megatron-LM's.
 """
@@ -26,7 +26,7 @@ class HybridGPTModelBuilder(GPTModelBuilder):
     """``GPTModelBuilder`` whose model is ``hybrid_gpt_model`` of the layer spec (module docstring)."""
 
     def build_model(self, pg_collection, pre_process=None, post_process=None, vp_stage=None):
-        from hp_megatron.gpt_model import hybrid_gpt_model
+        from hp_megatron.model_builders import hybrid_gpt_model
 
         cfg = self._model_config
         vocab_size = cfg.vocab_size

@@ -94,7 +94,7 @@ def register_cp_subgroups_hook(models):
     the model stages are built, before DDP wraps them and before any forward); returns ``models`` unchanged."""
     from megatron.training import get_args
 
-    from hp_megatron.cp_subgroups import register_cp_subgroups_from_args
+    from hp_megatron.training.cp_subgroup_registration import register_cp_subgroups_from_args
 
     register_cp_subgroups_from_args(get_args())
     return models

@@ -9,8 +9,8 @@ Needs a Megatron-LM checkout on PYTHONPATH (``pretrain_gpt.py``, ``megatron/trai
   ``--multi-latent-attention``) holding our fields, through ``hp_megatron.arguments.apply_hp_config``, before
   the model is built, and
 * the model provider first registers the CP sub-groups of the ``--hp-*`` CP flags on every rank
-  (``hp_megatron.cp_subgroups.register_cp_subgroups_from_args``), then builds the model with Megatron-LM's
-  ``GPTModel`` keywords through ``hp_megatron.gpt_model.hybrid_gpt_model`` (the block-final norm is our
+  (``hp_megatron.training.cp_subgroup_registration.register_cp_subgroups_from_args``), then builds the model with Megatron-LM's
+  ``GPTModel`` keywords through ``hp_megatron.model_builders.hybrid_gpt_model`` (the block-final norm is our
   RMSNorm, as in the layers, on every install; megatron-core's module-level ``LayerNormImpl`` is not patched;
   with ``--mtp-num-layers`` the multi-token-prediction block of the spec's declared MTP kind, in place of
   Megatron-LM's ``mtp_block_spec``, and Megatron-LM logs ``mtp_1 loss`` ... as for its own models).
@@ -52,12 +52,12 @@ def _is_hp_spec(args) -> bool:
 
 def _hybrid_gpt_builder(args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
     """Megatron-LM's ``gpt_builder`` for ``--spec hp_megatron.specs NAME``: the same ``GPTModel`` keywords from the
-    args, the model from ``hp_megatron.gpt_model.hybrid_gpt_model`` (the block-final norm is our RMSNorm,
+    args, the model from ``hp_megatron.model_builders.hybrid_gpt_model`` (the block-final norm is our RMSNorm,
     as in every layer, instead of megatron's module-level ``LayerNormImpl``)."""
     from megatron.core.transformer.spec_utils import import_module
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from hp_megatron.gpt_model import hybrid_gpt_model
+    from hp_megatron.model_builders import hybrid_gpt_model
 
     for flag in ("--use-legacy-models", "--yaml-cfg"):
         if getattr(args, flag[2:].replace("-", "_"), None):
@@ -83,7 +83,7 @@ def _model_provider(pretrain_gpt):
         create nothing): where our CP sub-groups are registered, collectively over the world."""
         from megatron.training import get_args
 
-        from hp_megatron.cp_subgroups import register_cp_subgroups_from_args
+        from hp_megatron.training.cp_subgroup_registration import register_cp_subgroups_from_args
 
         megatron_args = get_args()
         register_cp_subgroups_from_args(megatron_args)

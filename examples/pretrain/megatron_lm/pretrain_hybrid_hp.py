@@ -4,7 +4,7 @@ Needs Megatron-LM 0.19's training code on PYTHONPATH. The model is megatron-core
 builds it (``hybrid_config_from_args`` -> ``HybridModelBuilder``): the layer order from ``--hybrid-layer-pattern``,
 the layers from the stack spec of ``--spec``, e.g. ``--spec hp_megatron.specs hybrid_stack_spec`` (``G`` our GDN,
 ``*`` attention, ``+`` our MLA, ``-`` MLP, ``E`` MoE) or ``kda_hybrid_stack_spec`` (our KDA in the ``G`` slot);
-``hp_megatron.specs.hybrid_stack``. Added, as in ``pretrain_gpt_hp.py`` (``hp_launch.pretrain_from_container``):
+``hp_megatron.specs.hybrid_stack_specs``. Added, as in ``pretrain_gpt_hp.py`` (``hp_launch.pretrain_from_container``):
 
 * the ``--hp-*`` flags (``hp_megatron.arguments.add_hp_arguments``);
 * the model's ``TransformerConfig`` is our declared ``HybridTransformerConfig`` with those fields

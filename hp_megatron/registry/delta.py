@@ -1,7 +1,7 @@
 """The ``self_attention`` spec of the GDN/KDA mixers (``layers.mixers.delta``), shared by their registrations."""
 from __future__ import annotations
 
-from hp_megatron.mixers.registry import resolve
+from hp_megatron.registry.entries import resolve
 
 
 def delta_mixer_spec(module: str, provider, cp_layout):

@@ -2,13 +2,13 @@
 
 Every spec is a plain megatron-core ``ModuleSpec`` tree, so any submodule can be swapped by editing it:
 ``spec.submodules.layer_types["K"].self_attention.submodules.out_proj = MyRowParallelLinear`` (every spec is a
-``HybridLayer``; a single-mixer spec has one symbol) or ``spec.submodules.moe_mlp = my_moe_spec``.
+``PatternLayer``; a single-mixer spec has one symbol) or ``spec.submodules.moe_mlp = my_moe_spec``.
 
 MoE: every spec carries megatron-core's ``MoELayer`` (router, token dispatcher, ``SequentialMLP`` experts, shared
 experts with the optional shared-expert gate); the layers build it where ``config.num_moe_experts`` and
-``config.moe_layer_freq`` say (see ``hp_megatron.hybrid_layer``), the dense MLP elsewhere.
+``config.moe_layer_freq`` say (see ``hp_megatron.decoder.moe_layers``), the dense MLP elsewhere.
 
-Pattern symbols (``SYMBOLS``, the mixer registry ``hp_megatron.mixers``): ``G`` GDN, ``K`` KDA, ``M`` MLA, ``A``
+Pattern symbols (``SYMBOLS``, the mixer registry ``hp_megatron.registry``): ``G`` GDN, ``K`` KDA, ``M`` MLA, ``A``
 standard causal softmax attention, plus any registered mixer (``--hp-mixer-module``).
 """
 from __future__ import annotations
@@ -19,8 +19,9 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-from hp_megatron.hybrid_layer import HybridLayer, HybridLayerSubmodules, validate_pattern
-from hp_megatron.mixers import mixer_named, mixer_names, symbols, symbols_where
+from hp_megatron.decoder.pattern import validate_pattern
+from hp_megatron.gpt.layer import PatternLayer, PatternLayerSubmodules
+from hp_megatron.registry import mixer_named, mixer_names, symbols, symbols_where
 from hp_megatron.specs.providers import get_spec_provider
 from layers.base.megatron_compat import bind_moe_router_gemm, dense_mlp_spec
 
@@ -28,7 +29,7 @@ from layers.base.megatron_compat import bind_moe_router_gemm, dense_mlp_spec
 
 def __getattr__(name):
     """``SYMBOLS`` (``{symbol: mixer name}``), ``MIXERS`` (the mixer names) and ``OWN_POSITIONS`` (the symbols whose
-    mixer applies its own positions): live views of the registry (``hp_megatron.mixers``)."""
+    mixer applies its own positions): live views of the registry (``hp_megatron.registry``)."""
     if name == "SYMBOLS":
         return symbols()
     if name == "MIXERS":
@@ -48,7 +49,7 @@ def _moe_mlp_spec(provider) -> ModuleSpec:
 def get_mixer_spec(mixer: str, backend="eager", *, qk_layernorm: bool | str = False, linear: str = "local",
                    cp_layout: str | None = None) -> ModuleSpec:
     """The ``self_attention`` spec of one registered mixer (``gdn | kda | mla | attn`` or a registered one's name)
-    for a backend or provider: the registry entry's spec builder (``hp_megatron.mixers``).
+    for a backend or provider: the registry entry's spec builder (``hp_megatron.registry``).
 
     ``cp_layout`` (``zigzag | contiguous``) is written into the mixer's params; None leaves the mixer's own
     default (config ``hp_cp_layout``, set by ``--hp-cp-layout``; zigzag when unset)."""
@@ -75,7 +76,7 @@ def get_layer_submodules(mixer: str, backend="eager", *, qk_layernorm: bool | st
 
 def get_layer_spec(mixer: str, backend="eager", *, qk_layernorm: bool | str = False, linear: str = "local",
                    cp_layout: str | None = None) -> ModuleSpec:
-    """A layer spec whose ``self_attention`` is one mixer in every layer (a one-symbol ``HybridLayer``, so MoE
+    """A layer spec whose ``self_attention`` is one mixer in every layer (a one-symbol ``PatternLayer``, so MoE
     layers follow ``config.num_moe_experts`` / ``moe_layer_freq`` as in every spec here)."""
     return get_hybrid_layer_spec(mixer_named(mixer).symbol, backend, qk_layernorm=qk_layernorm, linear=linear,
                                  cp_layout=cp_layout)
@@ -84,7 +85,7 @@ def get_layer_spec(mixer: str, backend="eager", *, qk_layernorm: bool | str = Fa
 def get_hybrid_layer_spec(pattern: str | None, backend="eager", *, qk_layernorm: bool | str = False,
                           linear: str = "local", cp_layout: str | None = None,
                           mtp_symbol: str | None = None) -> ModuleSpec:
-    """``ModuleSpec(HybridLayer)`` for a repeating layer pattern such as ``"KKKM"`` or ``"GGGA"``.
+    """``ModuleSpec(PatternLayer)`` for a repeating layer pattern such as ``"KKKM"`` or ``"GGGA"``.
 
     Layer ``i`` (global, 1-based) gets the mixer of ``pattern[(i - 1) % len(pattern)]``, resolved when the
     layer is built, so every pipeline / virtual-pipeline stage builds the right types. ``pattern=None``
@@ -92,7 +93,7 @@ def get_hybrid_layer_spec(pattern: str | None, backend="eager", *, qk_layernorm:
     when the layers are built. ``qk_layernorm``: q/k RMSNorms in the attention (``A``) layers: True, False, or
     ``"config"``: as ``config.qk_layernorm`` (``--qk-layernorm``) says when the layers are built.
     ``mtp_symbol``: the kind of the multi-token-prediction layers built from this spec
-    (``hp_megatron.specs.get_mtp_block_spec``); None: ``config.hp_mtp_layer_kind``, else the pattern's only symbol.
+    (``hp_megatron.specs.get_mtp_block_spec``); None: ``config.hp_mtp_layer_symbol``, else the pattern's only symbol.
     """
     known = symbols()
     used = sorted(known) if pattern is None else sorted(set(validate_pattern(pattern, known)))
@@ -105,7 +106,7 @@ def get_hybrid_layer_spec(pattern: str | None, backend="eager", *, qk_layernorm:
                                                 linear=linear, cp_layout=cp_layout)
                    for symbol in used}
     own_positions = symbols_where(lambda e: e.own_positions)
-    return ModuleSpec(module=HybridLayer, params={"pattern": pattern},
-                      submodules=HybridLayerSubmodules(layer_types=layer_types, own_positions=own_positions,
+    return ModuleSpec(module=PatternLayer, params={"pattern": pattern},
+                      submodules=PatternLayerSubmodules(layer_types=layer_types, own_positions=own_positions,
                                                        moe_mlp=_moe_mlp_spec(get_spec_provider(backend, linear)),
                                                        mtp_symbol=mtp_symbol))

@@ -1,11 +1,11 @@
 """The multi-token-prediction block spec of a hybrid model: megatron-core's ``MultiTokenPredictionBlock`` (the
 ``mtp_block_spec`` of ``GPTModel``, Megatron's ``--mtp-num-layers`` / ``--mtp-loss-scaling-factor``) whose layers
-are ``hp_megatron.mtp.HybridMultiTokenPredictionLayer`` around a ``HybridLayer`` of a fixed kind.
+are ``hp_megatron.decoder.mtp.GlobalShiftMTPLayer`` around a ``PatternLayer`` of a fixed kind.
 
 Each MTP layer: ``enorm`` / ``hnorm`` / ``final_layernorm`` are our RMSNorm (zero-centred with
 ``layernorm_zero_centered_gamma``, as Qwen3-Next's), ``eh_proj`` the provider's column-parallel linear, and its
-transformer layer (``transformer_layer``; megatron-core 0.19: ``mtp_model_layer``) an ``MTPHybridLayer`` of the
-layer spec: the kind the spec declares (``mtp_symbol``, ``config.hp_mtp_layer_kind``, or the pattern's only symbol;
+transformer layer (``transformer_layer``; megatron-core 0.19: ``mtp_model_layer``) an ``MTPPatternLayer`` of the
+layer spec: the kind the spec declares (``mtp_symbol``, ``config.hp_mtp_layer_symbol``, or the pattern's only symbol;
 DeepSeek-V3: MLA, Qwen3-Next: gated attention), with the MoE MLP when the model has experts.
 """
 from __future__ import annotations
@@ -14,29 +14,30 @@ from megatron.core.transformer.multi_token_prediction import (MultiTokenPredicti
                                                               get_mtp_num_layers_to_build)
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from hp_megatron.hybrid_layer import HybridLayer, HybridLayerSubmodules, MTPHybridLayer, mtp_layer_symbol
-from hp_megatron.mixers import mtp_symbols as mtp_kinds
+from hp_megatron.gpt.layer import PatternLayer, PatternLayerSubmodules, mtp_layer_symbol
+from hp_megatron.gpt.mtp_layer import MTPPatternLayer
+from hp_megatron.registry import mtp_symbols as mtp_kinds
 from hp_megatron.specs.providers import get_spec_provider
 from layers.base.megatron_compat import mtp_layer_submodules
 
 
 def mtp_transformer_layer_spec(config, layer_spec: ModuleSpec) -> ModuleSpec:
-    """The ``MTPHybridLayer`` spec of the MTP layers: ``layer_spec`` reduced to its MTP kind."""
+    """The ``MTPPatternLayer`` spec of the MTP layers: ``layer_spec`` reduced to its MTP kind."""
     if not (isinstance(layer_spec, ModuleSpec) and isinstance(layer_spec.module, type)
-            and issubclass(layer_spec.module, HybridLayer)):
-        raise TypeError(f"multi-token prediction needs a HybridLayer layer spec (hp_megatron.specs), got {layer_spec!r}")
-    submodules: HybridLayerSubmodules = layer_spec.submodules
+            and issubclass(layer_spec.module, PatternLayer)):
+        raise TypeError(f"multi-token prediction needs a PatternLayer layer spec (hp_megatron.specs), got {layer_spec!r}")
+    submodules: PatternLayerSubmodules = layer_spec.submodules
     pattern = layer_spec.params.get("pattern") or getattr(config, "hp_layer_pattern", None)
     if pattern is None:
-        raise ValueError("multi-token prediction with a pattern-less HybridLayer spec reads config.hp_layer_pattern "
+        raise ValueError("multi-token prediction with a pattern-less PatternLayer spec reads config.hp_layer_pattern "
                          "(--hp-layer-pattern), which is not set")
     kind = mtp_layer_symbol(submodules, pattern, config)
     if kind not in mtp_kinds():
         raise ValueError(f"MTP layer kind {kind!r}: megatron-core's MTP layers need an attention layer "
                          f"(one of {mtp_kinds()})")
     params = {k: v for k, v in layer_spec.params.items() if k not in ("pattern", "mtp")}
-    return ModuleSpec(module=MTPHybridLayer, submodules=submodules.layer_types[kind],
-                      params={**params, "kind": kind, "moe_mlp": submodules.moe_mlp,
+    return ModuleSpec(module=MTPPatternLayer, submodules=submodules.layer_types[kind],
+                      params={**params, "symbol": kind, "moe_mlp": submodules.moe_mlp,
                               "own_positions": submodules.own_positions})
 
 
@@ -44,7 +45,7 @@ def get_mtp_block_spec(config, layer_spec: ModuleSpec, backend="eager", *, vp_st
                        linear: str = "local"):
     """``MultiTokenPredictionBlockSubmodules`` of this pipeline stage (the last one builds every MTP layer), or None
     without ``config.mtp_num_layers`` or on other stages; ``backend``: the layer spec's (name or spec provider)."""
-    from hp_megatron.mtp import HybridMultiTokenPredictionLayer
+    from hp_megatron.decoder.mtp import GlobalShiftMTPLayer
 
     if not getattr(config, "mtp_num_layers", None):
         return None
@@ -54,6 +55,6 @@ def get_mtp_block_spec(config, layer_spec: ModuleSpec, backend="eager", *, vp_st
         return None
     provider = get_spec_provider(backend, linear=linear)
     norm = provider.layer_norm(rms_norm=True)
-    layer = ModuleSpec(module=HybridMultiTokenPredictionLayer, submodules=mtp_layer_submodules(
+    layer = ModuleSpec(module=GlobalShiftMTPLayer, submodules=mtp_layer_submodules(
         enorm=norm, hnorm=norm, eh_proj=provider.column_parallel_linear(), layer=transformer_layer, layer_norm=norm))
     return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * count)

@@ -3,14 +3,14 @@ rules, CP-auto field, MTP eligibility), read by the specs, the config checks, th
 model presets.
 
 A mixer is registered by a module that calls :func:`register_mixer` at import; the built-in ones
-(``hp_megatron.mixers.gdn`` / ``kda`` / ``mla`` / ``attention``) are imported by the package ``hp_megatron.mixers``
+(``hp_megatron.registry.gdn`` / ``kda`` / ``mla`` / ``attention``) are imported by the package ``hp_megatron.registry``
 itself, a third-party one by :func:`load_mixer_modules` (the flag ``--hp-mixer-module MODULE`` of every entry point,
 handled before the pattern is checked). The mixer classes themselves live in ``layers.mixers`` (or anywhere).
 """
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
 from layers.base.options import OptionRow
@@ -34,11 +34,9 @@ class MixerEntry:
       ``stack_slot``: the ``HybridStackSubmodules`` slot of megatron-core's ``HybridModel`` it may fill.
     * ``cp_auto_field``: the config field whose value ``"auto"`` picks the CP method from the cost model
       (``layers.cp.auto``), None when the mixer has no ``auto``.
-    * ``conversion``: ``{architecture: "package.module:function"}``: the mixer's HF conversion rules in that
-      architecture, ``function(mcore_prefix, hf_layer_prefix, hf, preset) -> [TensorRule]`` (``mcore_prefix``: the
-      layer's ``...self_attention.``; ``hf_layer_prefix``: the HF decoder layer's ``model.layers.<i>.``; ``hf``:
-      config.json as a dict; ``preset``: the architecture's ``ModelPreset``), read by the architectures' rules
-      through :func:`conversion_rules_of`.
+
+    A mixer's HF conversion rules in an architecture are registered by the architecture's module (or the mixer's),
+    not here: :func:`register_conversion_rules`.
     """
 
     symbol: str
@@ -53,7 +51,6 @@ class MixerEntry:
     mtp: bool = False
     stack_slot: Optional[str] = None
     cp_auto_field: Optional[str] = None
-    conversion: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         if not (isinstance(self.symbol, str) and len(self.symbol) == 1 and self.symbol.isalpha()):
@@ -152,14 +149,39 @@ def option_rows() -> tuple:
     return tuple(dict.fromkeys(r for e in _REGISTRY.values() for r in e.options))
 
 
-def conversion_rules_of(architecture: str, symbol: str):
-    """The conversion-rule function of mixer ``symbol`` in ``architecture`` (``MixerEntry.conversion``); ValueError
-    naming the architectures the mixer has rules for."""
+_CONVERSION: dict = {}   # (architecture, symbol) -> rules function
+
+
+def register_conversion_rules(architecture: str, symbol: str, rules: Callable) -> Callable:
+    """Register the HF conversion rules of mixer ``symbol`` in ``architecture``:
+    ``rules(mcore_prefix, hf_layer_prefix, hf, preset) -> [TensorRule]`` (``mcore_prefix``: the layer's
+    ``...self_attention.``; ``hf_layer_prefix``: the HF decoder layer's ``model.layers.<i>.``; ``hf``: config.json as
+    a dict; ``preset``: the architecture's ``ModelPreset``). Called by the architecture's module at import (imports
+    go models -> registry); the same function again is a no-op, another one a ValueError. Returns ``rules``."""
     entry = mixer(symbol)
-    if architecture not in entry.conversion:
+    if not callable(rules):
+        raise TypeError(f"conversion rules of {entry.name!r} in {architecture}: expected a callable, got {rules!r}")
+    known = _CONVERSION.get((architecture, symbol))
+    if known is not None and known is not rules:
+        raise ValueError(f"{architecture}: mixer {entry.name!r} ({symbol}) already has conversion rules "
+                         f"({known.__module__}.{known.__qualname__})")
+    _CONVERSION[(architecture, symbol)] = rules
+    return rules
+
+
+def conversion_architectures(symbol: str) -> list:
+    """The architectures mixer ``symbol`` has conversion rules for, sorted."""
+    return sorted(arch for arch, s in _CONVERSION if s == symbol)
+
+
+def conversion_rules_of(architecture: str, symbol: str):
+    """The conversion-rule function of mixer ``symbol`` in ``architecture`` (:func:`register_conversion_rules`);
+    ValueError naming the architectures the mixer has rules for."""
+    entry = mixer(symbol)
+    if (architecture, symbol) not in _CONVERSION:
         raise ValueError(f"{architecture}: mixer {entry.name!r} ({symbol}) has no conversion rules for it; it has "
-                         f"them for {sorted(entry.conversion) or 'no architecture'}")
-    return resolve(entry.conversion[architecture])
+                         f"them for {conversion_architectures(symbol) or 'no architecture'}")
+    return _CONVERSION[(architecture, symbol)]
 
 
 def check_hf_symbols(architecture: str, layer_symbols: Mapping[str, str]) -> Mapping[str, str]:

@@ -14,7 +14,7 @@ pattern ``--hybrid-layer-pattern`` (``M`` Mamba, ``G`` GDN, ``*`` attention, ``D
   that returns its input; it is refused up front, naming the symbol and the slot.
 
 :class:`HybridStackLayer` is the ``TransformerLayer`` of our mixer slots (``G``, ``*``, ``+``), with two things
-that ``hp_megatron.hybrid_layer.HybridLayer`` does for the GPT specs: q/k norms that follow ``config.qk_layernorm``
+that ``hp_megatron.gpt.layer.PatternLayer`` does for the GPT specs: q/k norms that follow ``config.qk_layernorm``
 (``QKNormFromConfig``, ``--qk-layernorm``), and, with ``own_positions=True`` (the MLA slot), the model's rotary
 tables are not handed to the mixer: ``HybridModel`` passes them to every layer when
 ``--position-embedding-type rope``, and our MLA applies its own rotary embedding (``rope_type``) and refuses them,
@@ -27,7 +27,8 @@ from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from hp_megatron.hybrid_layer import resolve_qk_norm, without_rotary
+from hp_megatron.decoder.qk_norm import resolve_qk_norm
+from hp_megatron.decoder.rotary import without_rotary
 
 # pattern symbol -> HybridStackSubmodules slot
 SLOTS = {Symbols.MAMBA: "mamba_layer", Symbols.GDN: "gdn_layer", Symbols.ATTENTION: "attention_layer",

@@ -13,13 +13,13 @@ symbol  slot                        our layer (``get_hybrid_stack_spec``)
 ``+``   ``mla_layer``               RMSNorm -> our MLA (``layers.mixers.mla.layer``; its own rotary embedding)
 ``-``   ``mlp_layer``               RMSNorm -> megatron-core's ``MLP`` (``--ffn-hidden-size``, ``--swiglu``)
 ``E``   ``moe_layer``               RMSNorm -> megatron-core's ``MoELayer`` (``SequentialMLP`` experts)
-``M``   ``mamba_layer``             none: refused (``hp_megatron.hybrid_stack.check_slots``)
+``M``   ``mamba_layer``             none: refused (``hp_megatron.hybrid_model.stack.check_slots``)
 ``D``   ``dsa_layer``               none: refused
 ======  ==========================  ===========================================================================
 
 KDA has no symbol of its own in ``HybridModel`` (its ``Symbols`` are fixed): ``g_mixer="kda"`` builds a stack spec
 whose ``gdn_layer`` slot is our KDA, so ``G`` means KDA under that spec (``kda_hybrid_stack_spec``); a model with
-both GDN and KDA layers is not expressible with one pattern. The decoder is ``hp_megatron.hybrid_stack.HybridStack``
+both GDN and KDA layers is not expressible with one pattern. The decoder is ``hp_megatron.hybrid_model.stack.HybridStack``
 (final norm ``RMSNorm``). Multi-token prediction (a ``/`` part of the pattern) needs ``mtp_block_spec``, which
 these specs do not set (``HybridModel`` then refuses the pattern).
 """
@@ -30,8 +30,8 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-from hp_megatron.mixers import mixer_named, mixers, symbols_where
-from hp_megatron.specs.layer_specs import _moe_mlp_spec, get_mixer_spec
+from hp_megatron.registry import mixer_named, mixers, symbols_where
+from hp_megatron.specs.gpt_layer_specs import _moe_mlp_spec, get_mixer_spec
 from hp_megatron.specs.providers import get_spec_provider
 from layers.base.megatron_compat import dense_mlp_spec
 
@@ -57,7 +57,7 @@ def _megatron_hybrid():
 
 
 def _mixer_layer(mixer: str, provider, qk_layernorm, cp_layout) -> ModuleSpec:
-    from hp_megatron.hybrid_stack import HybridStackLayer
+    from hp_megatron.hybrid_model.stack import HybridStackLayer
 
     return ModuleSpec(module=HybridStackLayer, params={"own_positions": mixer_named(mixer).own_positions},
                       submodules=TransformerLayerSubmodules(
@@ -78,7 +78,7 @@ def get_hybrid_stack_spec(backend="eager", *, g_mixer: str = "gdn", qk_layernorm
     if g_mixer not in g_mixers():
         raise ValueError(f"g_mixer (the mixer of the 'G' slot) must be one of {g_mixers()}, got {g_mixer!r}")
     HybridStackSubmodules, MLPLayer, MoETransformerLayer = _megatron_hybrid()
-    from hp_megatron.hybrid_stack import HybridStack
+    from hp_megatron.hybrid_model.stack import HybridStack
 
     provider = get_spec_provider(backend, linear=linear)
     norm = provider.layer_norm(rms_norm=True)

@@ -4,14 +4,14 @@ when a spec is built (the registry is read by the flag parsers, before megatron-
 filtered)."""
 from __future__ import annotations
 
-from hp_megatron.mixers.registry import MixerEntry, register_mixer
+from hp_megatron.registry.entries import MixerEntry, register_mixer
 
 
 def qk_norm_spec(provider, qk_layernorm):
     """The attention's q/k norm spec: ``qk_layernorm`` True, False, or "config" (``QKNormFromConfig``)."""
     from megatron.core.transformer.identity_op import IdentityOp
 
-    from hp_megatron.hybrid_layer import QKNormFromConfig
+    from hp_megatron.decoder.qk_norm import QKNormFromConfig
 
     if qk_layernorm == "config":
         return QKNormFromConfig(provider.layer_norm(rms_norm=True, for_qk=True))
@@ -45,5 +45,4 @@ def attention_spec(provider, *, qk_layernorm=False, cp_layout=None):
 ATTENTION = register_mixer(MixerEntry(
     symbol="A", name="attn", title="attention", spec=attention_spec,
     module="megatron.core.transformer.attention:SelfAttention", family="attention", model_rope=True, mtp=True,
-    stack_slot="attention_layer",
-    conversion={"qwen3_next": "hp_megatron.models.qwen3_next:attention_layer_rules"}))
+    stack_slot="attention_layer"))

@@ -9,7 +9,7 @@ parallelism). The builder passes a block spec instead: the layer spec once per l
 on every install.
 
 With ``config.mtp_num_layers`` (``--mtp-num-layers``) the model gets the multi-token-prediction block of
-``hp_megatron.specs.get_mtp_block_spec`` (on the last pipeline stage) and is ``hp_megatron.mtp.HybridGPTModel``,
+``hp_megatron.specs.get_mtp_block_spec`` (on the last pipeline stage) and is ``hp_megatron.decoder.mtp.MTPGPTModel``,
 whose MTP token shift and loss work under any CP layout and with packed documents.
 """
 from __future__ import annotations
@@ -30,15 +30,15 @@ def hybrid_gpt_model(config, layer_spec, *, vocab_size: int, max_sequence_length
                      post_process: bool = True, vp_stage=None, backend="eager", **gpt_kwargs):
     """megatron-core ``GPTModel`` of this pipeline stage over :func:`hybrid_block_spec`; ``gpt_kwargs`` are
     ``GPTModel``'s other keywords (``position_embedding_type``, ``rotary_base``, tied embeddings...). With
-    ``config.mtp_num_layers`` it is a ``HybridGPTModel`` with the MTP block of ``layer_spec``'s MTP kind;
+    ``config.mtp_num_layers`` it is a ``MTPGPTModel`` with the MTP block of ``layer_spec``'s MTP kind;
     ``backend`` (the layer spec's backend name or spec provider) builds the MTP layers' norms and projection."""
     from megatron.core.models.gpt import GPTModel
 
-    from hp_megatron.mtp import HybridGPTModel
-    from hp_megatron.specs.mtp import get_mtp_block_spec
+    from hp_megatron.gpt.mtp_model import MTPGPTModel
+    from hp_megatron.specs.mtp_specs import get_mtp_block_spec
 
     mtp_block_spec = get_mtp_block_spec(config, layer_spec, backend, vp_stage=vp_stage)
-    cls = HybridGPTModel if getattr(config, "mtp_num_layers", None) else GPTModel
+    cls = MTPGPTModel if getattr(config, "mtp_num_layers", None) else GPTModel
     return cls(config=config, transformer_layer_spec=hybrid_block_spec(layer_spec, config, vp_stage),
                vocab_size=vocab_size, max_sequence_length=max_sequence_length, pre_process=pre_process,
                post_process=post_process, vp_stage=vp_stage, mtp_block_spec=mtp_block_spec, **gpt_kwargs)

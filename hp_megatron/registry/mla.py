@@ -2,7 +2,7 @@
 and Kimi Linear's attention layers). It applies its own rotary embedding (``rope_type``) or none."""
 from __future__ import annotations
 
-from hp_megatron.mixers.registry import MixerEntry, register_mixer, resolve
+from hp_megatron.registry.entries import MixerEntry, register_mixer, resolve
 from layers.mixers.mla.options import MLA_ROWS
 
 MODULE = "layers.mixers.mla.layer:MultiLatentAttention"
@@ -36,6 +36,4 @@ def mla_spec(provider, *, qk_layernorm=False, cp_layout=None):
 MLA = register_mixer(MixerEntry(
     symbol="M", name="mla", title="MLA", spec=mla_spec, module=MODULE, options=MLA_ROWS, family="mla",
     own_positions=True, mtp=True,
-    stack_slot="mla_layer", cp_auto_field="mla_cp_strategy",
-    conversion={"deepseek_v3": "hp_megatron.models.deepseek_v3:mla_layer_rules",
-                "kimi_linear": "hp_megatron.models.kimi_linear:mla_layer_rules"}))
+    stack_slot="mla_layer", cp_auto_field="mla_cp_strategy"))

@@ -11,8 +11,8 @@ count (a mean of means, not the single rank's mean). This module keeps megatron'
   mask, positions) is all-gathered over the CP group into global order with the micro-batch's sequence plan
   (``layers.cp.sequence``), shifted, and this rank's positions taken back: ``b * s`` integers per depth, no
   activations.
-* :class:`HybridMultiTokenPredictionLayer`: megatron's MTP layer with that shift for the input ids.
-* :func:`attach_mtp_losses` (``HybridGPTModel``'s ``_postprocess``): megatron's per-depth losses (output head on
+* :class:`GlobalShiftMTPLayer`: megatron's MTP layer with that shift for the input ids.
+* :func:`attach_mtp_losses` (``MTPGPTModel``'s ``_postprocess``): megatron's per-depth losses (output head on
   each depth's hidden states, labels and loss mask shifted once more per depth, ``MTPLossAutoScaler`` to add
   ``mtp_loss_scaling_factor / mtp_num_layers`` times each depth's mean to the backward), normalised by the token
   count of the whole CP group, logged with megatron's ``MTPLossLoggingHelper`` ("mtp_1 loss", ...).
@@ -23,7 +23,6 @@ Order of the combined input (as megatron, transformers' ``MtpLayer`` and DeepSee
 from __future__ import annotations
 
 import torch
-from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MultiTokenPredictionLayer
 from megatron.core.utils import make_viewless_tensor
 
@@ -52,7 +51,7 @@ def roll_to_next_token(x: torch.Tensor, cp_group=None, layout: str = "zigzag", p
     return rolled
 
 
-class HybridMultiTokenPredictionLayer(MultiTokenPredictionLayer):
+class GlobalShiftMTPLayer(MultiTokenPredictionLayer):
     """megatron-core's ``MultiTokenPredictionLayer`` whose token shift is :func:`roll_to_next_token` (any CP layout,
     packed documents, CPU)."""
 
@@ -92,7 +91,7 @@ def _save_mtp_loss(loss: torch.Tensor, depth: int, depths: int, acceptance: tupl
     record_mtp_metrics(loss, depth, depths, group, acceptance)
 
 
-def attach_mtp_losses(model: GPTModel, hidden_states: torch.Tensor, depth_states, labels: torch.Tensor, loss_mask,
+def attach_mtp_losses(model, hidden_states: torch.Tensor, depth_states, labels: torch.Tensor, loss_mask,
                       packed_seq_params, output_weight, runtime_gather_output) -> torch.Tensor:
     """``hidden_states`` (the decoder's, ``[s, b, h]``) carrying each MTP depth's loss into the backward
     (``MTPLossAutoScaler``); ``depth_states``: the MTP block's hidden states per depth. Depth ``k`` predicts
@@ -121,59 +120,3 @@ def attach_mtp_losses(model: GPTModel, hidden_states: torch.Tensor, depth_states
         term = losses if config.calculate_per_token_loss else losses * cp_size / count
         hidden_states = MTPLossAutoScaler.apply(hidden_states, scale * term)
     return hidden_states
-
-
-class HybridGPTModel(GPTModel):
-    """megatron-core ``GPTModel`` whose multi-token-prediction losses use :func:`attach_mtp_losses` (global token
-    shift and normalisation over the CP group); without MTP, or in inference, it is ``GPTModel`` unchanged."""
-
-    def setup_embeddings_and_output_layer(self):
-        """megatron-core's, also on a CPU-only torch: with pipeline parallelism it gives the MTP stage its copy of the
-        embedding with ``weight.data.cuda()`` before the all-reduce; without CUDA that move is the identity here."""
-        if torch.cuda.is_available():
-            return super().setup_embeddings_and_output_layer()
-        to_cuda = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
-        try:
-            return super().setup_embeddings_and_output_layer()
-        finally:
-            torch.Tensor.cuda = to_cuda
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
-        """megatron-core's, with ``metadata["dp_cp_group"]`` defaulted to the data x context parallel group (as
-        megatron-core 0.19 does): megatron-core 0.16 reads it, without a default, to tie a later pipeline stage's
-        MTP embedding copy to the first stage's."""
-        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
-
-        return super().sharded_state_dict(prefix, sharded_offsets, ensure_metadata_has_dp_cp_group(metadata))
-
-    def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
-                     rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None, inference_context=None, **kwargs):
-        """megatron-core's ``_postprocess`` (its keywords pass through: 0.19 adds ``padding_mask`` and output
-        processors) with :func:`attach_mtp_losses` for the MTP losses."""
-        if not self.config.mtp_num_layers or not self.post_process or inference_context is not None:
-            return super()._postprocess(hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
-                                        rotary_pos_sin, mtp_in_postprocess=mtp_in_postprocess, loss_mask=loss_mask,
-                                        inference_context=inference_context, **kwargs)
-        if kwargs.get("output_processor") is not None:
-            raise ValueError("HybridGPTModel's multi-token prediction takes no output_processor")
-        packed_seq_params = kwargs.get("packed_seq_params")
-        runtime_gather_output = kwargs.get("runtime_gather_output")
-        if mtp_in_postprocess:
-            padding = {} if kwargs.get("padding_mask") is None else {"padding_mask": kwargs["padding_mask"]}
-            hidden_states = self.mtp(input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states,
-                                     attention_mask=kwargs.get("attention_mask"),
-                                     inference_params=kwargs.get("inference_params"),
-                                     rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
-                                     rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
-                                     sequence_len_offset=kwargs.get("sequence_len_offset"), embedding=self.embedding,
-                                     **padding, **(kwargs.get("extra_block_kwargs") or {}))
-        hidden_states, *depth_states = torch.chunk(hidden_states, 1 + self.config.mtp_num_layers, dim=0)
-        output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        if labels is not None:
-            hidden_states = attach_mtp_losses(self, hidden_states, depth_states, labels, loss_mask,
-                                              packed_seq_params, output_weight, runtime_gather_output)
-        logits, _ = self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
-        if labels is None:
-            return logits.transpose(0, 1).contiguous()  # [s, b, v] -> [b, s, v], as GPTModel
-        return self.compute_language_model_loss(labels, logits)

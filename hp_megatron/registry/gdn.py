@@ -1,8 +1,8 @@
 """Registration of ``G``: Gated DeltaNet (``layers.mixers.delta.gdn.GatedDeltaNet``; Qwen3-Next's linear layers)."""
 from __future__ import annotations
 
-from hp_megatron.mixers.delta import delta_mixer_spec
-from hp_megatron.mixers.registry import MixerEntry, register_mixer
+from hp_megatron.registry.delta import delta_mixer_spec
+from hp_megatron.registry.entries import MixerEntry, register_mixer
 from layers.mixers.delta.options import DELTA_ROWS
 
 MODULE = "layers.mixers.delta.gdn:GatedDeltaNet"
@@ -14,5 +14,4 @@ def gdn_spec(provider, *, qk_layernorm=False, cp_layout=None):
 
 GDN = register_mixer(MixerEntry(
     symbol="G", name="gdn", title="GDN", spec=gdn_spec, module=MODULE, options=DELTA_ROWS, family="delta",
-    stack_slot="gdn_layer", cp_auto_field="delta_cp_method",
-    conversion={"qwen3_next": "hp_megatron.models.qwen3_next:gdn_layer_rules"}))
+    stack_slot="gdn_layer", cp_auto_field="delta_cp_method"))
