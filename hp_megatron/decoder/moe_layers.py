@@ -3,6 +3,10 @@ first; a list: one 0/1 per layer, as DeepSeek-V3's first dense layers), for both
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 
 def moe_layer_flags(config) -> list:

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 
 @dataclass(frozen=True)
