@@ -386,6 +386,7 @@ def _check_checkpoint_writer():
 KNOWN_STARTUP_WARNINGS = (
     r"Transformer Engine and Apex are not installed",
     r"Apex is not installed",
+    r"absl.logging is not installed",
     r"full scope is deprecated",
     r".*torch\.distributed\._(all_gather|reduce_scatter)_base.*deprecated",
     r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",

@@ -78,8 +78,8 @@ def get_hybrid_stack_spec(backend="eager", *, g_mixer: str = "gdn", qk_layernorm
     entry = mixer_named(g_mixer)
     refuse_without_slot(entry, mixers().values(), "g_mixer (the mixer of HybridModel's 'G' slot)")
     if entry.stack_slot != "gdn_layer":
-        raise ValueError(f"g_mixer (the mixer of the 'G' slot) must be a mixer of the gdn_layer slot, one of "
-                         f"{g_mixers()}; {g_mixer!r} fills {entry.stack_slot}")
+        raise ValueError(f"g_mixer (the mixer of the 'G' slot) must be one of {g_mixers()}, got {g_mixer!r} (it "
+                         f"fills HybridModel's {entry.stack_slot})")
     HybridStackSubmodules, MLPLayer, MoETransformerLayer = _megatron_hybrid()
     from hp_megatron.hybrid_model.stack import HybridStack
 
