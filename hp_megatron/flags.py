@@ -84,6 +84,8 @@ def markdown_table() -> str:
         if row.flag is None:
             continue
         flag = f"`{row.flag}`" + (f" `{{{','.join(row.choices)}}}`" if row.choices else "")
+        if row.type is bool and row.default is True:   # argparse.BooleanOptionalAction: on by default
+            flag += f" / `--no-{row.flag[2:]}`"
         cells = [flag, f"`{row.field}`" if row.field else "", f"`{row.keyword}`" if row.keyword else "",
                  row.type.__name__, "yes" if row.model else "", "" if row.default is None else f"`{row.default}`",
                  row.help.replace("|", "\\|")]

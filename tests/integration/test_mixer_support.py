@@ -1,10 +1,10 @@
 """What a mixer declares (``MixerEntry.supports`` / ``check_args``) and what registration refuses, as the entry points
 meet them.
 
-* A third-party mixer declaring no CP and no decode (tests/support/limited_mixer.py, imported only in launched
-  processes): the example's argument phase refuses ``--context-parallel-size 2`` and ``python -m
-  hp_megatron.generate`` refuses a checkpoint of it, each one line with exit status 2, before a model is built;
-  a checkpoint whose stored ``--hp-mixer-module`` does not import is refused alike (in process).
+* A third-party mixer declaring no CP and no decode (tests/support/limited_mixer.py): the example's argument phase
+  (a launched process) refuses ``--context-parallel-size 2`` and ``python -m hp_megatron.generate``'s ``main``
+  refuses a checkpoint of it (its stored ``--hp-mixer-module``; in process, in a scratch registry), each one line
+  with exit status 2, before a model is built; a checkpoint whose stored module does not import is refused alike.
 * ``check_mixer_support``: MTP with a mixer without MTP, a backend it lacks, its own ``check_args`` hook; the
   HybridModel slot refusal names the mixers that have a slot; a registered mixer gets a ``<name>_spec``.
 * Registration refuses a megatron-core config field without ``OptionRow.megatron_field`` (and the declaration on a
@@ -29,11 +29,16 @@ LIMITED = "tests.support.limited_mixer"
 
 @pytest.fixture
 def scratch_registry(monkeypatch):
-    """The registry's dict, restored after the test (entries registered inside vanish)."""
+    """The registry's dict, restored after the test (entries registered inside vanish, and so do the mixer modules
+    of tests/support imported inside: a later import registers them again)."""
     from hp_megatron.registry import entries
 
     monkeypatch.setattr(entries, "_REGISTRY", dict(entries._REGISTRY))
-    return entries._REGISTRY
+    before = set(sys.modules)
+    yield entries._REGISTRY
+    for name in set(sys.modules) - before:
+        if name.startswith("tests.support."):
+            del sys.modules[name]
 
 
 def _entry(symbol="Z", name="zeta", **kwargs):
@@ -82,12 +87,16 @@ def _stored_checkpoint(directory, pattern, modules):
     return directory
 
 
-def test_generate_refuses_a_mixer_without_decode_in_one_line(tmp_path):
+def test_generate_refuses_a_mixer_without_decode_in_one_line(tmp_path, capsys, scratch_registry):
+    """``python -m hp_megatron.generate`` is ``sys.exit(main())``: main's status and stderr, in process (the stored
+    module registers its mixers in the scratch registry)."""
+    from hp_megatron.generate.__main__ import main
+
     ckpt = _stored_checkpoint(str(tmp_path / "iter_0000001"), "P", [LIMITED])
-    proc = _run([sys.executable, "-m", "hp_megatron.generate", "--load", ckpt, "--prompt-ids", "1,2"])
-    # megatron-core's own start-up warnings (generate does not filter them) aside, the refusal is one line
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    capsys.readouterr()
+    assert main(["--load", ckpt, "--prompt-ids", "1,2"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "P" in scratch_registry, lines
     assert lines[0].startswith("error: plain toy (P in --hp-layer-pattern P) has no generation path with a state "
                                "cache (MixerSupport.decode is False), which generation needs; mixers with decode: "
                                "G=GDN, K=KDA, M=MLA, A=attention"), lines
@@ -256,3 +265,29 @@ def test_bool_rows_honour_their_default():
     assert parser.parse_args(["--hp-zeta-on"]).hp_zeta_on is True
     with pytest.raises(ValueError, match=r"a bool row's default must be True, False or None, got 'yes'"):
         OptionRow("--hp-zeta-bad", "zeta_bad", type=bool, default="yes")
+
+
+def test_megatron_lm_launchers_refuse_before_the_config_is_built(scratch_registry, capsys, monkeypatch):
+    """``hp_launch.check_args`` (run by ``with_hp_config`` before Megatron-LM's config, hence the model, is built)
+    refuses what the pattern's mixers do not declare; the launchers' ``exit_refusing_unsupported`` makes it one
+    line and status 2 (rank 0 prints)."""
+    from hp_megatron.registry import UnsupportedByMixer, register_mixer
+
+    monkeypatch.syspath_prepend(os.path.join(EXAMPLE, "megatron_lm"))
+    import hp_launch
+
+    register_mixer(_entry())
+    args = _args(context_parallel_size=2, hp_cp_layout="zigzag", spec=["hp_megatron.specs", "hybrid_spec"])
+    with pytest.raises(UnsupportedByMixer, match=r"^zeta \(Z in --hp-layer-pattern Z\) has no context-parallel"):
+        hp_launch.check_args(args)
+    hp_launch.check_args(_args(hp_layer_pattern="GM", context_parallel_size=2, hp_cp_layout="zigzag", spec=None))
+
+    def main():
+        hp_launch.check_args(args)
+
+    monkeypatch.setenv("RANK", "0")
+    assert hp_launch.exit_refusing_unsupported(main) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: zeta (Z in --hp-layer-pattern Z) has no"), lines
+    monkeypatch.setenv("RANK", "1")
+    assert hp_launch.exit_refusing_unsupported(main) == 2 and capsys.readouterr().err == ""
