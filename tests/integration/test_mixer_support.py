@@ -291,3 +291,23 @@ def test_megatron_lm_launchers_refuse_before_the_config_is_built(scratch_registr
     assert len(lines) == 1 and lines[0].startswith("error: zeta (Z in --hp-layer-pattern Z) has no"), lines
     monkeypatch.setenv("RANK", "1")
     assert hp_launch.exit_refusing_unsupported(main) == 2 and capsys.readouterr().err == ""
+
+
+def test_toy_check_args_hook_and_the_deprecated_mtp_keyword(scratch_registry):
+    import warnings
+
+    from hp_megatron.arguments import check_mixer_support
+    from hp_megatron.registry import MixerSupport
+
+    import tests.support.toy_mixer  # noqa: F401  (registers T in the scratch registry)
+
+    check_mixer_support(_args(hp_layer_pattern="TM", hp_toy_ema_decay=0.5))
+    with pytest.raises(ValueError, match=r"^--hp-toy-ema-decay 1.5 must be in \(0, 1\)"):
+        check_mixer_support(_args(hp_layer_pattern="TM", hp_toy_ema_decay=1.5))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        entry = _entry(mtp=True)
+    assert entry.supports.mtp and entry.mtp and caught[0].category is DeprecationWarning
+    assert _entry(supports=MixerSupport(mtp=True)).mtp is True
+    with pytest.raises(ValueError, match=r"mtp=False contradicts supports.mtp=True"):
+        _entry(mtp=False, supports=MixerSupport(mtp=True))
