@@ -1,6 +1,6 @@
-"""The mixer registry: pattern symbol -> :class:`MixerEntry` (mixer class, spec builder, config rows, conversion
-rules, CP-auto field, what it supports: ``hp_megatron.registry.support``), read by the specs, the config checks, the flags, the MTP block and the
-model presets.
+"""The mixer registry: pattern symbol -> :class:`MixerEntry` (mixer class, spec builder, config rows, CP-auto field,
+what it supports: ``hp_megatron.registry.support``), read by the specs, the config checks, the flags, the MTP block
+and the model presets.
 
 A mixer is registered by a module that calls :func:`register_mixer` at import; the built-in ones
 (``hp_megatron.registry.gdn`` / ``kda`` / ``mla`` / ``attention``) are imported by the package ``hp_megatron.registry``

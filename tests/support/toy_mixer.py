@@ -115,6 +115,7 @@ def check_toy_args(args) -> None:
 TOY = register_mixer(MixerEntry(
     symbol="T", name="toy_ema", title="toy EMA", spec=toy_spec, module="tests.support.toy_mixer:ToyEMAMixer",
     family="toy", supports=MixerSupport(cp_methods=(), thd=False, decode=True, mtp=True, backends=("eager",)),
-    check_args=check_toy_args, options=(OptionRow("--hp-toy-ema-decay", "toy_ema_decay", keyword="decay", type=float, model=True,
-                                     default=DEFAULT_DECAY, check="positive",
-                                     help="decay d of the toy EMA mixer: y_t = d y_(t-1) + (1 - d) u_t"),)))
+    check_args=check_toy_args,
+    options=(OptionRow("--hp-toy-ema-decay", "toy_ema_decay", keyword="decay", type=float, model=True,
+                       default=DEFAULT_DECAY, check="positive",
+                       help="decay d of the toy EMA mixer: y_t = d y_(t-1) + (1 - d) u_t"),)))
