@@ -164,6 +164,16 @@ def test_mtp_and_hybrid_model_slot_refusals_come_from_the_registry(scratch_regis
     with pytest.raises(UnsupportedByMixer, match=r"^zeta \(Z, the multi-token-prediction layers' mixer of the "
                                                  r"pattern GZ\) cannot be megatron-core's MTP layer"):
         mtp_transformer_layer_spec(config, get_hybrid_layer_spec("GZ"))
+    # declared MTP, but the spec lacks the mask type megatron-core's MTP layer asserts on: named before building
+    from hp_megatron.registry import MixerEntry, MixerSupport
+    from hp_megatron.registry.gdn import GDN
+
+    register_mixer(MixerEntry(symbol="Y", name="gdn_mtp", title="GDN-MTP", spec=GDN.spec, module=GDN.module,
+                              supports=MixerSupport(mtp=True)))
+    config.hp_layer_pattern, config.hp_mtp_layer_symbol = "Y", "Y"
+    with pytest.raises(ValueError, match=r"^MTP layer kind 'Y': its mixer declares MTP support \(MixerSupport.mtp\), "
+                                         r"but its spec's params have no attn_mask_type"):
+        mtp_transformer_layer_spec(config, get_hybrid_layer_spec("Y"))
 
 
 def test_registered_mixer_gets_a_ready_spec(scratch_registry):
