@@ -18,33 +18,35 @@ import argparse
 import sys
 
 from hp_megatron.flags import flag_groups, flag_table
-from hp_megatron.registry import (MIXER_MODULE_FLAG, describe_symbols, load_mixer_modules, mixer_modules_in, symbols,
-                                symbols_where)
+from hp_megatron.registry import (MIXER_MODULE_FLAG, describe_symbols, load_mixer_modules, mixer_modules_in, mixers,
+                                  refuse_unsupported, symbols, symbols_where)
 from layers.cp.auto import MEASURE_TOP
 from layers.cp.subgroups import check_auto_leaves_free
 
 
 def _row_type(row):
-    """The argparse ``type`` of a flag-table row: its type, with a positive / non-negative check as an
-    ``ArgumentTypeError`` (every row's check runs again in :func:`hp_config_from_args`, naming the flag)."""
+    """The argparse ``type`` of a flag-table row: its type, with its check (``OptionRow.check``) as an
+    ``ArgumentTypeError`` saying what it expects (``OptionRow.expected``: "a positive number" for a float row); every
+    row's check runs again in :func:`hp_config_from_args`, naming the flag."""
     def parse(text):
         value = row.type(text)
-        if row.check in _CHECK_WORDS and row.problem(value):
-            raise argparse.ArgumentTypeError(f"expected {_CHECK_WORDS[row.check]}, got {text}")
+        if row.check is not None and row.problem(value):
+            raise argparse.ArgumentTypeError(f"expected {row.expected()}, got {text}")
         return value
     parse.__name__ = row.type.__name__   # argparse names the type in "invalid int value: ..."
     return parse
 
 
-_CHECK_WORDS = {"positive": "a positive integer", "non_negative": "an integer >= 0"}
-
-
 def add_row_arguments(group, rows) -> None:
-    """One flag per flag-table row that has one (``layers.base.options.OptionRow``): ``store_true`` for a bool."""
+    """One flag per flag-table row that has one (``layers.base.options.OptionRow``). A bool row: ``store_true``
+    (default False), or with ``default=True`` both ``--flag`` and ``--no-flag`` (``argparse.BooleanOptionalAction``),
+    so that the default is honoured and can be turned off, as Megatron-LM's on-by-default switches."""
     for row in rows:
         if row.flag is None:
             continue
-        if row.type is bool:
+        if row.type is bool and row.default is True:
+            group.add_argument(row.flag, action=argparse.BooleanOptionalAction, default=True, help=row.help)
+        elif row.type is bool:
             group.add_argument(row.flag, action="store_true", help=row.help)
         else:
             group.add_argument(row.flag, type=_row_type(row), default=row.default, choices=row.choices,
@@ -136,6 +138,7 @@ def validate_hp_args(args) -> None:
         modules = f"; {MIXER_MODULE_FLAG} loads a mixer module" if not getattr(args, "hp_mixer_module", None) else ""
         raise ValueError(f"--hp-layer-pattern {args.hp_layer_pattern!r} uses letters outside "
                          f"{''.join(sorted(symbols()))} ({describe_symbols()}{modules})") from None
+    check_mixer_support(args)
     fields = hp_config_from_args(args)
     cp = getattr(args, "context_parallel_size", 1) or 1
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
@@ -177,6 +180,31 @@ def validate_hp_args(args) -> None:
         if linear and (heads % tp or (heads // tp) % ulysses):
             raise ValueError(f"GDN/KDA heads {heads} ({flag}, default --num-attention-heads) must be divisible "
                              f"by --tensor-model-parallel-size {tp} x Ulysses degree {ulysses}")
+
+
+def check_mixer_support(args, *, decode: bool = False, thd=None) -> None:
+    """Refuse what a mixer of ``--hp-layer-pattern`` declares it does not support (``MixerEntry.supports``), before
+    anything is built: ``--context-parallel-size`` > 1, packed documents (``thd``; None: the example's
+    ``--reset-attention-mask``), generation with a state cache (``decode``), the MTP layers' mixer
+    (``--mtp-num-layers`` with ``--hp-mtp-layer-symbol`` or the pattern's only symbol) and ``--hp-backend``; then
+    run each used mixer's own ``MixerEntry.check_args(args)``. Raises ``hp_megatron.registry.UnsupportedByMixer``
+    (a ValueError, one line; the entry points exit 2). Without a pattern (a spec that fixes its own) nothing is
+    checked here."""
+    pattern = getattr(args, "hp_layer_pattern", None)
+    if not pattern:
+        return
+    registered = mixers()
+    used = [registered[s] for s in dict.fromkeys(pattern) if s in registered]
+    mtp_symbol = None
+    if getattr(args, "mtp_num_layers", None):
+        mtp_symbol = getattr(args, "hp_mtp_layer_symbol", None) or (pattern[0] if len(set(pattern)) == 1 else None)
+    refuse_unsupported(used, registered.values(), source=f"--hp-layer-pattern {pattern}",
+                       cp_size=getattr(args, "context_parallel_size", 1) or 1,
+                       thd=bool(getattr(args, "reset_attention_mask", False)) if thd is None else thd, decode=decode,
+                       mtp_symbol=mtp_symbol, backend=getattr(args, "hp_backend", None))
+    for entry in used:
+        if entry.check_args is not None:
+            entry.check_args(args)
 
 
 def apply_hp_config(config, args):

@@ -42,9 +42,13 @@ def flag_groups() -> list:
     """``[(group title, rows)]``: hp_megatron's rows, then each registered mixer's rows not listed before."""
     groups, listed = [("hp_megatron (layer pattern, linears, CP layout, presets)", global_rows())], set()
     listed.update((r.flag, r.field) for r in groups[0][1])
+    own = {name for r in groups[0][1] for name in (r.flag, r.field) if name is not None}
     for entry in mixers().values():
         rows = []
         for row in entry.options:   # a row shared by several mixers (GDN and KDA: the delta rows) is listed once
+            taken = sorted({row.flag, row.field} & own - {None}) if row not in groups[0][1] else []
+            if taken:
+                raise ValueError(f"mixer {entry.name!r}: {taken} belong to hp_megatron's own flag table rows")
             if (row.flag, row.field) not in listed:
                 listed.add((row.flag, row.field))
                 rows.append(row)
@@ -80,6 +84,8 @@ def markdown_table() -> str:
         if row.flag is None:
             continue
         flag = f"`{row.flag}`" + (f" `{{{','.join(row.choices)}}}`" if row.choices else "")
+        if row.type is bool and row.default is True:   # argparse.BooleanOptionalAction: on by default
+            flag += f" / `--no-{row.flag[2:]}`"
         cells = [flag, f"`{row.field}`" if row.field else "", f"`{row.keyword}`" if row.keyword else "",
                  row.type.__name__, "yes" if row.model else "", "" if row.default is None else f"`{row.default}`",
                  row.help.replace("|", "\\|")]

@@ -15,6 +15,7 @@ import warnings
 from contextlib import contextmanager
 
 from hp_megatron.arguments import add_hp_arguments, validate_hp_args
+from hp_megatron.registry import UnsupportedByMixer
 
 PROG = "pretrain_hybrid.py"
 
@@ -358,10 +359,7 @@ def check_mtp_args(args) -> None:
     if kind is None:
         raise ValueError(f"--mtp-num-layers {depth} with --hp-layer-pattern {args.hp_layer_pattern}: the MTP layers "
                          f"have one fixed kind; add --hp-mtp-layer-symbol ({kinds})")
-    if kind not in mtp_kinds():
-        raise ValueError(f"--mtp-num-layers {depth} with MTP layer kind {kind} (--hp-layer-pattern "
-                         f"{args.hp_layer_pattern}): megatron-core's MTP layer is an attention layer; use "
-                         f"--hp-mtp-layer-symbol {kinds}")
+    # a kind whose mixer declares no MTP support: validate_hp_args' check_mixer_support refuses it (exit 2)
 
 
 def _check_writable_dir(flag, path):
@@ -388,6 +386,7 @@ def _check_checkpoint_writer():
 KNOWN_STARTUP_WARNINGS = (
     r"Transformer Engine and Apex are not installed",
     r"Apex is not installed",
+    r"absl.logging is not installed",
     r"full scope is deprecated",
     r".*torch\.distributed\._(all_gather|reduce_scatter)_base.*deprecated",
     r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
@@ -418,7 +417,8 @@ def same_on_every_rank():
 def run_reporting_errors(main, argv=None, verbose=False) -> int:
     """``main(argv)`` with Megatron-style error reporting; returns the exit status.
 
-    A configuration, data or checkpoint error becomes one ``error: ...`` line on stderr and status 1: from
+    A configuration, data or checkpoint error becomes one ``error: ...`` line on stderr and status 1 (2 for a
+    combination a mixer declares it does not support, ``hp_megatron.registry.UnsupportedByMixer``): from
     rank 0 alone when it was raised inside :func:`same_on_every_rank` (the other ranks wait for it:
     :func:`leave_report_to_rank_zero`), else from each failing rank (``error (rank k): ...``). ``verbose``
     (``--verbose``) keeps the traceback instead.
@@ -436,7 +436,7 @@ def run_reporting_errors(main, argv=None, verbose=False) -> int:
         else:
             leave_report_to_rank_zero(line)
         _close_process_group()
-        return 1
+        return 2 if isinstance(exc, UnsupportedByMixer) else 1
 
 
 def _close_process_group():

@@ -6,7 +6,9 @@
 
 Prints each prompt's continuation and the prefill / decode tokens per second (rank 0). Bad input (an empty
 prompt, a prompt longer than the model's positions or the cache, more prompts than the cache) is one line on
-stderr and exit status 2, before anything is generated or printed.
+stderr and exit status 2, before anything is generated or printed; so is a stored model this command cannot
+generate from (a stored ``--hp-mixer-module`` that does not import, a mixer without a decode path:
+``hp_megatron.registry.MixerSupport``).
 """
 from __future__ import annotations
 

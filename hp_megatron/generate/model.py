@@ -91,6 +91,7 @@ def model_source(hf_config: str | None, load: str | None, use_checkpoint_args: b
         path, common = _common_state(load)
         stored = common.get(MODEL_ARGS_KEY)
         if stored is not None and (use_checkpoint_args or common.get("hf_config") is None):
+            check_stored_model(stored, path)
             return ModelSource("args", stored, int(stored["vocab_size"]), int(stored["seq_length"]),
                                stored.get("tokenizer"))
         if use_checkpoint_args:
@@ -102,6 +103,22 @@ def model_source(hf_config: str | None, load: str | None, use_checkpoint_args: b
         config, tokenizer = common["hf_config"], None
     return ModelSource("hf", config, int(config["vocab_size"]), int(config.get("max_position_embeddings") or 4096),
                        tokenizer)
+
+
+def check_stored_model(stored: dict, path: str) -> None:
+    """Refuse, before anything is built, a stored model this command cannot generate from: a stored
+    ``--hp-mixer-module`` that does not import here (ValueError naming it and the checkpoint), or a mixer of its
+    pattern that declares no decode path (``MixerSupport.decode``; ``hp_megatron.registry.UnsupportedByMixer``)."""
+    from hp_megatron.arguments import check_mixer_support
+    from hp_megatron.training.model_args import args_from_stored
+
+    try:
+        args = args_from_stored(stored)
+    except ImportError as err:
+        raise ValueError(f"checkpoint {path} was trained with a mixer module that cannot be imported here: {err}; "
+                         "put it on PYTHONPATH") from None
+    args.context_parallel_size = 1
+    check_mixer_support(args, decode=True)
 
 
 def _common_state(load: str) -> tuple[str, dict]:

@@ -8,11 +8,14 @@ from hp_megatron.registry.entries import (
     MIXER_MODULE_FLAG, MixerEntry, check_hf_symbols, conversion_architectures, conversion_rules_of, describe_symbols, load_mixer_modules,
     mixer, mixer_modules_in, mixer_named, mixer_names, mixers, mtp_symbols, option_rows,
     register_conversion_rules, register_mixer, symbols, symbols_where)
+from hp_megatron.registry.support import MixerSupport, UnsupportedByMixer, refuse_unsupported, refuse_without_slot
 from hp_megatron.registry import gdn, kda, mla, attention  # noqa: E402,F401  (registration order: G K M A)
 
 __all__ = [
     "MIXER_MODULE_FLAG",
     "MixerEntry",
+    "MixerSupport",
+    "UnsupportedByMixer",
     "check_hf_symbols",
     "conversion_architectures",
     "conversion_rules_of",
@@ -26,6 +29,8 @@ __all__ = [
     "mtp_symbols",
     "option_rows",
     "register_conversion_rules",
+    "refuse_unsupported",
+    "refuse_without_slot",
     "register_mixer",
     "symbols",
     "symbols_where",

@@ -5,6 +5,8 @@ filtered)."""
 from __future__ import annotations
 
 from hp_megatron.registry.entries import MixerEntry, register_mixer
+from hp_megatron.registry.support import MixerSupport
+from layers.base.choices import BACKENDS
 
 
 def qk_norm_spec(provider, qk_layernorm):
@@ -44,5 +46,8 @@ def attention_spec(provider, *, qk_layernorm=False, cp_layout=None):
 
 ATTENTION = register_mixer(MixerEntry(
     symbol="A", name="attn", title="attention", spec=attention_spec,
-    module="megatron.core.transformer.attention:SelfAttention", family="attention", model_rope=True, mtp=True,
-    stack_slot="attention_layer"))
+    module="megatron.core.transformer.attention:SelfAttention", family="attention", model_rope=True,
+    stack_slot="attention_layer",
+    # one CP method: K/V all-gathered over the CP group (layers/mixers/attention/context_parallel.py); THD (causal per
+    # document); megatron's static KV cache; MTP; eager SDPA under every --hp-backend (Ascend's fused one on ascendc)
+    supports=MixerSupport(cp_methods=("allgather",), thd=True, decode=True, mtp=True, backends=BACKENDS)))

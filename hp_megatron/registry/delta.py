@@ -2,6 +2,13 @@
 from __future__ import annotations
 
 from hp_megatron.registry.entries import resolve
+from hp_megatron.registry.support import MixerSupport
+from layers.base.choices import BACKENDS, CP_METHOD_CHOICES
+
+# GDN / KDA (layers.mixers.delta): every CP method of --hp-cp-method (layers/cp), packed documents (cu_seqlens into
+# the chunked kernels and the short convolution), a recurrent decode step with the conv and state caches
+# (layers/mixers/delta/decode.py), every kernel backend; no MTP (their spec has no attention mask type)
+DELTA_SUPPORT = MixerSupport(cp_methods=CP_METHOD_CHOICES, thd=True, decode=True, mtp=False, backends=BACKENDS)
 
 
 def delta_mixer_spec(module: str, provider, cp_layout):

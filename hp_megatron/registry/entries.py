@@ -1,6 +1,6 @@
-"""The mixer registry: pattern symbol -> :class:`MixerEntry` (mixer class, spec builder, config rows, conversion
-rules, CP-auto field, MTP eligibility), read by the specs, the config checks, the flags, the MTP block and the
-model presets.
+"""The mixer registry: pattern symbol -> :class:`MixerEntry` (mixer class, spec builder, config rows, CP-auto field,
+what it supports: ``hp_megatron.registry.support``), read by the specs, the config checks, the flags, the MTP block
+and the model presets.
 
 A mixer is registered by a module that calls :func:`register_mixer` at import; the built-in ones
 (``hp_megatron.registry.gdn`` / ``kda`` / ``mla`` / ``attention``) are imported by the package ``hp_megatron.registry``
@@ -10,10 +10,13 @@ handled before the pattern is checked). The mixer classes themselves live in ``l
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Optional
 
-from layers.base.options import OptionRow
+from hp_megatron.registry.megatron_fields import megatron_config_fields
+from hp_megatron.registry.support import STACK_SLOTS, MixerSupport
+from layers.base.options import SHARED_ROWS, OptionRow
 
 MIXER_MODULE_FLAG = "--hp-mixer-module"
 
@@ -23,15 +26,23 @@ class MixerEntry:
     """One mixer of the layer patterns.
 
     * ``symbol``: its one-letter pattern symbol (``--hp-layer-pattern``); ``name``: its spec name (``get_layer_spec``,
-      the ready specs ``<name>_spec``); ``title``: how messages name it (``"GDN"``).
+      the ready specs ``hp_megatron.specs.<name>_spec``, also for a registered mixer); ``title``: how messages name
+      it (``"GDN"``).
     * ``spec(provider, *, qk_layernorm, cp_layout) -> ModuleSpec``: the ``self_attention`` spec of a layer, from a
       spec provider (``hp_megatron.specs.providers``); ``module``: ``"package.module:Class"`` of the mixer class.
     * ``options``: the mixer's flag-table rows (``layers.base.options.OptionRow``; flags, config fields, checks).
+    * ``supports``: what it supports (:class:`~hp_megatron.registry.support.MixerSupport`: CP methods or none, THD,
+      decode, MTP, backends), read by every entry point before a model is built; ``check_args(args)``: an optional
+      argument-time check of its own (e.g. its heads against ``args.tensor_model_parallel_size``), run by
+      ``hp_megatron.arguments.validate_hp_args`` when the pattern uses the mixer; it raises a one-line ValueError
+      naming the flags.
     * ``family``: ``"delta"`` (GDN/KDA: linear heads checked against TP x Ulysses), ``"mla"``, ``"attention"`` or
       the mixer's own word; ``model_rope``: it reads the model's rotary tables (RoPE; zigzag under CP);
       ``own_positions``: it computes its own positions, so the model's rotary tables are dropped for it;
-      ``mtp``: megatron-core's MTP layer can be this mixer (it needs a causal attention mask type);
-      ``stack_slot``: the ``HybridStackSubmodules`` slot of megatron-core's ``HybridModel`` it may fill.
+      ``stack_slot``: the ``HybridStackSubmodules`` slot of megatron-core's ``HybridModel`` it may fill
+      (``hp_megatron.registry.support.STACK_SLOTS``; None: it cannot be a HybridModel layer).
+    * ``mtp``: read-only view of ``supports.mtp`` (megatron-core's MTP layer can be this mixer); passing
+      ``mtp=`` (the field of earlier releases) still works and sets ``supports.mtp``, with a DeprecationWarning.
     * ``cp_auto_field``: the config field whose value ``"auto"`` picks the CP method from the cost model
       (``layers.cp.auto``), None when the mixer has no ``auto``.
 
@@ -48,9 +59,11 @@ class MixerEntry:
     family: str = ""
     model_rope: bool = False
     own_positions: bool = False
-    mtp: bool = False
+    mtp: Optional[bool] = None
     stack_slot: Optional[str] = None
     cp_auto_field: Optional[str] = None
+    supports: MixerSupport = MixerSupport()
+    check_args: Optional[Callable] = None
 
     def __post_init__(self):
         if not (isinstance(self.symbol, str) and len(self.symbol) == 1 and self.symbol.isalpha()):
@@ -62,6 +75,21 @@ class MixerEntry:
         bad = [r for r in self.options if not isinstance(r, OptionRow)]
         if bad:
             raise TypeError(f"MixerEntry {self.name}: options must be OptionRow objects, got {bad!r}")
+        if not isinstance(self.supports, MixerSupport):
+            raise TypeError(f"MixerEntry {self.name}: supports must be a MixerSupport, got {self.supports!r}")
+        if self.check_args is not None and not callable(self.check_args):
+            raise TypeError(f"MixerEntry {self.name}: check_args must be callable or None, got {self.check_args!r}")
+        if self.stack_slot is not None and self.stack_slot not in STACK_SLOTS:
+            raise ValueError(f"MixerEntry {self.name}: stack_slot must be one of {STACK_SLOTS} or None, got "
+                             f"{self.stack_slot!r}")
+        if self.mtp is not None:   # the bool of earlier releases: folded into supports
+            if self.supports.mtp and not self.mtp:
+                raise ValueError(f"MixerEntry {self.name}: mtp={self.mtp} contradicts supports.mtp=True; give "
+                                 "supports only")
+            warnings.warn(f"MixerEntry {self.name}: mtp= is deprecated; declare supports=MixerSupport(mtp=...)",
+                          DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, "supports", replace(self.supports, mtp=bool(self.mtp)))
+        object.__setattr__(self, "mtp", self.supports.mtp)
 
     def mixer_class(self) -> type:
         """The mixer class named by ``module`` (imported now)."""
@@ -78,8 +106,12 @@ def resolve(reference: str):
 
 
 def register_mixer(entry: MixerEntry) -> MixerEntry:
-    """Add ``entry``; registering the same entry again is a no-op, another one under a taken symbol or name (or a
-    flag or config field of another mixer) a ValueError naming it."""
+    """Add ``entry``; registering the same entry again is a no-op. ValueError naming the clash for: a taken symbol
+    or name; a row whose flag or config field another mixer (or hp_megatron's shared rows, or ``--hp-mixer-module``)
+    declares differently (a row may be shared as it is: GDN and KDA share the delta rows); a row whose field is
+    megatron-core's own config field (``TransformerConfig`` / ``MLATransformerConfig``) without
+    ``OptionRow.megatron_field`` (it would overwrite megatron's value, and the fields megatron derives from it would
+    go stale)."""
     if not isinstance(entry, MixerEntry):
         raise TypeError(f"register_mixer needs a MixerEntry, got {type(entry).__name__}")
     known = _REGISTRY.get(entry.symbol)
@@ -90,11 +122,25 @@ def register_mixer(entry: MixerEntry) -> MixerEntry:
     for other in _REGISTRY.values():
         if other.name == entry.name:
             raise ValueError(f"mixer name {entry.name!r} is taken by symbol {other.symbol!r} ({other.module})")
-        # a row may be shared (GDN and KDA: the delta rows); another row under a taken flag or field is refused
-        clash = sorted({str(name) for r in entry.options if r not in other.options for o in other.options
+    megatron = megatron_config_fields()
+    unmarked = sorted(r.field for r in entry.options if r.field in megatron and not r.megatron_field)
+    if unmarked:
+        raise ValueError(f"mixer {entry.name!r}: config fields {unmarked} are megatron-core's own (TransformerConfig"
+                         "); a row that sets one declares OptionRow(megatron_field=True), else give it a field of "
+                         "the mixer's own")
+    marked = sorted(r.field or str(r.flag) for r in entry.options if r.megatron_field and r.field not in megatron)
+    if marked:
+        raise ValueError(f"mixer {entry.name!r}: rows {marked} declare megatron_field=True, but megatron-core's "
+                         "config has no such field")
+    owners = [(other.name, other.options) for other in _REGISTRY.values()]
+    owners.append(("hp_megatron (shared rows)", SHARED_ROWS))
+    for owner, rows in owners:
+        clash = sorted({str(name) for r in entry.options if r not in rows for o in rows
                         for name in {r.flag, r.field} & {o.flag, o.field} if name is not None})
         if clash:
-            raise ValueError(f"mixer {entry.name!r}: {clash} already belong to mixer {other.name!r}")
+            raise ValueError(f"mixer {entry.name!r}: {clash} already belong to {owner!r} (declared differently)")
+    if any(r.flag == MIXER_MODULE_FLAG for r in entry.options):
+        raise ValueError(f"mixer {entry.name!r}: {MIXER_MODULE_FLAG} is hp_megatron's own flag")
     _REGISTRY[entry.symbol] = entry
     return entry
 
@@ -139,9 +185,9 @@ def symbols_where(predicate) -> tuple:
 
 
 def mtp_symbols() -> tuple:
-    """The symbols megatron-core's MTP layer can be (``MixerEntry.mtp``: causal attention layers with a mask type),
-    sorted."""
-    return tuple(sorted(symbols_where(lambda e: e.mtp)))
+    """The symbols megatron-core's MTP layer can be (``MixerSupport.mtp``: layers whose spec has a causal attention
+    mask type), sorted."""
+    return tuple(sorted(symbols_where(lambda e: e.supports.mtp)))
 
 
 def option_rows() -> tuple:

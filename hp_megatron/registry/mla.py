@@ -3,6 +3,8 @@ and Kimi Linear's attention layers). It applies its own rotary embedding (``rope
 from __future__ import annotations
 
 from hp_megatron.registry.entries import MixerEntry, register_mixer, resolve
+from hp_megatron.registry.support import MixerSupport
+from layers.base.choices import BACKENDS, MLA_CP_STRATEGY_CHOICES
 from layers.mixers.mla.options import MLA_ROWS
 
 MODULE = "layers.mixers.mla.layer:MultiLatentAttention"
@@ -35,5 +37,7 @@ def mla_spec(provider, *, qk_layernorm=False, cp_layout=None):
 
 MLA = register_mixer(MixerEntry(
     symbol="M", name="mla", title="MLA", spec=mla_spec, module=MODULE, options=MLA_ROWS, family="mla",
-    own_positions=True, mtp=True,
-    stack_slot="mla_layer", cp_auto_field="mla_cp_strategy"))
+    own_positions=True, stack_slot="mla_layer", cp_auto_field="mla_cp_strategy",
+    # every --hp-mla-cp-strategy, THD (per-document positions), the latent KV cache (layers/mixers/mla/decode.py),
+    # MTP (causal mask type); the same eager latent attention under every --hp-backend (NPU's fused one on ascendc)
+    supports=MixerSupport(cp_methods=MLA_CP_STRATEGY_CHOICES, thd=True, decode=True, mtp=True, backends=BACKENDS)))

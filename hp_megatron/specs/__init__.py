@@ -10,6 +10,8 @@ and does not call it); each exists for the three backends (suffix ``_triton`` / 
 
   ``kimi_linear_spec``  pattern KKKM     ``qwen3_next_spec``  pattern GGGA
   ``gdn_spec`` ``kda_spec`` ``mla_spec`` ``attn_spec``  one mixer in every layer
+  ``<name>_spec``  the same for a mixer registered later (``--hp-mixer-module``; ``MixerEntry.name``), built on
+                   first access (``--spec hp_megatron.specs toy_ema_spec``)
   ``hybrid_spec``  the pattern of ``--hp-layer-pattern`` (``config.hp_layer_pattern``), read at build time
 
 Their attention (``A``) layers get q/k RMSNorms when ``--qk-layernorm`` (``config.qk_layernorm``) is set, as
@@ -61,11 +63,21 @@ READY_SPECS = sorted([*_ready_specs_dict, *LAZY_SPECS])
 globals().update(_ready_specs_dict)
 del _ready_specs_dict
 
+def _registered_mixer_spec(name: str):
+    """``(mixer name, backend)`` when ``name`` is ``<registered mixer><backend suffix>_spec``, else None."""
+    for backend, suffix in _SUFFIX.items():
+        mixer = name[:-len(suffix + "_spec")] if name.endswith(suffix + "_spec") else None
+        if mixer and mixer in mixer_names() and mixer not in BUILTIN_MIXERS:
+            return mixer, backend
+    return None
+
+
 def __getattr__(name):
     """Built on first access, then module globals (Megatron-LM's ``import_module`` reads ``vars(module)`` after its
     ``from``-import has touched the name): the stack specs of ``STACK_SPECS`` (``hybrid_stack_spec`` ...; they need
     megatron-core's HybridModel, 0.19+, and ``import hp_megatron.specs`` works on every supported version) and the
-    pattern-less ``hybrid*_spec`` of :data:`LAZY_SPECS` (every mixer registered by then). ``SYMBOLS`` / ``MIXERS``:
+    pattern-less ``hybrid*_spec`` of :data:`LAZY_SPECS` (every mixer registered by then), the one-mixer
+    ``<name>_spec`` of a mixer registered after this module was imported. ``SYMBOLS`` / ``MIXERS``:
     the registry's ``{symbol: name}`` and names, read now."""
     if name == "SYMBOLS":
         return symbols()
@@ -73,6 +85,11 @@ def __getattr__(name):
         return mixer_names()
     if name in LAZY_SPECS:
         spec = globals()[name] = get_hybrid_layer_spec(None, LAZY_SPECS[name], qk_layernorm="config")
+        return spec
+    registered = _registered_mixer_spec(name)
+    if registered is not None:
+        mixer, backend = registered
+        spec = globals()[name] = get_layer_spec(mixer, backend, qk_layernorm="config")
         return spec
     if name not in STACK_SPECS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,7 +30,7 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-from hp_megatron.registry import mixer_named, mixers, symbols_where
+from hp_megatron.registry import mixer_named, mixers, refuse_without_slot, symbols_where
 from hp_megatron.specs.gpt_layer_specs import _moe_mlp_spec, get_mixer_spec
 from hp_megatron.specs.providers import get_spec_provider
 from layers.base.megatron_compat import dense_mlp_spec
@@ -75,8 +75,11 @@ def get_hybrid_stack_spec(backend="eager", *, g_mixer: str = "gdn", qk_layernorm
     mixer of the ``G`` slot, ``gdn`` or ``kda``; ``qk_layernorm``: the attention layers' q/k RMSNorms (True, False
     or ``"config"``: per ``config.qk_layernorm``); ``cp_layout``: written into the mixers' params (None: their
     default, ``config.hp_cp_layout``)."""
-    if g_mixer not in g_mixers():
-        raise ValueError(f"g_mixer (the mixer of the 'G' slot) must be one of {g_mixers()}, got {g_mixer!r}")
+    entry = mixer_named(g_mixer)
+    refuse_without_slot(entry, mixers().values(), "g_mixer (the mixer of HybridModel's 'G' slot)")
+    if entry.stack_slot != "gdn_layer":
+        raise ValueError(f"g_mixer (the mixer of the 'G' slot) must be one of {g_mixers()}, got {g_mixer!r} (it "
+                         f"fills HybridModel's {entry.stack_slot})")
     HybridStackSubmodules, MLPLayer, MoETransformerLayer = _megatron_hybrid()
     from hp_megatron.hybrid_model.stack import HybridStack
 

@@ -16,7 +16,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from hp_megatron.gpt.layer import PatternLayer, PatternLayerSubmodules, mtp_layer_symbol
 from hp_megatron.gpt.mtp_layer import MTPPatternLayer
-from hp_megatron.registry import mtp_symbols as mtp_kinds
+from hp_megatron.registry import mixers, refuse_unsupported
 from hp_megatron.specs.providers import get_spec_provider
 from layers.base.megatron_compat import mtp_layer_submodules
 
@@ -32,9 +32,12 @@ def mtp_transformer_layer_spec(config, layer_spec: ModuleSpec) -> ModuleSpec:
         raise ValueError("multi-token prediction with a pattern-less PatternLayer spec reads config.hp_layer_pattern "
                          "(--hp-layer-pattern), which is not set")
     kind = mtp_layer_symbol(submodules, pattern, config)
-    if kind not in mtp_kinds():
-        raise ValueError(f"MTP layer kind {kind!r}: megatron-core's MTP layers need an attention layer "
-                         f"(one of {mtp_kinds()})")
+    refuse_unsupported([], mixers().values(), source=f"the pattern {pattern}", mtp_symbol=kind)
+    mixer_spec = submodules.layer_types[kind].self_attention
+    if "attn_mask_type" not in (getattr(mixer_spec, "params", None) or {}):
+        raise ValueError(f"MTP layer kind {kind!r}: its mixer declares MTP support (MixerSupport.mtp), but its spec's "
+                         "params have no attn_mask_type, which megatron-core's MTP layer reads (give "
+                         "params={'attn_mask_type': AttnMaskType.causal})")
     params = {k: v for k, v in layer_spec.params.items() if k not in ("pattern", "mtp")}
     return ModuleSpec(module=MTPPatternLayer, submodules=submodules.layer_types[kind],
                       params={**params, "symbol": kind, "moe_mlp": submodules.moe_mlp,

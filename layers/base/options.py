@@ -22,7 +22,12 @@ class OptionRow:
     ``store_true``); ``model``: the value defines the model's tensors or forward (stored in the example's
     checkpoints); ``default``: the flag's default; ``help``: its help text; ``choices``: the accepted values;
     ``check``: one of :data:`CHECKS` for numbers; ``optional``: the config field may be None (not set);
-    ``preset``: ``--hp-hf-config``'s architecture sets it (a flag given beside it must agree)."""
+    ``preset``: ``--hp-hf-config``'s architecture sets it (a flag given beside it must agree); ``megatron_field``:
+    ``field`` is megatron-core's own config field (``TransformerConfig`` / ``MLATransformerConfig``, e.g. the
+    ``linear_*`` shapes of its GDN), which the row sets and the mixer reads as megatron-core defines it (registration
+    refuses a megatron-core field without this declaration: it would overwrite megatron's value silently).
+    A bool row with ``default=True`` gets a ``--no-...`` form (``argparse.BooleanOptionalAction``), as Megatron-LM's
+    on-by-default switches have."""
 
     flag: Optional[str]
     field: Optional[str]
@@ -35,6 +40,7 @@ class OptionRow:
     check: Optional[str] = None
     optional: bool = True
     preset: bool = False
+    megatron_field: bool = False
 
     def __post_init__(self):
         if self.flag is None and self.field is None:
@@ -45,6 +51,12 @@ class OptionRow:
             raise ValueError(f"OptionRow {self.flag}: type must be int, float, str or bool, got {self.type!r}")
         if self.check is not None and self.check not in CHECKS:
             raise ValueError(f"OptionRow {self.flag}: check must be one of {CHECKS} or None, got {self.check!r}")
+        if self.check is not None and self.type not in (int, float):
+            raise ValueError(f"OptionRow {self.flag}: check {self.check!r} is for int or float rows, got type "
+                             f"{self.type.__name__}")
+        if self.type is bool and self.default not in (None, False, True):
+            raise ValueError(f"OptionRow {self.flag}: a bool row's default must be True, False or None, got "
+                             f"{self.default!r}")
 
     @property
     def dest(self) -> str:
@@ -55,26 +67,31 @@ class OptionRow:
         """Why ``value`` is not accepted for this row (None when it is): type, choices, check; the text reads after
         the field's name (``"must be a positive int or None"``)."""
         if value is None:
-            return None if self.optional else f"must be {self._what()}"
+            return None if self.optional else f"must be {self.expected()}"
         wrong_type = {bool: not isinstance(value, bool),
                       int: isinstance(value, bool) or not isinstance(value, int),
                       float: isinstance(value, bool) or not isinstance(value, (int, float)),
                       str: not isinstance(value, str)}[self.type]
         bad_value = self.choices is not None and value not in self.choices
-        if not wrong_type and not bad_value and self.check is not None and self.type is not bool:
+        if not wrong_type and not bad_value and self.check is not None:
             bad_value = {"positive": value <= 0, "non_negative": value < 0, "negative": value >= 0}[self.check]
         if wrong_type or bad_value:
-            return f"must be {self._what()}{' or None' if self.optional else ''}"
+            return f"must be {self.expected()}{' or None' if self.optional else ''}"
         return None
 
-    def _what(self) -> str:
+    def expected(self) -> str:
+        """What the row accepts, in words: ``"a positive int"``, ``"a number >= 0"``, ``"a negative number"``,
+        ``"one of ('a', 'b')"``, ``"a bool"``, ``"a string"`` (an int is also "a number": a float row takes it)."""
         if self.choices is not None:
             return f"one of {self.choices}"
         if self.type is bool:
             return "a bool"
-        number = "an int" if self.type is int else "a number" if self.type is float else "a string"
-        return {None: number, "positive": f"a positive {self.type.__name__}", "non_negative": f"{number} >= 0",
-                "negative": "a negative number"}[self.check]
+        if self.type is str:
+            return "a string"
+        number = "int" if self.type is int else "number"
+        return {None: f"an {number}" if number == "int" else "a number", "positive": f"a positive {number}",
+                "non_negative": f"{'an int' if number == 'int' else 'a number'} >= 0",
+                "negative": f"a negative {number}"}[self.check]
 
 
 def keyword_attrs(rows, keyword: str) -> tuple:

@@ -75,7 +75,8 @@ def test_mtp_flags_checked_at_parse_time(root):
     with pytest.raises(ValueError, match=r"^--mtp-num-layers 1 with --hp-layer-pattern KKKM: the MTP layers have "
                                          r"one fixed kind; add --hp-mtp-layer-symbol \(A or M\)$"):
         parse(data + MTP)
-    with pytest.raises(ValueError, match=r"MTP layer kind K .*megatron-core's MTP layer is an attention layer"):
+    with pytest.raises(ValueError, match=r"^KDA \(K, the multi-token-prediction layers' mixer of --hp-layer-pattern "
+                                         r"KKKK\) cannot be megatron-core's MTP layer .*mixers with MTP: M=MLA, A="):
         parse(data + MTP + ["--hp-layer-pattern", "KKKK"])
     assert parse(data + MTP + ["--hp-mtp-layer-symbol", "A"]).hp_mtp_layer_symbol == "A"
     with pytest.raises(ValueError, match=r"--hp-mtp-layer-symbol A conflicts with --hp-hf-config .*hp_mtp_layer_symbol M"):

@@ -2,7 +2,11 @@
 row-parallel projections, one flag ``--hp-toy-ema-decay``) works in every entry point without a library edit.
 
 * its forward at TP=2 (two gloo ranks) equals an fp64 reference computed here from the gathered weights with a
-  token loop; its config field reaches the layer; CP=2 is refused with a one-line ValueError;
+  token loop; its config field reaches the layer; a layer of it at CP=2 is refused (its declaration:
+  ``MixerSupport.cp_methods == ()``) with the registry's one-line message; its decode path (a prefill of 5 tokens,
+  then 7 one-token steps through megatron-core's ``StaticInferenceContext``) equals its full forward; as the MTP
+  layer of a ``T`` model (``mtp_num_layers=1``, its declared ``mtp``) it is built and its MTP loss reaches its
+  weights (non-zero gradients of the MTP layer's toy projections);
 * examples/pretrain/pretrain_hybrid.py with ``--hp-mixer-module tests.support.toy_mixer --hp-layer-pattern TM``
   trains (3 iterations: losses finite, the last below the first);
 * Megatron-LM's pretrain_gpt.py through examples/pretrain/megatron_lm/pretrain_gpt_hp.py (the launch script, one
@@ -50,7 +54,7 @@ def _forward_worker(rank, world_size):
     import tests.support.toy_mixer  # noqa: F401  (registers T)
     from hp_megatron.config import hybrid_config
     from hp_megatron.registry import symbols
-    from hp_megatron.specs import get_mixer_spec
+    from hp_megatron.specs import get_layer_spec, get_mixer_spec
 
     assert symbols()["T"] == "toy_ema"
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
@@ -71,22 +75,66 @@ def _forward_worker(rank, world_size):
     cp_config = hybrid_config(TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
                                                 context_parallel_size=2))
     try:
-        build_module(get_mixer_spec("toy_ema"), config=cp_config, layer_number=1)
+        build_module(get_layer_spec("toy_ema"), config=cp_config, layer_number=1)
         refused = None
     except ValueError as err:
         refused = str(err)
+    decoded = _decode(layer, x)
+    mtp_grads = _mtp_grads(world_size)
     parallel_state.destroy_model_parallel()
     return {"out": out.detach(), "bias": bias, "ref": _reference(x, w_in, w_out, DECAY), "decay": layer.decay,
-            "refused": refused}
+            "refused": refused, "decoded": decoded, "mtp_grads": mtp_grads}
+
+
+def _decode(layer, x):
+    """The layer's outputs over ``x`` from a 5-token prefill and one-token decode steps (static inference)."""
+    from megatron.core.inference.contexts.static_context import StaticInferenceContext
+
+    layer.eval()
+    context, outs = StaticInferenceContext(max_batch_size=x.shape[1], max_sequence_length=x.shape[0]), []
+    with torch.no_grad():
+        for start, stop in [(0, 5)] + [(t, t + 1) for t in range(5, x.shape[0])]:
+            outs.append(layer(x[start:stop], inference_context=context)[0])
+            context.sequence_len_offset += stop - start
+    layer.train()
+    return torch.cat(outs)
+
+
+def _mtp_grads(world_size):
+    """``{name: grad norm}`` of the MTP layer's toy projections after the backward of a ``T`` model's loss with
+    one MTP layer of the toy (``MixerSupport.mtp``)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from hp_megatron.config import hybrid_config
+    from hp_megatron.model_builders import hybrid_gpt_model
+    from hp_megatron.platform import CPU_SAFE_CONFIG, apply_cpu_shims
+    from hp_megatron.specs import get_layer_spec
+
+    apply_cpu_shims(2)
+    config = hybrid_config(TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32,
+                                             **CPU_SAFE_CONFIG, tensor_model_parallel_size=world_size,
+                                             mtp_num_layers=1, hidden_dropout=0.0, attention_dropout=0.0),
+                           hp_layer_pattern="T", toy_ema_decay=DECAY)
+    model = hybrid_gpt_model(config, get_layer_spec("toy_ema"), vocab_size=64, max_sequence_length=8,
+                             position_embedding_type="none")
+    ids = torch.randint(0, 64, (2, 8))
+    loss = model(ids, torch.arange(8).expand_as(ids), None, labels=torch.roll(ids, -1, 1))
+    loss.float().mean().backward()
+    return {name: float(p.grad.norm()) for name, p in model.named_parameters()
+            if name.startswith("mtp.") and "self_attention" in name}
 
 
 def test_toy_forward_matches_fp64_reference_under_tp2():
     for result in run_distributed(_forward_worker, 2):
         assert result["decay"] == DECAY and result["bias"] is None
         torch.testing.assert_close(result["out"].double(), result["ref"], rtol=1e-5, atol=1e-6)
-        # megatron's build_module appends " when instantiating ToyEMAMixer"
-        assert result["refused"].startswith("ToyEMAMixer has no context-parallel implementation; got "
-                                            "context_parallel_size=2"), result["refused"]
+        # the registry's refusal (PatternLayer reads MixerSupport); megatron's build_module appends its own words
+        assert result["refused"].startswith("toy EMA (T in the pattern T of layer 1) has no context-parallel "
+                                            "implementation (MixerSupport.cp_methods is empty); got "
+                                            "--context-parallel-size 2; mixers with CP: G=GDN"), result["refused"]
+        torch.testing.assert_close(result["decoded"], result["out"], rtol=1e-5, atol=1e-6)
+        grads = result["mtp_grads"]
+        assert len(grads) == 2 and all(g > 0 for g in grads.values()), grads   # in_proj, out_proj of the MTP toy
 
 
 def test_toy_registry_stays_out_of_this_process():

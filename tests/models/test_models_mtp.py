@@ -94,7 +94,8 @@ def test_mtp_layer_kind_is_declared_or_refused(single_rank):
     with pytest.raises(ValueError, match=r"^multi-token prediction \(mtp_num_layers=1\) with the hybrid pattern "
                                          r"'GGAA' needs the kind of its MTP layers[^\n]*$"):
         get_mtp_block_spec(undeclared, get_hybrid_layer_spec(preset.pattern))
-    with pytest.raises(ValueError, match="^MTP layer kind 'G': megatron-core's MTP layers need an attention layer"):
+    with pytest.raises(ValueError, match=r"^GDN \(G, the multi-token-prediction layers' mixer of the pattern GGAA\) "
+                                         r"cannot be megatron-core's MTP layer \(MixerSupport.mtp is False\)"):
         get_mtp_block_spec(undeclared, get_hybrid_layer_spec(preset.pattern, mtp_symbol="G"))
     block = get_mtp_block_spec(undeclared, get_hybrid_layer_spec(preset.pattern, mtp_symbol="A"))
     assert isinstance(block, MultiTokenPredictionBlockSubmodules) and len(block.layer_specs) == 1

@@ -6,6 +6,9 @@
   after :func:`check_args`;
 * :func:`uses_config_container`: whether Megatron-LM's ``pretrain`` is 0.19's (a ``PretrainConfigContainer`` with
   the model's ``ModelConfig``, built from the args before ``pretrain``) or 0.16's (a model provider);
+* :func:`exit_refusing_unsupported`: a launcher's ``main`` with a combination a mixer declares it does not support
+  (``hp_megatron.registry.UnsupportedByMixer``, found by :func:`check_args` before the model is built) reported as
+  one line and exit status 2, as the example and ``python -m hp_megatron.generate`` do;
 * :func:`pretrain_from_container`: 0.19's ``__main__`` of ``pretrain_gpt.py`` / ``pretrain_hybrid.py`` with the
   ``--hp-*`` flags, our config in the model config, and the CP sub-groups registered before the model is wrapped.
 
@@ -59,7 +62,12 @@ def uses_config_container(pretrain) -> bool:
 
 
 def check_args(args):
-    """Refuse combinations Megatron-LM's own data path would silently get wrong."""
+    """Refuse combinations Megatron-LM's own data path would silently get wrong, and those a mixer of
+    ``--hp-layer-pattern`` declares it does not support (``hp_megatron.arguments.check_mixer_support``: CP, MTP,
+    backend, the mixer's own ``check_args``; Megatron-LM's batches are not packed THD here)."""
+    from hp_megatron.arguments import check_mixer_support
+
+    check_mixer_support(args, thd=False)
     if args.hp_cp_layout != "zigzag":
         raise ValueError(f"--hp-cp-layout {args.hp_cp_layout}: Megatron-LM's get_batch hands every CP rank a zigzag "
                          "shard; use --hp-cp-layout zigzag here (contiguous works with examples/pretrain/"
@@ -73,6 +81,21 @@ def check_args(args):
             wanted = f"{base}{'' if args.hp_backend == 'eager' else '_' + args.hp_backend}_spec"
             raise ValueError(f"--spec hp_megatron.specs {name} fixes the {spec_backend} kernels, but --hp-backend "
                              f"is {args.hp_backend}; use --spec hp_megatron.specs {wanted}")
+
+
+def exit_refusing_unsupported(main) -> int:
+    """``main()``'s exit status: 0, or 2 with one ``error: ...`` line on stderr (rank 0 only under torchrun) for
+    ``hp_megatron.registry.UnsupportedByMixer``; any other error propagates as Megatron-LM reports it."""
+    from hp_megatron.registry import UnsupportedByMixer
+
+    try:
+        main()
+    except UnsupportedByMixer as err:
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"error: {err}\n")
+            sys.stderr.flush()
+        return 2
+    return 0
 
 
 def with_hp_config(build_config):

@@ -32,8 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from hp_launch import (import_megatron_lm, pretrain_from_container, uses_config_container,  # noqa: E402
-                       with_hp_config)
+from hp_launch import (exit_refusing_unsupported, import_megatron_lm, pretrain_from_container,  # noqa: E402
+                       uses_config_container, with_hp_config)
 
 
 def _patch_config_builders(pretrain_gpt):
@@ -120,4 +120,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_refusing_unsupported(main))

@@ -26,7 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from hp_launch import import_megatron_lm, pretrain_from_container, uses_config_container  # noqa: E402
+from hp_launch import (exit_refusing_unsupported, import_megatron_lm, pretrain_from_container,  # noqa: E402
+                       uses_config_container)
 
 
 _HP_MLA_DIMS = {"--hp-mla-q-lora-rank": "--q-lora-rank", "--hp-mla-kv-lora-rank": "--kv-lora-rank",
@@ -72,4 +73,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_refusing_unsupported(main))
