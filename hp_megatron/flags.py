@@ -80,8 +80,10 @@ def markdown_table() -> str:
         if row.flag is None:
             continue
         flag = f"`{row.flag}`" + (f" `{{{','.join(row.choices)}}}`" if row.choices else "")
+        default = "" if row.default is None else f"`{row.default}`"
+        if row.comm_type is not None:   # hp_megatron.cp_choice: not given -> --cp-comm-type, else the rule's default
+            default = f"not given: `--cp-comm-type` if given, else `{row.comm_type.default}`"
         cells = [flag, f"`{row.field}`" if row.field else "", f"`{row.keyword}`" if row.keyword else "",
-                 row.type.__name__, "yes" if row.model else "", "" if row.default is None else f"`{row.default}`",
-                 row.help.replace("|", "\\|")]
+                 row.type.__name__, "yes" if row.model else "", default, row.help.replace("|", "\\|")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
