@@ -34,7 +34,8 @@ def global_rows() -> tuple:
                   preset=True,
                   help="the mixer of the multi-token-prediction layers (--mtp-num-layers) under a layer pattern with "
                        "several symbols (M=MLA, A=attention: megatron-core's MTP layer is an attention layer); None: "
-                       "the spec's declared kind or the pattern's only symbol"),
+                       "the spec's declared kind or the pattern's only symbol; a spec declaring another kind is an "
+                       "error"),
     )
 
 

@@ -315,7 +315,8 @@ def train(args):
     with same_on_every_rank():
         train_data, valid_data = build_datasets(args, tokenizer)
     loader = BatchLoader(train_data, args, device, tokenizer.pad, model.config)
-    valid_loader = BatchLoader(valid_data, args, device, tokenizer.pad, model.config) if valid_data is not None else None
+    valid_loader = (BatchLoader(valid_data, args, device, tokenizer.pad, model.config) if valid_data is not None
+                    else None)
     log_rank = dist.get_world_size() - 1
     is_log_rank = dist.get_rank() == log_rank
     num_micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
