@@ -48,11 +48,11 @@ def _megatron_lm_config(monkeypatch, extra):
 
 @pytest.mark.skipif(MEGATRON_LM is None, reason="Megatron-LM's training code not found (tests/support/paths.py)")
 def test_megatron_lm_parse_args_follows_one_precedence(monkeypatch, capsys):
-    for extra, delta, mla in CASES:
-        args, config = _megatron_lm_config(monkeypatch, extra)
-        assert args.hp_cp_comm_type_given == any(a.startswith("--cp-comm-type") for a in extra)
+    built = [_megatron_lm_config(monkeypatch, extra) for extra, _, _ in CASES]
+    assert [(c.delta_cp_method, c.mla_cp_strategy) for _, c in built] == [(d, m) for _, d, m in CASES]
+    for (extra, _, _), (args, _) in zip(CASES, built):
         assert len(args.cp_comm_type) == 1   # Megatron-LM's list, ['p2p'] by default
-        assert (config.delta_cp_method, config.mla_cp_strategy) == (delta, mla), extra
+        assert args.hp_cp_comm_type_given == any(a.startswith("--cp-comm-type") for a in extra)
     capsys.readouterr()   # validate_args prints every argument
 
 
@@ -86,7 +86,7 @@ def test_mla_config_field_beats_cp_comm_type(single_rank):
     assert build_layer(config, single_rank, single_rank, cp_comm_type="a2a").cp_strategy == "expanded_ulysses"
     config.mla_cp_strategy = "latent"   # --hp-mla-cp-strategy latent: beats megatron's cp_comm_type
     layer = build_layer(config, single_rank, single_rank, cp_comm_type="a2a")
-    assert (layer.cp_strategy, layer.cp_strategy_source) == ("latent", "config.mla_cp_strategy")
+    assert layer.cp_strategy == "latent" and layer.cp_strategy_source == "config.mla_cp_strategy"
     keyword = build_layer(config, single_rank, single_rank, cp_comm_type="a2a", cp_strategy="expanded_ulysses")
     assert (keyword.cp_strategy, keyword.cp_strategy_source) == ("expanded_ulysses", "ModuleSpec.params cp_strategy")
 
