@@ -148,3 +148,33 @@ def test_the_chosen_method_is_logged_once_per_layer_shape():
                                                                                    "(config.mla_cp_strategy)")
                for line in log), log
     assert len(log) == len(set(log)) == 6, log   # 3 layer shapes x 2 methods each, none twice
+
+
+def test_a_registered_mixers_cp_row_follows_the_same_precedence(monkeypatch):
+    """A third-party mixer whose CP row declares a ``CommTypeRule`` gets the same rule, on a parser with Megatron-LM's
+    ``--cp-comm-type`` default ``['p2p']`` (which does not decide)."""
+    import argparse
+
+    import hp_megatron.registry.entries as entries
+    from hp_megatron.arguments import add_hp_arguments, hp_config_from_args
+    from hp_megatron.registry import MixerEntry
+    from hp_megatron.registry.gdn import GDN
+    from layers.base.options import CommTypeRule, OptionRow
+
+    rule = CommTypeRule((("p2p", "ring"), ("all_gather", "gather"), ("a2a", "heads"), ("a2a+p2p", "ring")), "gather")
+    row = OptionRow("--hp-demo-cp", "demo_cp", "cp", str, comm_type=rule, choices=("ring", "gather", "heads"))
+    monkeypatch.setitem(entries._REGISTRY, "Q", MixerEntry(symbol="Q", name="demo", title="demo", spec=GDN.spec,
+                                                           module=GDN.module, options=(row,), cp_auto_field="demo_cp"))
+
+    def fields(argv):
+        parser = argparse.ArgumentParser(allow_abbrev=False)
+        parser.add_argument("--cp-comm-type", nargs="+", default=["p2p"])   # Megatron-LM's flag and default
+        parser.set_defaults(num_attention_heads=4, hidden_size=32)
+        return hp_config_from_args(add_hp_arguments(parser, argv).parse_args(argv))
+
+    assert (fields([])["demo_cp"], fields([])["delta_cp_method"]) == ("gather", "allgather")
+    assert (fields(["--cp-comm-type", "p2p"])["demo_cp"], fields(["--cp-comm-type", "p2p"])["delta_cp_method"]) == (
+        "ring", "p2p")
+    assert fields(["--cp-comm-type", "a2a", "--hp-demo-cp", "ring"])["demo_cp"] == "ring"
+    per_layer = fields(["--cp-comm-type", "a2a", "p2p"])   # one value per layer: each layer maps its own
+    assert (per_layer["demo_cp"], per_layer["delta_cp_method"], per_layer["mla_cp_strategy"]) == (None, None, None)
