@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hp_megatron.cp_choice import layer_methods, record_given_cp_comm_type, resolved_cp_fields
 from hp_megatron.flags import flag_groups, flag_table
 from hp_megatron.registry import (MIXER_MODULE_FLAG, describe_symbols, load_mixer_modules, mixer_modules_in, mixers,
                                   refuse_unsupported, symbols, symbols_where)
@@ -57,8 +58,10 @@ def add_hp_arguments(parser: argparse.ArgumentParser, argv=None) -> argparse.Arg
     """Add the ``--hp-*`` flags and return the parser: first ``--hp-mixer-module MODULE`` (repeatable), whose
     modules (read from ``argv``, default ``sys.argv[1:]``) are imported now so that their mixers' symbols and flags
     exist when the rest is added and parsed; then one group per part of the flag table (``hp_megatron.flags``:
-    hp_megatron's rows, then each registered mixer's)."""
+    hp_megatron's rows, then each registered mixer's). Notes whether ``--cp-comm-type`` is on ``argv``
+    (``hp_megatron.cp_choice``: Megatron-LM's default ``['p2p']`` is no choice of the user's)."""
     load_mixer_modules(mixer_modules_in(sys.argv[1:] if argv is None else argv))
+    record_given_cp_comm_type(parser, argv)
     for i, (title, rows) in enumerate(flag_groups()):
         group = parser.add_argument_group(title)
         if i == 0:
@@ -75,7 +78,9 @@ def hp_config_from_args(args) -> dict:
     GDN/KDA read megatron-core 0.16's ``linear_*`` names and our ``delta_*`` / ``kda_*`` names; MLA reads
     ``MLATransformerConfig``'s names and ``mla_cp_strategy``; every mixer reads ``hp_cp_layout`` and
     ``hp_cp_calibration``;
-    ``PatternLayer`` reads ``hp_layer_pattern``. All are fields of ``hp_megatron.config``'s classes.
+    ``PatternLayer`` reads ``hp_layer_pattern``. All are fields of ``hp_megatron.config``'s classes. The CP methods
+    (``delta_cp_method``, ``mla_cp_strategy``) are resolved here: flag, else a ``--cp-comm-type`` the user gave,
+    else the mixer's default (``hp_megatron.cp_choice``).
     """
     heads, hidden = args.num_attention_heads, args.hidden_size
     key_heads = args.hp_linear_num_key_heads or heads
@@ -116,6 +121,7 @@ def hp_config_from_args(args) -> dict:
         "v_head_dim": args.hp_mla_v_head_dim or hidden // heads,
         "hp_mtp_layer_symbol": getattr(args, "hp_mtp_layer_symbol", None),
     })
+    fields.update(resolved_cp_fields(args))
     if getattr(args, "rotary_base", None) is not None:   # --rotary-base: the MLA layers' RoPE base too
         fields["rotary_base"] = float(args.rotary_base)
     return fields
@@ -153,33 +159,49 @@ def validate_hp_args(args) -> None:
         raise ValueError(f"attention layers ({', '.join(repr(s) for s in rope)} in --hp-layer-pattern) use megatron's "
                          "rotary embedding, which assumes the zigzag CP layout; got --hp-cp-layout "
                          f"{args.hp_cp_layout}")
-    if args.hp_cp_method == "auto":
+    delta = set(symbols_where(lambda e: e.family == "delta"))
+    linear = set(pattern) & delta if pattern else delta
+    ulysses_degrees = [_check_delta_cp(args, cp, *method) for method in layer_methods(args, "delta_cp_method")]
+    for ulysses in ulysses_degrees:
+        for flag, heads in (("--hp-linear-num-key-heads", fields["linear_num_key_heads"]),
+                            ("--hp-linear-num-value-heads", fields["linear_num_value_heads"])):
+            if linear and (heads % tp or (heads // tp) % ulysses):
+                raise ValueError(f"GDN/KDA heads {heads} ({flag}, default --num-attention-heads) must be divisible "
+                                 f"by --tensor-model-parallel-size {tp} x Ulysses degree {ulysses}")
+    mla = set(symbols_where(lambda e: e.family == "mla"))
+    for strategy, _, source in layer_methods(args, "mla_cp_strategy") if cp > 1 and set(pattern) & mla else ():
+        heads = args.num_attention_heads
+        if strategy.endswith("_ulysses") and heads % (tp * cp):
+            raise ValueError(f"MLA CP strategy {strategy} (from {source}) needs --num-attention-heads {heads} "
+                             f"divisible by --tensor-model-parallel-size {tp} x --context-parallel-size {cp}")
+
+
+def _check_delta_cp(args, cp: int, method: str, degree, source: str) -> int:
+    """The GDN/KDA CP ``method`` with Ulysses ``degree`` (``hp_megatron.cp_choice.layer_methods``; chosen by
+    ``source``: ``--hp-cp-method``, ``--cp-comm-type V`` or the default) against the CP size and the group-size /
+    Ulysses-degree flags; returns its Ulysses degree."""
+    said = f"--hp-cp-method {method}" if source == "--hp-cp-method" else f"GDN/KDA CP method {method} (from {source})"
+    if method == "auto":
         check_auto_leaves_free(args.hp_cp_group_size, args.hp_cp_ulysses_degree,
                                flags=("--hp-cp-group-size", "--hp-cp-ulysses-degree"))
-    ulysses = cp if args.hp_cp_method == "ulysses" else (args.hp_cp_ulysses_degree or 1)
-    if args.hp_cp_method == "ulysses" and args.hp_cp_ulysses_degree not in (None, cp):
-        raise ValueError(f"--hp-cp-method ulysses uses all --context-parallel-size {cp} ranks; drop "
+    ulysses = cp if method == "ulysses" else (degree or 1)
+    if method == "ulysses" and args.hp_cp_ulysses_degree not in (None, cp):
+        raise ValueError(f"{said} uses all --context-parallel-size {cp} ranks; drop "
                          f"--hp-cp-ulysses-degree {args.hp_cp_ulysses_degree} or set it to {cp}")
     if cp % ulysses:
         raise ValueError(f"--hp-cp-ulysses-degree {ulysses} must divide --context-parallel-size {cp}")
     state_ranks = cp // ulysses
-    if args.hp_cp_method == "grouped_allgather_p2p":
+    if method == "grouped_allgather_p2p":
         if args.hp_cp_group_size is None:
-            raise ValueError("--hp-cp-method grouped_allgather_p2p needs --hp-cp-group-size (ranks per "
-                             f"all-gather group, a divisor of {state_ranks})")
+            raise ValueError(f"{said} needs --hp-cp-group-size (ranks per all-gather group, a divisor of "
+                             f"{state_ranks})")
         if state_ranks % args.hp_cp_group_size:
             raise ValueError(f"--hp-cp-group-size {args.hp_cp_group_size} must divide the state-passing ranks "
                              f"{state_ranks} (--context-parallel-size {cp} / Ulysses degree {ulysses})")
     elif args.hp_cp_group_size is not None:
         raise ValueError(f"--hp-cp-group-size is only used by --hp-cp-method grouped_allgather_p2p, got it with "
-                         f"--hp-cp-method {args.hp_cp_method}")
-    delta = set(symbols_where(lambda e: e.family == "delta"))
-    linear = set(pattern) & delta if pattern else delta
-    for flag, heads in (("--hp-linear-num-key-heads", fields["linear_num_key_heads"]),
-                        ("--hp-linear-num-value-heads", fields["linear_num_value_heads"])):
-        if linear and (heads % tp or (heads // tp) % ulysses):
-            raise ValueError(f"GDN/KDA heads {heads} ({flag}, default --num-attention-heads) must be divisible "
-                             f"by --tensor-model-parallel-size {tp} x Ulysses degree {ulysses}")
+                         f"{said}")
+    return ulysses
 
 
 def check_mixer_support(args, *, decode: bool = False, thd=None) -> None:

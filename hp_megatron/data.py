@@ -46,8 +46,23 @@ def _cp_group_of(packed_seq_params, cp_group):
     return parallel_state.get_context_parallel_group()
 
 
-def get_batch_on_this_cp_rank(batch: dict, packed_seq_params=None, *, cp_group=None, layout: str = "zigzag"):
+def _layout_of(layout, config) -> str:
+    """The layout to slice for: ``layout`` and the model config's ``hp_cp_layout``, which must agree."""
+    config = getattr(config, "config", config)   # a model: its config
+    model_layout = None if config is None else (getattr(config, "hp_cp_layout", None) or "zigzag")
+    if layout is not None and model_layout is not None and layout != model_layout:
+        raise ValueError(f"get_batch_on_this_cp_rank: layout={layout!r} but the model's config.hp_cp_layout is "
+                         f"{model_layout!r}; its layers expect that layout (pass config= alone)")
+    return check_layout(layout or model_layout or "zigzag")
+
+
+def get_batch_on_this_cp_rank(batch: dict, packed_seq_params=None, *, cp_group=None, layout=None, config=None):
     """This CP rank's share of a micro-batch dict of tensors; a new dict, other values unchanged.
+
+    The token layout is the model's: ``config`` (the model's ``TransformerConfig``, or the model: its ``.config``)
+    gives ``hp_cp_layout``, the layout every mixer of that model was built for; ``layout`` given as well must agree
+    (ValueError naming both: a model built for another layout than its data computes wrong outputs). Neither given:
+    ``zigzag``, Megatron's layout and the layers' default.
 
     BSHD: tensors are ``[b, s, ...]`` (``attention_mask`` ``[b, 1, s, s]`` is sliced on its query axis,
     dim 2). THD (``packed_seq_params.qkv_format == "thd"``): tensors are ``[1, t]`` over the packed stream
@@ -55,7 +70,7 @@ def get_batch_on_this_cp_rank(batch: dict, packed_seq_params=None, *, cp_group=N
     The CP group is ``cp_group``, else the one the mixers use: ``packed_seq_params.cp_group`` (megatron's hybrid
     CP), else ``parallel_state``'s context-parallel group.
     """
-    check_layout(layout)
+    layout = _layout_of(layout, config)
     group = _cp_group_of(packed_seq_params, cp_group)
     cp_size = group_size(group)
     if cp_size == 1:

@@ -34,7 +34,8 @@ def global_rows() -> tuple:
                   preset=True,
                   help="the mixer of the multi-token-prediction layers (--mtp-num-layers) under a layer pattern with "
                        "several symbols (M=MLA, A=attention: megatron-core's MTP layer is an attention layer); None: "
-                       "the spec's declared kind or the pattern's only symbol"),
+                       "the spec's declared kind or the pattern's only symbol; a spec declaring another kind is an "
+                       "error"),
     )
 
 
@@ -84,10 +85,12 @@ def markdown_table() -> str:
         if row.flag is None:
             continue
         flag = f"`{row.flag}`" + (f" `{{{','.join(row.choices)}}}`" if row.choices else "")
+        default = "" if row.default is None else f"`{row.default}`"
+        if row.comm_type is not None:   # hp_megatron.cp_choice: not given -> --cp-comm-type, else the rule's default
+            default = f"not given: `--cp-comm-type` if given, else `{row.comm_type.default}`"
         if row.type is bool and row.default is True:   # argparse.BooleanOptionalAction: on by default
             flag += f" / `--no-{row.flag[2:]}`"
         cells = [flag, f"`{row.field}`" if row.field else "", f"`{row.keyword}`" if row.keyword else "",
-                 row.type.__name__, "yes" if row.model else "", "" if row.default is None else f"`{row.default}`",
-                 row.help.replace("|", "\\|")]
+                 row.type.__name__, "yes" if row.model else "", default, row.help.replace("|", "\\|")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

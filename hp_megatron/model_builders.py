@@ -31,7 +31,8 @@ def hybrid_gpt_model(config, layer_spec, *, vocab_size: int, max_sequence_length
     """megatron-core ``GPTModel`` of this pipeline stage over :func:`hybrid_block_spec`; ``gpt_kwargs`` are
     ``GPTModel``'s other keywords (``position_embedding_type``, ``rotary_base``, tied embeddings...). With
     ``config.mtp_num_layers`` it is a ``MTPGPTModel`` with the MTP block of ``layer_spec``'s MTP kind;
-    ``backend`` (the layer spec's backend name or spec provider) builds the MTP layers' norms and projection."""
+    ``backend`` (the layer spec's backend name or spec provider) builds the MTP layers' norms and projection, whose
+    linears are the layer spec's (``get_hybrid_layer_spec(..., linear=)``, ``--hp-linear``)."""
     from megatron.core.models.gpt import GPTModel
 
     from hp_megatron.gpt.mtp_model import MTPGPTModel

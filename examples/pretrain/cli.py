@@ -85,6 +85,11 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--cp-comm-type", nargs="+", default=None, choices=("p2p", "all_gather", "a2a"),
+                   help="CP communication of the layers whose --hp-* CP flag is not given (GDN/KDA: p2p, allgather, "
+                        "ulysses; MLA: latent, latent, expanded_ulysses); one value, or one per layer; not given: "
+                        "each mixer's default (docs/cp.md, 'Which CP method'); a2a+p2p needs Megatron-LM's "
+                        "--hierarchical-context-parallel-sizes (the Megatron-LM launchers)")
     g = parser.add_argument_group("model (Megatron-LM names)")
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=128)

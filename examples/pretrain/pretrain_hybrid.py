@@ -115,6 +115,8 @@ def build_config(args, vocab_size):
                context_parallel_size=args.context_parallel_size, sequence_parallel=args.sequence_parallel,
                init_method_std=args.init_method_std, params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
                **CPU_SAFE_CONFIG)
+    if args.cp_comm_type:   # megatron's field, as Megatron-LM sets it (one value, or one per layer)
+        run.update(cp_comm_type=args.cp_comm_type[0] if len(args.cp_comm_type) == 1 else list(args.cp_comm_type))
     if args.num_experts is not None:  # how the experts are split and balanced: this run's flags
         run.update(expert_model_parallel_size=args.expert_model_parallel_size,
                    expert_tensor_parallel_size=args.expert_tensor_parallel_size,
@@ -312,8 +314,9 @@ def train(args):
         return []
     with same_on_every_rank():
         train_data, valid_data = build_datasets(args, tokenizer)
-    loader = BatchLoader(train_data, args, device, tokenizer.pad)
-    valid_loader = BatchLoader(valid_data, args, device, tokenizer.pad) if valid_data is not None else None
+    loader = BatchLoader(train_data, args, device, tokenizer.pad, model.config)
+    valid_loader = (BatchLoader(valid_data, args, device, tokenizer.pad, model.config) if valid_data is not None
+                    else None)
     log_rank = dist.get_world_size() - 1
     is_log_rank = dist.get_rank() == log_rank
     num_micro = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)

@@ -36,10 +36,11 @@ class BatchLoader:
     (``hp_megatron.training.packing``) and carries its ``packed_seq_params``; the CP share is
     ``hp_megatron.data.get_batch_on_this_cp_rank``'s."""
 
-    def __init__(self, dataset, args, device, pad_id):
+    def __init__(self, dataset, args, device, pad_id, model_config=None):
         from megatron.core import parallel_state
 
         self.dataset, self.device, self.pad_id = dataset, device, pad_id
+        self.model_config = model_config   # the model's config: the CP layout its layers were built for
         self.mbs, self.gbs = args.micro_batch_size, args.global_batch_size
         self.dp = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -60,7 +61,7 @@ class BatchLoader:
         if params is not None:
             for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
                 setattr(params, name, getattr(params, name).to(self.device))
-        batch = get_batch_on_this_cp_rank(batch, params, layout=self.layout)
+        batch = get_batch_on_this_cp_rank(batch, params, layout=self.layout, config=self.model_config)
         batch["packed_seq_params"] = params
         return batch
 
@@ -103,18 +104,23 @@ def describe_model(args, vocab_size, n_params, device) -> str:
     cp = args.context_parallel_size
     from hp_megatron.registry import symbols_where
 
+    from hp_megatron.cp_choice import layer_methods
+
     if set(pattern) & set(symbols_where(lambda e: e.family == "delta")):
         text = f"GDN/KDA: backend {args.hp_backend}"
-        if cp > 1 and args.hp_cp_method == "auto":
-            text += ", CP method auto (method, group size and Ulysses degree chosen per layer shape at the first step)"
-        elif cp > 1:
-            ulysses = cp if args.hp_cp_method == "ulysses" else (args.hp_cp_ulysses_degree or 1)
-            text += f", CP method {args.hp_cp_method}, Ulysses degree {ulysses}"
+        for method, degree, source in layer_methods(args, "delta_cp_method") if cp > 1 else ():
+            if method == "auto":
+                text += (", CP method auto (method, group size and Ulysses degree chosen per layer shape at the first "
+                         "step)")
+                continue
+            ulysses = cp if method == "ulysses" else (degree or 1)
+            text += f", CP method {method}, Ulysses degree {ulysses}"
             if args.hp_cp_group_size:
                 text += f", group size {args.hp_cp_group_size}"
+            text += f" ({source})"
         parts.append(text)
     if set(pattern) & set(symbols_where(lambda e: e.family == "mla")) and cp > 1:
-        parts.append(f"MLA CP {args.hp_mla_cp_strategy}")
+        parts.append("MLA CP " + ", ".join(f"{m} ({s})" for m, _, s in layer_methods(args, "mla_cp_strategy")))
     if cp > 1:
         parts.append(f"layout {args.hp_cp_layout}")
     parts.append(f"device {device}")

@@ -51,12 +51,20 @@ class PatternLayerSubmodules:
     moe_mlp: Optional[object] = None
     # the symbol of multi-token-prediction layers; None: config.hp_mtp_layer_symbol, else the pattern's only symbol
     mtp_symbol: Optional[str] = None
+    # the linears of the layers ("local" or "te", hp_megatron.specs.providers): the MTP block's eh_proj uses the same
+    linear: str = "local"
 
 
 def mtp_layer_symbol(submodules: PatternLayerSubmodules, pattern: str, config) -> str:
-    """The fixed layer symbol of the multi-token-prediction layers of a spec with ``pattern``; a one-line
-    ValueError when a pattern of several symbols declares none."""
-    kind = submodules.mtp_symbol or getattr(config, "hp_mtp_layer_symbol", None)
+    """The fixed layer symbol of the multi-token-prediction layers of a spec with ``pattern``: the spec's
+    ``mtp_symbol`` or ``config.hp_mtp_layer_symbol`` (``--hp-mtp-layer-symbol``), else the pattern's only symbol; a
+    one-line ValueError when the two are set and differ (neither silently wins: the spec declares its model's MTP
+    kind, the flag another) or when a pattern of several symbols declares none."""
+    declared, flag = submodules.mtp_symbol, getattr(config, "hp_mtp_layer_symbol", None)
+    if declared is not None and flag is not None and declared != flag:
+        raise ValueError(f"config.hp_mtp_layer_symbol {flag!r} (--hp-mtp-layer-symbol) conflicts with the layer spec's "
+                         f"mtp_symbol {declared!r}; drop one or make them agree")
+    kind = declared or flag
     if kind is None and len(set(pattern)) == 1:
         kind = pattern[0]
     if kind is None:

@@ -21,7 +21,7 @@ class ModelPreset:
 
     ``transformer_fields``: megatron ``TransformerConfig`` fields; ``mixer_fields``: fields of our mixers, declared
     by ``hp_megatron.config.HybridTransformerConfig`` (megatron's ``linear_*``, MLA's ``q_lora_rank``...,
-    ``kda_gate_low_rank_dim``, ``mla_cp_strategy``, ``gated_norm_zero_centered_gamma``); ``gpt_model_kwargs``:
+    ``kda_gate_low_rank_dim``, ``gated_norm_zero_centered_gamma``); ``gpt_model_kwargs``:
     ``GPTModel`` keywords (vocab size, rotary embedding, tied embeddings); ``pattern``: one layer symbol per layer
     (``G`` GDN, ``K`` KDA, ``M`` MLA, ``A`` attention); ``qk_layernorm``: the spec option for ``A`` layers.
     A declaration only: ``hp_megatron.models.build`` makes its config, layer spec and ``GPTModel``.
@@ -233,8 +233,7 @@ def mla_fields(hf: dict, model_type: str, rope_type: str, rope: dict) -> dict:
                   beta_fast=float(rope.get("beta_fast", 32.0)), beta_slow=float(rope.get("beta_slow", 1.0)),
                   mscale=float(rope.get("mscale", 1.0)),
                   # transformers scales the softmax by YaRN's mscale only for YaRN; megatron whenever it is set
-                  mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)) if rope_type == "yarn" else 0.0,
-                  mla_cp_strategy="latent")
+                  mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)) if rope_type == "yarn" else 0.0)
     return fields
 
 

@@ -46,7 +46,7 @@ def _moe_mlp_spec(provider) -> ModuleSpec:
     return get_moe_module_spec_for_backend(provider, num_experts=0, moe_grouped_gemm=False)
 
 
-def get_mixer_spec(mixer: str, backend="eager", *, qk_layernorm: bool | str = False, linear: str = "local",
+def get_mixer_spec(mixer: str, backend="eager", *, qk_layernorm: bool | str = False, linear: str | None = None,
                    cp_layout: str | None = None) -> ModuleSpec:
     """The ``self_attention`` spec of one registered mixer (``gdn | kda | mla | attn`` or a registered one's name)
     for a backend or provider: the registry entry's spec builder (``hp_megatron.registry``).
@@ -58,7 +58,7 @@ def get_mixer_spec(mixer: str, backend="eager", *, qk_layernorm: bool | str = Fa
     return entry.spec(provider, qk_layernorm=qk_layernorm, cp_layout=cp_layout)
 
 
-def get_layer_submodules(mixer: str, backend="eager", *, qk_layernorm: bool | str = False, linear: str = "local",
+def get_layer_submodules(mixer: str, backend="eager", *, qk_layernorm: bool | str = False, linear: str | None = None,
                          cp_layout: str | None = None) -> TransformerLayerSubmodules:
     """Pre-norm residual layer: RMSNorm -> mixer -> residual, RMSNorm -> MLP -> residual."""
     provider = get_spec_provider(backend, linear=linear)
@@ -74,7 +74,7 @@ def get_layer_submodules(mixer: str, backend="eager", *, qk_layernorm: bool | st
     )
 
 
-def get_layer_spec(mixer: str, backend="eager", *, qk_layernorm: bool | str = False, linear: str = "local",
+def get_layer_spec(mixer: str, backend="eager", *, qk_layernorm: bool | str = False, linear: str | None = None,
                    cp_layout: str | None = None) -> ModuleSpec:
     """A layer spec whose ``self_attention`` is one mixer in every layer (a one-symbol ``PatternLayer``, so MoE
     layers follow ``config.num_moe_experts`` / ``moe_layer_freq`` as in every spec here)."""
@@ -83,7 +83,7 @@ def get_layer_spec(mixer: str, backend="eager", *, qk_layernorm: bool | str = Fa
 
 
 def get_hybrid_layer_spec(pattern: str | None, backend="eager", *, qk_layernorm: bool | str = False,
-                          linear: str = "local", cp_layout: str | None = None,
+                          linear: str | None = None, cp_layout: str | None = None,
                           mtp_symbol: str | None = None) -> ModuleSpec:
     """``ModuleSpec(PatternLayer)`` for a repeating layer pattern such as ``"KKKM"`` or ``"GGGA"``.
 
@@ -93,7 +93,9 @@ def get_hybrid_layer_spec(pattern: str | None, backend="eager", *, qk_layernorm:
     when the layers are built. ``qk_layernorm``: q/k RMSNorms in the attention (``A``) layers: True, False, or
     ``"config"``: as ``config.qk_layernorm`` (``--qk-layernorm``) says when the layers are built.
     ``mtp_symbol``: the kind of the multi-token-prediction layers built from this spec
-    (``hp_megatron.specs.get_mtp_block_spec``); None: ``config.hp_mtp_layer_symbol``, else the pattern's only symbol.
+    (``hp_megatron.specs.get_mtp_block_spec``); None: ``config.hp_mtp_layer_symbol``, else the pattern's only symbol
+    (both set and different: a ValueError when the MTP layers are built). ``linear``: ``local`` or ``te`` (None: the
+    provider's, else ``local``), recorded in the spec for the MTP block's ``eh_proj``.
     """
     known = symbols()
     used = sorted(known) if pattern is None else sorted(set(validate_pattern(pattern, known)))
@@ -106,7 +108,8 @@ def get_hybrid_layer_spec(pattern: str | None, backend="eager", *, qk_layernorm:
                                                 linear=linear, cp_layout=cp_layout)
                    for symbol in used}
     own_positions = symbols_where(lambda e: e.own_positions)
+    provider = get_spec_provider(backend, linear)
     return ModuleSpec(module=PatternLayer, params={"pattern": pattern},
                       submodules=PatternLayerSubmodules(layer_types=layer_types, own_positions=own_positions,
-                                                       moe_mlp=_moe_mlp_spec(get_spec_provider(backend, linear)),
-                                                       mtp_symbol=mtp_symbol))
+                                                       moe_mlp=_moe_mlp_spec(provider), mtp_symbol=mtp_symbol,
+                                                       linear=provider.linear_impl))

@@ -68,7 +68,7 @@ def _mixer_layer(mixer: str, provider, qk_layernorm, cp_layout) -> ModuleSpec:
 
 
 def get_hybrid_stack_spec(backend="eager", *, g_mixer: str = "gdn", qk_layernorm: bool | str = "config",
-                          linear: str = "local", cp_layout: str | None = None) -> ModuleSpec:
+                          linear: str | None = None, cp_layout: str | None = None) -> ModuleSpec:
     """``ModuleSpec(HybridStack)`` with our layers in ``HybridModel``'s slots (module docstring).
 
     ``backend``: ``eager | triton | ascendc`` or a spec provider (``hp_megatron.specs.providers``); ``g_mixer``: the

@@ -45,9 +45,11 @@ def mtp_transformer_layer_spec(config, layer_spec: ModuleSpec) -> ModuleSpec:
 
 
 def get_mtp_block_spec(config, layer_spec: ModuleSpec, backend="eager", *, vp_stage=None, pp_rank=None,
-                       linear: str = "local"):
+                       linear: str | None = None):
     """``MultiTokenPredictionBlockSubmodules`` of this pipeline stage (the last one builds every MTP layer), or None
-    without ``config.mtp_num_layers`` or on other stages; ``backend``: the layer spec's (name or spec provider)."""
+    without ``config.mtp_num_layers`` or on other stages; ``backend``: the layer spec's (name or spec provider).
+    ``linear``: the ``eh_proj`` linear, None: the layer spec's (``PatternLayerSubmodules.linear``, what
+    ``get_hybrid_layer_spec(..., linear=)`` built its layers with); another than the spec's is refused."""
     from hp_megatron.decoder.mtp import GlobalShiftMTPLayer
 
     if not getattr(config, "mtp_num_layers", None):
@@ -56,7 +58,11 @@ def get_mtp_block_spec(config, layer_spec: ModuleSpec, backend="eager", *, vp_st
     count = get_mtp_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     if count == 0:
         return None
-    provider = get_spec_provider(backend, linear=linear)
+    spec_linear = layer_spec.submodules.linear
+    if linear is not None and linear != spec_linear:
+        raise ValueError(f"get_mtp_block_spec: linear={linear!r} but the layer spec's layers use {spec_linear!r} "
+                         "linears (get_hybrid_layer_spec(..., linear=)); the MTP block follows the spec")
+    provider = get_spec_provider(backend, linear=spec_linear)
     norm = provider.layer_norm(rms_norm=True)
     layer = ModuleSpec(module=GlobalShiftMTPLayer, submodules=mtp_layer_submodules(
         enorm=norm, hnorm=norm, eh_proj=provider.column_parallel_linear(), layer=transformer_layer, layer_norm=norm))

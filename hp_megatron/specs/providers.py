@@ -131,10 +131,15 @@ class AscendCSpecProvider(_HPSpecProvider):
 _PROVIDERS = {"eager": EagerSpecProvider, "triton": TritonSpecProvider, "ascendc": AscendCSpecProvider}
 
 
-def get_spec_provider(backend="eager", linear: str = "local"):
-    """A provider instance from a backend name (``eager | triton | ascendc``) or a provider (returned as is)."""
+def get_spec_provider(backend="eager", linear: Optional[str] = None):
+    """A provider instance from a backend name (``eager | triton | ascendc``) with ``linear`` linears (``local`` or
+    ``te``; None: ``local``), or a provider, returned as is: a ``linear`` other than the provider's own is refused
+    (ValueError naming both; a provider's linears are fixed when it is made)."""
     if isinstance(backend, _HPSpecProvider):
+        if linear is not None and linear != backend.linear_impl:
+            raise ValueError(f"linear={linear!r} conflicts with the spec provider {backend!r}; make the provider with "
+                             f"{type(backend).__name__}(linear={linear!r}) or pass the backend's name")
         return backend
     if backend not in _PROVIDERS:
         raise ValueError(f"backend must be one of {BACKENDS} or a spec provider, got {backend!r}")
-    return _PROVIDERS[backend](linear=linear)
+    return _PROVIDERS[backend](linear="local" if linear is None else linear)

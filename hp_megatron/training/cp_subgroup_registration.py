@@ -25,7 +25,8 @@ def _model_cp_groups(args) -> list:
 
 
 def register_cp_subgroups_from_args(args, cp_groups=None) -> list:
-    """``layers.cp.register_cp_subgroups`` for the GDN/KDA CP configuration of the flags ``--hp-cp-method``,
+    """``layers.cp.register_cp_subgroups`` for the GDN/KDA CP configuration of the flags ``--hp-cp-method`` (or, not
+    given, the method a ``--cp-comm-type`` you gave selects, else the default: ``hp_megatron.cp_choice``),
     ``--hp-cp-ulysses-degree``, ``--hp-cp-group-size`` (``auto``: every configuration it may choose).
 
     COLLECTIVE over the whole world: every rank, at the same point, after ``initialize_model_parallel``.
@@ -34,6 +35,7 @@ def register_cp_subgroups_from_args(args, cp_groups=None) -> list:
     nothing to create and nothing is communicated (the flags are the same on every rank). Returns the member
     ranks of the sub-groups created.
     """
+    from hp_megatron.cp_choice import layer_methods
     from layers.cp import register_cp_subgroups
 
     if cp_groups is None:
@@ -41,5 +43,8 @@ def register_cp_subgroups_from_args(args, cp_groups=None) -> list:
                                                                               False):
             return []
         cp_groups = _model_cp_groups(args)
-    return register_cp_subgroups(cp_groups, method=args.hp_cp_method, ulysses_degree=args.hp_cp_ulysses_degree,
-                                 group_size=args.hp_cp_group_size)
+    created = []
+    for method, degree, _ in layer_methods(args, "delta_cp_method"):   # one per value of a per-layer list
+        created += register_cp_subgroups(cp_groups, method=method, ulysses_degree=degree,
+                                         group_size=args.hp_cp_group_size)
+    return created

@@ -12,6 +12,44 @@ from typing import Optional
 from layers.base.choices import CP_LAYOUTS
 
 CHECKS = ("positive", "non_negative", "negative")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")   # megatron-core's cp_comm_type values (--cp-comm-type)
+
+
+@dataclass(frozen=True)
+class CommTypeRule:
+    """How a mixer's CP method follows megatron's ``cp_comm_type`` (``--cp-comm-type``) when nothing of ours sets it.
+
+    One precedence for every mixer: its keyword (``ModuleSpec.params``) or our config field / ``--hp-*`` flag, then
+    a ``cp_comm_type`` the user chose, mapped by ``methods`` (``((cp_comm_type, method), ...)``, one pair per value
+    of :data:`CP_COMM_TYPES`), then ``default``. ``hierarchical_degree``: the keyword that ``a2a+p2p`` sets to the
+    first of ``hierarchical_context_parallel_sizes`` (the Ulysses degree of a hybrid method), None when the mixer
+    has no such keyword. Megatron-LM's argparse default ``['p2p']`` is not a choice: the ``--hp-*`` flags' path tells
+    the two apart (``hp_megatron.cp_choice``); a config's ``cp_comm_type`` (megatron-core's default is None) is one.
+    """
+
+    methods: tuple
+    default: str
+    hierarchical_degree: Optional[str] = None
+
+    def __post_init__(self):
+        if sorted(k for k, _ in self.methods) != sorted(CP_COMM_TYPES):
+            raise ValueError(f"CommTypeRule.methods must map each of {CP_COMM_TYPES}, got {self.methods!r}")
+
+    def method_of(self, cp_comm_type: str, owner: str = "cp_comm_type") -> str:
+        """The method of one ``cp_comm_type`` value; ValueError naming the accepted ones."""
+        for value, method in self.methods:
+            if value == cp_comm_type:
+                return method
+        raise ValueError(f"{owner}: cp_comm_type must be one of {sorted(CP_COMM_TYPES)}, got {cp_comm_type!r}")
+
+    def resolve(self, given, cp_comm_type, owner: str) -> tuple:
+        """``(method, source)``: ``given`` (the keyword or config field; None: not set), else the method of
+        ``cp_comm_type`` (one layer's value; None: not chosen), else :attr:`default`; ``source`` says which."""
+        if given is not None:
+            return given, "set"
+        if cp_comm_type is not None:
+            return self.method_of(cp_comm_type, owner), f"cp_comm_type {cp_comm_type!r}"
+        return self.default, "default"
 
 
 @dataclass(frozen=True)
@@ -27,7 +65,8 @@ class OptionRow:
     ``linear_*`` shapes of its GDN), which the row sets and the mixer reads as megatron-core defines it (registration
     refuses a megatron-core field without this declaration: it would overwrite megatron's value silently).
     A bool row with ``default=True`` gets a ``--no-...`` form (``argparse.BooleanOptionalAction``), as Megatron-LM's
-    on-by-default switches have."""
+    on-by-default switches have. ``comm_type``: a :class:`CommTypeRule` when megatron's ``--cp-comm-type`` decides
+    the field where the flag is not given (the row's ``default`` is then None, "not given")."""
 
     flag: Optional[str]
     field: Optional[str]
@@ -41,6 +80,7 @@ class OptionRow:
     optional: bool = True
     preset: bool = False
     megatron_field: bool = False
+    comm_type: Optional[CommTypeRule] = None
 
     def __post_init__(self):
         if self.flag is None and self.field is None:
@@ -57,6 +97,9 @@ class OptionRow:
         if self.type is bool and self.default not in (None, False, True):
             raise ValueError(f"OptionRow {self.flag}: a bool row's default must be True, False or None, got "
                              f"{self.default!r}")
+        if self.comm_type is not None and self.default is not None:
+            raise ValueError(f"OptionRow {self.flag}: a row that --cp-comm-type decides has default None (not given), "
+                             f"got {self.default!r}; its CommTypeRule holds the mixer's default")
 
     @property
     def dest(self) -> str:

@@ -112,3 +112,21 @@ def test_hybrid_cp_micro_batch_groups():
     assert forward_cp_group(SimpleNamespace(cp_group=None, local_cp_size=None), model) is model
     with pytest.raises(ValueError, match=r"local_cp_size=2 needs packed_seq_params.cp_group \(got None\)"):
         forward_cp_group(SimpleNamespace(cp_group=None, local_cp_size=2), model)
+
+
+def test_the_model_config_decides_the_layout():
+    """``config=`` (the model's config or the model) gives the layout its layers were built for; another ``layout``
+    beside it is a one-line ValueError, not a wrong slice."""
+    from types import SimpleNamespace
+
+    tokens = torch.arange(12).view(1, 12)
+    contiguous = SimpleNamespace(hp_cp_layout="contiguous")
+    for rank in range(2):
+        got = get_batch_on_this_cp_rank({"tokens": tokens}, cp_group=FakeGroup(2, rank), config=contiguous)
+        assert got["tokens"].flatten().tolist() == list(range(6 * rank, 6 * rank + 6))
+        model = SimpleNamespace(config=SimpleNamespace(hp_cp_layout="zigzag"))
+        zigzag = get_batch_on_this_cp_rank({"tokens": tokens}, cp_group=FakeGroup(2, rank), config=model)
+        assert zigzag["tokens"].flatten().tolist() == [[0, 1, 2, 9, 10, 11], [3, 4, 5, 6, 7, 8]][rank]
+    with pytest.raises(ValueError, match=r"^get_batch_on_this_cp_rank: layout='zigzag' but the model's "
+                                         r"config.hp_cp_layout is 'contiguous'[^\n]*$"):
+        get_batch_on_this_cp_rank({"tokens": tokens}, cp_group=FakeGroup(2, 0), layout="zigzag", config=contiguous)

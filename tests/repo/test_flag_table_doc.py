@@ -15,12 +15,15 @@ def test_usage_doc_holds_the_generated_flag_table():
 
 def test_every_parsed_flag_is_a_row():
     from hp_megatron.arguments import add_hp_arguments
+    from hp_megatron.cp_choice import GIVEN_DEST
     from hp_megatron.flags import flag_table
     from hp_megatron.registry import MIXER_MODULE_FLAG
 
     parser = add_hp_arguments(argparse.ArgumentParser(add_help=False), [])
     defaults = vars(parser.parse_args([]))
     rows = {row.dest: row for row in flag_table() if row.flag is not None}
-    assert set(defaults) == set(rows) | {MIXER_MODULE_FLAG[2:].replace("-", "_")}
+    # besides the rows: the modules flag, and the note whether --cp-comm-type was given (hp_megatron.cp_choice)
+    assert set(defaults) == set(rows) | {MIXER_MODULE_FLAG[2:].replace("-", "_"), GIVEN_DEST}
+    assert defaults[GIVEN_DEST] is False
     for dest, row in rows.items():
         assert defaults[dest] == (False if row.type is bool else row.default), dest

@@ -10,7 +10,11 @@ TP=${TP:-2}
 CP=${CP:-4}
 PP=${PP:-1}
 BACKEND=${BACKEND:-triton}            # eager | triton | ascendc (spec NAME suffix follows it)
-CP_METHOD=${CP_METHOD:-allgather}     # allgather | p2p | grouped_allgather_p2p | recursive_doubling | ulysses | auto
+# allgather | p2p | grouped_allgather_p2p | recursive_doubling | ulysses | auto; unset: a --cp-comm-type you add
+# decides, else the mixers' default (allgather; docs/cp.md, "Which CP method a layer runs")
+CP_METHOD=${CP_METHOD:-}
+CP_METHOD_ARGS=()
+if [ -n "$CP_METHOD" ]; then CP_METHOD_ARGS=(--hp-cp-method "$CP_METHOD"); fi
 SEQ=${SEQ:-32768}
 DATA=${DATA:?set DATA to an indexed-dataset prefix (tools/preprocess_data.py output, without .bin/.idx)}
 TOKENIZER=${TOKENIZER:?set TOKENIZER to a HuggingFace tokenizer directory or name}
@@ -38,5 +42,5 @@ COMMON_ARGS=(
   --data-path "$DATA" --split 99,1,0 --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER"
   --save "$CKPT" "${LOAD_ARGS[@]}" --save-interval "${SAVE_INTERVAL:-500}" --ckpt-format torch_dist
   --log-interval 1 --eval-interval 1000 --eval-iters 10
-  --hp-backend "$BACKEND" --hp-cp-method "$CP_METHOD" --hp-cp-layout zigzag
+  --hp-backend "$BACKEND" "${CP_METHOD_ARGS[@]}" --hp-cp-layout zigzag
 )

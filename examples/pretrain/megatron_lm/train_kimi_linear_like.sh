@@ -10,5 +10,5 @@ torchrun --nproc-per-node "$GPUS" "$HERE/pretrain_gpt_hp.py" "${COMMON_ARGS[@]}"
   --position-embedding-type none \
   --hp-linear-num-key-heads 16 --hp-linear-key-head-dim 128 --hp-linear-value-head-dim 128 \
   --hp-linear-conv-kernel-dim 4 \
-  --hp-mla-cp-strategy latent --hp-mla-kv-lora-rank 512 --hp-mla-qk-head-dim 128 --hp-mla-qk-pos-emb-head-dim 64 \
+  --hp-mla-kv-lora-rank 512 --hp-mla-qk-head-dim 128 --hp-mla-qk-pos-emb-head-dim 64 \
   --hp-mla-v-head-dim 128 --hp-mla-rope-type none "$@"

@@ -13,5 +13,5 @@ torchrun --nproc-per-node "$GPUS" "$HERE/pretrain_hybrid_hp.py" "${COMMON_ARGS[@
   --position-embedding-type none \
   --hp-linear-num-key-heads 16 --hp-linear-key-head-dim 128 --hp-linear-value-head-dim 128 \
   --hp-linear-conv-kernel-dim 4 \
-  --hp-mla-cp-strategy latent --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 \
+  --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 \
   --hp-mla-rope-type none "$@"

@@ -30,6 +30,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from layers.base.choices import CP_LAYOUTS
 from layers.base.keywords import check_keywords, declared_keywords
+from layers.cp.choice_log import log_cp_choice
 from layers.cp.sequence import packed_cu_seqlens
 from layers.mixers.delta.checkpoint import delta_sharded_state_dict
 from layers.mixers.delta.cp import cp_context
@@ -111,7 +112,10 @@ class DeltaMixer(ContextParallelMixer, MegatronModule):
         self.norm_eps = float(opts["norm_eps"] if opts["norm_eps"] is not None else config.layernorm_epsilon)
         self.backend = opts["backend"]
         backend_module = get_backend(self.backend)  # validates the name; a missing optional backend raises now
-        self.cp_method, self.cp_ulysses_degree = resolve_cp_method(name, opts, cp_comm_type, config)
+        self.cp_method, self.cp_ulysses_degree, cp_source = resolve_cp_method(name, opts, cp_comm_type, config)
+        if cp_source == "set":
+            cp_source = "ModuleSpec.params cp_method" if overrides.get("cp_method") is not None else \
+                "config.delta_cp_method"
         self.cp_layout = opts["cp_layout"]
         # --recompute-modules hp_conv / hp_gated_norm (shared/recompute.py): outputs freed, recomputed in backward
         self.recompute_conv = recomputes(config, "hp_conv")
@@ -137,6 +141,10 @@ class DeltaMixer(ContextParallelMixer, MegatronModule):
 
         self.tp_group, self.cp_group = tp_cp_groups(pg_collection)
         self.tp_size, self.tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
+        self.cp_method_source = cp_source   # what chose cp_method (docs/cp.md, "Which CP method")
+        if group_size(self.cp_group) > 1:
+            log_cp_choice(self.kind.upper(), f"H={self.num_key_heads} HV={self.num_value_heads} K={self.key_head_dim} "
+                          f"V={self.value_head_dim}", group_size(self.cp_group), self.cp_method, cp_source)
         for label, heads in (("num_key_heads", self.num_key_heads), ("num_value_heads", self.num_value_heads)):
             if heads % self.tp_size:
                 raise ValueError(f"{name}: {label}={heads} must be divisible by the tensor-parallel size "

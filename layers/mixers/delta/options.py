@@ -11,13 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from layers.base.choices import BACKENDS, CP_METHOD_CHOICES
-from layers.base.options import SHARED_ROWS, OptionRow, keyword_attrs
+from layers.base.options import SHARED_ROWS, CommTypeRule, OptionRow, keyword_attrs
 from layers.cp.auto import MEASURE_TOP
 from layers.cp.subgroups import check_auto_leaves_free
 
+# The default when neither our option nor a cp_comm_type the user chose decides (docs/cp.md, "Which CP method"):
+# allgather works for every head count and TP x CP layout, is deterministic (no timing at start-up, the same method
+# on every machine and CP group) and needs no sub-groups; auto would time candidates on the first forward.
 DEFAULT_CP_METHOD = "allgather"
-# megatron's --cp-comm-type values -> our CP methods (used when no method is configured explicitly)
+# megatron's --cp-comm-type values -> our CP methods (a2a+p2p: Ulysses over hierarchical_context_parallel_sizes[0])
 CP_COMM_TYPE_METHODS = {"p2p": "p2p", "all_gather": "allgather", "a2a": "ulysses", "a2a+p2p": "p2p"}
+DELTA_CP_RULE = CommTypeRule(tuple(CP_COMM_TYPE_METHODS.items()), DEFAULT_CP_METHOD,
+                             hierarchical_degree="cp_ulysses_degree")
 
 _REQUIRED = object()
 
@@ -35,9 +40,11 @@ DELTA_ROWS = (
     OptionRow("--hp-backend", "hp_backend", "backend", str, model=True, default="eager", choices=BACKENDS,
               optional=False, help="kernel backend of the GDN/KDA mixers: eager (PyTorch), triton "
                                    "(flash-linear-attention), ascendc (fla-npu)"),
-    OptionRow("--hp-cp-method", "delta_cp_method", "cp_method", str, default=DEFAULT_CP_METHOD,
-              choices=CP_METHOD_CHOICES, help="context-parallel method of the GDN/KDA layers; auto: the fastest for "
-              "this CP group and layer shape from a calibrated cost model (docs/cp.md, section 3)"),
+    OptionRow("--hp-cp-method", "delta_cp_method", "cp_method", str, comm_type=DELTA_CP_RULE,
+              choices=CP_METHOD_CHOICES, help="context-parallel method of the GDN/KDA layers (not given: from a "
+              "--cp-comm-type you give, p2p -> p2p, all_gather -> allgather, a2a -> ulysses, a2a+p2p -> Ulysses x p2p; "
+              f"else {DEFAULT_CP_METHOD}); auto: the fastest for this CP group and layer shape from a calibrated cost "
+              "model (docs/cp.md, section 3)"),
     OptionRow("--hp-cp-auto-measure", "delta_cp_auto_measure", "cp_auto_measure", int, check="non_negative",
               optional=False, help="with --hp-cp-method auto: time the cost model's N fastest candidates on each "
               f"GDN/KDA layer shape at its first forward and take the fastest (default {MEASURE_TOP}; 0: the model "
@@ -140,25 +147,21 @@ AUTO_ONLY_OPTIONS = ("cp_calibration", "cp_auto_measure")   # read only by cp_me
 
 
 def resolve_cp_method(owner: str, opts: dict, cp_comm_type, config) -> tuple:
-    """``(method, ulysses_degree)``: the ``cp_method`` option, else megatron's ``cp_comm_type`` mapped
-    (``CP_COMM_TYPE_METHODS``; ``a2a+p2p`` takes its Ulysses degree from
-    ``config.hierarchical_context_parallel_sizes``), else ``DEFAULT_CP_METHOD``."""
-    method, degree = opts["cp_method"], opts["cp_ulysses_degree"]
-    if method is None and cp_comm_type is not None:
-        if cp_comm_type not in CP_COMM_TYPE_METHODS:
-            raise ValueError(f"{owner}: cp_comm_type must be one of {sorted(CP_COMM_TYPE_METHODS)}, got "
-                             f"{cp_comm_type!r}")
-        method = CP_COMM_TYPE_METHODS[cp_comm_type]
-        if cp_comm_type == "a2a+p2p" and degree is None:
-            sizes = getattr(config, "hierarchical_context_parallel_sizes", None)
-            if not sizes:
-                raise ValueError("cp_comm_type 'a2a+p2p' needs config.hierarchical_context_parallel_sizes "
-                                 "(its first entry is the Ulysses degree)")
-            degree = int(sizes[0])
-    method = method or DEFAULT_CP_METHOD
+    """``(method, ulysses_degree, source)`` by :data:`DELTA_CP_RULE`: the ``cp_method`` option (keyword, else
+    ``config.delta_cp_method``), else megatron's ``cp_comm_type`` of this layer mapped (``CP_COMM_TYPE_METHODS``;
+    ``a2a+p2p`` takes its Ulysses degree from ``config.hierarchical_context_parallel_sizes``), else
+    ``DEFAULT_CP_METHOD``; ``source`` says which decided."""
+    degree = opts["cp_ulysses_degree"]
+    method, source = DELTA_CP_RULE.resolve(opts["cp_method"], cp_comm_type, owner)
+    if cp_comm_type == "a2a+p2p" and opts["cp_method"] is None and degree is None:
+        sizes = getattr(config, "hierarchical_context_parallel_sizes", None)
+        if not sizes:
+            raise ValueError("cp_comm_type 'a2a+p2p' needs config.hierarchical_context_parallel_sizes "
+                             "(its first entry is the Ulysses degree)")
+        degree = int(sizes[0])
     if method not in CP_METHOD_CHOICES:
         raise ValueError(f"{owner}: cp_method must be one of {CP_METHOD_CHOICES}, got {method!r}")
-    return method, degree
+    return method, degree, source
 
 
 def check_cp_auto_options(owner: str, method: str, opts: dict, overrides: dict) -> None:

@@ -34,21 +34,21 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from layers.mixers.attention.masking import document_starts
 from layers.cp.auto import AutoLayer, auto_tuner
+from layers.cp.choice_log import log_cp_choice
 from layers.cp.cost_model import MLALayerShape
-from layers.cp.mla import STRATEGIES, MLADims, check_strategy, expand_keys_values, mla_context_parallel
+from layers.cp.mla import MLADims, check_strategy, expand_keys_values, mla_context_parallel
 from layers.cp.plan import check_layout
 from layers.cp.sequence import check_packed_tokens, packed_cu_seqlens, plan_for_batch
 from layers.shared.inference import static_context
 from layers.base.keywords import check_keywords, declared_keywords
 from layers.shared.masks import check_causal_mask
 from layers.mixers.mla.decode import mla_inference_forward
+from layers.mixers.mla.options import MLA_CP_RULE
 from layers.shared.parallel import (ContextParallelMixer, SumGradOverTP, group_rank, group_size, spec_module,
                                     tp_cp_groups)
 from layers.shared.recompute import PartRecompute, recomputes
 from layers.shared.rotary import MLARotary, apply_mla_rope, mla_softmax_scale
 
-# megatron/TE cp_comm_type names that select one of our strategies; others keep the configured strategy.
-TE_CP_COMM_TYPES = {"a2a": "expanded_ulysses", "all_gather": "latent"}
 # our parameter name -> the name megatron's TE spec (fused layer-norm linears) stores it under
 TE_NORM_NAMES = {"q_layernorm.weight": "linear_q_up_proj.layer_norm_weight",
                  "kv_layernorm.weight": "linear_kv_up_proj.layer_norm_weight"}
@@ -101,7 +101,7 @@ class MultiLatentAttention(ContextParallelMixer, MegatronModule):
         self.cp_layout = check_layout(cp_layout or getattr(config, "hp_cp_layout", None) or "zigzag")
         # --recompute-modules hp_mla_up_proj (layers/shared/recompute.py): per-head K/V recomputed from the latent
         self.recompute_up_proj = recomputes(config, "hp_mla_up_proj")
-        self.cp_strategy = self._select_strategy(cp_strategy, cp_comm_type)
+        self.cp_strategy, self.cp_strategy_source = self._select_strategy(cp_strategy, cp_comm_type)
         self.checkpoint_norm_names = checkpoint_norm_names
         self.comm_stats = comm_stats
         self.cp_auto_choices = {}     # cp_strategy="auto": CP group -> the strategy chosen there
@@ -117,6 +117,9 @@ class MultiLatentAttention(ContextParallelMixer, MegatronModule):
         self.softmax_scale = mla_softmax_scale(c.qk_head_dim, c.qk_pos_emb_head_dim, c.rotary_scaling_factor,
                                                c.mscale_all_dim)
         self.q_lora_rank = c.q_lora_rank
+        if group_size(self.cp_group) > 1:
+            log_cp_choice("MLA", f"heads={heads} r={c.kv_lora_rank} d={c.qk_head_dim} p={c.qk_pos_emb_head_dim} "
+                          f"v={c.v_head_dim}", group_size(self.cp_group), self.cp_strategy, self.cp_strategy_source)
 
         linear = dict(config=c, init_method=c.init_method, bias=False, skip_bias_add=False, is_expert=False)
         if c.q_lora_rank is None:
@@ -162,12 +165,14 @@ class MultiLatentAttention(ContextParallelMixer, MegatronModule):
         self.register_load_state_dict_pre_hook(self._accept_te_norm_names)
 
     # -- construction helpers ---------------------------------------------------------------------------
-    def _select_strategy(self, cp_strategy, cp_comm_type) -> str:
-        if cp_strategy is None and isinstance(cp_comm_type, str):
-            cp_strategy = cp_comm_type if cp_comm_type in STRATEGIES else TE_CP_COMM_TYPES.get(cp_comm_type)
-        if cp_strategy is None:
-            cp_strategy = getattr(self.config, "mla_cp_strategy", None) or "latent"
-        return cp_strategy if cp_strategy == "auto" else check_strategy(cp_strategy)   # auto: layers.cp.auto
+    def _select_strategy(self, cp_strategy, cp_comm_type) -> tuple:
+        """``(strategy, source)`` by ``MLA_CP_RULE`` (docs/cp.md, "Which CP method"): the ``cp_strategy`` keyword,
+        else ``config.mla_cp_strategy``, else megatron's ``cp_comm_type`` of this layer mapped, else ``latent``."""
+        source = "ModuleSpec.params cp_strategy" if cp_strategy is not None else "config.mla_cp_strategy"
+        given = cp_strategy if cp_strategy is not None else getattr(self.config, "mla_cp_strategy", None)
+        strategy, how = MLA_CP_RULE.resolve(given, cp_comm_type, "MultiLatentAttention")
+        strategy = strategy if strategy == "auto" else check_strategy(strategy)   # auto: layers.cp.auto
+        return strategy, source if how == "set" else how
 
     def _down_kwargs(self, spec) -> dict:
         module = spec_module(spec)
@@ -437,4 +442,4 @@ def mla_state_dict_to_hf(state: dict, config, *, rope_interleave: bool = True) -
 
 
 __all__ = ["MultiLatentAttention", "MLASelfAttentionSubmodules",
-           "mla_state_dict_from_hf", "mla_state_dict_to_hf", "HF_TO_MLA", "TE_CP_COMM_TYPES", "TE_NORM_NAMES"]
+           "mla_state_dict_from_hf", "mla_state_dict_to_hf", "HF_TO_MLA", "TE_NORM_NAMES"]
