@@ -1,0 +1,130 @@
+"""backend="ascendc" training on Ascend 910B (A2) and 910_93 (A3) through the fla-npu stand-in declared as those SoCs.
+
+The stand-in refuses every operator whose op-def does not register the declared SoC (``REGISTERED_SOCS``, each
+entry naming the revision and file read), so these cases run only what an A2 / A3 build has: GDN's backward on
+fla-npu's building blocks (``layers/ops/ascendc/gdn_staged.py``) instead of the Ascend-950-only composite backward,
+and GDN CP with w / u from ``recompute_w_u_fwd`` instead of the 950-only ``chunk_gated_delta_rule_fwd_prepare``.
+Each case checks the forward and every input gradient against the eager backend (fp32 stand-in, the tolerances of
+tests/backends/test_backend_ascendc.py) and which operators ran. KDA's backward stays refused there (its backward
+stages register Ascend 950 only): one error naming the op and the alternative, before any kernel runs. Not run on
+Ascend hardware.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import pytest
+import torch
+
+from layers.ops import chunk_kda
+from layers.ops.ascendc import runtime
+from tests.backends.test_backend_ascendc import K128, cp_case
+from tests.support.ascendc_standin import (BF16_STATE_TOL, GRAD_TOL, KNOBS, OUT_TOL, REAL, STANDIN, assert_close,
+                                           compare, forget_fla_npu, install_standin)
+from tests.support.dist import run_distributed
+from tests.support.reference import make_problem
+
+pytestmark = pytest.mark.skipif(REAL, reason="HP_ASCEND_REAL=1: these cases declare the SoC to the stand-in")
+
+A2, A3 = "Ascend910B3", "Ascend910_9392"
+STAGED_BWD = {"npu_recompute_w_u_fwd", "npu_chunk_gated_delta_rule_fwd_h", "npu_chunk_bwd_dv_local",
+              "npu_chunk_gated_delta_rule_bwd_dhu", "npu_chunk_bwd_dqkwg", "npu_prepare_wy_repr_bwd_da",
+              "npu_prepare_wy_repr_bwd_full", "npu_chunk_local_cumsum"}
+A5_ONLY = {"npu_chunk_gated_delta_rule_bwd", "npu_chunk_gated_delta_rule_fwd_prepare", "npu_chunk_kda_bwd_prepare",
+           "npu_chunk_kda_bwd_finalize"}
+
+
+@pytest.fixture
+def on_soc(monkeypatch):
+    monkeypatch.setattr(runtime, "DEVICE", runtime.DEVICE)
+    monkeypatch.setattr(runtime, "KERNEL_DTYPES", runtime.KERNEL_DTYPES)
+    yield lambda soc: install_standin(soc=soc)
+    if STANDIN in sys.path:
+        sys.path.remove(STANDIN)
+    forget_fla_npu()
+    for name in KNOBS:
+        os.environ.pop(name, None)
+
+
+SINGLE = [(A2, "dense_h0", dict(B=2, T=70, H=2, HV=2, initial_state=True, **K128)),
+          (A3, "packed_gva_in_kernel", dict(B=1, T=100, H=1, HV=2, cu_seqlens=[0, 5, 70, 100], initial_state=True,
+                                            l2norm_in_kernel=True, beta_sigmoid=True, gate_in_kernel=True, **K128))]
+
+
+@pytest.mark.parametrize("soc,name,problem", SINGLE, ids=[f"{s}-{n}" for s, n, _ in SINGLE])
+def test_gdn_trains_on_a2_a3(on_soc, soc, name, problem):
+    """Forward, final state and every input gradient (incl. the initial state's, and a final-state cotangent
+    through the dummy tokens) equal eager; the backward ran on the building blocks, no Ascend-950-only op."""
+    standin = on_soc(soc)
+    standin.CALLS.clear()
+    errs, _ = compare("gdn", problem)
+    assert_close(errs, kind="gdn")
+    calls = set(standin.CALLS)
+    assert STAGED_BWD <= calls and not calls & A5_ONLY, sorted(calls)
+
+
+def test_a5_only_op_is_refused_on_a2(on_soc):
+    """The stand-in plays the SoC's op set: the composite backward (registered for Ascend950 only) raises
+    naming the op, the SoC and the source it was read from."""
+    standin = on_soc(A2)
+    x = torch.zeros(1, 64, 1, 128)
+    with pytest.raises(RuntimeError, match=r"npu_chunk_gated_delta_rule_bwd: no kernel registered for Ascend910B3 "
+                                           r"\(op-def registers Ascend950; 2a1b0ce9"):
+        standin.chunk_gated_delta_rule_bwd(x, x, x, x[..., 0], x[..., 0], x, x, 1.0)
+
+
+@pytest.mark.parametrize("soc", [A2, A3])
+def test_kda_backward_refused_on_a2_a3(on_soc, soc):
+    """KDA's backward stages register Ascend 950 only: one RuntimeError naming them and the alternatives, raised
+    before the forward runs; KDA inference still runs."""
+    standin = on_soc(soc)
+    tensors, flags = make_problem("kda", B=1, T=64, H=1, HV=1, **K128)
+    leaves = {n: x.requires_grad_() for n, x in tensors.items()}
+    standin.CALLS.clear()
+    with pytest.raises(RuntimeError, match=rf"on {soc}: KDA backward .*Ascend950 only.*backend='eager'"):
+        chunk_kda(**leaves, **flags, backend="ascendc")
+    assert standin.CALLS == []
+    with torch.no_grad():
+        o, _ = chunk_kda(**tensors, **flags, backend="ascendc")
+    assert torch.isfinite(o).all()
+
+
+# ------------------------------------------------------------------------------------------- CP (gloo)
+CP_WORLD = 2
+CP_CASES = [(A2, "zigzag_thd", "p2p", {}), (A3, "contiguous_thd", "allgather", {})]
+
+
+def cp_worker(rank, world):
+    results = {}
+    for soc, lay, method, opts in CP_CASES:
+        standin = install_standin(soc=soc)
+        standin.CALLS.clear()
+        try:
+            results[(soc, lay, method)] = {"errs": cp_case("gdn", lay, method, opts, True),
+                                           "calls": sorted(set(standin.CALLS))}
+        except Exception:  # noqa: BLE001 - reported per case; every rank runs the same cases in order
+            results[(soc, lay, method)] = {"error": traceback.format_exc()}
+            torch.distributed.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def cp_results():
+    return run_distributed(cp_worker, CP_WORLD)
+
+
+@pytest.mark.parametrize("case", CP_CASES, ids=[f"{s}-{l}-{m}" for s, l, m, _ in CP_CASES])
+def test_gdn_cp_on_a2_a3(cp_results, case):
+    """GDN state-passing CP on 2 gloo ranks against single-rank eager (output and every input gradient), with the
+    A2/A3 summary inputs and the building-block backward; no Ascend-950-only op ran."""
+    soc, lay, method, _ = case
+    per_rank = [r[(soc, lay, method)] for r in cp_results]
+    errors = [r["error"] for r in per_rank if "error" in r]
+    assert not errors, errors[0]
+    assert_close(per_rank[0]["errs"], OUT_TOL, max(GRAD_TOL, BF16_STATE_TOL))
+    calls = set(per_rank[0]["calls"])
+    assert {"npu_pre_process_fwd_kernel_merged", "npu_chunk_delta_h_bwd_preprocess"} | STAGED_BWD <= calls
+    assert not calls & A5_ONLY, sorted(calls)
+    assert ("npu_merge_fwd_bwd_kernel" in calls) == (method == "allgather")
