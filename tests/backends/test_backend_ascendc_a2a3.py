@@ -5,7 +5,8 @@ entry naming the revision and file read), so these cases run only what an A2 / A
 fla-npu's building blocks (``layers/ops/ascendc/gdn_staged.py``) instead of the Ascend-950-only composite backward,
 and GDN CP with w / u from ``recompute_w_u_fwd`` instead of the 950-only ``chunk_gated_delta_rule_fwd_prepare``.
 Each case checks the forward and every input gradient against the eager backend (fp32 stand-in, the tolerances of
-tests/backends/test_backend_ascendc.py) and which operators ran. KDA's backward stays refused there (its backward
+tests/backends/test_backend_ascendc.py) and which operators ran; the CP cases on these SoCs share that file's gloo
+spawn (``A2A3_CP_CASES`` there). KDA's backward stays refused there (its backward
 stages register Ascend 950 only): one error naming the op and the alternative, before any kernel runs. Not run on
 Ascend hardware.
 """
@@ -13,25 +14,19 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 
 import pytest
 import torch
 
 from layers.ops import chunk_kda
 from layers.ops.ascendc import runtime
-from tests.backends.test_backend_ascendc import K128, cp_case
-from tests.support.ascendc_standin import (BF16_STATE_TOL, GRAD_TOL, KNOBS, OUT_TOL, REAL, STANDIN, assert_close,
-                                           compare, forget_fla_npu, install_standin)
-from tests.support.dist import run_distributed
+from tests.backends.test_backend_ascendc import A2A3_STAGED as STAGED_BWD, K128
+from tests.support.ascendc_standin import KNOBS, REAL, STANDIN, assert_close, compare, forget_fla_npu, install_standin
 from tests.support.reference import make_problem
 
 pytestmark = pytest.mark.skipif(REAL, reason="HP_ASCEND_REAL=1: these cases declare the SoC to the stand-in")
 
 A2, A3 = "Ascend910B3", "Ascend910_9392"
-STAGED_BWD = {"npu_recompute_w_u_fwd", "npu_chunk_gated_delta_rule_fwd_h", "npu_chunk_bwd_dv_local",
-              "npu_chunk_gated_delta_rule_bwd_dhu", "npu_chunk_bwd_dqkwg", "npu_prepare_wy_repr_bwd_da",
-              "npu_prepare_wy_repr_bwd_full", "npu_chunk_local_cumsum"}
 A5_ONLY = {"npu_chunk_gated_delta_rule_bwd", "npu_chunk_gated_delta_rule_fwd_prepare", "npu_chunk_kda_bwd_prepare",
            "npu_chunk_kda_bwd_finalize"}
 
@@ -89,42 +84,3 @@ def test_kda_backward_refused_on_a2_a3(on_soc, soc):
     with torch.no_grad():
         o, _ = chunk_kda(**tensors, **flags, backend="ascendc")
     assert torch.isfinite(o).all()
-
-
-# ------------------------------------------------------------------------------------------- CP (gloo)
-CP_WORLD = 2
-CP_CASES = [(A2, "zigzag_thd", "p2p", {}), (A3, "contiguous_thd", "allgather", {})]
-
-
-def cp_worker(rank, world):
-    results = {}
-    for soc, lay, method, opts in CP_CASES:
-        standin = install_standin(soc=soc)
-        standin.CALLS.clear()
-        try:
-            results[(soc, lay, method)] = {"errs": cp_case("gdn", lay, method, opts, True),
-                                           "calls": sorted(set(standin.CALLS))}
-        except Exception:  # noqa: BLE001 - reported per case; every rank runs the same cases in order
-            results[(soc, lay, method)] = {"error": traceback.format_exc()}
-            torch.distributed.barrier()
-    return results
-
-
-@pytest.fixture(scope="module")
-def cp_results():
-    return run_distributed(cp_worker, CP_WORLD)
-
-
-@pytest.mark.parametrize("case", CP_CASES, ids=[f"{s}-{l}-{m}" for s, l, m, _ in CP_CASES])
-def test_gdn_cp_on_a2_a3(cp_results, case):
-    """GDN state-passing CP on 2 gloo ranks against single-rank eager (output and every input gradient), with the
-    A2/A3 summary inputs and the building-block backward; no Ascend-950-only op ran."""
-    soc, lay, method, _ = case
-    per_rank = [r[(soc, lay, method)] for r in cp_results]
-    errors = [r["error"] for r in per_rank if "error" in r]
-    assert not errors, errors[0]
-    assert_close(per_rank[0]["errs"], OUT_TOL, max(GRAD_TOL, BF16_STATE_TOL))
-    calls = set(per_rank[0]["calls"])
-    assert {"npu_pre_process_fwd_kernel_merged", "npu_chunk_delta_h_bwd_preprocess"} | STAGED_BWD <= calls
-    assert not calls & A5_ONLY, sorted(calls)
-    assert ("npu_merge_fwd_bwd_kernel" in calls) == (method == "allgather")
