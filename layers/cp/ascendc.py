@@ -21,8 +21,9 @@ backward:
 re-shards heads before calling this hook). Limits: K = V = 128 (the native CP kernels). GDN on Ascend 910B /
 910_93, which lack ``chunk_gated_delta_rule_fwd_prepare``, takes w / u from the composite forward's A through
 ``recompute_w_u_fwd`` (one more composite forward per layer) and runs the backward on the building blocks
-(``layers/ops/ascendc/gdn_staged.py``); the summary and merge kernels register all three SoCs. Three fla-npu ops reject zero-length pieces; the planner never makes
-one (empty documents are rejected, zigzag documents are multiples of 2P), and the hook says so if one appears. The
+(``layers/ops/ascendc/gdn_staged.py``); the summary and merge kernels register all three SoCs. Three fla-npu ops
+reject zero-length pieces; the planner never makes one (empty documents are rejected, zigzag documents are
+multiples of 2P), and the hook says so if one appears. The
 backward summary takes ``gk`` in bf16/fp16 (KDA's cumulative gate is rounded to bf16 there when the model
 runs in fp32) and is ``chunk_delta_h_bwd_preprocess`` or ``pre_process_bwd_kernel_merged`` by revision.
 """
@@ -222,7 +223,8 @@ def _gdn_cp(ctx, plan, inputs, flat, cu, device_name, scale, flags):
     q1, k1, v1, g1, b1 = flat
     gate, A_log, dt_bias = flags.get("use_gate_in_kernel", False), flags.get("A_log"), flags.get("dt_bias")
     staged = staged_gdn_backward(device_name)   # A2/A3: summaries and backward from the building blocks
-    ops = [runtime.require_api(f) for f in ("gdn", "cp", "gdn_staged_bwd" if staged else "cp_gdn")]
+    features = ["gdn", "cp", "gdn_staged_bwd" if staged else "cp_gdn"]   # runtime.API groups this run calls
+    ops = [runtime.require_api(f) for f in features]
     runtime.check_dtype("gdn", q=q, k=k, v=v)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias))

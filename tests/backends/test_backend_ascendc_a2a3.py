@@ -20,15 +20,14 @@ import torch
 
 from layers.ops import chunk_kda
 from layers.ops.ascendc import runtime
-from tests.backends.test_backend_ascendc import A2A3_STAGED as STAGED_BWD, K128
-from tests.support.ascendc_standin import KNOBS, REAL, STANDIN, assert_close, compare, forget_fla_npu, install_standin
+from tests.support.ascendc_standin import (A5_ONLY_OPS, KNOBS, REAL, STAGED_GDN_BWD_OPS, STANDIN, assert_close, compare,
+                                           forget_fla_npu, install_standin)
 from tests.support.reference import make_problem
 
 pytestmark = pytest.mark.skipif(REAL, reason="HP_ASCEND_REAL=1: these cases declare the SoC to the stand-in")
 
 A2, A3 = "Ascend910B3", "Ascend910_9392"
-A5_ONLY = {"npu_chunk_gated_delta_rule_bwd", "npu_chunk_gated_delta_rule_fwd_prepare", "npu_chunk_kda_bwd_prepare",
-           "npu_chunk_kda_bwd_finalize"}
+K128 = dict(K=128, V=128)
 
 
 @pytest.fixture
@@ -57,7 +56,7 @@ def test_gdn_trains_on_a2_a3(on_soc, soc, name, problem):
     errs, _ = compare("gdn", problem)
     assert_close(errs, kind="gdn")
     calls = set(standin.CALLS)
-    assert STAGED_BWD <= calls and not calls & A5_ONLY, sorted(calls)
+    assert STAGED_GDN_BWD_OPS <= calls and not calls & A5_ONLY_OPS, sorted(calls)
 
 
 def test_a5_only_op_is_refused_on_a2(on_soc):

@@ -22,11 +22,15 @@ What it enforces like that revision (each check names the operator):
   revision (its KDA CP example reaches ``aclnnChunkKdaBwdPrepare`` through a private runtime call); later
   revisions export them (``FLA_NPU_STANDIN_KDA_BWD_EXPORTED=1`` models those). The backward CP summary is
   named ``chunk_delta_h_bwd_preprocess`` (later: ``pre_process_bwd_kernel_merged``). No ``__version__`` here.
-- the declared SoC (``FLA_NPU_STANDIN_SOC``, default ``Ascend950PR``): ``chunk_gated_delta_rule_fwd_prepare``
-  and the composite backward exist for Ascend 950 only; the composite forward's in-kernel L2 norm / sigmoid
-  take a 950-only path; Ascend 910_93 (A3) rejects the BSND/TND layouts of the composite forward.
+- the declared SoC (``FLA_NPU_STANDIN_SOC``, default ``Ascend950PR``): every operator raises on a SoC its op-def
+  does not register (``REGISTERED_SOCS``: the ``AddConfig`` SoCs read from each op-def, revision and file named;
+  Ascend 950 only: the composite GDN backward, ``chunk_gated_delta_rule_fwd_prepare``, the KDA backward stages);
+  the composite forward's in-kernel L2 norm / sigmoid take a 950-only path; Ascend 910_93 (A3) rejects the
+  BSND/TND layouts of the composite forward.
+- the GDN building blocks fla-npu's A2/A3 example composes (``recompute_w_u_fwd``, ``chunk_local_cumsum``,
+  ``chunk_bwd_dqkwg``, ``prepare_wy_repr_bwd_da`` / ``_full``; signatures from main 17e24fdd ``_aclnn_ctypes.py``).
 - dtypes: bf16 (composite GDN: bf16 only; KDA: ``chunk_fwd_h``, ``chunk_kda_fwd_finalize`` and the backward
-  stages bf16 only, the prepare bf16/fp16; ``ALLOW_FP32`` widens q/k/v-like tensors for exact tests but never
+  stages bf16 only, the prepare and the GDN building blocks bf16/fp16; ``ALLOW_FP32`` widens q/k/v-like tensors for exact tests but never
   the inputs the real ops demand in one dtype: composite backward ``initial_state``/``dht`` bf16 (``dh0``
   comes back bf16), ``gk`` of the backward CP summary bf16/fp16, ``dq_raw`` / ``d_aqk`` / ``gk`` / ``raw_g``
   of the KDA backward finalize fp32 (``chunk_kda_bwd_prepare`` returns ``dq_raw`` fp32)); ``beta_raw`` must
