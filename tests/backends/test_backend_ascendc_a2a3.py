@@ -20,9 +20,9 @@ import torch
 
 from layers.ops import chunk_kda
 from layers.ops.ascendc import runtime
-from tests.support.ascendc_standin import (A5_ONLY_OPS, KNOBS, REAL, STAGED_GDN_BWD_OPS, STANDIN, assert_close, compare,
-                                           forget_fla_npu, install_standin)
-from tests.support.reference import make_problem
+from tests.support.ascendc_standin import (A5_ONLY_OPS, KNOBS, OUT_TOL, REAL, STAGED_GDN_BWD_OPS, STANDIN,
+                                           assert_close, compare, forget_fla_npu, install_standin)
+from tests.support.reference import make_problem, rel_err
 
 pytestmark = pytest.mark.skipif(REAL, reason="HP_ASCEND_REAL=1: these cases declare the SoC to the stand-in")
 
@@ -72,14 +72,16 @@ def test_a5_only_op_is_refused_on_a2(on_soc):
 @pytest.mark.parametrize("soc", [A2, A3])
 def test_kda_backward_refused_on_a2_a3(on_soc, soc):
     """KDA's backward stages register Ascend 950 only: one RuntimeError naming them and the alternatives, raised
-    before the forward runs; KDA inference still runs."""
+    before the forward runs; packed KDA inference still runs there and equals eager."""
     standin = on_soc(soc)
-    tensors, flags = make_problem("kda", B=1, T=64, H=1, HV=1, **K128)
-    leaves = {n: x.requires_grad_() for n, x in tensors.items()}
+    tensors, flags = make_problem("kda", B=1, T=100, H=1, HV=2, cu_seqlens=[0, 30, 100], **K128)
+    leaves = {n: x.detach().clone().requires_grad_() for n, x in tensors.items()}
     standin.CALLS.clear()
     with pytest.raises(RuntimeError, match=rf"on {soc}: KDA backward .*Ascend950 only.*backend='eager'"):
         chunk_kda(**leaves, **flags, backend="ascendc")
     assert standin.CALLS == []
     with torch.no_grad():
-        o, _ = chunk_kda(**tensors, **flags, backend="ascendc")
-    assert torch.isfinite(o).all()
+        o, S = chunk_kda(**tensors, **flags, output_final_state=True, backend="ascendc")
+        o_ref, S_ref = chunk_kda(**tensors, **flags, output_final_state=True, backend="eager")
+    assert rel_err(o, o_ref) <= OUT_TOL and rel_err(S, S_ref) <= OUT_TOL
+    assert {"npu_chunk_kda_fwd_prepare", "npu_chunk_kda_fwd_finalize"} <= set(standin.CALLS)
