@@ -7,7 +7,8 @@ The composition is the one fla-npu's own A2/A3 example runs (d05824fe ``examples
 ``fla/ops/ascendc/gdn/chunk_gdn_{fwd,bwd}/*/op_host/*_def.cpp``):
 
 1. ``recompute_w_u_fwd`` -> w, u (the composite forward does not return them) and ``chunk_fwd_h`` -> h, v_new
-   (one more state pass: the backward's recompute cost);
+   (one more state pass: the backward's recompute cost), from the initial state in bf16 as the example passes it
+   (its merge_boundary: "the BF16 [1,H,K,V] FwdH/Dhu need"; the composite backward also takes it in bf16 only);
 2. ``chunk_bwd_dv_local`` -> the intra-chunk dv; ``chunk_gated_delta_rule_bwd_dhu`` -> dh, dh0 and dv2 (the
    whole gradient of v_new);
 3. ``chunk_bwd_dqkwg`` -> dq, dk (outputs and state path), dw, dg; ``prepare_wy_repr_bwd_da`` -> the gradient
@@ -46,8 +47,9 @@ def staged_backward(ops, q, k, v, g_cumsum, beta, A, do, scale: float, cu, h0, l
     do_h = do.to(qh.dtype).transpose(1, 2).contiguous()                                # [B, HV, T, V]
     w, u = runtime.slots("recompute_w_u_fwd", ops.recompute_w_u_fwd(
         kh, vh, bh, A, C, g=gc, cu_seqlens=cu, chunk_indices=ci), 2, (0, 1))
+    h0_bf16 = None if h0 is None else h0.to(runtime.STATE_DTYPE)   # the example's FwdH takes a bf16 state
     h, v_new, _ = runtime.slots("chunk_fwd_h", ops.chunk_fwd_h(
-        kh, w, u, g=gc, initial_state=h0, output_final_state=False, chunk_size=C, cu_seqlens=cu, chunk_indices=ci,
+        kh, w, u, g=gc, initial_state=h0_bf16, output_final_state=False, chunk_size=C, cu_seqlens=cu, chunk_indices=ci,
         use_exp2=False), 3, (0, 1))
     dv_local = ops.chunk_bwd_dv_local(qh, kh, do_h, gc, scale, C, cu_seqlens=cu, chunk_indices=ci)
     dh, dh0, dv2 = runtime.slots("chunk_gated_delta_rule_bwd_dhu", ops.chunk_gated_delta_rule_bwd_dhu(

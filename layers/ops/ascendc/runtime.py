@@ -110,6 +110,9 @@ ALIASES = {"pre_process_bwd_kernel_merged": ("pre_process_bwd_kernel_merged", "c
 # The fla-npu build that has each feature, for the errors.
 FEATURE_SOURCE = {"kda_bwd": "fla-npu revisions that export npu_chunk_kda_bwd_prepare / npu_chunk_kda_bwd_finalize "
                              f"(after {PINNED_REVISION[:8]}, whose export table lacks them)",
+                  "gdn_staged_bwd": "an fla-npu build exporting the GDN building blocks (main 17e24fdd's export table "
+                                    "has them; d05824fe examples/chunk_gdn_cp.py imports them), the GDN backward on "
+                                    "Ascend 910B / 910_93; or train with backend='eager'",
                   "decode_gdn": "fla-npu from 8a63cf3e (2026-08-13) on, which exports npu_recurrent_gated_delta_rule "
                                 "(tag v26.6.0 does not); or generate with backend='eager'",
                   "decode_kda": "fla-npu from 5eabe875 (2026-07-20) on, which exports npu_recurrent_kda (tag v26.6.0 "
