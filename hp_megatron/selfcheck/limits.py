@@ -51,14 +51,17 @@ def probe(backend: str, device) -> Limits:
         from layers.cp.ascendc import SUPPORTED_METHODS
         from layers.ops.ascendc import runtime
 
+        from layers.ops.ascendc.gdn import staged_gdn_backward
+
         soc = runtime.soc(device)
-        limits.backward["gdn"] = _raised(runtime.check_soc_features, soc, gdn_backward=True)
+        staged = staged_gdn_backward(soc)     # Ascend 910B / 910_93: GDN's backward and CP on the building blocks
+        gdn_parts = _raised(runtime.require_api, "gdn_staged_bwd") if staged else None
+        limits.backward["gdn"] = _raised(runtime.check_soc_features, soc, gdn_backward=True) or gdn_parts
         limits.backward["kda"] = (_raised(runtime.check_soc_features, soc, kda_backward=True)
                                   or _raised(runtime.require_api, "kda_bwd"))
         cp_api = _raised(runtime.require_api, "cp")
         limits.state_cp["kda"] = cp_api
-        limits.state_cp["gdn"] = (cp_api or _raised(runtime.check_soc_features, soc, gdn_cp=True)
-                                  or _raised(runtime.require_api, "cp_gdn"))
+        limits.state_cp["gdn"] = cp_api or (gdn_parts if staged else _raised(runtime.require_api, "cp_gdn"))
         for kind in ("gdn", "kda"):   # the recurrent kernels: exported by later fla-npu builds only
             limits.decode[kind] = limits.decode[kind] or _raised(runtime.require_api, f"decode_{kind}")
         for method in CP_METHODS:

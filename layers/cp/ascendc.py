@@ -18,19 +18,25 @@ backward:
   3. the local native backward with that terminal gradient (``dht``) and the saved initial states gives
      every input gradient; nothing else crosses ranks (no dh0 is sent back).
 ``recursive_doubling`` raises NotImplementedError (no native support yet). Ulysses is the engine's (it
-re-shards heads before calling this hook). Limits: K = V = 128 (the native CP kernels); GDN CP needs Ascend 950
-(``chunk_gated_delta_rule_fwd_prepare``). Three fla-npu ops reject zero-length pieces; the planner never makes
-one (empty documents are rejected, zigzag documents are multiples of 2P), and the hook says so if one appears. The
+re-shards heads before calling this hook). Limits: K = V = 128 (the native CP kernels). GDN on Ascend 910B /
+910_93, which lack ``chunk_gated_delta_rule_fwd_prepare``, takes w / u from the composite forward's A through
+``recompute_w_u_fwd`` (one more composite forward per layer) and runs the backward on the building blocks
+(``layers/ops/ascendc/gdn_staged.py``); the summary and merge kernels register all three SoCs. Three fla-npu ops
+reject zero-length pieces; the planner never makes one (empty documents are rejected, zigzag documents are
+multiples of 2P), and the hook says so if one appears. The
 backward summary takes ``gk`` in bf16/fp16 (KDA's cumulative gate is rounded to bf16 there when the model
 runs in fp32) and is ``chunk_delta_h_bwd_preprocess`` or ``pre_process_bwd_kernel_merged`` by revision.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from layers.cp.native import entry_windows, initial_states, scan_exchange, terminal_gradients
 from layers.ops.ascendc import runtime
-from layers.ops.ascendc.gdn import check_gdn, composite_backward, composite_forward, real_g_cumsum
+from layers.ops.ascendc.gdn import (check_gdn, composite_backward, composite_forward, composite_layout,
+                                    in_kernel_transforms, real_g_cumsum, staged_gdn_backward, to_layout)
 from layers.ops.ascendc.kda import (batch4, check_kda, head_major, kda_local_backward, kda_meta, kda_prepare,
                                     require_backward_api, resolve_gate, state_pass, token_major_scalars, untoken)
 from layers.ops.gates import gdn_gate
@@ -88,18 +94,45 @@ def entry_summaries(plan, summarize, shape):
 
 
 # ---------------------------------------------------------------------------------------------- GDN
+def _gdn_summary_inputs(ops, q, k, v, g, beta, meta):
+    """(q_hat, k_hat BNSD, log2 chunk-cumulative gate [1,HV,T], w, u) from ``chunk_gated_delta_rule_fwd_prepare``
+    (Ascend 950: its op is run by fla-npu's A5 example only)."""
+    hm_in = [x.transpose(1, 2).contiguous() for x in (q, k, v)]                             # BNSD, B = 1
+    prep = ops.chunk_gated_delta_rule_fwd_prepare(
+        *hm_in, g.transpose(1, 2).contiguous(), beta.transpose(1, 2).contiguous(), runtime.CHUNK,
+        use_qk_l2norm_in_kernel=meta["l2norm"], use_beta_sigmoid_in_kernel=meta["beta_sigmoid"],
+        use_exp2=True, cu_seqlens=meta["cu"], chunk_indices=meta["chunk_indices"], output_a=False)
+    q_hat, k_hat, _, _, _, g_log2, w, u, _ = runtime.slots("chunk_gated_delta_rule_fwd_prepare", prep, 9,
+                                                          (0, 1, 4, 5, 6, 7))
+    return q_hat, k_hat, g_log2, w, u
+
+
+def _gdn_summary_inputs_staged(ops, q, k, v, g, beta, meta):
+    """The same on Ascend 910B / 910_93, which lack that op: A and the cumulative gate from the composite forward
+    (no initial state: its output is discarded; one more forward per layer), then ``recompute_w_u_fwd``. q / k
+    arrive already L2-normalised (off Ascend 950 the in-kernel transforms run in PyTorch)."""
+    layout, cu, ci = meta["layout"], meta["cu"], meta["chunk_indices"]
+    result = ops.chunk_gated_delta_rule_fwd(
+        to_layout(q, layout), to_layout(k, layout), to_layout(v, layout), g, beta, initial_state=None,
+        output_final_state=False, chunk_size=runtime.CHUNK, cu_seqlens=cu, chunk_indices=ci, scale=meta["scale"],
+        use_exp2=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+        disable_recompute=True, layout=layout)
+    g_cumsum, A = runtime.slots("chunk_gated_delta_rule_fwd", result, 10, (2, 3))[2:4]
+    qh, kh, vh = (x.transpose(1, 2).contiguous() for x in (q, k, v))                        # BNSD, B = 1
+    gc = g_cumsum.float().transpose(1, 2).contiguous()
+    w, u = runtime.slots("recompute_w_u_fwd", ops.recompute_w_u_fwd(
+        kh, vh, beta.transpose(1, 2).contiguous(), A, runtime.CHUNK, g=gc, cu_seqlens=cu, chunk_indices=ci), 2,
+        (0, 1))
+    return qh, kh, (gc / math.log(2.0)).contiguous(), w, u
+
+
 class _GDNStateCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, meta):
         ops, plan, cp = meta["ops"], meta["plan"], meta["ctx"]
         cu = meta["cu"]
-        hm_in = [x.transpose(1, 2).contiguous() for x in (q, k, v)]                         # BNSD, B = 1
-        prep = ops.chunk_gated_delta_rule_fwd_prepare(
-            *hm_in, g.transpose(1, 2).contiguous(), beta.transpose(1, 2).contiguous(), runtime.CHUNK,
-            use_qk_l2norm_in_kernel=meta["l2norm"], use_beta_sigmoid_in_kernel=meta["beta_sigmoid"],
-            use_exp2=True, cu_seqlens=cu, chunk_indices=meta["chunk_indices"], output_a=False)
-        q_hat, k_hat, _, _, _, g_log2, w, u, _ = runtime.slots("chunk_gated_delta_rule_fwd_prepare", prep, 9,
-                                                              (0, 1, 4, 5, 6, 7))
+        q_hat, k_hat, g_log2, w, u = (_gdn_summary_inputs_staged if meta["staged"] else _gdn_summary_inputs)(
+            ops, q, k, v, g, beta, meta)
         hm = ops.pre_process_fwd_kernel_merged(k_hat, w, u, g=g_log2, cu_seqlens=cu, chunk_size=runtime.CHUNK)
         M, init = initial_states(cp, plan, hm, _native_exchange(ops))
         exits = set(plan.exit_piece.reshape(-1).tolist())                # pieces whose leaving state has a gradient
@@ -189,17 +222,20 @@ def _gdn_cp(ctx, plan, inputs, flat, cu, device_name, scale, flags):
     q, k, v, g, beta = inputs
     q1, k1, v1, g1, b1 = flat
     gate, A_log, dt_bias = flags.get("use_gate_in_kernel", False), flags.get("A_log"), flags.get("dt_bias")
-    ops = runtime.require_api("gdn"), runtime.require_api("cp"), runtime.require_api("cp_gdn")
+    staged = staged_gdn_backward(device_name)   # A2/A3: summaries and backward from the building blocks
+    features = ["gdn", "cp", "gdn_staged_bwd" if staged else "cp_gdn"]   # runtime.API groups this run calls
+    ops = [runtime.require_api(f) for f in features]
     runtime.check_dtype("gdn", q=q, k=k, v=v)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias))
-    runtime.check_soc_features(device_name, gdn_cp=True, gdn_backward=needs_grad)
     check_gdn(q, v, device_name, needs_grad)
     if gate:
         g1 = gdn_gate(g1.float(), A_log, dt_bias)
+    q1, k1, b1, l2, sig = in_kernel_transforms(device_name, q1, k1, b1, flags.get("use_qk_l2norm_in_kernel", False),
+                                               flags.get("use_beta_sigmoid_in_kernel", False))
     meta = {"ops": ops[0], "plan": plan, "ctx": ctx, "cu": cu, "chunk_indices": runtime.chunk_indices(cu),
-            "scale": float(scale), "layout": "TND", "l2norm": flags.get("use_qk_l2norm_in_kernel", False),
-            "beta_sigmoid": flags.get("use_beta_sigmoid_in_kernel", False)}
+            "scale": float(scale), "layout": composite_layout(device_name, True), "l2norm": l2,
+            "beta_sigmoid": sig, "staged": staged}
     return _GDNStateCP.apply(q1, k1, v1, g1.float().contiguous(), b1.contiguous(), meta)
 
 

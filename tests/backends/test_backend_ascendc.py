@@ -8,9 +8,10 @@ eager, single rank and under each supported CP method on gloo ranks (GDN CP grad
 7.8e-3, from the bf16 initial states and dh0 of fla-npu's GDN backward; see BF16_STATE_TOL); one case keeps
 fla-npu's bf16 contract (tolerance 2e-2). The stand-in plays the pinned revision's build (see its docstring) with
 the KDA backward stages exported (a later revision) and ``dht`` ignored like fla-npu's kernels (one GDN CP case
-also on a build that honours it); tests/backends/test_backend_ascendc_contract.py tests each contract. Error tests: missing fla-npu /
-torch_npu, CPU tensors, unsupported SoC, GDN backward off Ascend 950, incompatible signatures, wrong slot counts,
-recursive_doubling.
+also on a build that honours it); tests/backends/test_backend_ascendc_contract.py tests each contract. Error tests:
+missing fla-npu / torch_npu, CPU tensors, unsupported SoC, incompatible signatures, wrong slot counts,
+recursive_doubling. GDN CP on stand-ins declared as Ascend 910B / 910_93 shares the CP spawn (``A2A3_CP_CASES``;
+single-rank cases and KDA's refusal there: tests/backends/test_backend_ascendc_a2a3.py).
 
 On an Ascend NPU with fla-npu installed, ``HP_ASCEND_REAL=1`` runs the equality cases on the real kernels
 (bf16, tolerance 2e-2) instead of the stand-in; see docs/backends.md.
@@ -30,8 +31,9 @@ import torch.distributed as dist
 from layers.ops import chunk_gated_delta_rule, chunk_kda
 from layers.ops.ascendc import runtime
 from tests.support.dist import run_distributed
-from tests.support.ascendc_standin import (BF16_STATE_TOL, BF16_TOL, GRAD_TOL, KNOBS, OPS, OUT_TOL, REAL, STANDIN,
-                                           StandinDevice, assert_close, compare, forget_fla_npu, install_standin)
+from tests.support.ascendc_standin import (A5_ONLY_OPS, BF16_STATE_TOL, BF16_TOL, GRAD_TOL, KNOBS, OPS, OUT_TOL, REAL,
+                                           STAGED_GDN_BWD_OPS, STANDIN, StandinDevice, assert_close, compare,
+                                           forget_fla_npu, install_standin)
 from tests.support.reference import make_problem, rel_err
 
 needs_standin = pytest.mark.skipif(REAL, reason="HP_ASCEND_REAL=1: this check targets the stand-in")
@@ -150,18 +152,6 @@ def test_unsupported_soc(standin, monkeypatch):
 
 
 @needs_standin
-def test_gdn_backward_needs_ascend950(standin, monkeypatch):
-    monkeypatch.setattr(runtime, "DEVICE", StandinDevice("Ascend910B3"))
-    tensors, flags = _tiny("gdn")
-    with pytest.raises(RuntimeError, match="Ascend950"):
-        chunk_gated_delta_rule(**tensors, **flags, backend="ascendc")
-    with torch.no_grad():  # forward runs on A2/A3
-        o, _ = chunk_gated_delta_rule(**tensors, **flags, backend="ascendc")
-        o_ref, _ = chunk_gated_delta_rule(**tensors, **flags, backend="eager")
-    assert rel_err(o, o_ref) <= OUT_TOL
-
-
-@needs_standin
 def test_shape_limits(standin):
     tensors, flags = make_problem("kda", B=1, T=16, H=1, HV=1, K=64, V=64)
     with pytest.raises(ValueError, match="K=V=128"):
@@ -222,6 +212,12 @@ PUBLIC_CASES = [("kda", "zigzag_bshd", "ulysses", {}), ("gdn", "zigzag_bshd", "a
                 ("kda", "zigzag_bshd", "p2p", {"ulysses_degree": 2})]
 # run last, on a stand-in playing a build that honours dht (the others play fla-npu's: dht ignored)
 DHT_HONOURED_CASE = ("gdn", "zigzag_thd", "p2p", {})
+# GDN on stand-ins declared as Ascend 910B (A2) / 910_93 (A3): only the ops their op-defs register (the summary
+# inputs from recompute_w_u_fwd, the backward on the building blocks; tests/backends/test_backend_ascendc_a2a3.py)
+# (SoC, layout, method, options, through the hook (else the public op))
+A2A3_CP_CASES = [("Ascend910B3", "zigzag_thd", "p2p", {}, True), ("Ascend910B3", "contiguous_thd", *GROUPED, True),
+                 ("Ascend910_9392", "contiguous_thd", "allgather", {}, True),
+                 ("Ascend910_9392", "zigzag_bshd", "ulysses", {}, False)]
 
 
 def _cp_problem(kind, layout_name, seed=21):
@@ -285,6 +281,16 @@ def cp_worker(rank, world):
         except Exception:  # noqa: BLE001 - reported per case; every rank runs the same cases in order
             results[key] = {"error": traceback.format_exc()}
             dist.barrier()
+    for soc, lay, method, opts, via_hook in A2A3_CP_CASES:
+        standin = install_standin(soc=soc)
+        standin.CALLS.clear()
+        try:
+            results[f"a2a3-{soc}-{lay}-{method}"] = {"errs": cp_case("gdn", lay, method, opts, via_hook),
+                                                     "calls": sorted(set(standin.CALLS))}
+        except Exception:  # noqa: BLE001
+            results[f"a2a3-{soc}-{lay}-{method}"] = {"error": traceback.format_exc()}
+            dist.barrier()
+    standin = install_standin()
     # recursive_doubling: a clear NotImplementedError before any communication
     from layers.cp import build_cp_context
     from layers.cp.ascendc import state_passing_cp
@@ -334,6 +340,23 @@ def test_cp_hook_matches_eager_dht_honoured(cp_results):
     errors = [r["error"] for r in per_rank if "error" in r]
     assert not errors, errors[0]
     assert_close(per_rank[0]["errs"], OUT_TOL, BF16_STATE_TOL)
+
+
+@pytest.mark.parametrize("case", A2A3_CP_CASES, ids=["-".join(c[:3]) for c in A2A3_CP_CASES])
+def test_cp_gdn_on_a2_a3_matches_eager(cp_results, case):
+    """GDN CP on Ascend 910B / 910_93 (state passing: the A2/A3 summary inputs; Ulysses: the single-rank path after
+    the engine's head re-shard; both with the building-block backward): output and every input gradient equal
+    single-rank eager; no Ascend-950-only operator ran."""
+    soc, lay, method = case[:3]
+    per_rank = [r[f"a2a3-{soc}-{lay}-{method}"] for r in cp_results]
+    errors = [r["error"] for r in per_rank if "error" in r]
+    assert not errors, errors[0]
+    assert_close(per_rank[0]["errs"], OUT_TOL, BF16_STATE_TOL)
+    calls = set(per_rank[0]["calls"])
+    summaries = {"npu_pre_process_fwd_kernel_merged", "npu_chunk_delta_h_bwd_preprocess"}
+    assert (summaries if method != "ulysses" else set()) | STAGED_GDN_BWD_OPS <= calls, calls
+    assert not calls & A5_ONLY_OPS, calls
+    assert ("npu_merge_fwd_bwd_kernel" in calls) == (method == "allgather")
 
 
 def test_cp_recursive_doubling_not_implemented(cp_results):

@@ -221,16 +221,23 @@ def test_10_kda_final_state_gradient_either_build(later, monkeypatch, uses_dht):
 
 
 # ----------------------------------------------------------------------------------- 11: SoC, dtypes
-def test_11_gdn_cp_needs_ascend950(pinned, monkeypatch):
+def test_11_gdn_cp_on_a2_needs_the_building_blocks(pinned, monkeypatch):
+    """Ascend 910B has no chunk_gated_delta_rule_fwd_prepare: GDN CP takes its w / u from recompute_w_u_fwd, so a
+    build without that export is one error naming it (checked before any kernel runs)."""
     from layers.cp.ascendc import state_passing_cp
 
     _soc(monkeypatch, "Ascend910B3")
+    for name in ("recompute_w_u_fwd", "npu_recompute_w_u_fwd"):
+        monkeypatch.delattr(pinned, name)
+    runtime.require_api.cache_clear()
     ctx = types.SimpleNamespace(state_method="p2p")
     plan = types.SimpleNamespace(local_cu_seqlens=torch.tensor([0, 16]))
     x = torch.zeros(1, 16, 1, 128)
-    with torch.no_grad(), pytest.raises(RuntimeError, match=r"on Ascend910B3: chunk_gated_delta_rule_fwd_prepare "
-                                        r"\(GDN CP summaries\) needs Ascend 950: use cp_method='ulysses'"):
+    pinned.CALLS.clear()
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"\(gdn_staged_bwd\).*recompute_w_u_fwd \(missing\)"):
         state_passing_cp("gdn", ctx, plan, x, x, x, x[..., 0], x[..., 0], scale=SCALE, flags={})
+    assert pinned.CALLS == []
+    runtime.require_api.cache_clear()
 
 
 @pytest.mark.parametrize("soc", ["Ascend910B3", "Ascend910_9391"])
@@ -468,7 +475,8 @@ def test_33_7_kda_backward_needs_ascend950(later, monkeypatch):
 
     _soc(monkeypatch, "Ascend910B3")
     x = torch.zeros(1, 64, 1, 128)
-    with pytest.raises(RuntimeError, match="ChunkKdaBwdPrepare"):
+    with pytest.raises(RuntimeError, match="npu_chunk_kda_bwd_prepare: no kernel registered for Ascend910B3 .*"
+                                           "chunk_kda_bwd_prepare_def.cpp"):
         later.chunk_kda_bwd_prepare(x[0].transpose(0, 1), x[0].transpose(0, 1), x[0].transpose(0, 1),
                                     torch.zeros(1, 1, 1, 128, 128), scale=SCALE)
     tensors, flags = make_problem("kda", B=1, T=16, H=1, HV=1, **K128)

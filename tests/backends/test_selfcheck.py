@@ -137,26 +137,52 @@ def test_standin_corrupted_op_fails_its_rows(standin, tmp_path, monkeypatch, cap
     assert "FAILED: 3 pass, 1 fail" in out and status == 1, out
 
 
-@pytest.mark.parametrize("standin", ["Ascend910B3"], indirect=True)
-def test_limits_on_910b_are_not_available_rows(standin, monkeypatch, capsys):
-    """What the SoC lacks is asked before running: GDN / KDA backward and GDN CP are n/a with the adapter's reason,
-    the GDN forward still runs and passes; KDA CP forward and decode stay available."""
+@pytest.mark.parametrize("standin", ["Ascend910B3", "Ascend910_9392"], indirect=True)
+def test_limits_on_a2_a3(standin, monkeypatch, capsys):
+    """Ascend 910B / 910_93 (the stand-in plays only the ops their op-defs register): GDN forward and backward run
+    (the backward on fla-npu's building blocks) and pass, and so do the GDN and KDA decode steps; KDA backward is
+    n/a with the adapter's reason; GDN and KDA state CP are available."""
     import torch
 
     from hp_megatron.selfcheck import cli
     from hp_megatron.selfcheck.limits import probe
 
     limits = probe("ascendc", torch.device("cpu"))
-    assert "Ascend950" in limits.backward["gdn"] and "Ascend 950" in limits.state_cp["gdn"]
+    assert limits.backward["gdn"] is None and limits.state_cp["gdn"] is None, limits
     assert "Ascend950" in limits.backward["kda"] and limits.state_cp["kda"] is None
     assert limits.decode == {"gdn": None, "kda": None, "conv": None}
     assert "recursive_doubling" in limits.cp_methods and "p2p" not in limits.cp_methods
     good = {"torch": "2.7.1", "torch_npu": "2.7.1.post5", "triton-ascend": "3.2.0", "CANN": "8.5.0"}
     monkeypatch.setattr(cli.requirements, "installed", lambda backend: good)
-    status, out = _main(["--backend", "ascendc", "--device", "cpu", "--no-cp", "--only", "chunk_gated_delta_rule B=2"],
-                        capsys)
-    results = {phase: (result, note) for (_, _, phase), (result, note) in _rows(out).items()}
-    assert results["fwd"][0] == "pass" and results["bwd"][0] == "n/a" and "Ascend950" in results["bwd"][1], out
+    status, out = _main(["--backend", "ascendc", "--device", "cpu", "--no-cp", "--only",
+                         "chunk_gated_delta_rule B=2,chunk_kda B=2,delta_rule_step"], capsys)
+    results = {(op, phase): (result, note) for (op, _, phase), (result, note) in _rows(out).items()}
+    assert results[("chunk_gated_delta_rule", "fwd")][0] == "pass", out
+    assert results[("chunk_gated_delta_rule", "bwd")][0] == "pass", out
+    assert results[("chunk_kda", "fwd")][0] == "pass", out
+    steps = {case: result for (op, case, phase), (result, _) in _rows(out).items() if op == "delta_rule_step"}
+    assert len(steps) == 2 and set(steps.values()) == {"pass"}, out
+    kda_bwd = results[("chunk_kda", "bwd")]
+    assert kda_bwd[0] == "n/a" and "Ascend950" in kda_bwd[1], out
+    assert status == 0, out
+
+
+@pytest.mark.parametrize("standin", ["Ascend910_9392"], indirect=True)
+def test_cp_rows_on_a3(standin, monkeypatch, capsys):
+    """The CP rows on a declared Ascend910_9392 (each spawned rank installs the same stand-in): GDN's p2p forward
+    and backward pass (building blocks), KDA's forward passes and its backward is n/a naming Ascend950."""
+    from hp_megatron.selfcheck import cli
+    from tests.support.selfcheck_env import standin_a3
+
+    good = {"torch": "2.7.1", "torch_npu": "2.7.1.post5", "triton-ascend": "3.2.0", "CANN": "8.5.0"}
+    monkeypatch.setattr(cli.requirements, "installed", lambda backend: good)
+    status, out = _main(["--backend", "ascendc", "--device", "cpu", "--only", "CP2 p2p zigzag packed"], capsys,
+                        standin_a3)
+    results = {(op, phase): (result, note) for (op, _, phase), (result, note) in _rows(out).items()}
+    assert results[("chunk_gated_delta_rule", "fwd")][0] == "pass", out
+    assert results[("chunk_gated_delta_rule", "bwd")][0] == "pass", out
+    assert results[("chunk_kda", "fwd")][0] == "pass", out
+    assert results[("chunk_kda", "bwd")][0] == "n/a" and "Ascend950" in results[("chunk_kda", "bwd")][1], out
     assert status == 0, out
 
 

@@ -26,6 +26,15 @@ BF16_STATE_TOL = 4 * 2.0 ** -9
 # one rounding of the initial-state gradient, so GDN's d(initial_state) gets BF16_STATE_TOL too.
 
 
+# The fla-npu building blocks GDN's backward runs on off Ascend 950 (layers/ops/ascendc/gdn_staged.py), as the
+# stand-in records them, and the operators only Ascend 950 registers (the stand-in's REGISTERED_SOCS).
+STAGED_GDN_BWD_OPS = {"npu_recompute_w_u_fwd", "npu_chunk_gated_delta_rule_fwd_h", "npu_chunk_bwd_dv_local",
+                      "npu_chunk_gated_delta_rule_bwd_dhu", "npu_chunk_bwd_dqkwg", "npu_prepare_wy_repr_bwd_da",
+                      "npu_prepare_wy_repr_bwd_full", "npu_chunk_local_cumsum"}
+A5_ONLY_OPS = {"npu_chunk_gated_delta_rule_bwd", "npu_chunk_gated_delta_rule_fwd_prepare", "npu_chunk_kda_bwd_prepare",
+               "npu_chunk_kda_bwd_finalize"}
+
+
 class StandinDevice:
     """Answers the adapter's device questions for CPU tensors as if they lived on ``soc``."""
 

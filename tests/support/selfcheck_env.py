@@ -6,6 +6,7 @@ first too; the exit status is the self-check's. ENV:
 
 - ``standin``: the fla-npu stand-in (tests/fla_npu_standin) in its bf16 contract (no ALLOW_FP32) on a declared
   Ascend950PR, as ``tests/support/ascendc_standin.install_standin`` installs it for the ascendc tests.
+- ``standin_a3``: the same on a declared Ascend910_9392 (A3), whose op set lacks the Ascend-950-only operators.
 - ``interpreter``: flash-linear-attention's real Triton kernels on CPU through Triton's interpreter
   (tests/support/triton_interpreter.py), before FLA is imported.
 
@@ -35,6 +36,13 @@ def standin():
     install_standin(soc="Ascend950PR", fp32=False)
 
 
+def standin_a3():
+    """The same stand-in declared as an Ascend910_9392 (A3): only the ops whose op-defs register that SoC."""
+    from tests.support.ascendc_standin import install_standin
+
+    install_standin(soc="Ascend910_9392", fp32=False)
+
+
 def interpreter():
     from tests.support import triton_interpreter
 
@@ -53,7 +61,7 @@ def stalled_rank():
     time.sleep(600)
 
 
-ENVIRONMENTS = {"standin": standin, "interpreter": interpreter}
+ENVIRONMENTS = {"standin": standin, "standin_a3": standin_a3, "interpreter": interpreter}
 
 
 def main(argv):

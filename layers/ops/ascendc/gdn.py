@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from layers.ops.ascendc import runtime
+from layers.ops.ascendc.gdn_staged import staged_backward
 from layers.ops.ascendc.terminal import Extension
 from layers.ops.gates import gdn_gate, l2norm
 
@@ -43,6 +44,12 @@ def check_gdn(q, v, device_name: str, needs_grad: bool) -> None:
     if is_950 and HV // H not in (1, 2, 3, 4):
         raise ValueError(f"backend='ascendc' GDN on {device_name} supports HV/H in (1, 2, 3, 4), got {HV}/{H}")
     runtime.check_soc_features(device_name, gdn_backward=needs_grad)
+
+
+def staged_gdn_backward(device_name: str) -> bool:
+    """Whether GDN's backward runs on fla-npu's building blocks (gdn_staged.py): everywhere but Ascend 950, where
+    the composite backward runs."""
+    return not device_name.startswith(runtime.A5_SOCS)
 
 
 def in_kernel_transforms(device_name: str, q, k, beta, l2norm_in_kernel: bool, beta_sigmoid: bool):
@@ -143,13 +150,18 @@ def composite_backward(ops, state, do, dht, meta):
     elif dht is not None:
         raise RuntimeError("backend='ascendc' GDN: a final-state gradient arrived for a forward run without "
                            "dummy tokens (fla-npu's composite backward ignores dht)")
-    grads = ops.chunk_gated_delta_rule_bwd(
-        q_hat, k_hat, v, g_cumsum, beta_used, A, do.to(q_hat.dtype), meta["scale"], chunk_size=runtime.CHUNK,
-        cu_seqlens=cu, chunk_indices=runtime.chunk_indices(cu),
-        initial_state=None if h0 is None else h0.to(runtime.STATE_DTYPE), dht=None, q_rstd=q_rstd,
-        k_rstd=k_rstd, beta_raw=beta_raw, use_exp2=False, use_qk_l2norm_in_kernel=meta["l2norm"],
-        use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=meta["beta_sigmoid"], layout=layout)
-    dq, dk, dv, dbeta, dg, dh0, _, _ = runtime.slots(_BWD, grads, 8, (0, 1, 2, 3, 4) + ((5,) if h0 is not None else ()))
+    if meta["staged"]:  # off Ascend 950: fla-npu's building blocks (gdn_staged.py)
+        dq, dk, dv, dbeta, dg, dh0 = staged_backward(runtime.require_api("gdn_staged_bwd"), q_hat, k_hat, v,
+                                                     g_cumsum, beta_used, A, do, meta["scale"], cu, h0, layout)
+    else:
+        grads = ops.chunk_gated_delta_rule_bwd(
+            q_hat, k_hat, v, g_cumsum, beta_used, A, do.to(q_hat.dtype), meta["scale"], chunk_size=runtime.CHUNK,
+            cu_seqlens=cu, chunk_indices=runtime.chunk_indices(cu),
+            initial_state=None if h0 is None else h0.to(runtime.STATE_DTYPE), dht=None, q_rstd=q_rstd,
+            k_rstd=k_rstd, beta_raw=beta_raw, use_exp2=False, use_qk_l2norm_in_kernel=meta["l2norm"],
+            use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=meta["beta_sigmoid"], layout=layout)
+        dq, dk, dv, dbeta, dg, dh0, _, _ = runtime.slots(_BWD, grads, 8,
+                                                         (0, 1, 2, 3, 4) + ((5,) if h0 is not None else ()))
     dq, dk, dv = (from_layout(x, layout) for x in (dq, dk, dv))
     if ext is not None:
         dq, dk, dv, dbeta, dg = (ext.real(x, 1) for x in (dq, dk, dv, dbeta, dg))
@@ -195,6 +207,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale, initial_state, output_fin
     cu = runtime.host_offsets(cu_seqlens)
     meta = {"scale": float(scale), "cu": cu, "chunk_indices": runtime.chunk_indices(cu),
             "layout": composite_layout(device_name, cu is not None), "output_final_state": output_final_state,
-            "l2norm": l2, "beta_sigmoid": sig, "terminal": bool(output_final_state and needs_grad)}
+            "l2norm": l2, "beta_sigmoid": sig, "terminal": bool(output_final_state and needs_grad),
+            "staged": staged_gdn_backward(device_name)}
     state = None if initial_state is None else initial_state.float().contiguous()
     return AscendCGatedDeltaRule.apply(q, k, v, g.float().contiguous(), beta.contiguous(), state, meta)

@@ -16,11 +16,14 @@ then reads the signature of the wrapped implementation from the module's ``ASCEN
 the keyword check of an operator whose implementation it cannot reach (the call itself then names a bad keyword).
 
 Device policy: fla-npu ships kernels for Atlas A2 (Ascend910B), A3 (Ascend910_93 / 910C) and A5 (Ascend950).
-Ascend 950 only: the composite GDN backward, ``chunk_gated_delta_rule_fwd_prepare`` (so GDN CP), the KDA
-backward stages (the ChunkKdaBwdPrepare / ChunkKdaBwdFinalize op-defs register ascend950 only), the composite
-forward's in-kernel L2 norm / sigmoid (run in PyTorch elsewhere). A3 rejects the BSND/TND layouts (BNSD is
-used there). The recurrent (decode) kernels register all three. Devices are asked through :data:`DEVICE`
-(``torch.npu`` via ``torch_npu``), which tests replace.
+Ascend 950 only: the composite GDN backward (A2/A3 run GDN's backward on the building blocks instead, feature
+``gdn_staged_bwd``, ``layers/ops/ascendc/gdn_staged.py``), ``chunk_gated_delta_rule_fwd_prepare`` (A2/A3 GDN CP
+gets w / u from the composite forward's A through ``recompute_w_u_fwd``), the KDA backward stages (the
+ChunkKdaBwdPrepare / ChunkKdaBwdFinalize op-defs register ascend950 only, and nothing on A2/A3 replaces them
+here: KDA trains on Ascend 950 only), the composite forward's in-kernel L2 norm / sigmoid (run in PyTorch
+elsewhere). A3 rejects the BSND/TND layouts (BNSD is used there). The recurrent (decode) kernels and the CP
+summary / merge kernels register all three. Devices are asked through :data:`DEVICE` (``torch.npu`` via
+``torch_npu``), which tests replace.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ PINNED_REVISION = "d05824feb13e20c620931b9eceafea88ae745890"
 SUPPORTED_SOCS = ("Ascend910B", "Ascend910_93", "Ascend910C", "Ascend950")
 A5_SOCS = ("Ascend950",)
 A3_SOCS = ("Ascend910_93", "Ascend910C")
-GDN_BACKWARD_SOCS = A5_SOCS
+GDN_BACKWARD_SOCS = SUPPORTED_SOCS  # composite on A5, the building blocks (gdn_staged_bwd) on A2/A3
 KDA_BACKWARD_SOCS = A5_SOCS
 CHUNK = 64
 # Tensor dtypes the kernels take (q/k/v): the composite GDN kernels are bf16-only, and so is KDA (its prepare
@@ -73,6 +76,17 @@ API = {
                                    "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "safe_gate", "lower_bound",
                                    "output_layout", "cu_seqlens"),
     },
+    "gdn_staged_bwd": {  # GDN backward off Ascend 950 (gdn_staged.py; main 17e24fdd _aclnn_ctypes.py signatures)
+        "recompute_w_u_fwd": ("g", "cu_seqlens", "chunk_indices"),
+        "chunk_fwd_h": ("initial_state", "output_final_state", "chunk_size", "cu_seqlens", "chunk_indices",
+                        "use_exp2"),
+        "chunk_bwd_dv_local": ("cu_seqlens", "chunk_indices"),
+        "chunk_gated_delta_rule_bwd_dhu": ("g", "h0", "dht", "cu_seqlens", "chunk_indices", "use_exp2"),
+        "chunk_bwd_dqkwg": ("cu_seqlens", "chunk_indices", "scale", "use_exp2"),
+        "prepare_wy_repr_bwd_da": ("chunk_size", "cu_seqlens", "chunk_indices"),
+        "prepare_wy_repr_bwd_full": ("cu_seqlens", "chunk_indices"),
+        "chunk_local_cumsum": ("cu_seqlens", "reverse", "head_first"),
+    },
     "cp": {
         "pre_process_fwd_kernel_merged": ("g", "gk", "cu_seqlens", "chunk_size"),
         "pre_process_bwd_kernel_merged": ("g", "gk", "cu_seqlens"),
@@ -96,6 +110,9 @@ ALIASES = {"pre_process_bwd_kernel_merged": ("pre_process_bwd_kernel_merged", "c
 # The fla-npu build that has each feature, for the errors.
 FEATURE_SOURCE = {"kda_bwd": "fla-npu revisions that export npu_chunk_kda_bwd_prepare / npu_chunk_kda_bwd_finalize "
                              f"(after {PINNED_REVISION[:8]}, whose export table lacks them)",
+                  "gdn_staged_bwd": "an fla-npu build exporting the GDN building blocks (main 17e24fdd's export table "
+                                    "has them; d05824fe examples/chunk_gdn_cp.py imports them), the GDN backward on "
+                                    "Ascend 910B / 910_93; or train with backend='eager'",
                   "decode_gdn": "fla-npu from 8a63cf3e (2026-08-13) on, which exports npu_recurrent_gated_delta_rule "
                                 "(tag v26.6.0 does not); or generate with backend='eager'",
                   "decode_kda": "fla-npu from 5eabe875 (2026-07-20) on, which exports npu_recurrent_kda (tag v26.6.0 "
@@ -223,17 +240,15 @@ def check_dtype(kind: str, **tensors) -> None:
 
 
 def check_soc_features(device_name: str, **needs: bool) -> None:
-    """One RuntimeError listing every feature this SoC lacks; ``needs``: gdn_backward, gdn_cp, kda_backward."""
+    """One RuntimeError listing every feature this SoC lacks; ``needs``: gdn_backward, kda_backward."""
     missing = []
     if needs.get("kda_backward") and not device_name.startswith(KDA_BACKWARD_SOCS):
         missing.append("KDA backward uses fla-npu's ChunkKdaBwdPrepare / ChunkKdaBwdFinalize, whose op-defs "
-                       "register Ascend950 only: run forward without grad or use backend='eager'")
-    if needs.get("gdn_cp") and not device_name.startswith(A5_SOCS):
-        missing.append("chunk_gated_delta_rule_fwd_prepare (GDN CP summaries) needs Ascend 950: use "
-                       "cp_method='ulysses' or backend='eager'/'triton'")
+                       "register Ascend950 only: run forward without grad or use backend='eager' (FLA's "
+                       "triton-ascend KDA backend is the other route on this SoC; not wired here)")
     if needs.get("gdn_backward") and not device_name.startswith(GDN_BACKWARD_SOCS):
-        missing.append("GDN backward uses fla-npu's composite backward, which runs on Ascend950 only: run "
-                       "forward without grad or use backend='eager'")
+        missing.append(f"GDN backward runs on {GDN_BACKWARD_SOCS} only: run forward without grad or use "
+                       "backend='eager'")
     if missing:
         raise RuntimeError(f"backend='ascendc' on {device_name}: " + "; ".join(missing))
 

@@ -22,11 +22,15 @@ What it enforces like that revision (each check names the operator):
   revision (its KDA CP example reaches ``aclnnChunkKdaBwdPrepare`` through a private runtime call); later
   revisions export them (``FLA_NPU_STANDIN_KDA_BWD_EXPORTED=1`` models those). The backward CP summary is
   named ``chunk_delta_h_bwd_preprocess`` (later: ``pre_process_bwd_kernel_merged``). No ``__version__`` here.
-- the declared SoC (``FLA_NPU_STANDIN_SOC``, default ``Ascend950PR``): ``chunk_gated_delta_rule_fwd_prepare``
-  and the composite backward exist for Ascend 950 only; the composite forward's in-kernel L2 norm / sigmoid
-  take a 950-only path; Ascend 910_93 (A3) rejects the BSND/TND layouts of the composite forward.
+- the declared SoC (``FLA_NPU_STANDIN_SOC``, default ``Ascend950PR``): every operator raises on a SoC its op-def
+  does not register (``REGISTERED_SOCS``: the ``AddConfig`` SoCs read from each op-def, revision and file named;
+  Ascend 950 only: the composite GDN backward, ``chunk_gated_delta_rule_fwd_prepare``, the KDA backward stages);
+  the composite forward's in-kernel L2 norm / sigmoid take a 950-only path; Ascend 910_93 (A3) rejects the
+  BSND/TND layouts of the composite forward.
+- the GDN building blocks fla-npu's A2/A3 example composes (``recompute_w_u_fwd``, ``chunk_local_cumsum``,
+  ``chunk_bwd_dqkwg``, ``prepare_wy_repr_bwd_da`` / ``_full``; signatures from main 17e24fdd ``_aclnn_ctypes.py``).
 - dtypes: bf16 (composite GDN: bf16 only; KDA: ``chunk_fwd_h``, ``chunk_kda_fwd_finalize`` and the backward
-  stages bf16 only, the prepare bf16/fp16; ``ALLOW_FP32`` widens q/k/v-like tensors for exact tests but never
+  stages bf16 only, the prepare and the GDN building blocks bf16/fp16; ``ALLOW_FP32`` widens q/k/v-like tensors for exact tests but never
   the inputs the real ops demand in one dtype: composite backward ``initial_state``/``dht`` bf16 (``dh0``
   comes back bf16), ``gk`` of the backward CP summary bf16/fp16, ``dq_raw`` / ``d_aqk`` / ``gk`` / ``raw_g``
   of the KDA backward finalize fp32 (``chunk_kda_bwd_prepare`` returns ``dq_raw`` fp32)); ``beta_raw`` must
@@ -109,6 +113,64 @@ def _total_chunks(T, cu, C):
     return sum(m.num_chunks(e - s, C) for s, e in zip(cu[:-1], cu[1:]))
 
 
+# Which SoCs each operator's op-def registers (``this->AICore().AddConfig("ascend910b" | "ascend910_93" |
+# "ascend950")``), read from flashserve/flash-linear-attention-npu; each entry names the revision and file. A call on
+# a declared SoC whose op-def does not register it raises (fla-npu's aclnn finds no kernel there). A2 = Ascend910B,
+# A3 = Ascend910_93 / 910C, A5 = Ascend950.
+ALL_SOCS = ("Ascend910B", "Ascend910_93", "Ascend910C", "Ascend950")
+A5_ONLY = ("Ascend950",)
+_GDN_BWD = "main 17e24fdd fla/ops/ascendc/gdn/chunk_gdn_bwd"
+REGISTERED_SOCS = {
+    # composite GDN: aclnn L2 compositions (no op-def of their own); forward over the A2/A3 "Phase6" blocks per
+    # issue 27 (7e91c7d6), not verified; backward "supported on Ascend950 only" (2a1b0ce9 op_api)
+    "npu_chunk_gated_delta_rule_fwd": (ALL_SOCS, "issue 27 (7e91c7d6), not verified"),
+    "npu_chunk_gated_delta_rule_bwd": (A5_ONLY, "2a1b0ce9 chunk_gated_delta_rule_bwd/op_host/op_api/"
+                                                "aclnn_chunk_gated_delta_rule_bwd.cpp"),
+    # d05824fe examples/chunk_gdn_cp.py calls it in run_gdn_a5 only (run_gdn_a2_a3 composes the blocks below)
+    "npu_chunk_gated_delta_rule_fwd_prepare": (A5_ONLY, "d05824fe examples/chunk_gdn_cp.py (op-def not read)"),
+    "npu_chunk_bwd_dv_local": (ALL_SOCS, f"{_GDN_BWD}/chunk_bwd_dv_local/op_host/chunk_bwd_dv_local_def.cpp"),
+    "npu_chunk_gated_delta_rule_bwd_dhu": (ALL_SOCS, f"{_GDN_BWD}/chunk_gated_delta_rule_bwd_dhu/op_host/"
+                                                     "chunk_gated_delta_rule_bwd_dhu_def.cpp"),
+    "npu_chunk_bwd_dqkwg": (ALL_SOCS, f"{_GDN_BWD}/chunk_bwd_dqkwg/op_host/chunk_bwd_dqkwg_def.cpp"),
+    "npu_prepare_wy_repr_bwd_da": (ALL_SOCS, f"{_GDN_BWD}/prepare_wy_repr_bwd_da/op_host/"
+                                             "prepare_wy_repr_bwd_da_def.cpp"),
+    "npu_prepare_wy_repr_bwd_full": (ALL_SOCS, f"{_GDN_BWD}/prepare_wy_repr_bwd_full/op_host/"
+                                               "prepare_wy_repr_bwd_full_def.cpp"),
+    "npu_recompute_w_u_fwd": (ALL_SOCS, "main 17e24fdd fla/ops/ascendc/gdn/chunk_gdn_fwd/recompute_w_u_fwd/op_host/"
+                                        "recompute_wu_fwd_def.cpp"),
+    "npu_chunk_local_cumsum": (ALL_SOCS, "main 17e24fdd fla/ops/ascendc/gdn/chunk_gdn_fwd/chunk_local_cumsum/op_host/"
+                                         "chunk_local_cumsum_def.cpp"),
+    "npu_chunk_gated_delta_rule_fwd_h": (ALL_SOCS, "main 17e24fdd fla/ops/ascendc/gdn/chunk_gdn_fwd/"
+                                                   "chunk_gated_delta_rule_fwd_h/op_host/"
+                                                   "chunk_gated_delta_rule_fwd_h_def.cpp"),
+    "npu_chunk_kda_fwd_prepare": (ALL_SOCS, "af82e5a8 fla/ops/ascendc/kda/chunk_kda_fwd_prepare/op_host/"
+                                            "chunk_kda_fwd_prepare_def.cpp"),
+    "npu_chunk_kda_fwd_finalize": (ALL_SOCS, "775daabc fla/ops/ascendc/kda/chunk_kda_fwd_finalize/op_host/"
+                                             "chunk_kda_fwd_finalize_def.cpp"),
+    "npu_chunk_kda_bwd_prepare": (A5_ONLY, "b2f8a6b1 fla/ops/ascendc/kda/chunk_kda_bwd_prepare/op_host/"
+                                           "chunk_kda_bwd_prepare_def.cpp"),
+    "npu_chunk_kda_bwd_finalize": (A5_ONLY, "ccd5d25a fla/ops/ascendc/kda/chunk_kda_bwd_finalize/op_host/"
+                                            "chunk_kda_bwd_finalize_def.cpp"),
+    "npu_pre_process_fwd_kernel_merged": (ALL_SOCS, "916fb303 fla/ops/ascendc/cp/pre_process_fwd_kernel_merged/"
+                                                    "op_host/pre_process_fwd_kernel_merged_def.cpp"),
+    "npu_chunk_delta_h_bwd_preprocess": (ALL_SOCS, "ff571de0 fla/ops/ascendc/cp/chunk_delta_h_bwd_preprocess/op_host/"
+                                                   "chunk_delta_h_bwd_preprocess_def.cpp"),
+    "npu_merge_fwd_bwd_kernel": (ALL_SOCS, "MergeFwdBwdKernel op-def of an index version (path not named)"),
+    "npu_recurrent_gated_delta_rule": (ALL_SOCS, "main 17e24fdd fla/ops/ascendc/gdn/recurrent_gdn/"
+                                                 "recurrent_gated_delta_rule/op_host/"
+                                                 "recurrent_gated_delta_rule_def.cpp"),
+    "npu_recurrent_kda": (ALL_SOCS, "main 17e24fdd fla/ops/ascendc/kda/recurrent_kda/op_host/recurrent_kda_def.cpp"),
+}
+
+
+def _require_registered(op):
+    """RuntimeError when the declared SoC is not among those ``op``'s op-def registers (REGISTERED_SOCS)."""
+    socs, source = REGISTERED_SOCS[op]
+    soc = declared_soc()
+    if not soc.startswith(socs):
+        raise RuntimeError(f"{op}: no kernel registered for {soc} (op-def registers {', '.join(socs)}; {source})")
+
+
 def _require_950(op, what=""):
     soc = declared_soc()
     if not soc.startswith("Ascend950"):
@@ -118,6 +180,7 @@ def _require_950(op, what=""):
 # ------------------------------------------------------------------------------------------- helpers
 def _record(name):
     CALLS.append(name)
+    _require_registered(name)
 
 
 def _check_dtype(op, name, x, extra=(), bf16_only=False):
@@ -322,7 +385,6 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, d_o, scale, *, chunk_size=64
     reserved and None."""
     op = "npu_chunk_gated_delta_rule_bwd"
     _record(op)
-    _require_950(op)
     if use_gate_in_kernel:
         raise RuntimeError(f"{op}: use_gate_in_kernel=True is not supported.")
     for name, x in (("q", q), ("k", k), ("v", v), ("d_o", d_o)):
@@ -396,7 +458,6 @@ def chunk_gated_delta_rule_fwd_prepare(q, k, v, g, beta, chunk_size=64, *, use_q
     fp32 (log2 with use_exp2), w [B,HV,T,K], u [B,HV,T,V], a [B,HV,T,64] (None unless output_a)."""
     op = "npu_chunk_gated_delta_rule_fwd_prepare"
     _record(op)
-    _require_950(op)
     if use_gate_in_kernel:
         raise RuntimeError(f"{op}: use_gate_in_kernel currently only supports False.")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -450,6 +511,173 @@ def chunk_bwd_dv_local(q, k, d_o, g, scale, chunk_size, *, g_gamma=None, A=None,
         ac, doc = m._pad_chunks(P["Aqk"], C), m._pad_chunks(d_o[b, :, s:e].float(), C)
         dv[b, :, s:e] = m._unpad(ac.transpose(-1, -2) @ doc, e - s)
     return dv.to(d_o.dtype)
+
+
+# ------------------------------------------------------------------------ GDN building blocks (A2 / A3)
+# The stages fla-npu's A2/A3 GDN example composes (d05824fe examples/chunk_gdn_cp.py ``run_gdn_a2_a3``): WY
+# recompute and the staged backward. Signatures and slots from main 17e24fdd
+# torch_custom/fla_npu/fla_npu/ops/ascendc/_aclnn_ctypes.py; shapes from each op's README at that revision.
+def _head_inputs(op, names_tensors):
+    for name, x in names_tensors:
+        _check_dtype(op, name, x)
+
+
+def recompute_w_u_fwd(k, v, beta, A, chunk_size, *, g=None, gk=None, cu_seqlens=None, chunk_indices=None):
+    """WY tensors from the forward's A: w = A (beta k e^g), u = A (beta v) per chunk. Head-major k [B,HK,T,K],
+    v [B,HV,T,V], beta [B,HV,T], A [B,HV,T,C], natural-log cumulative g [B,HV,T] (or per-channel gk
+    [B,HV,T,K]). Returns ``(w [B,HV,T,K] in k's dtype, u like v)``."""
+    op = "npu_recompute_w_u_fwd"
+    _record(op)
+    _head_inputs(op, (("k", k), ("v", v), ("A", A)))
+    if (g is None) == (gk is None):
+        raise RuntimeError(f"{op}: exactly one of g and gk must be provided.")
+    C = int(chunk_size)
+    B, HK, T, K = k.shape
+    HV = v.shape[1]
+    cu = _host_list(op, cu_seqlens)
+    _check_indices(op, cu, chunk_indices, C, required=True)
+    gate = (g if g is not None else gk).float()
+    w, u = k.new_zeros(B, HV, T, K, dtype=torch.float32), v.new_zeros(v.shape, dtype=torch.float32)
+    for b, s, e in _segments(op, B, T, cu):
+        gam = gate[b, :, s:e]
+        gam = gam if gam.dim() == 3 else gam[..., None].expand(HV, e - s, K)
+        bt = beta[b, :, s:e].float()[..., None]
+        Ac = m._pad_chunks(A[b, :, s:e].float(), C)
+        x = m._pad_chunks(bt * m.expand_heads(k[b, :, s:e].float(), HV) * torch.exp(gam), C)
+        w[b, :, s:e] = m._unpad(Ac @ x, e - s)
+        u[b, :, s:e] = m._unpad(Ac @ m._pad_chunks(bt * v[b, :, s:e].float(), C), e - s)
+    return w.to(k.dtype), u.to(v.dtype)
+
+
+def chunk_local_cumsum(g, chunk_size, *, cu_seqlens=None, chunk_indices_out=None, reverse=False, scale=1.0,
+                       head_first=True, output_dtype="float32"):
+    """In-chunk cumulative sum (``reverse``: from the chunk's end) of g [B,H,T] (``head_first``) or [B,T,H],
+    times ``scale``; fp32 out."""
+    op = "npu_chunk_local_cumsum"
+    _record(op)
+    if output_dtype != "float32":
+        raise RuntimeError(f"{op}: the stand-in implements output_dtype='float32' only")
+    C = int(chunk_size)
+    x = (g if head_first else g.transpose(1, 2)).float()
+    B, _, T = x.shape[:3]
+    cu = _host_list(op, cu_seqlens)
+    out = torch.zeros_like(x)
+    for b, s, e in _segments(op, B, T, cu):
+        xc = m._pad_chunks(x[b, :, s:e], C)
+        cs = xc.flip(2).cumsum(2).flip(2) if reverse else xc.cumsum(2)
+        out[b, :, s:e] = m._unpad(cs, e - s) * float(scale)
+    return out if head_first else out.transpose(1, 2).contiguous()
+
+
+def _dqkwg_checks(op, q, v, w, g_gamma, use_exp2, transpose_state_layout, chunk_size):
+    if w is not None or g_gamma is not None:
+        raise RuntimeError(f"{op}: w and g_gamma must be None (reserved)")
+    if use_exp2 or transpose_state_layout:
+        raise RuntimeError(f"{op}: use_exp2 and transpose_state_layout must be false")
+    _check_chunk(op, chunk_size, (64, 128))
+    _check_dims(op, q.shape[-1], v.shape[-1], (128, 256))
+    if v.shape[1] % q.shape[1]:
+        raise RuntimeError(f"{op}: HV must be a multiple of HK, got HV={v.shape[1]}, HK={q.shape[1]}")
+
+
+def chunk_bwd_dqkwg(q, k, v, g, h, dox, dh, dv, chunk_size, *, cu_seqlens=None, chunk_indices=None, w=None,
+                    g_gamma=None, scale=None, use_exp2=None, transpose_state_layout=None):
+    """GDN backward through the outputs and the state recurrence, with v_new, h, dh and dv (= dhu's dv2, the
+    whole gradient of v_new) held: dq, dk from o = scale q_g h + Aqk v_new and h' = e^{g_C} h + k_g^T v_new,
+    dw = -dv h^T, dg w.r.t. the natural-log cumulative g [B,HV,T]. q, k [B,HK,T,K]; v = v_new, dox, dv
+    [B,HV,T,V]; h, dh (``h_layout()``). Returns ``(dq like q, dk like k, dw [B,HV,T,K], dg like g)`` (the
+    ctypes wrapper allocates dq / dk like q / k)."""
+    op = "npu_chunk_bwd_dqkwg"
+    _record(op)
+    _head_inputs(op, (("q", q), ("k", k), ("v", v), ("h", h), ("dox", dox), ("dh", dh), ("dv", dv)))
+    _dqkwg_checks(op, q, v, w, g_gamma, use_exp2, transpose_state_layout, chunk_size)
+    C, sc = int(chunk_size), 1.0 if scale is None else float(scale)
+    B, HK, T, K = q.shape
+    HV = v.shape[1]
+    cu = _host_list(op, cu_seqlens)
+    _check_indices(op, cu, chunk_indices, C, required=True)
+    segs = _segments(op, B, T, cu)
+    NT = _total_chunks(T, cu, C)
+    h4, dh4 = _h_in(op, "h", h, B, HV, NT).float(), _h_in(op, "dh", dh, B, HV, NT).float()
+    dq, dk = torch.zeros(B, HK, T, K), torch.zeros(B, HK, T, K)
+    dw, dg = torch.zeros(B, HV, T, K), torch.zeros(B, HV, T)
+    for (b, s, e), (_, c0, c1) in zip(segs, _split_h(h4, segs, T, C)):
+        L = e - s
+        hc, dhc = h4[b, :, c0:c1], dh4[b, :, c0:c1]
+        vn, do_s, dv_s = (x[b, :, s:e].float() for x in (v, dox, dv))
+        with torch.enable_grad():
+            qe = m.expand_heads(q[b, :, s:e].float(), HV).requires_grad_()
+            ke = m.expand_heads(k[b, :, s:e].float(), HV).requires_grad_()
+            gam = g[b, :, s:e].detach().float().requires_grad_()
+            P = m.prepare(qe, ke, torch.zeros_like(vn), torch.zeros(HV, L), gam, sc, C)
+            d_kg = m._unpad(m._pad_chunks(vn, C) @ dhc.transpose(-1, -2), L)
+            loss = (m.outputs(P["qg"], P["Aqk"], vn, hc, sc, C) * do_s).sum() + (P["kg"] * d_kg).sum() \
+                + (P["decay"] * (hc * dhc).sum(-1)).sum()
+            gq, gk, gg = torch.autograd.grad(loss, (qe, ke, gam))
+        dq[b, :, s:e], dk[b, :, s:e], dg[b, :, s:e] = m.reduce_heads(gq, HK), m.reduce_heads(gk, HK), gg
+        dw[b, :, s:e] = m._unpad(-(m._pad_chunks(dv_s, C) @ hc.transpose(-1, -2)), L)
+    return dq.to(q.dtype), dk.to(k.dtype), dw.to(q.dtype), dg.to(g.dtype)
+
+
+def _wy_inputs(op, k, v, beta, A, g, chunk_size, cu_seqlens, chunk_indices):
+    C = int(chunk_size)
+    B, HK, T, K = k.shape
+    HV = v.shape[1]
+    if tuple(A.shape) != (B, HV, T, C) or tuple(beta.shape) != (B, HV, T) or tuple(g.shape) != (B, HV, T):
+        raise RuntimeError(f"{op}: A must be [B,HV,T,{C}] and beta, g [B,HV,T]={[B, HV, T]}, got "
+                           f"{list(A.shape)}, {list(beta.shape)}, {list(g.shape)}")
+    cu = _host_list(op, cu_seqlens)
+    _check_indices(op, cu, chunk_indices, C, required=True)
+    return C, B, HK, HV, T, _segments(op, B, T, cu)
+
+
+def prepare_wy_repr_bwd_da(k, v, beta, A, dw, du, g, *, chunk_size, cu_seqlens=None, chunk_indices=None):
+    """Gradient of the strictly lower L (A = (I + L)^-1, see ``_math.wy_lower``) from dw, du:
+    dA = -A^T (dw (beta k e^g)^T + du (beta v)^T) A^T, strictly lower, per chunk. k [B,HK,T,K], v, du
+    [B,HV,T,V], beta, g [B,HV,T] (natural-log cumulative), A [B,HV,T,C], dw [B,HV,T,K]. Returns dA like A."""
+    op = "npu_prepare_wy_repr_bwd_da"
+    _record(op)
+    _head_inputs(op, (("k", k), ("v", v), ("A", A), ("dw", dw), ("du", du)))
+    C, B, HK, HV, T, segs = _wy_inputs(op, k, v, beta, A, g, chunk_size, cu_seqlens, chunk_indices)
+    lower = torch.tril(torch.ones(C, C, dtype=torch.bool), -1)
+    dA = torch.zeros(A.shape)
+    for b, s, e in segs:
+        bt, gam = beta[b, :, s:e].float()[..., None], g[b, :, s:e].float()[..., None]
+        x = m._pad_chunks(bt * m.expand_heads(k[b, :, s:e].float(), HV) * torch.exp(gam), C)
+        y = m._pad_chunks(bt * v[b, :, s:e].float(), C)
+        grad_a = m._pad_chunks(dw[b, :, s:e].float(), C) @ x.transpose(-1, -2) \
+            + m._pad_chunks(du[b, :, s:e].float(), C) @ y.transpose(-1, -2)
+        Ac = m._pad_chunks(A[b, :, s:e].float(), C).transpose(-1, -2)
+        dA[b, :, s:e] = m._unpad((-(Ac @ grad_a @ Ac)).masked_fill(~lower, 0.0), e - s)
+    return dA.to(A.dtype)
+
+
+def prepare_wy_repr_bwd_full(k, v, beta, A, dA, dw, du, g, chunk_size, *, cu_seqlens=None, chunk_indices=None):
+    """The WY part of the gradients: through w = A (beta k e^g), u = A (beta v) with A held, and through L (its
+    gradient dA from ``prepare_wy_repr_bwd_da``). Shapes as there (dw: [B,HV,T,K], as chunk_bwd_dqkwg returns it
+    and prepare_wy_repr_bwd_da takes it; this op's README at 17e24fdd lists [B,HK,T,K]: not verified for HV > HK).
+    Returns ``(dk like k, dv like v, dbeta like beta, dg like g)``, dg w.r.t. the cumulative g."""
+    op = "npu_prepare_wy_repr_bwd_full"
+    _record(op)
+    _head_inputs(op, (("k", k), ("v", v), ("A", A), ("dA", dA), ("dw", dw), ("du", du)))
+    C, B, HK, HV, T, segs = _wy_inputs(op, k, v, beta, A, g, chunk_size, cu_seqlens, chunk_indices)
+    dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
+    dbeta, dg = torch.zeros(beta.shape), torch.zeros(g.shape)
+    for b, s, e in segs:
+        L = e - s
+        Ac, dAc = (m._pad_chunks(x[b, :, s:e].float(), C) for x in (A, dA))
+        with torch.enable_grad():
+            ke = m.expand_heads(k[b, :, s:e].float(), HV).requires_grad_()
+            vs = v[b, :, s:e].detach().float().requires_grad_()
+            bt = beta[b, :, s:e].detach().float().requires_grad_()
+            gam = g[b, :, s:e].detach().float().requires_grad_()
+            w = Ac @ m._pad_chunks(bt[..., None] * ke * torch.exp(gam)[..., None], C)
+            u = Ac @ m._pad_chunks(bt[..., None] * vs, C)
+            loss = (m.wy_lower(ke, bt, gam, C) * dAc).sum() + (m._unpad(w, L) * dw[b, :, s:e].float()).sum() \
+                + (m._unpad(u, L) * du[b, :, s:e].float()).sum()
+            gk, gv, gb, gg = torch.autograd.grad(loss, (ke, vs, bt, gam))
+        dk[b, :, s:e], dv[b, :, s:e], dbeta[b, :, s:e], dg[b, :, s:e] = m.reduce_heads(gk, HK), gv, gb, gg
+    return dk.to(k.dtype), dv.to(v.dtype), dbeta.to(beta.dtype), dg.to(g.dtype)
 
 
 # ------------------------------------------------------------------------------------- KDA pipeline
@@ -660,7 +888,6 @@ def chunk_kda_bwd_prepare(aqk, v_new, d_o, h, *, scale=None, chunk_size=64, stat
     dq_raw = d_o h_c^T (gradient of qg_scaled) fp32."""
     op = "npu_chunk_kda_bwd_prepare"
     _record(op)
-    _require_950(op, "ChunkKdaBwdPrepare (registered for ascend950 only)")
     if layout not in ("BNSD", "NTD"):
         raise RuntimeError(f"{op}: layout must be BNSD or NTD (head-major), got {layout!r}")
     for name, x in (("aqk", aqk), ("v_new", v_new), ("d_o", d_o), ("h", h)):
@@ -750,7 +977,6 @@ def chunk_kda_bwd_finalize(q, k, v, gk, raw_g, beta, a_log, dt_bias, akk, v_new,
     sigmoid, raw g); da_log [HV] and ddt_bias [HV*K] fp32 with the in-kernel gate, else None."""
     op = "npu_chunk_kda_bwd_finalize"
     _record(op)
-    _require_950(op, "ChunkKdaBwdFinalize (registered for ascend950 only)")
     if output_layout not in LAYOUTS:
         raise RuntimeError(f"{op}: output_layout must be one of {LAYOUTS}, got {output_layout!r}")
     for name, x in (("q", q), ("k", k), ("v", v), ("akk", akk), ("v_new", v_new), ("h", h), ("dh", dh),
@@ -1116,7 +1342,9 @@ _ASCENDC_OPS = ("npu_chunk_gated_delta_rule_fwd", "npu_chunk_gated_delta_rule_bw
                 "npu_chunk_gated_delta_rule_fwd_prepare", "npu_chunk_bwd_dv_local", "npu_chunk_kda_fwd_prepare",
                 "npu_chunk_fwd_h", "npu_chunk_kda_fwd_finalize", "npu_chunk_gated_delta_rule_bwd_dhu",
                 "npu_pre_process_fwd_kernel_merged", "npu_chunk_delta_h_bwd_preprocess", "npu_merge_fwd_bwd_kernel",
-                "npu_recurrent_gated_delta_rule", "npu_recurrent_kda")
+                "npu_recurrent_gated_delta_rule", "npu_recurrent_kda", "npu_recompute_w_u_fwd",
+                "npu_chunk_local_cumsum", "npu_chunk_bwd_dqkwg", "npu_prepare_wy_repr_bwd_da",
+                "npu_prepare_wy_repr_bwd_full")
 if _flag("FLA_NPU_STANDIN_KDA_BWD_EXPORTED"):  # later revisions export the KDA backward stages
     _ASCENDC_OPS += ("npu_chunk_kda_bwd_prepare", "npu_chunk_kda_bwd_finalize")
 _IMPL = {n: globals()[n] for n in ("chunk_kda_bwd_prepare", "chunk_kda_bwd_finalize")}

@@ -104,6 +104,18 @@ def per_token_gate(gamma, C):
     return _unpad(g, L)
 
 
+def wy_lower(k, beta, gamma, C):
+    """The strictly lower matrix L of each chunk, A = (I + L)^-1: L_ij = beta_i sum_d k_id k_jd e^{gamma_id -
+    gamma_jd} (i > j). k [HV, L, K], beta [HV, L], gamma [HV, L] or [HV, L, K] -> [HV, NT, C, C]."""
+    HV, L, K = k.shape
+    gam = gamma if gamma.dim() == 3 else gamma[..., None].expand(HV, L, K)
+    kc, bc, gc = _pad_chunks(k, C), _pad_chunks(beta, C), _pad_chunks(gam, C, edge=True)
+    lower = torch.tril(torch.ones(C, C, dtype=torch.bool, device=k.device), -1)
+    diff = (gc[:, :, :, None, :] - gc[:, :, None, :, :]).masked_fill(~lower[..., None], float("-inf"))
+    kk = (kc[:, :, :, None, :] * kc[:, :, None, :, :] * torch.exp(diff)).sum(-1)
+    return (bc[..., None] * kk).masked_fill(~lower, 0.0)
+
+
 def prepare(q, k, v, beta, gamma, scale, C):
     """WY quantities of one sequence (see module doc). gamma is [HV, L] (GDN) or [HV, L, K] (KDA), natural log.
 
