@@ -17,10 +17,12 @@ LLAMA_VOCAB = 96  # tiny_llama's
 def _use_torch_path():
     """transformers' pure-PyTorch GDN/KDA functions (not FLA's Triton kernels) for the reference forward."""
     from transformers.models.kimi_linear import modeling_kimi_linear
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
     from transformers.models.qwen3_next import modeling_qwen3_next
 
-    use_transformers_torch_path(modeling_qwen3_next)
-    use_transformers_torch_path(modeling_kimi_linear)
+    for module in (modeling_qwen3_next, modeling_kimi_linear, modeling_qwen3_5, modeling_qwen3_5_moe):
+        use_transformers_torch_path(module)
 
 
 def tiny_hf_model(arch: str, directory: str, seed: int = 0, save: bool = True, vocab_size: int = VOCAB):
