@@ -64,7 +64,8 @@ class Architecture:
         preset = self.preset(hf_config)
         fields = dict(CPU_SAFE_CONFIG, params_dtype=torch.float32)
         config = preset_transformer_config(preset, **{**fields, **config_overrides})
-        return preset_gpt_model(preset, config, max_sequence_length=hf_config.get("max_position_embeddings") or 4096,
+        text = hf_config.get("text_config", hf_config)   # a VL checkpoint's language model (Qwen3.5)
+        return preset_gpt_model(preset, config, max_sequence_length=text.get("max_position_embeddings") or 4096,
                                 pre_process=parallel_state.is_pipeline_first_stage(),
                                 post_process=parallel_state.is_pipeline_last_stage())
 

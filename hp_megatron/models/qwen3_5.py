@@ -79,14 +79,14 @@ def megatron_config(hf: dict) -> ModelPreset:
     """The megatron-core model of a Qwen3.5 ``config.json`` (text or VL; for VL: its language model)."""
     model_type = hf.get("model_type")
     text = text_config(hf)
+    if model_type in (TEXT, VL) and text.get("num_experts"):
+        refuse(model_type, "num_experts", text["num_experts"], "absent (the dense model; MoE is qwen3_5_moe_text)")
     if model_type in (MOE_TEXT, MOE_VL) and "intermediate_size" not in text:
         # every layer is MoE: megatron's dense ffn_hidden_size is unused; the experts' size stands in for it
         text = {**text, "intermediate_size": text.get("moe_intermediate_size")}
     preset = qwen3_next.hybrid_preset(text, model_type, _rope(text, model_type))
     if model_type in (MOE_TEXT, MOE_VL) and not preset.transformer_fields.get("num_moe_experts"):
         raise ValueError(f"{model_type} config.json lacks the field 'num_experts' (> 0)")
-    if model_type in (TEXT, VL) and text.get("num_experts"):
-        refuse(model_type, "num_experts", text["num_experts"], "absent (the dense model; MoE is qwen3_5_moe_text)")
     preset.position_ids_map = text_position_ids
     return preset
 
