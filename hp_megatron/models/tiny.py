@@ -62,9 +62,10 @@ def _kimi_linear(vocab_size: int):
 
 
 def _qwen3_5_text_fields(vocab_size: int) -> dict:
-    """Qwen3.5's text fields: GGAA, HV = 2 H, mRoPE over half of each head (sections sum to its 4 frequencies)."""
+    """Qwen3.5's text fields: GGAA, HV = 2 H (H = 4: Ulysses CP up to 4 ranks), mRoPE over half of each head
+    (sections sum to its 4 frequencies)."""
     return dict(vocab_size=vocab_size, hidden_size=TINY_HIDDEN, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
                 linear_key_head_dim=8, linear_value_head_dim=8, rms_norm_eps=1e-6, pad_token_id=None,
                 layer_types=["linear_attention", "linear_attention", "full_attention", "full_attention"],
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,

@@ -30,7 +30,7 @@ def test_presets_from_config_json():
         c, m, g = preset.transformer_fields, preset.mixer_fields, preset.gpt_model_kwargs
         assert preset.pattern == "GGAA" and preset.mtp_symbol == "A" and preset.qk_layernorm
         assert c["attention_output_gate"] and c["layernorm_zero_centered_gamma"] and c["kv_channels"] == 16
-        assert (m["linear_num_key_heads"], m["linear_num_value_heads"], m["linear_key_head_dim"]) == (2, 4, 8)
+        assert (m["linear_num_key_heads"], m["linear_num_value_heads"], m["linear_key_head_dim"]) == (4, 8, 8)
         assert not m["gated_norm_zero_centered_gamma"] and g["rotary_percent"] == 0.5 and g["vocab_size"] == 64
         assert preset.position_ids_map is not None
     assert "num_moe_experts" not in dense.transformer_fields and dense.transformer_fields["ffn_hidden_size"] == 48
