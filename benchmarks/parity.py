@@ -205,12 +205,17 @@ def single_rank_worker(rank, world_size, spec):
         bf16 = _model(config_json, state, cp=1, method=None, dtype=torch.bfloat16, backend=spec["backend"]).eval()
         fp32 = _model(config_json, state, cp=1, method=None, dtype=torch.float32, backend=spec["backend"]).eval()
         gen = torch.Generator().manual_seed(3)
-        prompts = [torch.randint(0, vocab, (PROMPT,), generator=gen).tolist() for _ in range(ROWS)]
-        generator = StaticGenerator(bf16, vocab_size=vocab, max_positions=4 * SEQ, max_batch_size=ROWS,
-                                    max_sequence_length=SEQ + 1)
-        result = generator.generate(prompts, sampling_params(max_new_tokens=SEQ + 1 - PROMPT, top_k=0), seed=5)
-        sequences = torch.tensor([p + t for p, t in zip(prompts, result.tokens)])
-        gen_log_probs = torch.tensor(result.log_probs)[:, :-1]   # of tokens PROMPT .. SEQ-1 (the last has no input)
+        seq = spec["seq"]
+        if spec["generate"]:
+            prompts = [torch.randint(0, vocab, (PROMPT,), generator=gen).tolist() for _ in range(ROWS)]
+            generator = StaticGenerator(bf16, vocab_size=vocab, max_positions=4 * SEQ, max_batch_size=ROWS,
+                                        max_sequence_length=seq + 1)
+            result = generator.generate(prompts, sampling_params(max_new_tokens=seq + 1 - PROMPT, top_k=0), seed=5)
+            sequences = torch.tensor([p + t for p, t in zip(prompts, result.tokens)])
+            # the log-probs of tokens PROMPT .. seq: the targets of inputs PROMPT-1 .. seq-1
+            gen_log_probs = torch.tensor(result.log_probs)
+        else:
+            sequences, gen_log_probs = torch.randint(0, vocab, (ROWS, seq + 1), generator=gen), None
         ids, targets = sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous()
         packed = packed_batch(vocab)
         out = {"ids": ids, "targets": targets, "gen_log_probs": gen_log_probs, "packed": packed}
@@ -254,12 +259,13 @@ def cp_worker(rank, world_size, spec, single):
 
 
 def measure(model: str = "qwen3_5_moe_text", cps=(2, 4), methods=CP_METHODS, steps: int = 50, train_cp: int = 4,
-            train_method: str = "p2p", backend: str = "eager") -> dict:
-    """The numbers of (a), (b), (c) (see the module docstring) as a dict."""
+            train_method: str = "p2p", backend: str = "eager", seq: int = SEQ, generate: bool = True) -> dict:
+    """The numbers of (a), (b) (``generate``; else random BSHD rows of ``seq`` tokens) and (c) (``steps`` > 0) of
+    the module docstring as a dict."""
     config, state = checkpoint_state(model)
     vocab = config.get("text_config", config)["vocab_size"]
     spec = dict(config=config, state=state, vocab=vocab, steps=steps, train_cp=train_cp, train_method=train_method,
-                methods=tuple(methods), backend=backend)
+                methods=tuple(methods), backend=backend, seq=seq, generate=generate)
     single = spawn_gloo(single_rank_worker, 1, spec)[0]
     bshd_mask = torch.ones_like(single["bshd_bf16"])
     packed_mask = single["packed"][2]
@@ -268,10 +274,11 @@ def measure(model: str = "qwen3_5_moe_text", cps=(2, 4), methods=CP_METHODS, ste
              "vs_cp1": {"max": 0.0, "mean": 0.0},
              "vs_fp32": _delta(single[f"{layout}_bf16"], single[f"{layout}_fp32"], masks[layout])}
             for layout in ("bshd", "packed")]
-    gen_mask = torch.zeros_like(bshd_mask)
-    gen_mask[:, PROMPT - 1:] = 1     # targets that generation sampled: tokens PROMPT .. SEQ
-    generation = [{"cp": 1, "method": "-", **_delta(single["bshd_bf16"][:, PROMPT - 1:], single["gen_log_probs"],
-                                                     gen_mask[:, PROMPT - 1:])}]
+    gen_mask = torch.ones_like(bshd_mask[:, PROMPT - 1:])   # targets that generation sampled: tokens PROMPT .. seq
+    generation = []
+    if generate:
+        generation.append({"cp": 1, "method": "-", **_delta(single["bshd_bf16"][:, PROMPT - 1:],
+                                                             single["gen_log_probs"], gen_mask)})
     curves = {"cp1": single.get("losses")}
     for cp in cps:
         per = spawn_gloo(cp_worker, cp, spec, {k: single[k] for k in ("ids", "targets", "packed")})[0]
@@ -281,19 +288,18 @@ def measure(model: str = "qwen3_5_moe_text", cps=(2, 4), methods=CP_METHODS, ste
                 rows.append({"cp": cp, "method": method, "layout": layout,
                              "vs_cp1": _delta(got, single[f"{layout}_bf16"], masks[layout]),
                              "vs_fp32": _delta(got, single[f"{layout}_fp32"], masks[layout])})
-            if cp == max(cps):
-                generation.append({"cp": cp, "method": method,
-                                   **_delta(per[method]["bshd"][:, PROMPT - 1:], single["gen_log_probs"],
-                                            gen_mask[:, PROMPT - 1:])})
+            if generate and cp == max(cps):
+                generation.append({"cp": cp, "method": method, **_delta(per[method]["bshd"][:, PROMPT - 1:],
+                                                                        single["gen_log_probs"], gen_mask)})
         if "losses" in per:
             curves[f"cp{cp}"] = per["losses"]
     return dict(model=model, rows=rows, generation=generation, curves=curves, steps=steps, train_cp=train_cp,
-                train_method=train_method, backend=backend)
+                train_method=train_method, backend=backend, seq=seq)
 
 
 def tables(result: dict) -> str:
     lines = [f"Model `{result['model']}` (tiny random, `hp_megatron.models.tiny`), bf16, backend "
-             f"`{result['backend']}`; BSHD: {ROWS} x {SEQ} tokens (prompt + sampled), packed: one THD row of "
+             f"`{result['backend']}`; BSHD: {ROWS} x {result['seq']} tokens (prompt + sampled), packed: one THD row of "
              f"documents {list(DOCS)}. |delta log p| of the target tokens.", "",
              "| CP | method | layout | max vs CP 1 | mean vs CP 1 | max vs fp32 | mean vs fp32 | mean vs fp32 / CP 1's |",
              "|---|---|---|---|---|---|---|---|"]
@@ -303,10 +309,11 @@ def tables(result: dict) -> str:
         lines.append(f"| {r['cp']} | {r['method']} | {r['layout']} | {r['vs_cp1']['max']:.2e} | "
                      f"{r['vs_cp1']['mean']:.2e} | {r['vs_fp32']['max']:.2e} | {r['vs_fp32']['mean']:.2e} | "
                      f"{ratio:.2f} |")
-    lines += ["", "Generation's returned log-probs (bf16, CP 1, sampled at temperature 1) against the training "
-              "forward's of the same sequences:", "", "| training forward CP | method | max | mean |",
-              "|---|---|---|---|"]
-    lines += [f"| {g['cp']} | {g['method']} | {g['max']:.2e} | {g['mean']:.2e} |" for g in result["generation"]]
+    if result["generation"]:
+        lines += ["", "Generation's returned log-probs (bf16, CP 1, sampled at temperature 1) against the training "
+                  "forward's of the same sequences:", "", "| training forward CP | method | max | mean |",
+                  "|---|---|---|---|"]
+        lines += [f"| {g['cp']} | {g['method']} | {g['max']:.2e} | {g['mean']:.2e} |" for g in result["generation"]]
     curves = result["curves"]
     if curves.get("cp1") and curves.get(f"cp{result['train_cp']}"):
         a, b = curves["cp1"], curves[f"cp{result['train_cp']}"]
