@@ -82,7 +82,7 @@ def root(pydoc_data, tmp_path_factory):
 
 def _argv(root, reference, extra=()):
     arch, flags = REFERENCES[reference]
-    return example_argv(root, arch, *flags, *extra)
+    return example_argv(root, arch, *flags, *extra, "--global-batch-size", "2")   # two micro-batches: half the time
 
 
 @pytest.fixture(scope="module")
