@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
+import hp_megatron.models.qwen3_next as qwen3_next
 from hp_megatron.convert.rules import TensorRule, identity_rule
-from hp_megatron.models import qwen3_next
 from hp_megatron.models.common import ModelPreset, refuse, require, rope_parameters
 from hp_megatron.registry import register_conversion_rules
 
