@@ -60,7 +60,8 @@ def text_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     if position_ids is None or position_ids.dim() == 2:
         return position_ids
     if position_ids.dim() != 3 or position_ids.shape[0] not in (3, 4):
-        raise ValueError(f"Qwen3.5 position ids must be [b, s] or mRoPE [3, b, s], got shape {tuple(position_ids.shape)}")
+        raise ValueError(f"Qwen3.5 position ids must be [b, s] or mRoPE [3, b, s], got shape "
+                         f"{tuple(position_ids.shape)}")
     if not bool((position_ids == position_ids[:1]).all()):
         raise ValueError("Qwen3.5 multimodal mRoPE position ids (axes differ: image / video tokens) are not supported; "
                          "only text positions (all axes equal) until a vision path exists")

@@ -1,7 +1,7 @@
 """``export_hf_weights`` streams a running sharded model's weights: exactly the tensors ``mcore_to_hf`` writes.
 
-The tiny Qwen3-Next, DeepSeek-V3, Kimi Linear and dense Qwen3.5 (tests/support/models_case.py) and a tiny tied-embedding Llama
-are converted with ``hf_to_mcore``; ``mcore_to_hf`` writes the reference HF directory. In one spawn of 4 gloo ranks
+The tiny Qwen3-Next, DeepSeek-V3, Kimi Linear and dense Qwen3.5 (tests/support/models_case.py) and a tiny
+tied-embedding Llama are converted with ``hf_to_mcore``; ``mcore_to_hf`` writes the reference HF directory. In one spawn of 4 gloo ranks
 each checkpoint is loaded into a GPTModel at TP2 x PP2 x EP2 (expert tensor parallel 1: megatron-core 0.16 lays the
 experts of 4 ranks out as ETP1 x EP2 x expert-DP1 x PP2, the dense part as TP2 x DP1 x PP2) and exported; Qwen3-Next
 also at TP2 x CP2 x EP2 (expert-DP 2: CP and expert-DP replicas must be read once), and Llama with tied embeddings
