@@ -125,7 +125,7 @@ def spawn_gloo(fn, world_size: int, *args, timeout: float = 3600.0) -> list:
         results = dict(queue.get(timeout=timeout) for _ in range(world_size))
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=300)   # a loaded machine can take long to tear a gloo rank down
             if p.is_alive():
                 p.kill()
     bad = [p.exitcode for p in procs if p.exitcode != 0]

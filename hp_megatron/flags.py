@@ -28,8 +28,8 @@ def global_rows() -> tuple:
         *SHARED_ROWS,
         OptionRow("--hp-hf-config", None, None, str,
                   help="Hugging Face config.json (or a checkpoint directory holding one) of a supported architecture "
-                       "(qwen3_next, deepseek_v3, kimi_linear): the model flags come from it "
-                       "(hp_megatron.models.args.apply_hf_config_to_args; docs/models.md)"),
+                       "(hp_megatron.models.ARCHITECTURES: qwen3_next, qwen3_5*, deepseek_v3, kimi_linear...): the "
+                       "model flags come from it (hp_megatron.models.args.apply_hf_config_to_args; docs/models.md)"),
         OptionRow("--hp-mtp-layer-symbol", "hp_mtp_layer_symbol", None, str, model=True, choices=mtp_symbols(),
                   preset=True,
                   help="the mixer of the multi-token-prediction layers (--mtp-num-layers) under a layer pattern with "

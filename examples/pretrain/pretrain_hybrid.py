@@ -114,7 +114,7 @@ def build_config(args, vocab_size):
                pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                context_parallel_size=args.context_parallel_size, sequence_parallel=args.sequence_parallel,
                init_method_std=args.init_method_std, params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
-               **CPU_SAFE_CONFIG)
+               calculate_per_token_loss=args.calculate_per_token_loss, **CPU_SAFE_CONFIG)
     if args.cp_comm_type:   # megatron's field, as Megatron-LM sets it (one value, or one per layer)
         run.update(cp_comm_type=args.cp_comm_type[0] if len(args.cp_comm_type) == 1 else list(args.cp_comm_type))
     if args.num_experts is not None:  # how the experts are split and balanced: this run's flags

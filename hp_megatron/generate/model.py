@@ -101,7 +101,8 @@ def model_source(hf_config: str | None, load: str | None, use_checkpoint_args: b
             raise ValueError(f"checkpoint {path} stores neither an HF config nor the example's model arguments; "
                              "pass --hp-hf-config")
         config, tokenizer = common["hf_config"], None
-    return ModelSource("hf", config, int(config["vocab_size"]), int(config.get("max_position_embeddings") or 4096),
+    text = config.get("text_config", config)   # a VL checkpoint's language model (Qwen3.5)
+    return ModelSource("hf", config, int(text["vocab_size"]), int(text.get("max_position_embeddings") or 4096),
                        tokenizer)
 
 

@@ -17,6 +17,7 @@ import torch
 import hp_megatron.models.deepseek_v3 as deepseek_v3
 import hp_megatron.models.kimi_linear as kimi_linear
 import hp_megatron.models.llama as llama
+import hp_megatron.models.qwen3_5 as qwen3_5
 import hp_megatron.models.qwen3_next as qwen3_next
 from hp_megatron.convert.safetensors_io import load_hf_config
 from hp_megatron.models.build import preset_gpt_model, preset_transformer_config
@@ -34,7 +35,8 @@ class Architecture:
     holds}``, checkpoint tensors of parts the model does not build (DeepSeek-V3's and Qwen3-Next's
     multi-token-prediction modules), which ``hf_to_mcore`` drops only when asked; ``model_builder``, when set,
     builds the model in place of the preset's GPTModel (the converter's ``--model-builder``); ``mtp_num_layers``:
-    the multi-token-prediction layers the model is built with and converted (:meth:`with_mtp`; 0: none)."""
+    the multi-token-prediction layers the model is built with and converted (:meth:`with_mtp`; 0: none);
+    ``unmodeled_with_mtp``: the ``unmodeled_tensors`` that stay unmodeled with MTP (a VL checkpoint's vision tower)."""
 
     model_type: str
     preset: Callable[[dict], ModelPreset] | None
@@ -42,6 +44,7 @@ class Architecture:
     unmodeled_tensors: Callable[[dict], dict] = no_unmodeled_tensors
     model_builder: Callable | None = None
     mtp_num_layers: int = 0
+    unmodeled_with_mtp: Callable[[dict], dict] = no_unmodeled_tensors
 
     def __post_init__(self):
         if self.preset is None and self.model_builder is None:
@@ -61,7 +64,8 @@ class Architecture:
         preset = self.preset(hf_config)
         fields = dict(CPU_SAFE_CONFIG, params_dtype=torch.float32)
         config = preset_transformer_config(preset, **{**fields, **config_overrides})
-        return preset_gpt_model(preset, config, max_sequence_length=hf_config.get("max_position_embeddings") or 4096,
+        text = hf_config.get("text_config", hf_config)   # a VL checkpoint's language model (Qwen3.5)
+        return preset_gpt_model(preset, config, max_sequence_length=text.get("max_position_embeddings") or 4096,
                                 pre_process=parallel_state.is_pipeline_first_stage(),
                                 post_process=parallel_state.is_pipeline_last_stage())
 
@@ -79,7 +83,7 @@ class Architecture:
                              f"{sorted(MTP_ARCHITECTURES)}, got mtp_num_layers={mtp_num_layers}")
         if self.mtp_num_layers:
             raise ValueError(f"{self.model_type}: the architecture has {self.mtp_num_layers} MTP layers already")
-        return replace(self, mtp_num_layers=mtp_num_layers, unmodeled_tensors=no_unmodeled_tensors,
+        return replace(self, mtp_num_layers=mtp_num_layers, unmodeled_tensors=self.unmodeled_with_mtp,
                        conversion_rules=functools.partial(self.conversion_rules, mtp_num_layers=mtp_num_layers))
 
 
@@ -90,10 +94,13 @@ ARCHITECTURES = {arch.model_type: arch for arch in (
     Architecture(deepseek_v3.MODEL_TYPE, deepseek_v3.megatron_config, deepseek_v3.conversion_rules,
                  deepseek_v3.unmodeled_tensors),
     Architecture(kimi_linear.MODEL_TYPE, kimi_linear.megatron_config, kimi_linear.conversion_rules),
+    *(Architecture(model_type, qwen3_5.megatron_config, qwen3_5.conversion_rules, qwen3_5.unmodeled_tensors,
+                   unmodeled_with_mtp=qwen3_5.unmodeled_with_mtp) for model_type in qwen3_5.MODEL_TYPES),
 )}
 
 
-MTP_ARCHITECTURES = (deepseek_v3.MODEL_TYPE, qwen3_next.MODEL_TYPE)  # conversion_rules(hf, mtp_num_layers)
+# conversion_rules(hf, mtp_num_layers)
+MTP_ARCHITECTURES = (deepseek_v3.MODEL_TYPE, qwen3_next.MODEL_TYPE, *qwen3_5.MODEL_TYPES)
 
 
 def get_architecture(model_type: str) -> Architecture:

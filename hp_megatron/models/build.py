@@ -33,7 +33,24 @@ def preset_gpt_model(preset, config, backend="eager", *, max_sequence_length: in
     our RMSNorm as the final norm); ``config`` is typically :func:`preset_transformer_config`'s."""
     from hp_megatron.model_builders import hybrid_gpt_model
 
-    return hybrid_gpt_model(config, preset_layer_spec(preset, backend, **spec_kwargs),
-                            max_sequence_length=max_sequence_length, pre_process=pre_process,
-                            post_process=post_process, vp_stage=vp_stage, backend=backend,
-                            **preset.gpt_model_kwargs)
+    model = hybrid_gpt_model(config, preset_layer_spec(preset, backend, **spec_kwargs),
+                             max_sequence_length=max_sequence_length, pre_process=pre_process,
+                             post_process=post_process, vp_stage=vp_stage, backend=backend,
+                             **preset.gpt_model_kwargs)
+    if preset.position_ids_map is not None:
+        model.register_forward_pre_hook(_mapping_position_ids(preset.position_ids_map), with_kwargs=True)
+    return model
+
+
+def _mapping_position_ids(position_ids_map):
+    """A ``GPTModel`` forward pre-hook passing ``forward(input_ids, position_ids, ...)``'s position ids through
+    ``position_ids_map``."""
+
+    def hook(module, args, kwargs):
+        if len(args) > 1:
+            return (args[0], position_ids_map(args[1]), *args[2:]), kwargs
+        if kwargs.get("position_ids") is not None:
+            return args, {**kwargs, "position_ids": position_ids_map(kwargs["position_ids"])}
+        return None
+
+    return hook

@@ -9,6 +9,7 @@ in-memory expert tensors).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -35,6 +36,9 @@ class ModelPreset:
     qk_layernorm: bool = False
     mtp_symbol: str | None = None   # the kind of the multi-token-prediction layers (DeepSeek-V3 "M", Qwen3-Next "A")
     mtp_num_layers: int = 0          # the MTP depth config.json declares (the checkpoint's MTP layers)
+    # position ids the model is given -> the [b, s] ones it uses, ValueError for those it cannot take (Qwen3.5:
+    # equal-axis mRoPE ids [3, b, s] are text positions, multimodal ones are refused); None: taken as they are
+    position_ids_map: Callable | None = None
 
 
 def refuse(model_type: str, name: str, value, supported) -> None:

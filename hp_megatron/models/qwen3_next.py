@@ -42,14 +42,14 @@ def unmodeled_tensors(hf: dict) -> dict:
     return {"mtp.": "Qwen3-Next multi-token-prediction module (mtp.*)"}
 
 
-def _layer_types(hf: dict) -> list:
-    num_layers = field_of(hf, MODEL_TYPE, "num_hidden_layers")
+def _layer_types(hf: dict, model_type: str = MODEL_TYPE) -> list:
+    num_layers = field_of(hf, model_type, "num_hidden_layers")
     types = hf.get("layer_types")
     if types is None:  # transformers' default: full attention every full_attention_interval-th layer
         interval = hf.get("full_attention_interval", 4)
         types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
     if len(types) != num_layers or any(t not in LAYER_SYMBOLS for t in types):
-        refuse(MODEL_TYPE, "layer_types", types, f"{num_layers} entries of {sorted(LAYER_SYMBOLS)}")
+        refuse(model_type, "layer_types", types, f"{num_layers} entries of {sorted(LAYER_SYMBOLS)}")
     return types
 
 
@@ -60,47 +60,54 @@ def moe_layers(hf: dict) -> list:
     return [i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers)]
 
 
-def _gdn_dims(hf: dict) -> dict:
-    return dict(num_key_heads=field_of(hf, MODEL_TYPE, "linear_num_key_heads"),
-                num_value_heads=field_of(hf, MODEL_TYPE, "linear_num_value_heads"),
-                key_head_dim=field_of(hf, MODEL_TYPE, "linear_key_head_dim"),
-                value_head_dim=field_of(hf, MODEL_TYPE, "linear_value_head_dim"))
+def gdn_dims(hf: dict, model_type: str = MODEL_TYPE) -> dict:
+    """The GDN layers' head counts and dims (``linear_*`` fields) of a Qwen3-Next / Qwen3.5 config."""
+    return dict(num_key_heads=field_of(hf, model_type, "linear_num_key_heads"),
+                num_value_heads=field_of(hf, model_type, "linear_num_value_heads"),
+                key_head_dim=field_of(hf, model_type, "linear_key_head_dim"),
+                value_head_dim=field_of(hf, model_type, "linear_value_head_dim"))
 
 
 def megatron_config(hf: dict) -> ModelPreset:
     """The megatron-core model of a Qwen3-Next ``config.json`` (a dict)."""
     require(hf, MODEL_TYPE, "model_type", (MODEL_TYPE,))
-    require(hf, MODEL_TYPE, "attention_bias", (False,), False)
-    require(hf, MODEL_TYPE, "attention_dropout", (0, 0.0), 0.0)
-    rope = rope_parameters(hf)
+    return hybrid_preset(hf, MODEL_TYPE, rope_parameters(hf))
+
+
+def hybrid_preset(hf: dict, model_type: str, rope: dict) -> ModelPreset:
+    """The preset of a Qwen3-Next-style decoder (GDN / gated attention layers, dense or MoE-with-shared-expert MLPs,
+    zero-centred norms) from its text config ``hf``; ``rope``: its checked ``rope_parameters``; Qwen3.5 shares it
+    (``hp_megatron.models.qwen3_5``)."""
+    require(hf, model_type, "attention_bias", (False,), False)
+    require(hf, model_type, "attention_dropout", (0, 0.0), 0.0)
     if rope["rope_type"] != "default":
-        refuse(MODEL_TYPE, "rope_parameters.rope_type", rope["rope_type"], ["default"])
-    types, flags = _layer_types(hf), moe_layers(hf)
-    config = decoder_config(hf, MODEL_TYPE, 1e-6)
+        refuse(model_type, "rope_parameters.rope_type", rope["rope_type"], ["default"])
+    types, flags = _layer_types(hf, model_type), moe_layers(hf)
+    config = decoder_config(hf, model_type, 1e-6)
     heads = config["num_attention_heads"]
     config.update(num_query_groups=hf.get("num_key_value_heads", heads),
                   kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads, layernorm_zero_centered_gamma=True,
                   qk_layernorm=True, attention_output_gate=True)
     if any(flags):
-        require(hf, MODEL_TYPE, "output_router_logits", (False,), False)
-        shared = field_of(hf, MODEL_TYPE, "shared_expert_intermediate_size")
-        config.update(moe_router_config(MODEL_TYPE, num_experts=hf["num_experts"],
-                                        topk=field_of(hf, MODEL_TYPE, "num_experts_per_tok"),
+        require(hf, model_type, "output_router_logits", (False,), False)
+        shared = field_of(hf, model_type, "shared_expert_intermediate_size")
+        config.update(moe_router_config(model_type, num_experts=hf["num_experts"],
+                                        topk=field_of(hf, model_type, "num_experts_per_tok"),
                                         norm_topk_prob=hf.get("norm_topk_prob", True), score_function="softmax",
                                         scaling_factor=None, expert_bias=False),
                       moe_layer_freq=[int(f) for f in flags],
-                      moe_ffn_hidden_size=field_of(hf, MODEL_TYPE, "moe_intermediate_size"),
+                      moe_ffn_hidden_size=field_of(hf, model_type, "moe_intermediate_size"),
                       moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
-    dims = _gdn_dims(hf)
+    dims = gdn_dims(hf, model_type)
     mixer = dict(linear_num_key_heads=dims["num_key_heads"], linear_num_value_heads=dims["num_value_heads"],
                  linear_key_head_dim=dims["key_head_dim"], linear_value_head_dim=dims["value_head_dim"],
                  linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4), gated_norm_zero_centered_gamma=False,
                  hp_mtp_layer_symbol="A")
-    gpt = dict(vocab_size=field_of(hf, MODEL_TYPE, "vocab_size"), position_embedding_type="rope",
+    gpt = dict(vocab_size=field_of(hf, model_type, "vocab_size"), position_embedding_type="rope",
                rotary_percent=float(rope.get("partial_rotary_factor", 0.25)),
                rotary_base=float(rope.get("rope_theta", 10000.0)),
                share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)))
-    return ModelPreset(MODEL_TYPE, "".join(LAYER_SYMBOLS[t] for t in types), transformer_fields=config,
+    return ModelPreset(model_type, "".join(LAYER_SYMBOLS[t] for t in types), transformer_fields=config,
                        mixer_fields=mixer, gpt_model_kwargs=gpt, qk_layernorm=True, mtp_symbol="A",
                        mtp_num_layers=mtp_depth(hf))
 
@@ -192,18 +199,19 @@ def attention_layer_rules(mcore: str, hf_layer: str, hf: dict, preset: ModelPres
 
 def gdn_layer_rules(mcore: str, hf_layer: str, hf: dict, preset: ModelPreset) -> list[TensorRule]:
     """The ``G`` mixer's rules (registered in ``hp_megatron.registry.gdn``): Qwen3-Next's ``linear_attn``."""
-    return _gdn_rules(mcore, hf_layer + "linear_attn.", _gdn_dims(hf))
+    return _gdn_rules(mcore, hf_layer + "linear_attn.", gdn_dims(hf))
 
 
 def _mtp_rules(hf: dict, preset: ModelPreset, mtp_num_layers: int) -> list[TensorRule]:
-    check_mtp_depth(MODEL_TYPE, MTP_FIELD, mtp_depth(hf), mtp_num_layers)
+    model_type = preset.model_type
+    check_mtp_depth(model_type, MTP_FIELD, mtp_depth(hf), mtp_num_layers)
     if mtp_num_layers != 1:
-        raise ValueError(f"{MODEL_TYPE}: one MTP layer is supported (mtp.fc and its norms are shared by mtp.layers.*; "
+        raise ValueError(f"{model_type}: one MTP layer is supported (mtp.fc and its norms are shared by mtp.layers.*; "
                          f"megatron-core has them per layer), got {MTP_FIELD}={mtp_num_layers}")
     mcore = mtp_layer_prefix(0)
     rules = mtp_head_rules(0, enorm="mtp.pre_fc_norm_embedding.weight", hnorm="mtp.pre_fc_norm_hidden.weight",
                            eh_proj="mtp.fc.weight", final_norm="mtp.norm.weight")
-    rules += conversion_rules_of(MODEL_TYPE, preset.mtp_symbol)(mcore + "self_attention.", "mtp.layers.0.", hf, preset)
+    rules += conversion_rules_of(model_type, preset.mtp_symbol)(mcore + "self_attention.", "mtp.layers.0.", hf, preset)
     rules += norm_rules(mcore, "mtp.layers.0.")
     if preset.transformer_fields.get("num_moe_experts"):
         return rules + moe_rules(mcore + "mlp.", "mtp.layers.0.mlp.", hf["num_experts"], router="gate.weight",
@@ -214,10 +222,15 @@ def _mtp_rules(hf: dict, preset: ModelPreset, mtp_num_layers: int) -> list[Tenso
 def conversion_rules(hf: dict, mtp_num_layers: int = 0) -> list[TensorRule]:
     """One rule per megatron-core tensor of the model of :func:`megatron_config`, with ``mtp_num_layers`` MTP layers
     (0 or config.json's ``mtp_num_hidden_layers``)."""
-    preset = megatron_config(hf)
+    return hybrid_rules(hf, megatron_config(hf), mtp_num_layers)
+
+
+def hybrid_rules(hf: dict, preset: ModelPreset, mtp_num_layers: int = 0) -> list[TensorRule]:
+    """The rules of :func:`hybrid_preset`'s model (text config ``hf``, checkpoint keys ``model.*``), each mixer's
+    from the registry under ``preset.model_type``."""
     rules = model_rules(preset.gpt_model_kwargs["share_embeddings_and_output_weights"])
     for i, (symbol, is_moe) in enumerate(zip(preset.pattern, moe_layers(hf))):
-        rules += conversion_rules_of(MODEL_TYPE, symbol)(layer_prefix(i) + "self_attention.", f"model.layers.{i}.",
+        rules += conversion_rules_of(preset.model_type, symbol)(layer_prefix(i) + "self_attention.", f"model.layers.{i}.",
                                                          hf, preset)
         rules += layer_norm_rules(i)
         rules += layer_mlp_rules(i, is_moe, hf.get("num_experts", 0), router="gate.weight",

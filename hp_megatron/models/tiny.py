@@ -1,6 +1,6 @@
 """Tiny random transformers models of the supported architectures (``qwen3_next``, ``deepseek_v3``,
-``kimi_linear``): small configs with routed and shared experts, dense and MoE layers and mixed layer types, for
-tests and for trying the HF -> megatron-core -> training path (``examples/pretrain/tiny_hf_checkpoint.py``)."""
+``kimi_linear``, Qwen3.5's ``qwen3_5_text`` / ``qwen3_5_moe_text`` and their VL ``qwen3_5`` / ``qwen3_5_moe``):
+small configs with routed and shared experts, dense and MoE layers and mixed layer types, for tests and for trying the HF -> megatron-core -> training path (``examples/pretrain/tiny_hf_checkpoint.py``)."""
 from __future__ import annotations
 
 import os
@@ -61,7 +61,52 @@ def _kimi_linear(vocab_size: int):
     return transformers.KimiLinearForCausalLM, cfg
 
 
-TINY_ARCHITECTURES = {"qwen3_next": _qwen3_next, "deepseek_v3": _deepseek_v3, "kimi_linear": _kimi_linear}
+def _qwen3_5_text_fields(vocab_size: int) -> dict:
+    """Qwen3.5's text fields: GGAA, HV = 2 H (H = 4: Ulysses CP up to 4 ranks), mRoPE over half of each head
+    (sections sum to its 4 frequencies)."""
+    return dict(vocab_size=vocab_size, hidden_size=TINY_HIDDEN, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
+                linear_key_head_dim=8, linear_value_head_dim=8, rms_norm_eps=1e-6, pad_token_id=None,
+                layer_types=["linear_attention", "linear_attention", "full_attention", "full_attention"],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+
+
+def _qwen3_5_text(vocab_size: int):
+    transformers = import_transformers()
+    cfg = transformers.Qwen3_5TextConfig(intermediate_size=48, **_qwen3_5_text_fields(vocab_size))
+    return transformers.Qwen3_5ForCausalLM, cfg
+
+
+def _qwen3_5_moe_text(vocab_size: int):
+    transformers = import_transformers()
+    cfg = transformers.Qwen3_5MoeTextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                            shared_expert_intermediate_size=24, **_qwen3_5_text_fields(vocab_size))
+    return transformers.Qwen3_5MoeForCausalLM, cfg
+
+
+TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=TINY_HIDDEN,
+                   patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+
+
+def _qwen3_5(vocab_size: int):
+    transformers = import_transformers()
+    text = _qwen3_5_text(vocab_size)[1].to_dict()
+    return transformers.Qwen3_5ForConditionalGeneration, transformers.Qwen3_5Config(text_config=text,
+                                                                                      vision_config=TINY_VISION)
+
+
+def _qwen3_5_moe(vocab_size: int):
+    transformers = import_transformers()
+    text = _qwen3_5_moe_text(vocab_size)[1].to_dict()
+    return transformers.Qwen3_5MoeForConditionalGeneration, transformers.Qwen3_5MoeConfig(text_config=text,
+                                                                                           vision_config=TINY_VISION)
+
+
+TINY_ARCHITECTURES = {"qwen3_next": _qwen3_next, "deepseek_v3": _deepseek_v3, "kimi_linear": _kimi_linear,
+                      "qwen3_5_text": _qwen3_5_text, "qwen3_5_moe_text": _qwen3_5_moe_text, "qwen3_5": _qwen3_5,
+                      "qwen3_5_moe": _qwen3_5_moe}
+VL_TEXT_ARCHITECTURE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}  # VL -> its language model
 
 
 def tiny_hf_config(arch: str, vocab_size: int = TINY_VOCAB):
@@ -105,7 +150,9 @@ def build_tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = TINY_VOCAB):
 
 
 MTP_LAYER_TYPE = {"qwen3_next": dict(layer_types=["full_attention"], mlp_only_layers=[]),
-                  "deepseek_v3": dict(first_k_dense_replace=0)}
+                  "deepseek_v3": dict(first_k_dense_replace=0), "qwen3_5_text": dict(layer_types=["full_attention"]),
+                  "qwen3_5_moe_text": dict(layer_types=["full_attention"]),
+                  "qwen3_5": dict(layer_types=["full_attention"]), "qwen3_5_moe": dict(layer_types=["full_attention"])}
 
 
 def tiny_mtp_tensors(arch: str, seed: int = 0, vocab_size: int = TINY_VOCAB, main_state: dict | None = None) -> tuple:
@@ -114,7 +161,9 @@ def tiny_mtp_tensors(arch: str, seed: int = 0, vocab_size: int = TINY_VOCAB, mai
     ``model.layers.<num_hidden_layers>.*`` (``enorm``, ``hnorm``, ``eh_proj``, an MLA + MoE decoder layer,
     ``shared_head.norm``, and ``embed_tokens`` / ``shared_head.head``: copies of ``main_state``'s embedding and
     head), ``num_nextn_predict_layers: 1``; Qwen3-Next ``mtp.*`` (``pre_fc_norm_embedding``,
-    ``pre_fc_norm_hidden``, ``fc``, a gated-attention + MoE ``layers.0``, ``norm``), ``mtp_num_hidden_layers: 1``.
+    ``pre_fc_norm_hidden``, ``fc``, a gated-attention + MoE ``layers.0``, ``norm``), ``mtp_num_hidden_layers: 1``;
+    Qwen3.5 (text and VL) the same names (the dense model's MTP layer has a dense MLP); for VL the depth goes into
+    ``text_config`` (:func:`add_tiny_mtp_layer`).
 
     The decoder layer is a one-layer model of the same config (that layer kind) saved by transformers, so its
     tensors have the checkpoint's names (per-expert keys)."""
@@ -124,7 +173,7 @@ def tiny_mtp_tensors(arch: str, seed: int = 0, vocab_size: int = TINY_VOCAB, mai
 
     if arch not in MTP_LAYER_TYPE:
         raise ValueError(f"no multi-token-prediction layer for {arch!r}; supported: {sorted(MTP_LAYER_TYPE)}")
-    cls, cfg = tiny_hf_config(arch, vocab_size)
+    cls, cfg = tiny_hf_config(VL_TEXT_ARCHITECTURE.get(arch, arch), vocab_size)
     layers = cfg.num_hidden_layers
     cfg.num_hidden_layers = 1
     for name, value in MTP_LAYER_TYPE[arch].items():
@@ -140,14 +189,14 @@ def tiny_mtp_tensors(arch: str, seed: int = 0, vocab_size: int = TINY_VOCAB, mai
                 saved.update(load_file(os.path.join(tmp, name)))
     gen = torch.Generator().manual_seed(seed + 2)
     hidden = cfg.hidden_size
-    centred = arch == "qwen3_next"   # Qwen3-Next's norms store weight - 1
+    centred = arch != "deepseek_v3"   # Qwen3-Next's and Qwen3.5's norms store weight - 1
 
     def norm():
         return (0.0 if centred else 1.0) + 0.1 * torch.randn(hidden, generator=gen)
 
     proj = torch.randn(hidden, 2 * hidden, generator=gen) / (2 * hidden) ** 0.5
     decoder = {k[len("model.layers.0."):]: v for k, v in saved.items() if k.startswith("model.layers.0.")}
-    if arch == "qwen3_next":
+    if arch != "deepseek_v3":
         tensors = {f"mtp.layers.0.{k}": v for k, v in decoder.items()}
         tensors.update({"mtp.pre_fc_norm_embedding.weight": norm(), "mtp.pre_fc_norm_hidden.weight": norm(),
                         "mtp.fc.weight": proj, "mtp.norm.weight": norm()})
@@ -177,8 +226,9 @@ def add_tiny_mtp_layer(directory: str, arch: str, seed: int = 0) -> dict:
         state.update(load_file(os.path.join(directory, name)))
     with open(os.path.join(directory, "config.json")) as f:
         config = json.load(f)
-    fields, tensors = tiny_mtp_tensors(arch, seed, config["vocab_size"], state)
-    config.update(fields)
+    text = config.get("text_config", config)   # a VL config's language model
+    fields, tensors = tiny_mtp_tensors(arch, seed, text["vocab_size"], state)
+    text.update(fields)
     tmp = os.path.join(directory, "model.safetensors.tmp")
     try:
         save_file({**state, **tensors}, tmp, metadata={"format": "pt"})

@@ -1,7 +1,7 @@
 """``export_hf_weights`` streams a running sharded model's weights: exactly the tensors ``mcore_to_hf`` writes.
 
-The tiny Qwen3-Next, DeepSeek-V3 and Kimi Linear (tests/support/models_case.py) and a tiny tied-embedding Llama
-are converted with ``hf_to_mcore``; ``mcore_to_hf`` writes the reference HF directory. In one spawn of 4 gloo ranks
+The tiny Qwen3-Next, DeepSeek-V3, Kimi Linear and dense Qwen3.5 (tests/support/models_case.py) and a tiny
+tied-embedding Llama are converted with ``hf_to_mcore``; ``mcore_to_hf`` writes the reference HF directory. In one spawn of 4 gloo ranks
 each checkpoint is loaded into a GPTModel at TP2 x PP2 x EP2 (expert tensor parallel 1: megatron-core 0.16 lays the
 experts of 4 ranks out as ETP1 x EP2 x expert-DP1 x PP2, the dense part as TP2 x DP1 x PP2) and exported; Qwen3-Next
 also at TP2 x CP2 x EP2 (expert-DP 2: CP and expert-DP replicas must be read once), and Llama with tied embeddings
@@ -11,7 +11,8 @@ received equal the reference's bit for bit, under the same names, none missing o
 show it keeps at most the current rule's assembled tensor alive. The same exporter, called again after an in-place
 change of the weights, yields the changed weights; a rank whose ``sharded_state_dict`` fails stops every rank.
 
-Multi-token prediction: the tiny Qwen3-Next and DeepSeek-V3 checkpoints with one MTP layer
+Multi-token prediction: the tiny Qwen3-Next, DeepSeek-V3 and Qwen3.5-MoE VL (its language model under
+``model.language_model.``, the vision tower dropped) checkpoints with one MTP layer
 (tests/support/mtp_case.py), converted with ``with_mtp(1)``, are loaded into models built with
 ``mtp_num_layers=1`` at TP2 x PP2 x EP2 (the MTP block and its embedding copy on the last stage) and exported by
 the public functions, which take the depth from the model: the tensors equal the original HF checkpoint's bit
@@ -31,7 +32,8 @@ from tests.support.mtp_case import MTP_PREFIX
 CASES = (("qwen3_next", "qwen3_next", "tp2_pp2_ep2", None), ("deepseek_v3", "deepseek_v3", "tp2_pp2_ep2", 0),
          ("kimi_linear", "kimi_linear", "tp2_pp2_ep2", 3), ("llama_tied", "llama", "tp2_cp2_ep2", 1),
          ("qwen3_next_cp2", "qwen3_next", "tp2_cp2_ep2", 2), ("qwen3_next_mtp", "qwen3_next", "tp2_pp2_ep2", None),
-         ("deepseek_v3_mtp", "deepseek_v3", "tp2_pp2_ep2", 3))
+         ("deepseek_v3_mtp", "deepseek_v3", "tp2_pp2_ep2", 3), ("qwen3_5_text", "qwen3_5_text", "tp2_pp2_ep2", 1),
+         ("qwen3_5_moe_mtp", "qwen3_5_moe", "tp2_pp2_ep2", 0))   # Qwen3.5: dense text; VL MoE with MTP
 LAYOUTS = {"tp2_pp2_ep2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                                expert_model_parallel_size=2, expert_tensor_parallel_size=1),
            "tp2_cp2_ep2": dict(tensor_model_parallel_size=2, context_parallel_size=2,
@@ -140,7 +142,8 @@ def export_cases(rank, world_size, cases):
         apply_cpu_shims(11 + rank)  # every rank starts from other random weights than the checkpoint's
         hf_config = load_hf_config(hf_dir)
         architecture = get_architecture(hf_config["model_type"])
-        experts = "num_experts" in hf_config or "n_routed_experts" in hf_config
+        text = hf_config.get("text_config", hf_config)   # a VL checkpoint's language model
+        experts = "num_experts" in text or "n_routed_experts" in text
         overrides = dict(sizes, sequence_parallel=True, pipeline_dtype=torch.float32)
         if not experts:
             overrides.pop("expert_model_parallel_size")
@@ -189,7 +192,8 @@ def converted(tmp_path_factory):
         elif not out.exists():
             converted_tiny_model(model_type, hf_dir, ckpt, tied=True)   # tied: llama's tied embeddings
             mcore_to_hf(str(ckpt), str(out), get_architecture(model_type))
-        references[name] = read_safetensors(str(out))
+        # the modeled tensors (a VL checkpoint's vision tower is dropped in the conversion)
+        references[name] = {k: v for k, v in read_safetensors(str(out)).items() if not k.startswith("model.visual.")}
         cases.append((name, str(hf_dir), str(ckpt / "release"), layout, dst))
     return tuple(cases), references
 
@@ -255,7 +259,9 @@ def test_mtp_model_exports_its_mtp_layers_without_metadata(converted, name):
 
     reference, per_rank = _case(converted, name)
     hf_dir = next(case[1] for case in converted[0] if case[0] == name)
-    prefix = MTP_PREFIX[name[: -len("_mtp")]].format(layers=load_hf_config(hf_dir)["num_hidden_layers"])
+    hf_config = load_hf_config(hf_dir)
+    layers = hf_config.get("text_config", hf_config)["num_hidden_layers"]
+    prefix = MTP_PREFIX[next(case[1] for case in CASES if case[0] == name)].format(layers=layers)
     assert sum(k.startswith(prefix) for k in reference) > 10
     for rank, result in enumerate(per_rank):
         assert result["metadata_default_same"], rank

@@ -1,6 +1,7 @@
 """Generation through megatron-core's static inference path (``hp_megatron.generate``) against transformers'
 ``generate``: the tiny random models of ``models_case`` (Qwen3-Next: GDN + attention, Kimi Linear: KDA + MLA,
-DeepSeek-V3: MLA with q LoRA; Llama: attention) are converted with ``hf_to_mcore`` and loaded the way the command
+DeepSeek-V3: MLA with q LoRA; Llama: attention; Qwen3.5 dense and the Qwen3.5-MoE VL checkpoint, text only) are
+converted with ``hf_to_mcore`` and loaded the way the command
 loads them; three prompts of different lengths in ONE batch give the same 32 greedy tokens (fp32) as
 transformers generating each prompt alone (no padding in the reference). Also the command itself (one
 subprocess on a converted checkpoint) and its one-line errors for bad input."""
@@ -17,7 +18,7 @@ import torch
 from tests.support.models_case import converted_tiny_model
 from tests.support.paths import REPO, pythonpath
 
-ARCHS = ("qwen3_next", "kimi_linear", "deepseek_v3", "llama")
+ARCHS = ("qwen3_next", "kimi_linear", "deepseek_v3", "llama", "qwen3_5_text", "qwen3_5_moe")
 PROMPT_LENGTHS = (3, 7, 12)
 NEW_TOKENS = 32
 
@@ -61,8 +62,9 @@ def test_greedy_tokens_equal_transformers(arch, converted, single_rank):
     hf_model, hf_dir, ckpt = converted(arch)
     hf_config = load_hf_config(hf_dir)
     model = build_model(hf_config, load=ckpt)
-    prompts = prompts_for(hf_config["vocab_size"])
-    generator = StaticGenerator(model, vocab_size=hf_config["vocab_size"], max_positions=model.max_sequence_length,
+    vocab = hf_config.get("text_config", hf_config)["vocab_size"]   # VL: the language model's
+    prompts = prompts_for(vocab)
+    generator = StaticGenerator(model, vocab_size=vocab, max_positions=model.max_sequence_length,
                                 max_batch_size=4, max_sequence_length=64)
     result = generator.generate(prompts, sampling_params(max_new_tokens=NEW_TOKENS))
     expected = [transformers_greedy(hf_model, p) for p in prompts]

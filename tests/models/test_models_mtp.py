@@ -1,4 +1,5 @@
-"""Multi-token prediction of the converted tiny DeepSeek-V3 and Qwen3-Next checkpoints *with* MTP tensors: the
+"""Multi-token prediction of the converted tiny DeepSeek-V3, Qwen3-Next and Qwen3.5-MoE checkpoints *with* MTP
+tensors: the
 MTP tensors convert both ways bit for bit (``--mtp-num-layers 1``; ``--drop-unmodeled`` still leaves them out),
 and our model's MTP logits, its depth-1 loss and the gradients of every MTP parameter equal the independent
 references of ``tests/support/mtp_case.py`` (transformers' ``MtpModel`` for DeepSeek-V3, the published
@@ -25,7 +26,7 @@ def _converted_model(architecture, config, ckpt):
     return model
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next", "qwen3_5_moe_text"])
 def test_mtp_converts_and_matches_the_reference(single_rank, arch, tmp_path, capsys):
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 

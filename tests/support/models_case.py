@@ -17,10 +17,12 @@ LLAMA_VOCAB = 96  # tiny_llama's
 def _use_torch_path():
     """transformers' pure-PyTorch GDN/KDA functions (not FLA's Triton kernels) for the reference forward."""
     from transformers.models.kimi_linear import modeling_kimi_linear
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
     from transformers.models.qwen3_next import modeling_qwen3_next
 
-    use_transformers_torch_path(modeling_qwen3_next)
-    use_transformers_torch_path(modeling_kimi_linear)
+    for module in (modeling_qwen3_next, modeling_kimi_linear, modeling_qwen3_5, modeling_qwen3_5_moe):
+        use_transformers_torch_path(module)
 
 
 def tiny_hf_model(arch: str, directory: str, seed: int = 0, save: bool = True, vocab_size: int = VOCAB):
@@ -61,10 +63,11 @@ def converted_tiny_model(arch: str, hf_dir, ckpt, *, seed: int = 0, vocab_size: 
     """A converted tiny checkpoint: the tiny random transformers model of ``arch`` saved to ``hf_dir``
     (:func:`tiny_hf_model` with ``seed`` / ``vocab_size``; ``"llama"``: :func:`tiny_llama`'s model, ``tied`` or
     not), with ``mtp_num_layers`` released-style MTP layers added (seed ``mtp_seed``, default ``seed``), converted
-    by ``hp_megatron.convert.hf_to_mcore`` into ``ckpt`` (MTP layers kept). Returns the transformers model."""
+    by ``hp_megatron.convert.hf_to_mcore`` into ``ckpt`` (MTP layers kept; a VL checkpoint's vision tower dropped,
+    as ``--drop-unmodeled`` does). Returns the transformers model."""
     from hp_megatron.convert import hf_to_mcore
     from hp_megatron.models import get_architecture
-    from hp_megatron.models.tiny import add_tiny_mtp_layer
+    from hp_megatron.models.tiny import VL_TEXT_ARCHITECTURE, add_tiny_mtp_layer
 
     hf_dir, ckpt = str(hf_dir), str(ckpt)
     if arch == "llama":
@@ -73,7 +76,8 @@ def converted_tiny_model(arch: str, hf_dir, ckpt, *, seed: int = 0, vocab_size: 
         model, _ = tiny_hf_model(arch, hf_dir, seed, vocab_size=vocab_size)
     if mtp_num_layers:
         add_tiny_mtp_layer(hf_dir, arch, seed if mtp_seed is None else mtp_seed)
-    hf_to_mcore(hf_dir, ckpt, get_architecture(arch).with_mtp(mtp_num_layers), drop_unmodeled=drop_unmodeled)
+    hf_to_mcore(hf_dir, ckpt, get_architecture(arch).with_mtp(mtp_num_layers),
+                drop_unmodeled=drop_unmodeled or arch in VL_TEXT_ARCHITECTURE)
     return model
 
 

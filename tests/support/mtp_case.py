@@ -3,7 +3,7 @@
 
 * DeepSeek-V3: transformers' own ``transformers.modeling_layers.MtpModel`` (enorm / hnorm / eh_proj, the decoder
   layer, the post norm, the shared head) loaded by ``MtpModel.from_pretrained`` from the checkpoint.
-* Qwen3-Next (transformers skips ``mtp.*``): :class:`Qwen3NextMTPReference`, the DeepSeek-V3 report's section 2.2
+* Qwen3-Next and Qwen3.5 (transformers skips ``mtp.*``): :class:`Qwen3NextMTPReference`, the DeepSeek-V3 report's section 2.2
   ``h' = fc([RMSNorm(Emb(t_{i+1})); RMSNorm(h_i)])``, one decoder layer, a final norm, the shared head, in
   Qwen3-Next's module names, from transformers' Qwen3-Next modules (the decoder layer loaded by transformers
   from the checkpoint's ``mtp.layers.0.*``).
@@ -22,7 +22,8 @@ from torch import nn
 
 from tests.support.models_case import read_safetensors, tiny_hf_model
 
-MTP_PREFIX = {"deepseek_v3": "model.layers.{layers}.", "qwen3_next": "mtp."}
+MTP_PREFIX = {"deepseek_v3": "model.layers.{layers}.", "qwen3_next": "mtp.", "qwen3_5_text": "mtp.",
+              "qwen3_5_moe_text": "mtp.", "qwen3_5": "mtp.", "qwen3_5_moe": "mtp."}
 
 
 def tiny_mtp_checkpoint(arch: str, directory: str, seed: int = 0):
@@ -99,14 +100,17 @@ class Qwen3NextMTPReference(nn.Module):
 
 def qwen3_next_mtp_reference(hf_dir: str, main) -> Qwen3NextMTPReference:
     """:class:`Qwen3NextMTPReference` with the checkpoint's ``mtp.*`` weights; its decoder layer is a one-layer
-    transformers Qwen3-Next model of the MTP layer's kind (full attention, MoE) loaded by transformers from
+    transformers model of the checkpoint's class (Qwen3-Next, Qwen3.5 text) and the MTP layer's kind (full
+    attention, MoE or dense) loaded by transformers from
     ``mtp.layers.0.*`` (so transformers fuses its experts)."""
     import transformers
 
     state = read_safetensors(hf_dir)
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = json.load(f)
-    config.update(num_hidden_layers=1, layer_types=["full_attention"], mlp_only_layers=[])
+    config.update(num_hidden_layers=1, layer_types=["full_attention"])
+    if config["model_type"] == "qwen3_next":
+        config["mlp_only_layers"] = []
     one = {k.replace("mtp.layers.0.", "model.layers.0."): v for k, v in state.items() if k.startswith("mtp.layers.0.")}
     one.update({k: state[k] for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight") if k in state})
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,7 +119,7 @@ def qwen3_next_mtp_reference(hf_dir: str, main) -> Qwen3NextMTPReference:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f)
         save_file(one, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        layer_model = transformers.Qwen3NextForCausalLM.from_pretrained(tmp, attn_implementation="eager").float()
+        layer_model = transformers.AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager").float()
     reference = Qwen3NextMTPReference(main, layer_model.model.layers[0])
     heads = {k[len("mtp."):]: v for k, v in state.items() if k.startswith("mtp.") and not k.startswith("mtp.layers.")}
     missing, unexpected = reference.load_state_dict(heads, strict=False)
