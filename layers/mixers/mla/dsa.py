@@ -240,6 +240,18 @@ class DSAttention(MultiLatentAttention):
         return index_q, index_w, index_k
 
 
+def dsa_comm_bytes(*, world_size: int, tokens_per_rank: int, qk_pos_emb_head_dim: int, kv_lora_rank: int,
+                   index_head_dim: int, element_size: int = 4, indexer_loss: bool = True) -> dict:
+    """Bytes one CP rank sends (= receives) per DSA layer, ``{"forward": n, "backward": n}``: the latent all-gather
+    of our MLA (``r + p`` values per token; its reduce-scatter in backward) plus the indexer keys' all-gather (``d``
+    values per token; reduce-scattered in backward only when the indexer loss sends gradients to them). Neither term
+    depends on the head counts or on ``dsa_indexer_topk``."""
+    P, n, es = world_size, tokens_per_rank, element_size
+    latent = (P - 1) * n * (kv_lora_rank + qk_pos_emb_head_dim) * es
+    keys = (P - 1) * n * index_head_dim * es
+    return {"forward": latent + keys, "backward": latent + (keys if indexer_loss else 0)}
+
+
 def attach_indexer_loss(out: torch.Tensor, loss: torch.Tensor, layer_number, num_layers) -> torch.Tensor:
     """Attach ``loss`` to ``out``'s backward (megatron-core's ``DSAIndexerLossAutoScaler``) and record it for
     Megatron-LM's "indexer loss" log (``DSAIndexerLossLoggingHelper``; its tracker made on ``loss``'s device)."""
@@ -254,5 +266,5 @@ def attach_indexer_loss(out: torch.Tensor, loss: torch.Tensor, layer_number, num
     return DSAIndexerLossAutoScaler.apply(out, loss)
 
 
-__all__ = ["DSAIndexer", "DSAttention", "apply_half_rope", "attach_indexer_loss", "is_skip_topk_layer",
+__all__ = ["DSAIndexer", "DSAttention", "apply_half_rope", "attach_indexer_loss", "dsa_comm_bytes", "is_skip_topk_layer",
            "source_topk_layer"]
