@@ -30,34 +30,15 @@ def _case_id(case):
     return "-".join(f"{k}={v}" for k, v in case.items())
 
 
-def _margin_recorder(margins):
-    """A stand-in for ``select_topk`` that records the smallest k-th / (k+1)-th score gap, then selects."""
-    from layers.mixers.mla import sparse
-
-    def select(index_q, index_w, index_k, topk, *, q_ids=None, cu_seqlens=None, relu=True, **kw):
-        S = index_q.shape[1]
-        ids = torch.arange(S) if q_ids is None else q_ids
-        lo, hi = sparse.visible_keys(ids, cu_seqlens)
-        scores = sparse.index_scores(index_q.double(), index_w.double(), index_k.double(), relu=relu)
-        keys = torch.arange(index_k.shape[1])
-        scores = scores.masked_fill(~((keys[None] >= lo[:, None]) & (keys[None] < hi[:, None])), float("-inf"))
-        top = scores.topk(topk + 1, dim=-1).values
-        rows = torch.isfinite(top[..., topk])
-        margins.append(float((top[..., topk - 1] - top[..., topk])[rows].min()))
-        return sparse.select_topk(index_q, index_w, index_k, topk, q_ids=q_ids, cu_seqlens=cu_seqlens, relu=relu,
-                                  **kw)
-    return select
-
-
 def _run_case(rank, world_size, groups, case):
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    import layers.mixers.mla.dsa as dsa_module
     from layers.cp.accounting import CommStats
     from layers.cp.plan import local_seq_index
     from layers.mixers.mla.dsa import DSAttention, dsa_comm_bytes
     from layers.mixers.mla.layer import _tp_slice
+    from tests.support.dsa_margin import recording_margins
     from tests.support.mla_layer import make_config, mla_submodules
 
     tp, sp = case["tp"], case.get("sp", False)
@@ -92,14 +73,9 @@ def _run_case(rank, world_size, groups, case):
     x = torch.randn(T, B, HIDDEN)
     grad_out = torch.randn(T, B, HIDDEN)
 
-    margins = []
-    plain = dsa_module.select_topk
-    dsa_module.select_topk = _margin_recorder(margins)
-    try:
+    with recording_margins() as margins:
         x_ref = x.clone().requires_grad_(True)
         out_ref, _ = ref(x_ref, packed_seq_params=packed)
-    finally:
-        dsa_module.select_topk = plain
     (out_ref * grad_out).sum().backward()
 
     idx = local_seq_index(cp_size, cp_rank, "zigzag", T, cu)

@@ -324,3 +324,41 @@ def test_input_errors(single_rank):
         _our_layer(_our_config("deepseek_v32"), single_rank, cp_strategy="latent_ulysses")
     with pytest.raises(ValueError, match="dsa_indexer_topk"):
         _our_layer(_our_config("deepseek_v32", dsa_indexer_topk=None), single_rank)
+
+
+PROMPTS, TOTAL = (3, 5, 7), 9     # megatron's controller: prefill the shortest prompt, then one token per step
+SCHEDULES = {"controller": ((3,) + (1,) * 6, (3,)), "continuation_microbatches": ((4, 3, 1, 1), (2, 1))}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_decode_equals_full_forward(single_rank, schedule):
+    """Generation through megatron-core's StaticInferenceContext (prefill, then decode steps; or a chunked
+    continuation on two micro-batches): every position equals the training forward over the whole sequence; the
+    context holds the latent cache and the indexer key cache; a GLM-5 skip layer reads its source's top-k."""
+    from tests.support.dsa_margin import recording_margins
+    from tests.support.generation import generate
+
+    torch.manual_seed(2)
+    config = _our_config("glm_moe_dsa", dsa_indexer_topk_freq=2, dsa_indexer_skip_topk_offset=1)
+    first, second = _our_layer(config, single_rank, 1).eval(), _our_layer(config, single_rank, 2).eval()
+
+    class Pair(torch.nn.Module):          # a full layer, then a skip layer that reuses its selection
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = first, second
+            self.training = False
+
+        def forward(self, x, **kw):
+            return self.second(self.first(x, **kw)[0], **kw)
+
+    pair = Pair().eval()
+    x = torch.randn(TOTAL, len(PROMPTS), HIDDEN, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), recording_margins() as gaps:
+        full = pair(x)[0]
+    assert min(gaps) > MARGIN
+    got, context = generate(pair, x, *SCHEDULES[schedule])
+    errors = [rel_err(got[t], full[t]) for t in range(TOTAL)]
+    assert max(errors) < 1e-4, errors
+    d = first.dims
+    assert [tuple(t.shape) for t in context.key_value_memory_dict[1]] == [(4, TOTAL, d.kv_lora_rank + d.pe), (4, TOTAL, 8)]
+    assert [tuple(t.shape) for t in context.key_value_memory_dict[2]] == [(4, TOTAL, d.kv_lora_rank + d.pe)]

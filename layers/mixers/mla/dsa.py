@@ -43,8 +43,10 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from torch import nn
 
 from layers.cp.sequence import gather_sequence
+from layers.mixers.mla.dsa_decode import dsa_inference_forward
 from layers.mixers.mla.layer import MLASelfAttentionSubmodules, MultiLatentAttention
 from layers.mixers.mla.sparse import indexer_loss, select_topk, sparse_attention
+from layers.shared.inference import static_context
 from layers.shared.parallel import group_size
 from layers.shared.rotary import apply_mla_rope
 
@@ -166,15 +168,19 @@ class DSAttention(MultiLatentAttention):
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
                 attention_bias=None, packed_seq_params=None, position_ids=None, sequence_len_offset=None, *,
                 inference_params=None, **kwargs):
-        """As ``MultiLatentAttention.forward``; decode with a static inference context is not supported yet."""
-        if inference_context is not None or inference_params is not None:
-            raise ValueError("DSAttention has no inference (decode) path yet: the indexer key cache is not built; "
-                             "run generation without an inference context")
+        """As ``MultiLatentAttention.forward``; with megatron-core's ``StaticInferenceContext`` (eval mode) the layer
+        keeps its latent and indexer key caches there (``layers/mixers/mla/dsa_decode.py``)."""
         carrier = packed_seq_params if packed_seq_params is not None else (
             attention_mask if attention_mask is not None else self.config)
         self._step = _Step(hidden_states=hidden_states.detach(), carrier=carrier,
                            cp_group=self.cp_group_for(packed_seq_params))
         try:
+            context = static_context("DSAttention", self, inference_context, inference_params,
+                                     cp_size=group_size(self._step.cp_group),
+                                     sequence_parallel=self.config.sequence_parallel and self.tp_size > 1,
+                                     packed_seq_params=packed_seq_params)
+            if context is not None:
+                return dsa_inference_forward(self, self._step, hidden_states, context, attention_mask)
             return super().forward(hidden_states, attention_mask, key_value_states, inference_context,
                                    rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, attention_bias,
                                    packed_seq_params, position_ids, sequence_len_offset,
