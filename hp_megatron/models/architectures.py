@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 import hp_megatron.models.deepseek_v3 as deepseek_v3
+import hp_megatron.models.dsa_models as dsa_models
 import hp_megatron.models.kimi_linear as kimi_linear
 import hp_megatron.models.llama as llama
 import hp_megatron.models.qwen3_next as qwen3_next
@@ -90,10 +91,13 @@ ARCHITECTURES = {arch.model_type: arch for arch in (
     Architecture(deepseek_v3.MODEL_TYPE, deepseek_v3.megatron_config, deepseek_v3.conversion_rules,
                  deepseek_v3.unmodeled_tensors),
     Architecture(kimi_linear.MODEL_TYPE, kimi_linear.megatron_config, kimi_linear.conversion_rules),
+    Architecture(dsa_models.DEEPSEEK_V32, dsa_models.deepseek_v32_config, dsa_models.deepseek_v32_rules,
+                 deepseek_v3.unmodeled_tensors),
+    Architecture(dsa_models.GLM_MOE_DSA, dsa_models.glm_moe_dsa_config, dsa_models.glm_moe_dsa_rules),
 )}
 
 
-MTP_ARCHITECTURES = (deepseek_v3.MODEL_TYPE, qwen3_next.MODEL_TYPE)  # conversion_rules(hf, mtp_num_layers)
+MTP_ARCHITECTURES = (deepseek_v3.MODEL_TYPE, qwen3_next.MODEL_TYPE, dsa_models.DEEPSEEK_V32)  # conversion_rules(hf, mtp_num_layers)
 
 
 def get_architecture(model_type: str) -> Architecture:
