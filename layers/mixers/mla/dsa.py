@@ -160,6 +160,11 @@ class DSAttention(MultiLatentAttention):
         self.source_layer = source_topk_layer(number, offset, freq) if freq > 1 else number
         self.indexer = DSAIndexer(c, c.q_lora_rank) if self.source_layer == number else None
         self.loss_coeff = float(c.dsa_indexer_loss_coeff or 0.0)
+        if self.loss_coeff > 0 and getattr(c, "experimental_attention_variant_loss_scale_func", None) is None:
+            # megatron-core's schedules scale the attached loss's gradient through this hook (as they do for its DSA)
+            from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
+
+            c.experimental_attention_variant_loss_scale_func = DSAIndexerLossAutoScaler.set_loss_scale
         self.sparse_loss = bool(c.dsa_indexer_use_sparse_loss)
         self.relu = bool(getattr(c, "dsa_indexer_scoring_relu", True))
         self._step: Optional[_Step] = None
@@ -264,7 +269,7 @@ def attach_indexer_loss(out: torch.Tensor, loss: torch.Tensor, layer_number, num
     from megatron.core.transformer.experimental_attention_variant.dsa import (DSAIndexerLossAutoScaler,
                                                                               DSAIndexerLossLoggingHelper)
 
-    if layer_number is not None:
+    if layer_number is not None and 1 <= layer_number <= num_layers:   # MTP layers are not in the log
         tracker = DSAIndexerLossLoggingHelper.tracker
         if "values" not in tracker or tracker["values"].numel() != num_layers:
             tracker["values"] = torch.zeros(num_layers, device=loss.device)
