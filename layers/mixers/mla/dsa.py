@@ -26,7 +26,8 @@ loss, whose target is all-reduced over TP) are equal on every TP rank and averag
 all-gathers the latent and the indexer keys, then selects among the tokens its queries may see). Cross-layer sharing
 (GLM-5's ``indexer_types``; megatron-core's ``dsa_indexer_topk_freq`` / ``dsa_indexer_skip_topk_offset``): a skip
 layer has no indexer and reuses the top-k of its source layer, carried on the micro-batch's ``PackedSeqParams``
-(else the attention mask, else the config) as megatron-core does.
+(else the attention mask, else the config) as megatron-core does; with full-layer recompute and several pipeline
+micro-batches in flight, give the forward an attention mask or packed_seq_params so the carrier is per micro-batch.
 
 Indexer loss (``dsa_indexer_loss_coeff`` > 0, training): KL from the main attention's head-summed distribution to
 the indexer's (``dsa_indexer_use_sparse_loss``: over the selected tokens, else over every visible token: the dense
@@ -45,13 +46,10 @@ from torch import nn
 from layers.cp.sequence import gather_sequence
 from layers.mixers.mla.dsa_decode import dsa_inference_forward
 from layers.mixers.mla.layer import MLASelfAttentionSubmodules, MultiLatentAttention
-from layers.mixers.mla.sparse import indexer_loss, select_topk, sparse_attention
+from layers.mixers.mla.sparse import indexer_loss, select_topk, sparse_attention, topk_holder
 from layers.shared.inference import static_context
 from layers.shared.parallel import group_size
 from layers.shared.rotary import apply_mla_rope
-
-TOPK_ATTR = "_hp_dsa_topk"     # {source layer number: top-k [B, S, k]} on the micro-batch's carrier object
-
 
 def apply_half_rope(x: torch.Tensor, cos_sin, token_dim: int) -> torch.Tensor:
     """Rotate the first ``r`` channels of ``x`` as half-split pairs ``(x_i, x_{i+r/2})`` (transformers'
@@ -153,6 +151,9 @@ class DSAttention(MultiLatentAttention):
         if self.cp_strategy != "latent":
             raise ValueError(f"DSA runs under context parallelism with the 'latent' strategy only (each rank gathers "
                              f"the latent and the indexer keys), got cp_strategy={self.cp_strategy!r}")
+        if self.recompute_up_proj:
+            raise ValueError("--recompute-modules hp_mla_up_proj is not supported by DSA layers (their sparse attention "
+                             "already recomputes per query block in backward and keeps K/V as its input)")
         self.block_size = block_size
         self.topk = c.dsa_indexer_topk
         freq, offset = c.dsa_indexer_topk_freq or 1, c.dsa_indexer_skip_topk_offset or 0
@@ -216,10 +217,7 @@ class DSAttention(MultiLatentAttention):
     # -- the sparse core -------------------------------------------------------------------------------------
     def _sparse_core(self, step, query, key, value, q_ids, cu_seqlens):
         """query [B, S, H, dq] (local tokens), key/value [B, T, H, *] (global order) -> [B, S, H, dv]."""
-        holder = getattr(step.carrier, TOPK_ATTR, None)
-        if holder is None:
-            holder = {}
-            setattr(step.carrier, TOPK_ATTR, holder)
+        holder = topk_holder(step.carrier)
         index = None
         if self.indexer is None:
             if self.source_layer not in holder:

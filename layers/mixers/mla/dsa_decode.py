@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from layers.mixers.mla.sparse import _gather_tokens, select_topk
+from layers.mixers.mla.sparse import _gather_tokens, select_topk, topk_holder
 from layers.shared.inference import inference_window, layer_cache
 from layers.shared.rotary import apply_mla_rope
 
@@ -43,8 +43,6 @@ def absorbed_sparse_attention(query, payload, kv_weight, dims, scale: float, top
 
 def dsa_inference_forward(attn, step, hidden_states, context, attention_mask):
     """``hidden_states [s, b, hidden]`` -> ``(output [s, b, hidden], bias)``, reading and filling both caches."""
-    from layers.mixers.mla.dsa import TOPK_ATTR   # the layer module imports this one
-
     owner = type(attn).__name__
     rows, offset, seq, batch = inference_window(owner, context, hidden_states, attention_mask)
     dims = attn.dims
@@ -61,10 +59,7 @@ def dsa_inference_forward(attn, step, hidden_states, context, attention_mask):
     rope_key = apply_mla_rope(rope_key, cos_sin, token_dim=1)
     caches[0][rows, offset:offset + seq] = torch.cat((latent, rope_key), dim=-1)
     query = attn._query(hidden_states, cos_sin)                              # fills step.q_latent
-    holder = getattr(context, TOPK_ATTR, None)
-    if holder is None:
-        holder = {}
-        setattr(context, TOPK_ATTR, holder)
+    holder = topk_holder(context)
     if attn.indexer is None:
         if attn.source_layer not in holder:
             raise RuntimeError(f"DSA skip layer {attn.layer_number} needs the top-k of layer {attn.source_layer}, "

@@ -26,6 +26,17 @@ from torch.utils.checkpoint import checkpoint
 from layers.mixers.attention.masking import document_starts
 
 INDEXER_LOSS_EPS = 1e-10   # clamp of the KL target's log, as megatron-core's dsa_indexer_loss.py
+TOPK_ATTR = "_hp_dsa_topk"     # {source layer number: top-k [B, S, k]} on the micro-batch's carrier object
+
+
+def topk_holder(carrier) -> dict:
+    """The ``{layer number: top-k}`` dict of cross-layer top-k sharing kept on ``carrier`` (the micro-batch's
+    ``PackedSeqParams``, attention mask, config or inference context), made on first use."""
+    holder = getattr(carrier, TOPK_ATTR, None)
+    if holder is None:
+        holder = {}
+        setattr(carrier, TOPK_ATTR, holder)
+    return holder
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
@@ -188,4 +199,4 @@ def indexer_loss(q, key, index_q, index_w, index_k, topk, *, scale: float, spars
     return total / max(B * S, 1)
 
 
-__all__ = ["index_scores", "indexer_loss", "select_topk", "sparse_attention", "visible_keys"]
+__all__ = ["index_scores", "indexer_loss", "select_topk", "sparse_attention", "topk_holder", "visible_keys"]
