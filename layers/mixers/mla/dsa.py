@@ -116,7 +116,8 @@ class DSAIndexer(nn.Module):
         index_q = self.linear_wq_b(q_latent).view(B, S, self.heads, self.dim)
         index_q = self._rope(index_q, cos_sin)
         index_k = self._rope(self.k_norm(self.linear_wk(x)), cos_sin)
-        index_w = self.linear_weights_proj(x.float()) * (self.heads ** -0.5 * self.dim ** -0.5)
+        weights = self.linear_weights_proj.weight   # fp32 unless a bf16 wrapper cast the module (then in its dtype)
+        index_w = self.linear_weights_proj(x.to(weights.dtype)).float() * (self.heads ** -0.5 * self.dim ** -0.5)
         return index_q, index_w, index_k
 
 
