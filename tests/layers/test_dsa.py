@@ -362,3 +362,25 @@ def test_decode_equals_full_forward(single_rank, schedule):
     d = first.dims
     assert [tuple(t.shape) for t in context.key_value_memory_dict[1]] == [(4, TOTAL, d.kv_lora_rank + d.pe), (4, TOTAL, 8)]
     assert [tuple(t.shape) for t in context.key_value_memory_dict[2]] == [(4, TOTAL, d.kv_lora_rank + d.pe)]
+
+
+def test_selfcheck_rows():
+    """The self-check's DSA rows (hp_megatron.selfcheck.dsa) pass in bf16 on this CPU, and a corrupted sparse
+    attention fails its rows."""
+    from unittest import mock
+
+    import hp_megatron.selfcheck.dsa as rows_module
+
+    rows = rows_module.dsa_rows(torch.device("cpu"), torch.bfloat16)
+    assert [(r.phase, r.status) for r in rows] == [("scores", "pass"), ("fwd", "pass"), ("bwd", "pass")]
+    plain = rows_module.sparse_attention
+    calls = []
+
+    def corrupted(*args, **kwargs):        # the checked (first) run 10% off
+        calls.append(1)
+        out = plain(*args, **kwargs)
+        return out * 1.1 if len(calls) == 1 else out
+
+    with mock.patch.object(rows_module, "sparse_attention", corrupted):
+        rows = rows_module.dsa_rows(torch.device("cpu"), torch.bfloat16)
+    assert [r.status for r in rows] == ["pass", "FAIL", "FAIL"]
