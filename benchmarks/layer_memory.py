@@ -39,7 +39,9 @@ call launches what any call does). On a GPU one aten op can launch more than one
 Usage: ``python benchmarks/layer_memory.py [--hidden 1024 2048] [--dtypes float32 bfloat16] [--T 64]
 [--breakdown] [--forward-only (saved bytes and forward kernels, no backward)] [--write-docs (table into
 docs/benchmarks.md, rows into docs/layer_memory.json)]``;
-``--merge A.json B.json ...`` measures nothing and publishes the rows of earlier runs' ``--json`` files as one table
+``--dsa-seq-lengths 4096 16384 65536 [--write-docs]`` measures only the DSA table instead (:func:`dsa_rows`: our DSA
+layer against our dense MLA of the same small heads at each T, forward peak and saved bytes per token; docs section
+``dsa_memory``). ``--merge A.json B.json ...`` measures nothing and publishes the rows of earlier runs' ``--json`` files as one table
 (a later file's row replaces an earlier one of the same layer, implementation and shape), for tables measured
 piecewise (the interpreter takes minutes per row on a small machine). ``--docs-section NAME`` publishes into the section
 ``NAME`` of docs/benchmarks.md and docs/NAME.json instead of ``layer_memory`` (a table measured with another
@@ -322,6 +324,104 @@ def measure(kind, impl, hidden, gva, dtype, T, breakdown, forward_only=False):
     return row
 
 
+# ----------------------------------------------------------------------------------------------------- DSA rows
+
+# small heads so that T = 64K runs on a CPU: 2 attention heads (qk 32 + rope 16, v 32, latent 64), indexer 4 x 32,
+# top-k 512; fp32, B 1, TP = CP = 1, our eager path
+DSA_SHAPE = dict(hidden=256, heads=2, q_lora_rank=64, kv_lora_rank=64, qk=32, pe=16, v=32, index_heads=4,
+                 index_dim=32, topk=512)
+
+
+def build_dsa_or_mla(kind: str):
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from hp_megatron.specs import get_mixer_spec
+    from layers.mixers.mla.dsa import DSAttention
+    from layers.mixers.mla.layer import MultiLatentAttention
+
+    d = DSA_SHAPE
+    config = MLATransformerConfig(
+        num_layers=1, hidden_size=d["hidden"], num_attention_heads=d["heads"], q_lora_rank=d["q_lora_rank"],
+        kv_lora_rank=d["kv_lora_rank"], qk_head_dim=d["qk"], qk_pos_emb_head_dim=d["pe"], v_head_dim=d["v"],
+        rope_type="rope", use_cpu_initialization=True, params_dtype=torch.float32, gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False, add_bias_linear=False, dsa_indexer_n_heads=d["index_heads"],
+        dsa_indexer_head_dim=d["index_dim"], dsa_indexer_topk=d["topk"])
+    cls = DSAttention if kind == "dsa" else MultiLatentAttention
+    return cls(config, get_mixer_spec(kind).submodules, layer_number=1)
+
+
+DENSE_MAX_T = 4096   # our dense MLA's eager attention saves [heads, T, T] fp32 probabilities: not run beyond
+
+
+def _memory_of_forward(run) -> tuple:
+    """``(peak, retained)``: the peak of PyTorch's running total of allocated CPU bytes during ``out = run()`` and the
+    total still allocated at its end while ``out`` (with its autograd graph) is alive, both above what existed before
+    (``torch.profiler`` memory events, as ``benchmarks/_common.cpu_peak_bytes``)."""
+    import json as json_module
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    keep = []
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        keep.append(run())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        events = json_module.loads(Path(path).read_text())["traceEvents"]
+    memory = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0),
+                    key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
+    total = peak = 0
+    for event in memory:
+        total += event["args"]["Bytes"]
+        peak = max(peak, total)
+    return peak, total
+
+
+def dsa_rows(seq_lengths) -> list:
+    """Per T and layer (our DSA, our dense MLA up to :data:`DENSE_MAX_T`): bytes kept after one forward for its
+    backward (the autograd graph and everything it holds, including the output and what recomputing blocks keep as
+    inputs) and the forward's peak, each per token."""
+    rows = []
+    for T in seq_lengths:
+        for kind in ("dsa", "mla"):
+            if kind == "mla" and T > DENSE_MAX_T:
+                d = DSA_SHAPE
+                rows.append(dict(kind=kind, T=T, skipped=f"saves {d['heads']} x T x T fp32 probabilities "
+                                                         f"({d['heads'] * T * T * 4 / 2**30:.1f} GiB)"))
+                continue
+            torch.manual_seed(0)
+            layer = build_dsa_or_mla(kind)
+            x = torch.randn(T, 1, DSA_SHAPE["hidden"]) * 0.5
+            peak, retained = _memory_of_forward(lambda: layer(x.detach().requires_grad_(True), None)[0])
+            rows.append(dict(kind=kind, T=T, retained_bytes_per_token=retained / T,
+                             forward_peak_bytes_per_token=peak / T))
+            print(f"  {kind} T={T}: kept {retained / T / 1e3:.2f} kB/token, forward peak {peak / T / 1e3:.2f} "
+                  "kB/token", flush=True)
+    return rows
+
+
+def dsa_markdown(rows, meta) -> str:
+    d = DSA_SHAPE
+    lines = [f"Command: `{meta['command']}`", "",
+             f"CPU, fp32, torch {meta['torch']}, megatron-core {meta['megatron_core']}; one layer, B 1, TP = CP = 1, "
+             f"eager. Shape: hidden {d['hidden']}, {d['heads']} heads (qk {d['qk']} + rope {d['pe']}, v {d['v']}), "
+             f"q / kv latent {d['q_lora_rank']} / {d['kv_lora_rank']}; DSA indexer {d['index_heads']} heads x "
+             f"{d['index_dim']}, top-k {d['topk']}. Kept: CPU bytes still allocated after one forward while its output "
+             "and autograd graph live (what backward needs, the output included) / T; forward peak: the peak of "
+             "PyTorch's allocated CPU bytes during that forward / T; both above what existed before it "
+             "(torch.profiler memory events; `dsa_rows`).", "",
+             "| layer | T | kept for backward kB/token | forward peak kB/token |", "|---|---|---|---|"]
+    for r in rows:
+        name = "DSA (ours)" if r["kind"] == "dsa" else "dense MLA (ours)"
+        if "skipped" in r:
+            lines.append(f"| {name} | {r['T']} | not run: {r['skipped']} | - |")
+            continue
+        lines.append(f"| {name} | {r['T']} | {r['retained_bytes_per_token'] / 1e3:.2f} | "
+                     f"{r['forward_peak_bytes_per_token'] / 1e3:.2f} |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------------------------- output
 
 RECOMPUTE = "+recompute"
@@ -417,6 +517,9 @@ def _parser():
                         help="saved bytes and forward kernels only (no backward: a third of the interpreter's time)")
     parser.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
                         help="publish the rows of these --json files as one table (measures nothing)")
+    parser.add_argument("--dsa-seq-lengths", type=int, nargs="+", default=None, metavar="T",
+                        help="measure only the DSA vs dense MLA table at these sequence lengths (docs section "
+                             "dsa_memory)")
     parser.add_argument("--docs-section", default="layer_memory",
                         help="section of docs/benchmarks.md (and docs/NAME.json) --write-docs replaces")
     add_output_args(parser)
@@ -427,6 +530,12 @@ def main(argv=None):
     args = _parser().parse_args(argv)
     if args.write_docs and args.json is None:
         args.json = DOCS_JSON.with_name(f"{args.docs_section}.json")
+    if args.dsa_seq_lengths:
+        with single_rank_megatron(0):
+            meta = run_meta("layer_memory.py", argv)
+            rows = dsa_rows(args.dsa_seq_lengths)
+        publish(dict(meta=meta, rows=rows), dsa_markdown(rows, meta), args, "dsa_memory", "### Measured")
+        return
     if args.merge:
         result = merge(args.merge)
         publish(result, markdown(result["rows"], result["meta"]), args, args.docs_section, "### Measured")

@@ -23,6 +23,7 @@ from hp_megatron.registry import (MIXER_MODULE_FLAG, describe_symbols, load_mixe
                                   refuse_unsupported, symbols, symbols_where)
 from layers.cp.auto import MEASURE_TOP
 from layers.cp.subgroups import check_auto_leaves_free
+from layers.mixers.mla.dsa_options import DSA_ROWS
 
 
 def _row_type(row):
@@ -107,6 +108,9 @@ def hp_config_from_args(args) -> dict:
     # every flag-table row with a flag and a config field, then the defaults that follow from the model size
     fields = {row.field: getattr(args, row.dest, row.default) for row in flag_table()
               if row.flag is not None and row.field is not None}
+    for row in DSA_ROWS:   # Megatron-LM's own --dsa-indexer-* flags (its dest = the field) stand when ours are not given
+        if getattr(args, row.dest, row.default) == row.default and getattr(args, row.field, None) is not None:
+            fields[row.field] = getattr(args, row.field)
     fields.update({
         "hp_recompute_modules": tuple(getattr(args, "hp_recompute_modules", ())),
         "linear_num_key_heads": key_heads,

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 import hp_megatron.models.deepseek_v3 as deepseek_v3
+import hp_megatron.models.dsa_models as dsa_models
 import hp_megatron.models.kimi_linear as kimi_linear
 import hp_megatron.models.llama as llama
 import hp_megatron.models.qwen3_5 as qwen3_5
@@ -96,11 +97,14 @@ ARCHITECTURES = {arch.model_type: arch for arch in (
     Architecture(kimi_linear.MODEL_TYPE, kimi_linear.megatron_config, kimi_linear.conversion_rules),
     *(Architecture(model_type, qwen3_5.megatron_config, qwen3_5.conversion_rules, qwen3_5.unmodeled_tensors,
                    unmodeled_with_mtp=qwen3_5.unmodeled_with_mtp) for model_type in qwen3_5.MODEL_TYPES),
+    Architecture(dsa_models.DEEPSEEK_V32, dsa_models.deepseek_v32_config, dsa_models.deepseek_v32_rules,
+                 deepseek_v3.unmodeled_tensors),
+    Architecture(dsa_models.GLM_MOE_DSA, dsa_models.glm_moe_dsa_config, dsa_models.glm_moe_dsa_rules),
 )}
 
 
 # conversion_rules(hf, mtp_num_layers)
-MTP_ARCHITECTURES = (deepseek_v3.MODEL_TYPE, qwen3_next.MODEL_TYPE, *qwen3_5.MODEL_TYPES)
+MTP_ARCHITECTURES = (deepseek_v3.MODEL_TYPE, qwen3_next.MODEL_TYPE, *qwen3_5.MODEL_TYPES, dsa_models.DEEPSEEK_V32)
 
 
 def get_architecture(model_type: str) -> Architecture:

@@ -26,7 +26,7 @@ MTP_FIELD = "num_nextn_predict_layers"
 
 def unmodeled_tensors(hf: dict) -> dict:
     """``{HF key prefix: what it holds}`` of the multi-token-prediction layers (``num_nextn_predict_layers``)."""
-    layers = field_of(hf, MODEL_TYPE, "num_hidden_layers")
+    layers = field_of(hf, hf.get("model_type", MODEL_TYPE), "num_hidden_layers")
     mtp = mtp_depth(hf)
     return {f"model.layers.{layers + i}.": f"DeepSeek-V3 multi-token-prediction layer {i} "
             f"(num_nextn_predict_layers={mtp})" for i in range(mtp)}
@@ -39,42 +39,43 @@ def mtp_depth(hf: dict) -> int:
 
 def moe_layers(hf: dict) -> list:
     first_dense = hf.get("first_k_dense_replace", 0)
-    return [i >= first_dense for i in range(field_of(hf, MODEL_TYPE, "num_hidden_layers"))]
+    return [i >= first_dense for i in range(field_of(hf, hf.get("model_type", MODEL_TYPE), "num_hidden_layers"))]
 
 
-def megatron_config(hf: dict) -> ModelPreset:
-    """The megatron-core model of a DeepSeek-V3 ``config.json`` (a dict)."""
-    require(hf, MODEL_TYPE, "model_type", (MODEL_TYPE,))
-    require(hf, MODEL_TYPE, "attention_bias", (False,), False)
-    require(hf, MODEL_TYPE, "attention_dropout", (0, 0.0), 0.0)
-    require(hf, MODEL_TYPE, "pretraining_tp", (1,), 1)
-    require(hf, MODEL_TYPE, "scoring_func", ("sigmoid",), "sigmoid")
-    require(hf, MODEL_TYPE, "topk_method", ("noaux_tc",), "noaux_tc")
-    require(hf, MODEL_TYPE, "output_router_logits", (False,), False)
+def megatron_config(hf: dict, *, model_type: str = MODEL_TYPE, symbol: str = "M") -> ModelPreset:
+    """The megatron-core model of a DeepSeek-V3 ``config.json`` (a dict); ``model_type`` / ``symbol``: a
+    DeepSeek-V3-shaped architecture whose attention layers are another mixer (DeepSeek-V3.2, GLM-5: ``D``)."""
+    require(hf, model_type, "model_type", (model_type,))
+    require(hf, model_type, "attention_bias", (False,), False)
+    require(hf, model_type, "attention_dropout", (0, 0.0), 0.0)
+    require(hf, model_type, "pretraining_tp", (1,), 1)
+    require(hf, model_type, "scoring_func", ("sigmoid",), "sigmoid")
+    require(hf, model_type, "topk_method", ("noaux_tc",), "noaux_tc")
+    require(hf, model_type, "output_router_logits", (False,), False)
     rope = rope_parameters(hf)
     rope_type = {"default": "rope", "yarn": "yarn"}.get(rope["rope_type"])
     if rope_type is None:
-        refuse(MODEL_TYPE, "rope_parameters.rope_type", rope["rope_type"], ["default", "yarn"])
+        refuse(model_type, "rope_parameters.rope_type", rope["rope_type"], ["default", "yarn"])
     flags = moe_layers(hf)
-    config = decoder_config(hf, MODEL_TYPE, 1e-6)
+    config = decoder_config(hf, model_type, 1e-6)
     if any(flags):
-        experts = field_of(hf, MODEL_TYPE, "n_routed_experts")
-        config.update(moe_router_config(MODEL_TYPE, num_experts=experts,
-                                        topk=field_of(hf, MODEL_TYPE, "num_experts_per_tok"),
+        experts = field_of(hf, model_type, "n_routed_experts")
+        config.update(moe_router_config(model_type, num_experts=experts,
+                                        topk=field_of(hf, model_type, "num_experts_per_tok"),
                                         norm_topk_prob=hf.get("norm_topk_prob", True), score_function="sigmoid",
                                         scaling_factor=hf.get("routed_scaling_factor"), expert_bias=True,
                                         num_groups=hf.get("n_group"), group_topk=hf.get("topk_group")),
                       moe_layer_freq=[int(f) for f in flags],
-                      moe_ffn_hidden_size=field_of(hf, MODEL_TYPE, "moe_intermediate_size"))
+                      moe_ffn_hidden_size=field_of(hf, model_type, "moe_intermediate_size"))
         shared = hf.get("n_shared_experts") or 0
         if shared:
             config["moe_shared_expert_intermediate_size"] = shared * hf["moe_intermediate_size"]
-    mixer = mla_fields(hf, MODEL_TYPE, rope_type, rope)
-    mixer["hp_mtp_layer_symbol"] = "M"
-    gpt = dict(vocab_size=field_of(hf, MODEL_TYPE, "vocab_size"), position_embedding_type="none",
+    mixer = mla_fields(hf, model_type, rope_type, rope)
+    mixer["hp_mtp_layer_symbol"] = symbol
+    gpt = dict(vocab_size=field_of(hf, model_type, "vocab_size"), position_embedding_type="none",
                share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)))
-    return ModelPreset(MODEL_TYPE, "M" * hf["num_hidden_layers"], transformer_fields=config, mixer_fields=mixer,
-                       gpt_model_kwargs=gpt, mtp_symbol="M", mtp_num_layers=mtp_depth(hf))
+    return ModelPreset(model_type, symbol * hf["num_hidden_layers"], transformer_fields=config, mixer_fields=mixer,
+                       gpt_model_kwargs=gpt, mtp_symbol=symbol, mtp_num_layers=mtp_depth(hf))
 
 
 def mla_layer_rules(mcore: str, hf_layer: str, hf: dict, preset: ModelPreset) -> list[TensorRule]:
@@ -84,7 +85,7 @@ def mla_layer_rules(mcore: str, hf_layer: str, hf: dict, preset: ModelPreset) ->
 
 
 def _decoder_layer_rules(mcore: str, hf_prefix: str, hf: dict, preset: ModelPreset, is_moe: bool) -> list[TensorRule]:
-    rules = conversion_rules_of(MODEL_TYPE, "M")(mcore + "self_attention.", hf_prefix, hf, preset)
+    rules = conversion_rules_of(preset.model_type, preset.pattern[0])(mcore + "self_attention.", hf_prefix, hf, preset)
     rules += norm_rules(mcore, hf_prefix)
     if not is_moe:
         return rules + mlp_rules(mcore + "mlp.", hf_prefix + "mlp.")
@@ -93,16 +94,16 @@ def _decoder_layer_rules(mcore: str, hf_prefix: str, hf: dict, preset: ModelPres
                              expert_bias="gate.e_score_correction_bias", shared=shared)
 
 
-def conversion_rules(hf: dict, mtp_num_layers: int = 0) -> list[TensorRule]:
-    """One rule per megatron-core tensor of the model of :func:`megatron_config`, with ``mtp_num_layers`` MTP layers
-    (0 or config.json's ``num_nextn_predict_layers``)."""
-    preset = megatron_config(hf)
+def conversion_rules(hf: dict, mtp_num_layers: int = 0, *, preset: ModelPreset | None = None) -> list[TensorRule]:
+    """One rule per megatron-core tensor of the model of :func:`megatron_config` (or ``preset``, a DeepSeek-V3-shaped
+    architecture's), with ``mtp_num_layers`` MTP layers (0 or config.json's ``num_nextn_predict_layers``)."""
+    preset = megatron_config(hf) if preset is None else preset
     rules = model_rules(preset.gpt_model_kwargs["share_embeddings_and_output_weights"])
     for i, is_moe in enumerate(moe_layers(hf)):
         rules += _decoder_layer_rules(layer_prefix(i), f"model.layers.{i}.", hf, preset, is_moe)
     if not mtp_num_layers:
         return rules
-    check_mtp_depth(MODEL_TYPE, MTP_FIELD, mtp_depth(hf), mtp_num_layers)
+    check_mtp_depth(preset.model_type, MTP_FIELD, mtp_depth(hf), mtp_num_layers)
     hf_layers = [f"model.layers.{hf['num_hidden_layers'] + k}." for k in range(mtp_num_layers)]
     # the MTP layers' embedding and head copies ride on the model's (the head is the embedding when tied)
     tied = preset.gpt_model_kwargs["share_embeddings_and_output_weights"]

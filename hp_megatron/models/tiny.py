@@ -48,6 +48,28 @@ def _deepseek_v3(vocab_size: int):
     return transformers.DeepseekV3ForCausalLM, cfg
 
 
+def _dsa(config_class: str, **extra):
+    """A tiny DeepSeek-V3-shaped DSA model (DeepSeek-V3.2, GLM-5): index_topk 4 below the test sequences, 8 indexer
+    heads (an all-negative ReLU row, an exact tie at 0, is then rare)."""
+    def build(vocab_size: int):
+        transformers = import_transformers()
+        cfg = getattr(transformers, config_class)(
+            vocab_size=vocab_size, hidden_size=TINY_HIDDEN, intermediate_size=48, moe_intermediate_size=16,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+            num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
+            q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+            max_position_embeddings=64, rms_norm_eps=1e-6, index_topk=4, index_n_heads=8, index_head_dim=8, **extra)
+        return getattr(transformers, config_class.replace("Config", "ForCausalLM")), cfg
+    return build
+
+
+_deepseek_v32 = _dsa("DeepseekV32Config", rope_parameters={
+    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
+_glm_moe_dsa = _dsa("GlmMoeDsaConfig", rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                    indexer_types=["full", "full", "shared", "full"])
+
+
 def _kimi_linear(vocab_size: int):
     transformers = import_transformers()
     cfg = transformers.KimiLinearConfig(
@@ -105,7 +127,8 @@ def _qwen3_5_moe(vocab_size: int):
 
 TINY_ARCHITECTURES = {"qwen3_next": _qwen3_next, "deepseek_v3": _deepseek_v3, "kimi_linear": _kimi_linear,
                       "qwen3_5_text": _qwen3_5_text, "qwen3_5_moe_text": _qwen3_5_moe_text, "qwen3_5": _qwen3_5,
-                      "qwen3_5_moe": _qwen3_5_moe}
+                      "qwen3_5_moe": _qwen3_5_moe, "deepseek_v32": _deepseek_v32,
+                      "glm_moe_dsa": _glm_moe_dsa}
 VL_TEXT_ARCHITECTURE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}  # VL -> its language model
 
 
@@ -152,7 +175,9 @@ def build_tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = TINY_VOCAB):
 MTP_LAYER_TYPE = {"qwen3_next": dict(layer_types=["full_attention"], mlp_only_layers=[]),
                   "deepseek_v3": dict(first_k_dense_replace=0), "qwen3_5_text": dict(layer_types=["full_attention"]),
                   "qwen3_5_moe_text": dict(layer_types=["full_attention"]),
-                  "qwen3_5": dict(layer_types=["full_attention"]), "qwen3_5_moe": dict(layer_types=["full_attention"])}
+                  "qwen3_5": dict(layer_types=["full_attention"]), "qwen3_5_moe": dict(layer_types=["full_attention"]),
+                  "deepseek_v32": dict(first_k_dense_replace=0, mlp_layer_types=["sparse"],
+                                       layer_types=["indexed_attention"])}
 
 
 def tiny_mtp_tensors(arch: str, seed: int = 0, vocab_size: int = TINY_VOCAB, main_state: dict | None = None) -> tuple:

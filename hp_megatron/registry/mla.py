@@ -10,7 +10,7 @@ from layers.mixers.mla.options import MLA_ROWS
 MODULE = "layers.mixers.mla.layer:MultiLatentAttention"
 
 
-def mla_spec(provider, *, qk_layernorm=False, cp_layout=None):
+def mla_spec(provider, *, qk_layernorm=False, cp_layout=None, module=MODULE):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -19,7 +19,7 @@ def mla_spec(provider, *, qk_layernorm=False, cp_layout=None):
     norm = provider.layer_norm(rms_norm=True, for_qk=True)
     column, row = provider.column_parallel_linear(), provider.row_parallel_linear()
     return ModuleSpec(
-        module=resolve(MODULE),
+        module=resolve(module),
         params={"attn_mask_type": AttnMaskType.causal, **({} if cp_layout is None else {"cp_layout": cp_layout})},
         submodules=MLASelfAttentionSubmodules(
             linear_q_proj=column,

@@ -1,5 +1,6 @@
 """Single-process rows: GDN / KDA forward and backward (dense and packed), the short conv (dense and packed with
-history), and the decode steps, each against the eager backend on the same device."""
+history), and the decode steps, each against the eager backend on the same device; DSA's eager sparse path in the
+checked dtype against fp32 (``hp_megatron.selfcheck.dsa``)."""
 from __future__ import annotations
 
 import torch
@@ -136,4 +137,8 @@ def single_rows(backend, device, dtype, limits, wanted=lambda op, case: True):
             rows += decode_rows(backend, device, dtype, kind, limits)
     if wanted("causal_conv1d_step", CONV_STEP_NAME):
         rows += conv_step_rows(backend, device, dtype, limits)
+    from hp_megatron.selfcheck.dsa import CASE as DSA_CASE, OP as DSA_OP, dsa_rows   # eager on every backend
+
+    if wanted(DSA_OP, DSA_CASE):
+        rows += dsa_rows(device, dtype)
     return rows

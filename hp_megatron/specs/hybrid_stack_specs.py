@@ -14,7 +14,7 @@ symbol  slot                        our layer (``get_hybrid_stack_spec``)
 ``-``   ``mlp_layer``               RMSNorm -> megatron-core's ``MLP`` (``--ffn-hidden-size``, ``--swiglu``)
 ``E``   ``moe_layer``               RMSNorm -> megatron-core's ``MoELayer`` (``SequentialMLP`` experts)
 ``M``   ``mamba_layer``             none: refused (``hp_megatron.hybrid_model.stack.check_slots``)
-``D``   ``dsa_layer``               none: refused
+``D``   ``dsa_layer``               RMSNorm -> our DSA (``layers.mixers.mla.dsa``: MLA over the indexer's top-k tokens)
 ======  ==========================  ===========================================================================
 
 KDA has no symbol of its own in ``HybridModel`` (its ``Symbols`` are fixed): ``g_mixer="kda"`` builds a stack spec
@@ -91,6 +91,7 @@ def get_hybrid_stack_spec(backend="eager", *, g_mixer: str = "gdn", qk_layernorm
         gdn_layer=_mixer_layer(g_mixer, provider, qk_layernorm, cp_layout),
         attention_layer=_mixer_layer("attn", provider, qk_layernorm, cp_layout),
         mla_layer=_mixer_layer("mla", provider, qk_layernorm, cp_layout),
+        dsa_layer=_mixer_layer("dsa", provider, qk_layernorm, cp_layout),
         mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=norm, mlp=mlp, mlp_bda=get_bias_dropout_add)),
         moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(

@@ -12,7 +12,10 @@
   exactly the mean load);
 * the multi-token-prediction loss per depth (``mtp_1 loss``, ...), as Megatron-LM logs it: megatron-core's
   ``MTPLossLoggingHelper.track_mtp_metrics`` (the token mean of each depth, averaged over micro-batches and
-  data-parallel ranks; on the last pipeline stage, where the MTP block is).
+  data-parallel ranks; on the last pipeline stage, where the MTP block is);
+* the DSA indexer loss (``indexer loss``, with ``dsa_indexer_loss_coeff`` > 0), as Megatron-LM logs it: megatron-core's
+  ``DSAIndexerLossLoggingHelper.track_indexer_metrics`` (the coefficient-scaled KL summed over the layers and divided
+  by their number, averaged over micro-batches and data-parallel ranks, summed over the pipeline stages).
 """
 from __future__ import annotations
 
@@ -57,6 +60,12 @@ class AuxLossLog:
         dist.all_reduce(has_bias, group=parallel_state.get_pipeline_model_parallel_group())
         self.watch_bias = bool(has_bias.item())
         self._before = []
+        self.indexer = bool(getattr(config, "dsa_indexer_loss_coeff", None))
+        if self.indexer:   # every stage joins the tracker's reductions, also one without DSA layers
+            from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper
+
+            DSAIndexerLossLoggingHelper.tracker.clear()
+            DSAIndexerLossLoggingHelper.tracker["values"] = torch.zeros(config.num_layers, device=_device())
 
     def before_step(self) -> None:
         if self.watch_bias:
@@ -88,5 +97,15 @@ class AuxLossLog:
 
             totals = {}
             MTPLossLoggingHelper.track_mtp_metrics(1.0 / self.num_microbatches, 0, None, total_loss_dict=totals)
+            out.update((name, float(value)) for name, value in totals.items())
+        if self.indexer:
+            from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper
+
+            totals = {}
+            tracker = DSAIndexerLossLoggingHelper.tracker
+            if "values" not in tracker:   # cleaned after the previous step's report
+                tracker["values"] = torch.zeros(self.config.num_layers, device=_device())
+            DSAIndexerLossLoggingHelper.track_indexer_metrics(1.0 / self.num_microbatches, 0, None,
+                                                              total_loss_dict=totals)
             out.update((name, float(value)) for name, value in totals.items())
         return out

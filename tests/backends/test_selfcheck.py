@@ -110,7 +110,7 @@ def test_standin_every_row(standin, tmp_path, monkeypatch, capsys):
     status, out = _main(["--backend", "ascendc", "--device", "cpu"], capsys, rank_setup)
     rows = _rows(out)
     ops = {op for op, _, _ in rows}
-    assert ops == {"chunk_gated_delta_rule", "chunk_kda", "causal_conv1d", *STEP_OPS}, out
+    assert ops == {"chunk_gated_delta_rule", "chunk_kda", "causal_conv1d", *STEP_OPS, "dsa_sparse_attention"}, out
     cp_rows = {key: value for key, value in rows.items() if key[1].startswith("CP2 ")}
     assert len(cp_rows) == 2 * 2 * 7 + 2 * 2, out       # (gdn, kda) x 7 method/layouts x (fwd, bwd) + conv halo
     for (op, case, phase), (result, note) in rows.items():

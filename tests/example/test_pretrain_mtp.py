@@ -73,7 +73,7 @@ def test_mtp_flags_checked_at_parse_time(root):
     data = ["--data-path", f"{root}/data/pydoc_text_document", "--tokenizer", f"{root}/data/tokenizer.json"]
     assert parse(data).mtp_num_layers is None
     with pytest.raises(ValueError, match=r"^--mtp-num-layers 1 with --hp-layer-pattern KKKM: the MTP layers have "
-                                         r"one fixed kind; add --hp-mtp-layer-symbol \(A or M\)$"):
+                                         r"one fixed kind; add --hp-mtp-layer-symbol \(A or D or M\)$"):
         parse(data + MTP)
     with pytest.raises(ValueError, match=r"^KDA \(K, the multi-token-prediction layers' mixer of --hp-layer-pattern "
                                          r"KKKK\) cannot be megatron-core's MTP layer .*mixers with MTP: M=MLA, A="):

@@ -5,7 +5,7 @@ is RMSNorm -> mixer -> residual, RMSNorm -> MLP -> residual; HybridModel's patte
 layers each (mixer layer, MLP layer), so with the GPT model's weights copied over, logits and every gradient are
 the same. Cases: GDN + RoPE attention with q/k norms (``hybrid_stack_spec``, ``G-*-`` vs ``GA``), KDA + MLA with
 the model's RoPE tables on (``kda_hybrid_stack_spec``, ``G-+-`` vs ``KM``: the MLA layer applies its own rotary
-embedding and gets none of the model's), GDN + MoE (``GEGE`` vs ``GG`` with experts). One in-process gloo rank.
+embedding and gets none of the model's), GDN + MoE (``GEGE`` vs ``GG`` with experts), GDN + DSA (``G-D-`` vs ``GD``). One in-process gloo rank.
 """
 import re
 
@@ -44,6 +44,9 @@ CASES = {
     "gdn_attention": ("hybrid_stack_spec", "G-*-", "GA", "rope", {"qk_layernorm": True}),
     "kda_mla": ("kda_hybrid_stack_spec", "G-+-", "KM", "rope", {"rope_type": "rope"}),
     "gdn_moe": ("hybrid_stack_spec", "GEGE", "GG", "none", MOE),
+    "gdn_dsa": ("hybrid_stack_spec", "G-D-", "GD", "rope",
+                {"rope_type": "rope", "q_lora_rank": 16, "dsa_indexer_n_heads": 2, "dsa_indexer_head_dim": 8,
+                 "dsa_indexer_topk": 4, "dsa_indexer_loss_coeff": 0.1}),
 }
 
 
@@ -98,7 +101,7 @@ def test_hybrid_model_with_our_stack_spec_equals_our_gpt_model(case):
 
 
 @needs_hybrid_model
-@pytest.mark.parametrize("symbol,slot", [("M", "mamba_layer"), ("D", "dsa_layer")])
+@pytest.mark.parametrize("symbol,slot", [("M", "mamba_layer")])
 def test_a_symbol_without_our_layer_is_refused(symbol, slot):
     import hp_megatron.specs as specs
     from hp_megatron.platform import single_rank_megatron

@@ -8,9 +8,9 @@ def test_builtin_entries_and_their_readers():
     from hp_megatron.models import kimi_linear, qwen3_next
     from hp_megatron.specs import gpt_layer_specs as layer_specs, hybrid_stack_specs as hybrid_stack
 
-    assert symbols() == {"G": "gdn", "K": "kda", "M": "mla", "A": "attn"}
-    assert layer_specs.SYMBOLS == symbols() and layer_specs.MIXERS == ("gdn", "kda", "mla", "attn")
-    assert layer_specs.OWN_POSITIONS == ("M",) and mtp_symbols() == ("A", "M")
+    assert symbols() == {"G": "gdn", "K": "kda", "M": "mla", "A": "attn", "D": "dsa"}
+    assert layer_specs.SYMBOLS == symbols() and layer_specs.MIXERS == ("gdn", "kda", "mla", "attn", "dsa")
+    assert layer_specs.OWN_POSITIONS == ("M", "D") and mtp_symbols() == ("A", "D", "M")
     assert hybrid_stack.g_mixers() == ("gdn", "kda") and symbols_where(lambda e: e.model_rope) == ("A",)
     assert set(kimi_linear.LAYER_SYMBOLS.values()) | set(qwen3_next.LAYER_SYMBOLS.values()) <= set(symbols())
     for entry in mixers().values():
@@ -54,8 +54,8 @@ def test_architectures_take_each_mixers_rules_from_the_registry():
 def test_pattern_errors_name_the_registered_symbols():
     from hp_megatron.specs import get_hybrid_layer_spec, get_layer_spec
 
-    with pytest.raises(ValueError, match=r"symbols \['X'\] that have no layer spec; known symbols: \['A', 'G', 'K', "
-                                         r"'M'\]"):
+    with pytest.raises(ValueError, match=r"symbols \['X'\] that have no layer spec; known symbols: \['A', 'D', 'G', "
+                                         r"'K', 'M'\]"):
         get_hybrid_layer_spec("KKXM")
-    with pytest.raises(ValueError, match=r"mixer must be one of \('gdn', 'kda', 'mla', 'attn'\), got 'mamba'"):
+    with pytest.raises(ValueError, match=r"mixer must be one of \('gdn', 'kda', 'mla', 'attn', 'dsa'\), got 'mamba'"):
         get_layer_spec("mamba")

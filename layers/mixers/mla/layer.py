@@ -229,7 +229,7 @@ class MultiLatentAttention(ContextParallelMixer, MegatronModule):
                                          latent, rope_key, kv_weight)
             else:
                 key, value = expand_keys_values(latent, rope_key, kv_weight, dims, dims.heads)
-            out = self.core_attention(query, key, value, q_ids=None, cu_seqlens=cu_seqlens)
+            out = self._attention()(query, key, value, q_ids=None, cu_seqlens=cu_seqlens)
             if self.recompute_up_proj:
                 up_proj.discard(out)
         else:
@@ -242,11 +242,15 @@ class MultiLatentAttention(ContextParallelMixer, MegatronModule):
                 strategy = self._auto_strategy(cp_group, seq * cp_size if cu_seqlens is None else
                                                int(cu_seqlens[-1]), batch)
             out = mla_context_parallel(strategy, kv_payload=payload, make_query=make_query,
-                                       kv_weight=kv_weight, dims=dims, attention=self.core_attention,
+                                       kv_weight=kv_weight, dims=dims, attention=self._attention(),
                                        group=cp_group, layout=self.cp_layout, cu_seqlens=cu_seqlens,
                                        stats=self.comm_stats, plan=plan)
         out = out.reshape(batch, seq, dims.heads * dims.v).transpose(0, 1).contiguous()
         return self.linear_proj(out)
+
+    def _attention(self):
+        """The core attention ``(q, k, v, q_ids=, cu_seqlens=) -> o`` this forward uses (a subclass may bind more)."""
+        return self.core_attention
 
     def _auto_strategy(self, cp_group, seq_len: int, batch: int) -> str:
         """``cp_strategy="auto"``: the strategy chosen for ``cp_group`` (``layers.cp.auto`` on this layer's
@@ -319,14 +323,18 @@ class MultiLatentAttention(ContextParallelMixer, MegatronModule):
         if self.q_lora_rank is None:
             q, _ = self.linear_q_proj(hidden_states)
         else:
-            qc, _ = self.linear_q_down_proj(hidden_states)
-            qc = self._gather_columns(qc, self.q_lora_rank)
-            if self.config.sequence_parallel and self.tp_size > 1:
-                qc = scatter_to_sequence_parallel_region(qc, group=self.tp_group)
-            q, _ = self.linear_q_up_proj(self.q_layernorm(qc))
+            q, _ = self.linear_q_up_proj(self._q_latent(hidden_states))
         q = q.view(q.shape[0], q.shape[1], self.dims.heads, self.q_head_dim).transpose(0, 1)
         q_nope, q_pe = q.split((self.dims.qk, self.dims.pe), dim=-1)
         return torch.cat((q_nope, apply_mla_rope(q_pe, cos_sin, token_dim=1)), dim=-1)
+
+    def _q_latent(self, hidden_states):
+        """-> the normalized query latent [s, b, q_lora_rank] (under SP: this rank's sequence shard)."""
+        qc, _ = self.linear_q_down_proj(hidden_states)
+        qc = self._gather_columns(qc, self.q_lora_rank)
+        if self.config.sequence_parallel and self.tp_size > 1:
+            qc = scatter_to_sequence_parallel_region(qc, group=self.tp_group)
+        return self.q_layernorm(qc)
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
