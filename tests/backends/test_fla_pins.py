@@ -75,3 +75,13 @@ def test_kind_descriptors_name_installed_fla_functions():
             assert callable(getattr(importlib.import_module(module), name)), (kind.name, role, path)
         module, _, name = kind.kernel("triton", "gate_cumsum").partition(":")
         assert name in _INTERNALS[module]
+
+
+def test_interpreter_shims_name_the_triton_they_support():
+    """The tests that run FLA's kernels on CPU skip with this reason under another triton, and enable() refuses."""
+    from tests.support import triton_interpreter
+
+    assert triton_interpreter.available("3.7.1") is None
+    reason = triton_interpreter.available("3.8.0")
+    assert "support triton 3.7.x only, found triton 3.8.0" in reason, reason
+    assert triton_interpreter.available("3.6.0") is not None
