@@ -282,6 +282,8 @@ def test_triton_through_the_interpreter():
         ("chunk_gated_delta_rule", "bwd")}, out
     assert all(result == "pass" for result, _ in rows.values()), out
     assert set(_requirement_statuses(stdout).values()) == {OK} and status == 0, out
+    assert re.search(r"kernels: flash-linear-attention 0\.6\.\d+'s Triton kernels \(triton 3\.7\.\d+, Triton's "
+                     r"interpreter\); FLA's backend dispatch off \(FLA_DISABLE_BACKEND_DISPATCH=1\)", stdout), out
 
 
 # ------------------------------------------------------------------------------------------- version table

@@ -55,12 +55,13 @@ def import_megatron_lm(entry: str):
     return module, ModelType, pretrain
 
 
-def use_hp_finalize_model_grads():
+def use_hp_finalize_model_grads(training=None):
     """Megatron-LM's ``train`` sets ``config.finalize_model_grads_func`` to its module's ``finalize_model_grads``
-    (0.16 always, 0.19 when unset): that name becomes ours, which runs megatron-core's and then sums the GDN / KDA
-    output-norm gradients over TP once per step (``layers.shared.tp_replicated_grads``; without it they are summed
-    per micro-batch)."""
-    import megatron.training.training as training
+    (0.16 always, 0.19 when unset): that name of ``training`` (default: ``megatron.training.training``) becomes ours,
+    which runs megatron-core's and then sums the GDN / KDA output-norm gradients over TP once per step
+    (``layers.shared.tp_replicated_grads``; without it they are summed per micro-batch)."""
+    if training is None:
+        import megatron.training.training as training
 
     from layers.shared.tp_replicated_grads import finalize_model_grads
 
