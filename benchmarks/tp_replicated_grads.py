@@ -111,9 +111,10 @@ def measure(args) -> dict:
     runs = {}
     for finalize in (("ours", "megatron") if not args.repo else ("example's",)):
         per_rank = spawn_gloo(_rank, 2, repo, _argv(args, False), _argv(args, True),
-                              "megatron" if finalize == "megatron" else "example")
+                              "megatron" if finalize == "megatron" else "example", exit_timeout=600.0)
         runs[finalize] = per_rank[0]
-    return {"meta": run_meta("tp_replicated_grads.py"), "repo": args.label or repo, "micro": args.micro,
+    return {"meta": run_meta("tp_replicated_grads.py"), "repo": args.label or ("this tree" if not args.repo else repo),
+            "micro": args.micro,
             "pattern": args.pattern, "runs": runs}
 
 

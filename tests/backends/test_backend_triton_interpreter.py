@@ -123,9 +123,10 @@ def fla_dispatch_case():
     import os
     from types import SimpleNamespace
 
-    import fla.backends as fb
-
     from layers.ops.triton.runtime import DISPATCH_ENV, dispatch_candidates, dispatch_state, kernels_in_use, load_fla
+
+    loaded = load_fla()   # in these ranks the ops above imported fla first, through load_fla
+    import fla.backends as fb
 
     class OtherKernels(fb.BaseBackend):
         backend_type = "other_kernels"
@@ -139,7 +140,7 @@ def fla_dispatch_case():
         refused = ""
     except RuntimeError as error:
         refused = str(error)
-    return {"loaded": (load_fla().dispatch, os.environ.get(DISPATCH_ENV), fb._DISPATCH_DISABLED),
+    return {"loaded": (loaded.dispatch, os.environ.get(DISPATCH_ENV), fb._DISPATCH_DISABLED),
             "kernels": kernels_in_use(), "installed_candidates": dispatch_candidates(fb), "refused": refused,
             "chosen": dispatch_state(fake, "0"), "off": dispatch_state(dict_off(fake), None)}
 

@@ -85,3 +85,14 @@ def test_interpreter_shims_name_the_triton_they_support():
     reason = triton_interpreter.available("3.8.0")
     assert "support triton 3.7.x only, found triton 3.8.0" in reason, reason
     assert triton_interpreter.available("3.6.0") is not None
+
+
+def test_fla_dispatch_is_turned_off_only_before_fla_is_imported_and_unless_the_user_chose():
+    from layers.ops.triton.runtime import DISPATCH_ENV, default_dispatch_off
+
+    environ = {}
+    assert default_dispatch_off({}, environ) and environ == {DISPATCH_ENV: "1"}
+    chosen = {DISPATCH_ENV: "0"}
+    assert not default_dispatch_off({}, chosen) and chosen == {DISPATCH_ENV: "0"}
+    late = {}
+    assert not default_dispatch_off({"fla.backends": object()}, late) and late == {}

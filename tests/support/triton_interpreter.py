@@ -78,6 +78,9 @@ def enable() -> None:
     if "fla" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("triton_interpreter.enable() must run before flash-linear-attention is imported")
     os.environ["TRITON_INTERPRET"] = "1"
+    from layers.ops.triton.runtime import default_dispatch_off
+
+    default_dispatch_off()   # FLA is imported below: FLA's Triton kernels only, as the backend's load_fla sets it
     import triton.language as tl
     import triton.runtime.autotuner as autotuner
     import triton.runtime.interpreter as interp

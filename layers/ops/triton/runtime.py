@@ -125,8 +125,7 @@ def load_fla() -> FLA:
     if triton_version < MIN_TRITON:
         raise RuntimeError(f"backend='triton' found triton {triton.__version__}, too old; need {PACKAGES}. "
                            f"Install: {INSTALL_HINT}")
-    if "fla.backends" not in sys.modules and os.environ.get(DISPATCH_ENV) is None:
-        os.environ[DISPATCH_ENV] = "1"   # FLA's Triton kernels, not another package's (module docstring)
+    default_dispatch_off()
     try:
         fla = importlib.import_module("fla")
     except ImportError as error:
@@ -144,6 +143,15 @@ def load_fla() -> FLA:
     dispatch, candidates = dispatch_state(importlib.import_module("fla.backends"), os.environ.get(DISPATCH_ENV))
     return FLA(gdn, kda, conv, l2norm, fla_version, triton_version, interpreted=_interpreter_env(),
                dispatch=dispatch, dispatch_candidates=candidates)
+
+
+def default_dispatch_off(modules=sys.modules, environ=os.environ) -> bool:
+    """Before FLA is imported: ``FLA_DISABLE_BACKEND_DISPATCH=1`` (FLA's Triton kernels, not another package's)
+    unless ``fla.backends`` is imported already or the user set the variable. True when it was set here."""
+    if "fla.backends" in modules or DISPATCH_ENV in environ:
+        return False
+    environ[DISPATCH_ENV] = "1"
+    return True
 
 
 def dispatch_candidates(fla_backends) -> tuple[str, ...]:
@@ -189,7 +197,8 @@ def kernels_in_use() -> str:
     if not fla.dispatch:
         return f"{head}; FLA's backend dispatch off ({DISPATCH_ENV}=1)"
     others = ", ".join(fla.dispatch_candidates) or "none available here"
-    return f"{head}, or what FLA's backend dispatch picks ({DISPATCH_ENV}=0): {others}"
+    setting = os.environ.get(DISPATCH_ENV, "unset")
+    return f"{head}, or what FLA's backend dispatch picks ({DISPATCH_ENV}={setting}): {others}"
 
 
 def _interpreter_env() -> bool:
