@@ -5,8 +5,8 @@ per step.
 * With sequence parallelism the parameter is marked ``sequence_parallel=True``: megatron-core's
   ``finalize_model_grads`` (0.16 and 0.19: ``_allreduce_non_tensor_model_parallel_grads``) sums it over TP together
   with the layer norms' gradients, in the one coalesced all-reduce per step it issues for them anyway.
-* Without it megatron-core sums nothing over TP (it has no attribute for "sum these"; ``average_gradients_across_tp_
-  domain`` averages, and gloo has no ``ReduceOp.AVG``). A tensor hook sums the gradient at every backward (one
+* Without it megatron-core sums nothing over TP (it has no attribute for "sum these": its
+  ``average_gradients_across_tp_domain`` averages). A tensor hook sums the gradient at every backward (one
   all-reduce per parameter per micro-batch), unless the model config's ``finalize_model_grads_func`` is
   :func:`finalize_model_grads` of this module (or any function with ``reduces_pending_tp_grads = True``): then the
   hook only marks the parameter pending, and :func:`finalize_model_grads` runs megatron-core's and then sums every
