@@ -20,7 +20,9 @@ setup(
     install_requires=["torch>=2.6", "megatron-core>=0.16.1,<0.20", "numpy", "packaging", "psutil", "tokenizers",
                       'triton; python_version >= "3.12" and platform_system == "Linux"'],
     extras_require={
-        "triton": ["flash-linear-attention>=0.6.0,<0.7", "fla-core>=0.6.0,<0.7", "triton==3.7.1"],  # what CI tests
+        # no triton here: a CUDA torch brings its own (pinned by torch), and one of ours would make pip replace the
+        # user's torch with a release pinning that triton; CI's exact versions are .ci/run's
+        "triton": ["flash-linear-attention>=0.6.0,<0.7", "fla-core>=0.6.0,<0.7"],
         # fla-npu's environment (layers/ops/ascendc/versions.py, docs/backends.md "Versions"): torch_npu with the
         # GDN stream fix, triton-ascend >= 3.2.0 (3.2.1 on Ascend 950); CANN >= 8.5.0 and fla-npu are not on pip
         "npu": ["torch>=2.6",

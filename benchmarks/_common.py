@@ -106,9 +106,10 @@ def _gloo_entry(rank, world_size, port, fn, args, queue):
         dist.destroy_process_group()
 
 
-def spawn_gloo(fn, world_size: int, *args, timeout: float = 3600.0) -> list:
+def spawn_gloo(fn, world_size: int, *args, timeout: float = 3600.0, exit_timeout: float = 300.0) -> list:
     """Run ``fn(rank, world_size, *args)`` (a module-level function) on ``world_size`` spawned gloo CPU ranks
-    with one thread each; returns the results by rank. A rank that fails makes this raise."""
+    with one thread each; returns the results by rank. A rank that fails, or is still running ``exit_timeout``
+    seconds after all results arrived, makes this raise."""
     import socket
 
     import torch.multiprocessing as mp
@@ -125,7 +126,7 @@ def spawn_gloo(fn, world_size: int, *args, timeout: float = 3600.0) -> list:
         results = dict(queue.get(timeout=timeout) for _ in range(world_size))
     finally:
         for p in procs:
-            p.join(timeout=300)   # a loaded machine can take long to tear a gloo rank down
+            p.join(timeout=exit_timeout)
             if p.is_alive():
                 p.kill()
     bad = [p.exitcode for p in procs if p.exitcode != 0]

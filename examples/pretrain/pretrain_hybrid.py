@@ -248,7 +248,7 @@ def setup(args):
     Returns a namespace with those and ``iteration`` / ``consumed`` (0 without a checkpoint)."""
     from types import SimpleNamespace
 
-    from megatron.core.distributed import finalize_model_grads
+    from layers.shared.tp_replicated_grads import finalize_model_grads  # megatron-core's + the once-per-step TP sums
 
     from prepare_data import BPETokenizer
 

@@ -15,6 +15,7 @@ from layers.ops import requirements
 
 DEFAULT_DTYPES = "bf16"
 VERSIONS = "versions (layers/ops/requirements.py):"
+KERNELS = "kernels:"
 
 
 def parse(argv):
@@ -59,6 +60,17 @@ def _soc(backend, device):
         return None
 
 
+def kernels(backend: str) -> str:
+    """The kernels ``backend`` runs here, in one line (the triton backend: FLA's Triton kernels, or what FLA's
+    backend dispatch may pick when the user turned it on; layers/ops/triton/runtime.py)."""
+    if backend == "triton":
+        from layers.ops.triton.runtime import kernels_in_use
+
+        return kernels_in_use()
+    return {"eager": "pure PyTorch (layers/ops/eager)",
+            "ascendc": "fla-npu's Ascend C / triton-ascend kernels (layers/ops/ascendc)"}[backend]
+
+
 def _prepare(backend, requested):
     """(device, limits) or RuntimeError naming why the backend cannot run here."""
     from hp_megatron.selfcheck.limits import probe
@@ -90,6 +102,7 @@ def main(argv=None, *, rank_setup=None) -> int:
     tolerances = ", ".join(f"{dtype_name(d)} {TOLERANCES[d]:.0e}" for d in args.dtypes)
     print(f"device: {describe(device)}; dtypes: {', '.join(dtype_name(d) for d in args.dtypes)}; "
           f"tolerance (relative L2, largest over the row's tensors): {tolerances}", file=out, flush=True)
+    print(f"{KERNELS} {kernels(args.backend)}", file=out, flush=True)
 
     from hp_megatron.selfcheck.single import single_rows
     from hp_megatron.selfcheck.spawn import run_cp

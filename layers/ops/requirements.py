@@ -8,7 +8,7 @@ torch floor, setup.py's ``torch>=2.6``.
 
 :func:`check` judges given versions (pure); :func:`installed` reads them from the environment without importing the
 packages (distribution metadata; CANN from its ``version.info``). Statuses: ok; warn (runs, with the caveat in the
-note: a triton other than the tested one, a torch without fla-npu's fast launcher); FAIL.
+note: a triton other than the one CI tests, a torch without fla-npu's fast launcher); FAIL.
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def _torch_npu(found):
 
 
 def _triton(found):
-    required = f"=={fla.TRITON_PIN} (tested; runs from {_dotted(fla.MIN_TRITON)})"
+    required = f">={_dotted(fla.MIN_TRITON)} (CI tests {fla.TRITON_PIN})"
     v = _version(found)
     if v is None:
         return _unreadable("triton", required, found)

@@ -1,5 +1,6 @@
-"""What the mixers share about megatron's process groups: their TP / CP groups, the CP group of a forward,
-gradient sums over TP, the per-group ``auto`` CP choice, and the class a spec entry builds.
+"""What the mixers share about megatron's process groups: their TP / CP groups, the CP group of a forward, the
+activation-gradient sum over TP (parameters': ``tp_replicated_grads``), the per-group ``auto`` CP choice, and the
+class a spec entry builds.
 
 ``None`` stands for "no group" (size 1, rank 0) wherever a group is taken.
 """
@@ -53,11 +54,6 @@ def _all_reduce(grad, group):
     grad = grad.contiguous()   # all_reduce works in place on contiguous memory
     dist.all_reduce(grad, group=group)
     return grad
-
-
-def tp_grad_sum_hook(group):
-    """A tensor hook summing the gradient over ``group`` (for a parameter every TP rank's heads contribute to)."""
-    return lambda grad: _all_reduce(grad, group)
 
 
 class SumGradOverTP(torch.autograd.Function):

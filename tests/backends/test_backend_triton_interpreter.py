@@ -113,7 +113,42 @@ def worker(rank, world):
         attempt(f"conv-{layout}-{method}", cp_conv_case, CP_LAYOUTS, layout, method, {}, "triton", "cpu",
                 torch.float32, 16, collective=True)
     _layer_cases(attempt)
+    attempt("fla_dispatch", fla_dispatch_case)
     return results
+
+
+def fla_dispatch_case():
+    """What the backend loaded with FLA's dispatch (fla was first imported by load_fla in these ranks: off), and
+    :func:`dispatch_state` on FLA's own registry classes with a backend that would take over KDA."""
+    import os
+    from types import SimpleNamespace
+
+    from layers.ops.triton.runtime import DISPATCH_ENV, dispatch_candidates, dispatch_state, kernels_in_use, load_fla
+
+    loaded = load_fla()   # in these ranks the ops above imported fla first, through load_fla
+    import fla.backends as fb
+
+    class OtherKernels(fb.BaseBackend):
+        backend_type = "other_kernels"
+
+    registry = fb.BackendRegistry("kda")
+    registry.register(OtherKernels())
+    fake = SimpleNamespace(_DISPATCH_DISABLED=False, _operation_registries={"kda": registry},
+                           _function_registries={})
+    try:
+        dispatch_state(fake, None)
+        refused = ""
+    except RuntimeError as error:
+        refused = str(error)
+    return {"loaded": (loaded.dispatch, os.environ.get(DISPATCH_ENV), fb._DISPATCH_DISABLED),
+            "kernels": kernels_in_use(), "installed_candidates": dispatch_candidates(fb), "refused": refused,
+            "chosen": dispatch_state(fake, "0"), "off": dispatch_state(dict_off(fake), None)}
+
+
+def dict_off(namespace):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{**vars(namespace), "_DISPATCH_DISABLED": True})
 
 
 def _layer_cases(attempt):
@@ -166,3 +201,16 @@ def test_cp_matches_single_rank_eager(key):
         if not key.startswith("conv-"):
             assert errs.pop("fla_cp", None) is fla_path, (key, fla_path)
         _check(errs)
+
+
+def test_fla_dispatch_is_off_or_refused():
+    """The triton backend runs FLA's Triton kernels: FLA's backend dispatch is turned off when load_fla imports
+    fla; a dispatch left on with another kernel package available is refused, naming it, unless the user chose it
+    (FLA_DISABLE_BACKEND_DISPATCH=0); the self-check's kernels line says which."""
+    got = run_distributed_cases(worker, WORLD, "fla_dispatch")[0]
+    assert "error" not in got, got["error"]
+    assert got["loaded"] == (False, "1", True), got
+    assert got["kernels"].endswith("FLA's backend dispatch off (FLA_DISABLE_BACKEND_DISPATCH=1)"), got
+    assert got["installed_candidates"] == (), got   # no FlashQLA / TileLang / FlashKDA / NPU on this machine
+    assert "would run kda: other_kernels instead" in got["refused"], got
+    assert got["chosen"] == (True, ("kda: other_kernels",)) and got["off"] == (False, ()), got

@@ -75,3 +75,24 @@ def test_kind_descriptors_name_installed_fla_functions():
             assert callable(getattr(importlib.import_module(module), name)), (kind.name, role, path)
         module, _, name = kind.kernel("triton", "gate_cumsum").partition(":")
         assert name in _INTERNALS[module]
+
+
+def test_interpreter_shims_name_the_triton_they_support():
+    """The tests that run FLA's kernels on CPU skip with this reason under another triton, and enable() refuses."""
+    from tests.support import triton_interpreter
+
+    assert triton_interpreter.available("3.7.1") is None
+    reason = triton_interpreter.available("3.8.0")
+    assert "support triton 3.7.x only, found triton 3.8.0" in reason, reason
+    assert triton_interpreter.available("3.6.0") is not None
+
+
+def test_fla_dispatch_is_turned_off_only_before_fla_is_imported_and_unless_the_user_chose():
+    from layers.ops.triton.runtime import DISPATCH_ENV, default_dispatch_off
+
+    environ = {}
+    assert default_dispatch_off({}, environ) and environ == {DISPATCH_ENV: "1"}
+    chosen = {DISPATCH_ENV: "0"}
+    assert not default_dispatch_off({}, chosen) and chosen == {DISPATCH_ENV: "0"}
+    late = {}
+    assert not default_dispatch_off({"fla.backends": object()}, late) and late == {}

@@ -308,6 +308,8 @@ def test_triton_through_the_interpreter():
         ("chunk_gated_delta_rule", "bwd")}, out
     assert all(result == "pass" for result, _ in rows.values()), out
     assert set(_requirement_statuses(stdout).values()) == {OK} and status == 0, out
+    assert re.search(r"kernels: flash-linear-attention 0\.6\.\d+'s Triton kernels \(triton 3\.7\.\d+, Triton's "
+                     r"interpreter\); FLA's backend dispatch off \(FLA_DISABLE_BACKEND_DISPATCH=1\)", stdout), out
 
 
 # ------------------------------------------------------------------------------------------- version table
@@ -360,12 +362,37 @@ def test_cann_version_file(tmp_path, monkeypatch):
     assert requirements.cann_version() is None
 
 
+def _setup_kwargs() -> dict:
+    """The keywords setup.py passes to setuptools.setup (the file run with setup() captured)."""
+    import setuptools
+
+    captured = {}
+    original, setuptools.setup = setuptools.setup, lambda **kwargs: captured.update(kwargs)
+    try:
+        code = compile((ROOT / "setup.py").read_text(), str(ROOT / "setup.py"), "exec")
+        cwd = os.getcwd()
+        os.chdir(ROOT)   # setup.py reads README.md
+        try:
+            exec(code, {"__name__": "__main__", "__file__": str(ROOT / "setup.py")})
+        finally:
+            os.chdir(cwd)
+    finally:
+        setuptools.setup = original
+    return captured
+
+
 def test_setup_pins_are_the_table():
     """setup.py's triton extra and torch floor state what layers/ops/triton/versions.py and requirements.py check
-    (the [npu] extra: tests/backends/test_backend_ascendc_contract.py)."""
+    (the [npu] extra: tests/backends/test_backend_ascendc_contract.py); the [triton] extra names no triton (the
+    user's torch brings its own, and pip would replace a torch whose triton a pin of ours excludes: torch 2.14
+    brings 3.8, 2.13 3.7, 2.9 3.5, 2.7 3.3); .ci/run pins the triton of the table."""
+    from packaging.requirements import Requirement
+
     from layers.ops.triton import versions
 
-    text = (ROOT / "setup.py").read_text()
-    assert f'"triton=={versions.TRITON_PIN}"' in text and f'"torch>={requirements.MIN_TORCH}"' in text
-    fla = f">={'.'.join(map(str, versions.MIN_FLA))},<{'.'.join(map(str, versions.BELOW_FLA))}"
-    assert f'"flash-linear-attention{fla}"' in text and f'"fla-core{fla}"' in text
+    kwargs = _setup_kwargs()
+    assert f"torch>={requirements.MIN_TORCH}" in kwargs["install_requires"]
+    extra = {Requirement(r).name: str(Requirement(r).specifier) for r in kwargs["extras_require"]["triton"]}
+    fla = f"<{'.'.join(map(str, versions.BELOW_FLA))},>={'.'.join(map(str, versions.MIN_FLA))}"
+    assert extra == {"flash-linear-attention": fla, "fla-core": fla}, extra
+    assert f'"triton=={versions.TRITON_PIN}"' in (ROOT / ".ci" / "run").read_text()

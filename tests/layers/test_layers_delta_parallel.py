@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support import tp_replicated_cases
 from tests.support.delta_layer_cases import CASES, GRAD_TOL, OUT_TOL, spawn_results
 
 
@@ -32,3 +33,28 @@ def test_parallel_matches_single_rank(results, label):
     worst = {n: max(r["param_grads"][n] for r in per_rank) for n in per_rank[0]["param_grads"]}
     bad = {n: e for n, e in worst.items() if e > GRAD_TOL}
     assert not bad, bad
+
+
+@pytest.mark.parametrize("run", tp_replicated_cases.RUNS, ids=lambda r: tp_replicated_cases.run_label(*r))
+def test_gradient_accumulation_sums_replicated_grads_over_tp_once(results, run):
+    """Two micro-batches at TP2 through megatron's DDP and finalization: every gradient equals the single-rank
+    layer's; the output norm's TP sum costs one all-reduce per micro-batch with megatron's finalize_model_grads
+    and no SP (the hook), none in the backward passes otherwise, and one per step in the finalization (ours
+    without SP; megatron's coalesced layer-norm sum with SP)."""
+    kind, sp, finalize = run
+    per_rank = [r["tp_replicated"][tp_replicated_cases.run_label(*run)] for r in results]
+    errors = [r["error"] for r in per_rank if "error" in r]
+    assert not errors, errors[0]
+    worst = {n: max(r["param_grads"][n] for r in per_rank) for n in per_rank[0]["param_grads"]}
+    assert not {n: e for n, e in worst.items() if e > GRAD_TOL}, worst
+    other = "ours" if finalize == "megatron" else "megatron"
+    twin = [r["tp_replicated"][tp_replicated_cases.run_label(kind, sp, other)] for r in results]
+    hooks = sum(r["backward_all_reduces"] for r in per_rank) - sum(r["backward_all_reduces"] for r in twin)
+    if sp:
+        assert {r["backward_all_reduces"] for r in per_rank} == {0}, per_rank
+        assert {r["finalize_all_reduces"] for r in per_rank} == {1}, per_rank
+    elif finalize == "megatron":
+        assert hooks == len(per_rank) * tp_replicated_cases.MICRO, (per_rank, twin)   # one norm weight per layer
+        assert {r["finalize_all_reduces"] for r in per_rank} == {0}, per_rank
+    else:
+        assert {r["finalize_all_reduces"] for r in per_rank} == {1}, per_rank

@@ -123,3 +123,30 @@ def test_hybrid_launcher_mla_flags():
     untouched = types.SimpleNamespace(rope_type="rope")
     assert _mla_rope_type(args(multi_latent_attention=False, hp_mla_kv_lora_rank=16), untouched,
                           ["--hp-mla-rope-type", "none"]) is untouched
+
+
+
+@needs_megatron_lm
+def test_launchers_finalize_grads_with_the_once_per_step_tp_sum():
+    """Megatron-LM's train() sets config.finalize_model_grads_func from its module's name finalize_model_grads
+    (0.16 always, 0.19 when unset: read from the checkout's source); the launchers make that name ours
+    (megatron-core's + the TP sum of the GDN / KDA output-norm gradients once per step)."""
+    import ast
+    from types import SimpleNamespace
+
+    from layers.shared.tp_replicated_grads import finalize_model_grads
+
+    sys.path.insert(0, SCRIPTS)
+    try:
+        from hp_launch import use_hp_finalize_model_grads
+    finally:
+        sys.path.remove(SCRIPTS)
+    tree = ast.parse(open(os.path.join(MEGATRON_LM, "megatron", "training", "training.py")).read())
+    imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom)
+                and n.module == "megatron.core.distributed" for a in n.names}
+    train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    reads = [n for n in ast.walk(train) if isinstance(n, ast.Name) and n.id == "finalize_model_grads"]
+    assert "finalize_model_grads" in imported and reads
+    training = SimpleNamespace(finalize_model_grads=None)
+    use_hp_finalize_model_grads(training)
+    assert training.finalize_model_grads is finalize_model_grads

@@ -1,6 +1,7 @@
 """GDN / KDA mixers under TP x SP x CP on gloo ranks against the single-rank layer, and their distributed checkpoint
 round trip: the cases, the per-rank case runner and the one 4-rank spawn that serves tests/layers (parallel
-equivalence, checkpoints); tests/backends runs :func:`run_case` with backend="triton".
+equivalence, checkpoints, gradient accumulation: ``tp_replicated_cases``); tests/backends runs :func:`run_case`
+with backend="triton".
 
 Each rank builds the reference layer on its own (singleton groups) and the parallel layer on the case's TP/CP
 groups (megatron order tp-cp-dp), both initialised from the default seed, so matching outputs also show that
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tests.support import tp_replicated_cases
 from tests.support.dist import run_distributed
 from tests.support.reference import rel_err
 
@@ -204,6 +206,7 @@ def _worker(rank, world_size, case_list, checkpoint_dir):
         apply_cpu_shims(2024)  # same torch.initial_seed() for both layers: the default init seed
         results[label] = _guarded(run_case, case)
     results["checkpoint"] = _guarded(checkpoint_round_trip, rank, world_size, checkpoint_dir)
+    results["tp_replicated"] = tp_replicated_cases.run_all()
     parallel_state.destroy_model_parallel()
     return results
 

@@ -31,17 +31,20 @@ import sys
 _ENABLED = False
 
 
-SHIMMED_TRITON = "3.7."  # the interpreter internals patched below are those of triton 3.7
+SHIMMED_TRITON = "3.7."  # supported: triton 3.7.x, whose interpreter internals the patches below replace (CI: 3.7.1)
 
 
-def available() -> str | None:
-    """None when triton 3.7 and flash-linear-attention are installed, else why not."""
+def available(version: str | None = None) -> str | None:
+    """None when flash-linear-attention and a triton the shims support (3.7.x) are installed, else why not: the
+    skip reason of every test that runs FLA's kernels on CPU. ``version``: judge this triton version instead of
+    the installed one."""
     missing = [name for name in ("triton", "fla") if importlib.util.find_spec(name) is None]
-    if missing:
+    if missing and version is None:
         return f"not installed: {', '.join(missing)} (pip install 'hp-megatron[triton]')"
-    version = importlib.metadata.version("triton")
+    version = version or importlib.metadata.version("triton")
     if not version.startswith(SHIMMED_TRITON):
-        return f"the interpreter shims are written for triton {SHIMMED_TRITON}x, found triton {version}"
+        return (f"the Triton-interpreter shims of tests/support/triton_interpreter.py support triton "
+                f"{SHIMMED_TRITON}x only, found triton {version} (CI's pins: .ci/run)")
     return None
 
 
@@ -69,9 +72,15 @@ def enable() -> None:
     global _ENABLED
     if _ENABLED:
         return
+    reason = available()
+    if reason is not None:
+        raise RuntimeError(f"triton_interpreter.enable(): {reason}")
     if "fla" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("triton_interpreter.enable() must run before flash-linear-attention is imported")
     os.environ["TRITON_INTERPRET"] = "1"
+    from layers.ops.triton.runtime import default_dispatch_off
+
+    default_dispatch_off()   # FLA is imported below: FLA's Triton kernels only, as the backend's load_fla sets it
     import triton.language as tl
     import triton.runtime.autotuner as autotuner
     import triton.runtime.interpreter as interp

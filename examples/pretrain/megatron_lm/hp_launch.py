@@ -1,6 +1,8 @@
 """What the Megatron-LM launchers (``pretrain_gpt_hp.py``, ``pretrain_hybrid_hp.py``) share.
 
 * :func:`import_megatron_lm`: Megatron-LM's modules, or a RuntimeError naming the checkout or the missing package;
+  its training loop then finalizes gradients with ``layers.shared.tp_replicated_grads.finalize_model_grads``
+  (megatron-core's, then our TP-replicated gradients summed once per step instead of once per micro-batch);
 * :func:`with_hp_config`: a wrapper of Megatron-LM's ``core_transformer_config_from_args`` whose config is the
   declared ``hp_megatron.config`` class with the ``--hp-*`` fields (``hp_megatron.arguments.apply_hp_config``),
   after :func:`check_args`;
@@ -52,7 +54,21 @@ def import_megatron_lm(entry: str):
         from megatron.training import pretrain
     except ImportError as err:
         raise RuntimeError(import_error_message(err, modules)) from err
+    use_hp_finalize_model_grads()
     return module, ModelType, pretrain
+
+
+def use_hp_finalize_model_grads(training=None):
+    """Megatron-LM's ``train`` sets ``config.finalize_model_grads_func`` to its module's ``finalize_model_grads``
+    (0.16 always, 0.19 when unset): that name of ``training`` (default: ``megatron.training.training``) becomes ours,
+    which runs megatron-core's and then sums the GDN / KDA output-norm gradients over TP once per step
+    (``layers.shared.tp_replicated_grads``; without it they are summed per micro-batch)."""
+    if training is None:
+        import megatron.training.training as training
+
+    from layers.shared.tp_replicated_grads import finalize_model_grads
+
+    training.finalize_model_grads = finalize_model_grads
 
 
 def uses_config_container(pretrain) -> bool:

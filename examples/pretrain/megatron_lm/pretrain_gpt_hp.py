@@ -1,7 +1,7 @@
 """Megatron-LM's ``pretrain_gpt.py`` with hp_megatron's flags (``extra_args_provider``) and config fields.
 
 Needs a Megatron-LM checkout on PYTHONPATH (``pretrain_gpt.py``, ``megatron/training``); the model comes from
-``--spec hp_megatron.specs NAME`` as with the unmodified script. Three things are added:
+``--spec hp_megatron.specs NAME`` as with the unmodified script. Four things are added:
 
 * ``extra_args_provider=hp_megatron.arguments.add_hp_arguments`` (``--hp-*`` flags),
 * the ``TransformerConfig`` that Megatron-LM builds from its args (``core_transformer_config_from_args``) becomes
@@ -13,10 +13,12 @@ Needs a Megatron-LM checkout on PYTHONPATH (``pretrain_gpt.py``, ``megatron/trai
   ``GPTModel`` keywords through ``hp_megatron.model_builders.hybrid_gpt_model`` (the block-final norm is our
   RMSNorm, as in the layers, on every install; megatron-core's module-level ``LayerNormImpl`` is not patched;
   with ``--mtp-num-layers`` the multi-token-prediction block of the spec's declared MTP kind, in place of
-  Megatron-LM's ``mtp_block_spec``, and Megatron-LM logs ``mtp_1 loss`` ... as for its own models).
+  Megatron-LM's ``mtp_block_spec``, and Megatron-LM logs ``mtp_1 loss`` ... as for its own models), and
+* Megatron-LM's training loop finalizes gradients with ``layers.shared.tp_replicated_grads.finalize_model_grads``
+  (megatron-core's, then the GDN / KDA output-norm gradients summed over TP once per step; ``hp_launch``).
 
 On Megatron-LM 0.19 (``pretrain(cfg_container, ...)``: the model comes from a ``ModelConfig``'s builder, not from a
-model provider) the same three things happen in ``pretrain_gpt.py``'s 0.19 ``__main__``
+model provider) the same four things happen in ``pretrain_gpt.py``'s 0.19 ``__main__``
 (``hp_launch.pretrain_from_container``): the args are parsed with our flags, the model config is
 ``hp_gpt_model.HybridGPTModelConfig`` holding our ``TransformerConfig`` (its builder calls ``hybrid_gpt_model``), and
 the CP sub-groups are registered in a ``pre_wrap_hooks`` entry (every rank, before DDP wraps the model).

@@ -47,9 +47,9 @@ from layers.ops.step import causal_conv1d_step
 from layers.shared.inference import static_context
 from layers.shared.masks import check_causal_mask
 from layers.shared.norm import GATE_ACTIVATIONS, GatedRMSNorm
-from layers.shared.parallel import (ContextParallelMixer, group_rank, group_size, spec_module, tp_cp_groups,
-                                    tp_grad_sum_hook)
+from layers.shared.parallel import ContextParallelMixer, group_rank, group_size, spec_module, tp_cp_groups
 from layers.shared.recompute import PartRecompute, recomputes
+from layers.shared.tp_replicated_grads import sum_grad_over_tp
 
 
 def _param_device(config):
@@ -190,12 +190,11 @@ class DeltaMixer(ContextParallelMixer, MegatronModule):
             kwargs.update(activation=self.gate_activation, backend=self.backend)  # triton: FLA's fused kernel
         norm = build_module(spec, **kwargs)
         self._norm_applies_gate = isinstance(norm, GatedRMSNorm)
-        # The norm weight is shared by all heads while the heads are split over TP: every rank's gradient
-        # is partial. Sum it over TP right here (and keep megatron from summing it again under SP).
+        # The norm weight is shared by all heads while the heads are split over TP: every rank's gradient is
+        # partial; summed over TP once per step under SP by megatron's finalize_model_grads, without SP by a hook
+        # (per micro-batch, or once per step with layers.shared.tp_replicated_grads.finalize_model_grads)
         for p in norm.parameters():
-            setattr(p, "sequence_parallel", False)
-            if self.tp_size > 1 and p.requires_grad:
-                p.register_hook(tp_grad_sum_hook(self.tp_group))
+            sum_grad_over_tp(p, self.config, self.tp_group)
         return norm
 
     def _common_layouts(self) -> list:

@@ -1,7 +1,7 @@
 """Parameter layout and initialisation of the GDN/KDA mixers, and their small parameter modules.
 
 Fused parameters (``in_proj.weight``, ``conv1d.weight``) hold, on each TP rank, the concatenation of that rank's
-slice of every logical part (a :class:`ParamLayout` of :class:`Part`\ s); checkpoints store the parts separately
+slice of every logical part (a :class:`ParamLayout` of :class:`Part` entries); checkpoints store the parts separately
 (``in_proj.weight.query`` ...) so ``dist_checkpointing`` reshards across TP sizes, as megatron-core's own
 GatedDeltaNet does. Initialisation draws every *global* logical tensor from a generator seeded by
 ``(init_seed, layer_number, tensor name)`` and keeps this rank's slice (:func:`initialize`), so the weights do not

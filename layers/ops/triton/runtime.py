@@ -10,6 +10,15 @@ missing. FLA's own constraints that matter to callers (checked in the FLA 0.6.0 
 - GDN backward on Hopper (sm90) with triton 3.4 <= version < 3.7.1 gives wrong gradients (FLA issue #640) and
   FLA raises inside backward unless the tilelang backend is installed; we raise before the forward instead.
 
+FLA's backend dispatch (``fla/backends.py``): FLA 0.6 wraps its public ops and many inner kernels in ``@dispatch``,
+which runs another kernel package's implementation (FlashQLA for GDN, TileLang / FlashKDA for KDA, triton-ascend on
+NPUs) when it is installed and accepts the call. The ``triton`` backend means FLA's Triton kernels: :func:`load_fla`
+sets ``FLA_DISABLE_BACKEND_DISPATCH=1`` (FLA's own switch, read when ``fla.backends`` is imported) unless the user set
+it; ``FLA_DISABLE_BACKEND_DISPATCH=0`` is the user's choice of FLA's dispatch (the self-check then names the
+candidates). When FLA was imported earlier with its dispatch on and the variable unset, a RuntimeError names every
+candidate available here (none: FLA's Triton kernels run anyway). Calling the undecorated public functions would not
+do: their inner kernels are dispatched by name too. :func:`kernels_in_use` says which kernels run.
+
 With Triton's interpreter on (``TRITON_INTERPRET=1`` before FLA is imported) the same FLA kernels run on CPU
 tensors through numpy, slowly; the backend then accepts CPU tensors. This is how CPU CI runs FLA's kernels
 (tests/support/triton_interpreter.py, which also patches three gaps of triton 3.7's interpreter).
@@ -20,6 +29,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
@@ -29,6 +39,11 @@ import torch
 from layers.base.compat import tensor_version
 # MIN_TRITON is FLA 0.6's own floor, 3.7.1 is required for GDN backward on Hopper (see module doc)
 from layers.ops.triton.versions import INSTALL_HINT, MIN_FLA, MIN_TRITON, PACKAGES, SAFE_TRITON_HOPPER_GDN_BWD
+
+DISPATCH_ENV = "FLA_DISABLE_BACKEND_DISPATCH"   # FLA's switch: "1" bypasses its backend dispatch (read at import)
+# the fla.ops packages whose kernels this backend and the CP engine call (layers/cp/triton_engine_exchange.py)
+_OUR_FLA_OPS = ("gated_delta_rule", "kda", "gla", "common", "cp")
+
 
 # Keywords this backend passes; a renamed/removed one in a future FLA must fail loudly, not silently.
 _REQUIRED_KEYWORDS = {
@@ -68,6 +83,8 @@ class FLA:
     fla_version: tuple[int, ...]
     triton_version: tuple[int, ...]
     interpreted: bool  # Triton's interpreter was on when FLA's kernels were loaded (they then take CPU tensors)
+    dispatch: bool = False   # FLA's backend dispatch is on (FLA_DISABLE_BACKEND_DISPATCH=0: the user's choice)
+    dispatch_candidates: tuple = ()   # "registry: backend" FLA's dispatch may run instead of its Triton kernels
 
 
 def _check_signature(name: str, fn: Callable) -> None:
@@ -108,6 +125,7 @@ def load_fla() -> FLA:
     if triton_version < MIN_TRITON:
         raise RuntimeError(f"backend='triton' found triton {triton.__version__}, too old; need {PACKAGES}. "
                            f"Install: {INSTALL_HINT}")
+    default_dispatch_off()
     try:
         fla = importlib.import_module("fla")
     except ImportError as error:
@@ -122,7 +140,65 @@ def load_fla() -> FLA:
         "fla.ops.kda:chunk_kda", "fla.modules.causal_conv1d:causal_conv1d", "fla.modules.norm.l2norm:l2norm")
     for name, fn in (("chunk_gated_delta_rule", gdn), ("chunk_kda", kda), ("causal_conv1d", conv)):
         _check_signature(name, fn)
-    return FLA(gdn, kda, conv, l2norm, fla_version, triton_version, interpreted=_interpreter_env())
+    dispatch, candidates = dispatch_state(importlib.import_module("fla.backends"), os.environ.get(DISPATCH_ENV))
+    return FLA(gdn, kda, conv, l2norm, fla_version, triton_version, interpreted=_interpreter_env(),
+               dispatch=dispatch, dispatch_candidates=candidates)
+
+
+def default_dispatch_off(modules=sys.modules, environ=os.environ) -> bool:
+    """Before FLA is imported: ``FLA_DISABLE_BACKEND_DISPATCH=1`` (FLA's Triton kernels, not another package's)
+    unless ``fla.backends`` is imported already or the user set the variable. True when it was set here."""
+    if "fla.backends" in modules or DISPATCH_ENV in environ:
+        return False
+    environ[DISPATCH_ENV] = "1"
+    return True
+
+
+def dispatch_candidates(fla_backends) -> tuple[str, ...]:
+    """``"registry: backend"`` for every backend registered with FLA's dispatch (``fla_backends``: the
+    ``fla.backends`` module) for a kernel we call that is available and enabled here, sorted."""
+    registries = list(fla_backends._operation_registries.items())
+    registries += [(r.operation_name, r) for r in fla_backends._function_registries.values()]
+    found = set()
+    for name, registry in registries:
+        package = name.removeprefix("fla.ops.").split(".")[0]
+        if package not in _OUR_FLA_OPS and not name.startswith("fla.modules"):
+            continue
+        for backend in registry._get_sorted_backends():
+            if backend.is_available() and backend.is_enabled():
+                found.add(f"{name}: {backend.backend_type}")
+    return tuple(sorted(found))
+
+
+def dispatch_state(fla_backends, setting: str | None) -> tuple[bool, tuple]:
+    """``(dispatch on, candidates)`` of the imported ``fla.backends``; ``setting``: FLA_DISABLE_BACKEND_DISPATCH.
+    RuntimeError when the dispatch is on without the user's "0" and a candidate would replace a Triton kernel."""
+    try:
+        if fla_backends._DISPATCH_DISABLED:
+            return False, ()
+        candidates = dispatch_candidates(fla_backends)
+    except AttributeError as error:
+        raise RuntimeError(f"backend='triton': flash-linear-attention's backend dispatch (fla.backends) is not the "
+                           f"one of FLA 0.6 ({error}); need {PACKAGES}") from error
+    if candidates and setting != "0":
+        raise RuntimeError(
+            f"backend='triton' runs flash-linear-attention's Triton kernels, but fla was imported before it with "
+            f"its backend dispatch on, which would run {', '.join(candidates)} instead: set "
+            f"{DISPATCH_ENV}=1 before anything imports fla, or {DISPATCH_ENV}=0 to let FLA's dispatch choose")
+    return True, candidates
+
+
+def kernels_in_use() -> str:
+    """Which kernels the backend runs, in one line (the self-check prints it)."""
+    fla = load_fla()
+    where = "Triton's interpreter" if fla.interpreted else "the GPU"
+    head = (f"flash-linear-attention {_fmt(fla.fla_version)}'s Triton kernels (triton {_fmt(fla.triton_version)}, "
+            f"{where})")
+    if not fla.dispatch:
+        return f"{head}; FLA's backend dispatch off ({DISPATCH_ENV}=1)"
+    others = ", ".join(fla.dispatch_candidates) or "none available here"
+    setting = os.environ.get(DISPATCH_ENV, "unset")
+    return f"{head}, or what FLA's backend dispatch picks ({DISPATCH_ENV}={setting}): {others}"
 
 
 def _interpreter_env() -> bool:
