@@ -7,7 +7,9 @@ The architecture comes from config.json's ``model_type`` (the table of ``hp_mega
 imports it, the engine does not); ``--rules`` / ``--model-builder`` (``package.module:function``) replace its
 conversion rules / model builder. ``--mtp-num-layers N`` converts DeepSeek-V3's / Qwen3-Next's
 multi-token-prediction layers too (N: config.json's ``num_nextn_predict_layers`` / ``mtp_num_hidden_layers``);
-mcore-to-hf takes the checkpoint's MTP depth unless given.
+mcore-to-hf takes the checkpoint's MTP depth unless given. ``--model-class hybrid`` converts to / from megatron-core's
+``HybridModel`` (0.19+; the architecture's rules in HybridModel's layer numbering, ``hp_megatron.hybrid_model.numbering``);
+mcore-to-hf reads the class from the checkpoint unless given.
 """
 from __future__ import annotations
 
@@ -41,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                                "them (DeepSeek-V3, Qwen3-Next; default 0: none)")
     to_hf.add_argument("--mtp-num-layers", type=int, default=None,
                        help="multi-token-prediction layers to convert (default: those the checkpoint holds)")
+    to_mcore.add_argument("--model-class", choices=("gpt", "hybrid"), default="gpt",
+                          help="megatron-core model class of the checkpoint: GPTModel (default) or HybridModel")
+    to_hf.add_argument("--model-class", choices=("gpt", "hybrid"), default=None,
+                       help="model class of the checkpoint (default: read from it)")
     for p in (to_mcore, to_hf):
         p.add_argument("--rules", default=None, help="package.module:function returning the TensorRules")
         p.add_argument("--model-builder", default=None, help="package.module:function building the GPTModel")
@@ -65,17 +71,20 @@ def main(argv=None) -> int:
 
 
 def _convert(args):
-    from hp_megatron.convert.engine import hf_to_mcore, mcore_to_hf, stored_hf_config, stored_mtp_depth
+    from hp_megatron.convert.engine import (hf_to_mcore, mcore_to_hf, stored_hf_config, stored_model_class,
+                                            stored_mtp_depth)
     from hp_megatron.convert.safetensors_io import load_hf_config
 
     if args.direction == "hf-to-mcore":
         architecture = _architecture(load_hf_config(args.load), args).with_mtp(args.mtp_num_layers)
-        return hf_to_mcore(args.load, args.save, architecture, iteration=args.ckpt_iteration,
-                           overwrite=args.overwrite, drop_unmodeled=args.drop_unmodeled)
+        return hf_to_mcore(args.load, args.save, architecture.for_model_class(args.model_class),
+                           iteration=args.ckpt_iteration, overwrite=args.overwrite, drop_unmodeled=args.drop_unmodeled)
     hf_config = load_hf_config(args.hf_config) if args.hf_config else stored_hf_config(args.load)
     depth = stored_mtp_depth(args.load) if args.mtp_num_layers is None else args.mtp_num_layers
-    return mcore_to_hf(args.load, args.save, _architecture(hf_config, args).with_mtp(depth), hf_config=hf_config,
-                       max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+    model_class = args.model_class or stored_model_class(args.load)
+    architecture = _architecture(hf_config, args).with_mtp(depth).for_model_class(model_class)
+    return mcore_to_hf(args.load, args.save, architecture, hf_config=hf_config, max_shard_size=args.max_shard_size,
+                       overwrite=args.overwrite)
 
 
 def _architecture(hf_config: dict, args):

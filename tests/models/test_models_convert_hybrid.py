@@ -1,0 +1,88 @@
+"""``python -m hp_megatron.convert --model-class hybrid``: every architecture's conversion rules (written once, for
+GPTModel) on megatron-core's HybridModel through the layer numbering (``hp_megatron.hybrid_model.numbering``).
+
+Per architecture (Llama, Qwen3-Next, DeepSeek-V3 and Kimi Linear tiny random transformers models; Qwen3-Next and
+DeepSeek-V3 also with a released-style MTP layer): HF -> HybridModel checkpoint -> HF is bit-exact; the checkpoint
+loads through ``sharded_state_dict`` into the architecture's HybridModel, which holds exactly the renumbered rules'
+tensors and gives transformers' logits and greedy next tokens. mcore-to-hf runs through the command line and reads the
+model class from the checkpoint. Skipped before megatron-core 0.19 (no HybridModel).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.support.models_case import read_safetensors, tiny_hf_model, tiny_llama, to_mcore, token_batch
+from tests.support.reference import rel_err
+
+try:
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+except ImportError:  # megatron-core before 0.19
+    HybridModel = None
+
+pytestmark = pytest.mark.skipif(HybridModel is None, reason="megatron-core's HybridModel is 0.19+")
+
+CASES = {"llama": 0, "qwen3_next": 0, "deepseek_v3": 0, "kimi_linear": 0, "qwen3_next_mtp": 1, "deepseek_v3_mtp": 1}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hybrid_round_trip_load_and_logits(single_rank, case, tmp_path):
+    import json
+
+    from megatron.core import dist_checkpointing
+
+    from hp_megatron.checkpoint import checkpoint_directory
+    from hp_megatron.convert.__main__ import main as convert_main
+    from hp_megatron.convert.engine import hf_to_mcore, stored_model_class
+    from hp_megatron.models import get_architecture
+    from hp_megatron.models.tiny import add_tiny_mtp_layer
+
+    arch, mtp = case.removesuffix("_mtp"), CASES[case]
+    hf_dir, ckpt, back = str(tmp_path / "hf"), str(tmp_path / "mcore"), str(tmp_path / "back")
+    if arch == "llama":
+        hf_model, hf_dir = tiny_llama(tmp_path)
+    else:
+        hf_model, _ = tiny_hf_model(arch, hf_dir)
+    if mtp:
+        add_tiny_mtp_layer(hf_dir, arch, seed=4)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    architecture = get_architecture(arch).with_mtp(mtp).for_model_class("hybrid")
+    hf_to_mcore(hf_dir, ckpt, architecture)
+    assert stored_model_class(ckpt) == "hybrid"
+    assert convert_main(["mcore-to-hf", "--load", ckpt, "--save", back, "--max-shard-size", "50KB"]) == 0
+    original, exported = read_safetensors(hf_dir), read_safetensors(back)
+    assert sorted(exported) == sorted(original)
+    for key, tensor in original.items():
+        assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
+
+    model = architecture.build_model(hf_config)
+    assert isinstance(model, HybridModel) and model.hybrid_layer_pattern == architecture.hybrid_pattern(hf_config)
+    assert model.hybrid_layer_pattern.count("/") == mtp
+    sharded = model.sharded_state_dict()
+    state = dist_checkpointing.load(sharded, checkpoint_directory(ckpt))
+    model.load_state_dict({k: v for k, v in state.items() if k in sharded}, strict=True)
+    ours = model.state_dict()
+    expected = to_mcore(architecture.conversion_rules(hf_config), original)
+    assert sorted(k for k in ours if not k.endswith("_extra_state")) == sorted(expected)
+    assert all(torch.equal(ours[k], v) for k, v in expected.items())
+    ids, _ = token_batch()
+    if arch == "llama":
+        ids = ids % hf_config["vocab_size"]
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
+        reference = hf_model(input_ids=ids).logits
+    assert rel_err(logits, reference) <= 1e-4
+    assert torch.equal(logits[:, -1].argmax(-1), reference[:, -1].argmax(-1))
+
+
+def test_model_class_refusals():
+    from hp_megatron.models import get_architecture
+
+    with pytest.raises(ValueError, match=r"model_class must be one of \('gpt', 'hybrid'\), got 'mamba'"):
+        get_architecture("llama").for_model_class("mamba")
+    with pytest.raises(ValueError, match=r"deepseek_v3: with_mtp before for_model_class\('hybrid'\)"):
+        get_architecture("deepseek_v3").for_model_class("hybrid").with_mtp(1)
