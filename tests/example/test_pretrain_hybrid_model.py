@@ -1,0 +1,102 @@
+"""examples/pretrain/pretrain_hybrid.py ``--model-class hybrid`` (megatron-core's HybridModel; skipped before 0.19)
+against ``--model-class gpt`` on the same weights: tiny Kimi Linear (KDA + MLA, MoE) and Qwen3-Next (GDN + gated
+attention, MoE, one MTP layer) transformers models converted twice (``hf-to-mcore`` and ``--model-class hybrid``).
+
+* One rank: HybridModel's iteration losses and gradient norms equal GPTModel's (Kimi Linear over 2 iterations, so an
+  optimizer step is compared too; Qwen3-Next with MTP and packed documents: lm loss, ``mtp_1 loss``, grad norm).
+* Four ranks, HybridModel: TP2 x CP2 + SP (Kimi Linear; Qwen3-Next with MTP and packed documents) and EP2 x PP2
+  (Qwen3-Next with MTP: ``|`` in the derived pattern, the MTP block on the last stage): the first iteration equals
+  the one-rank HybridModel run (relative 1e-4).
+* Resume: the Kimi Linear TP2 x CP2 run saves after iterations 2 and 3; resumed from iteration 2 on one rank, its
+  iteration 3 equals the TP2 x CP2 run's (the layouts differ in that one iteration only; comparing with an
+  uninterrupted one-rank run would compare two steps of layout rounding, which MoE routing and Adam amplify).
+Two spawns (4 ranks, then 1 rank), every case streamed.
+"""
+import os
+
+import pytest
+
+from tests.support.converted_runs import example_argv, layouts_and_references, write_converted
+
+try:
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+except ImportError:  # megatron-core before 0.19
+    HybridModel = None
+
+pytestmark = pytest.mark.skipif(HybridModel is None, reason="megatron-core's HybridModel is 0.19+")
+
+MTP = ["--mtp-num-layers", "1"]
+PACKED = ["--reset-position-ids", "--reset-attention-mask"]
+TP2_CP2_SP = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--sequence-parallel"]
+EP2_PP2 = ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+# reference name -> (architecture, flags); each runs as HybridModel ("<name>_hybrid"), those of COMPARED also as
+# GPTModel ("<name>_gpt")
+REFERENCES = {"kimi": ("kimi_linear", ["--train-iters", "2"]), "qwen_mtp": ("qwen3_next", MTP),
+              "qwen_mtp_packed": ("qwen3_next", MTP + PACKED)}
+COMPARED = ("kimi", "qwen_mtp_packed")
+LAYOUTS = {  # name: (reference, layout flags), HybridModel
+    "kimi_tp2_cp2_sp": ("kimi", TP2_CP2_SP + ["--train-iters", "3", "--save-interval", "2"]),
+    "qwen_mtp_ep2_pp2": ("qwen_mtp", EP2_PP2),
+    "qwen_mtp_packed_tp2_cp2_sp": ("qwen_mtp_packed", TP2_CP2_SP),
+}
+
+
+def _argv(root, reference, model_class, extra=()):
+    arch, flags = REFERENCES[reference]
+    return example_argv(root, arch, *flags, *extra, model_class=model_class)
+
+
+@pytest.fixture(scope="module")
+def runs(pydoc_data, tmp_path_factory):
+    """(layout reader: the last rank's iterations, {reference: one-rank iterations})."""
+    root = write_converted(str(tmp_path_factory.mktemp("pretrain_hybrid_model")), pydoc_data,
+                           ("kimi_linear", "qwen3_next"), mtp_num_layers=0, model_classes=("gpt", "hybrid"))
+    mtp_root = str(tmp_path_factory.mktemp("pretrain_hybrid_model_mtp"))
+    write_converted(mtp_root, pydoc_data, ("qwen3_next",), mtp_num_layers=1, model_classes=("gpt", "hybrid"))
+    roots = {"kimi": root, "qwen_mtp": mtp_root, "qwen_mtp_packed": mtp_root}
+    saved = str(tmp_path_factory.mktemp("hybrid_saved"))
+    layouts = {name: _argv(roots[ref], ref, "hybrid", flags) for name, (ref, flags) in LAYOUTS.items()}
+    layouts["kimi_tp2_cp2_sp"] += ["--save", saved]
+    references = {f"{ref}_{cls}": _argv(roots[ref], ref, cls) for ref in REFERENCES for cls in ("gpt", "hybrid")
+                  if cls == "hybrid" or ref in COMPARED}
+    resumed = _argv(root, "kimi", "hybrid", ["--train-iters", "3"])
+    resumed[resumed.index("--load") + 1] = saved
+    references["resumed"] = resumed
+
+    def resume_from_iteration_2():   # the run saved iterations 2 and 3; the tracker names the latest
+        with open(os.path.join(saved, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("2")
+
+    return layouts_and_references(layouts, references, every=True, between=resume_from_iteration_2)
+
+
+def _rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.parametrize("reference", COMPARED)
+def test_hybrid_model_run_equals_gpt_model_run(runs, reference):
+    _, single = runs
+    gpt, hybrid = single[f"{reference}_gpt"], single[f"{reference}_hybrid"]
+    assert len(gpt) == len(hybrid) == (2 if reference == "kimi" else 1)
+    keys = ("lm_loss", "grad_norm") + (("mtp_1 loss",) if "mtp" in reference else ())
+    for got, ref in zip(hybrid, gpt):
+        assert got["iteration"] == ref["iteration"]
+        for key in keys:
+            assert ref[key] > 0 and _rel(got[key], ref[key]) <= 1e-5, (key, got, ref)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_hybrid_model_layout_equals_one_rank(runs, name):
+    layout, single = runs
+    got, ref = layout(name)[0], single[f"{LAYOUTS[name][0]}_hybrid"][0]
+    for key in ("lm_loss", "grad_norm") + (("mtp_1 loss",) if "mtp" in name else ()):
+        assert _rel(got[key], ref[key]) <= 1e-4, (key, got, ref)
+
+
+def test_hybrid_model_resume_at_another_layout_continues_the_losses(runs):
+    layout, single = runs
+    saved, resumed = layout("kimi_tp2_cp2_sp"), single["resumed"]
+    assert [h["iteration"] for h in saved] == [1, 2, 3] and [h["iteration"] for h in resumed] == [3]
+    for key in ("lm_loss", "grad_norm"):
+        assert _rel(resumed[0][key], saved[2][key]) <= 1e-4, (key, resumed, saved)
