@@ -125,7 +125,7 @@ def hybrid_model(config, *, vocab_size: int, max_sequence_length: int, hybrid_la
             slot_mixers.update(delta_slot_mixers(pattern, getattr(config, "hp_layer_pattern", None),
                                                  hybrid_symbol_of(ours[0])))
     spec = get_hybrid_stack_spec(backend, g_mixer=g_mixer, qk_layernorm=qk_layernorm, linear=linear,
-                                 cp_layout=cp_layout, slot_mixers=slot_mixers)
+                                 cp_layout=cp_layout, slot_mixers=slot_mixers, mtp="/" in pattern)
     return MTPHybridModel(config=hybrid_config, hybrid_stack_spec=spec, vocab_size=vocab_size,
                           max_sequence_length=max_sequence_length, hybrid_layer_pattern=pattern,
                           pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, **model_kwargs)

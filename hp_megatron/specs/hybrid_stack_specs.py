@@ -24,9 +24,11 @@ holds all of them; ``g_mixer`` is the one its layers take by default and ``slot_
 number: our symbol}``, ``numbering.delta_slot_mixers``) picks per layer, so one model holds GDN and KDA layers
 (``hp_megatron.model_builders.hybrid_model`` derives it from ``config.hp_layer_pattern``). The decoder is
 ``hp_megatron.hybrid_model.stack.HybridStack`` (final norm ``RMSNorm``). Multi-token prediction (a ``/`` part of
-the pattern): ``mtp_block_spec`` is megatron-core's MTP block of ``hp_megatron.decoder.mtp.GlobalShiftMTPLayer``
-layers (the inner layers are the pattern's, built by megatron-core from these slots; the losses need
-``hp_megatron.hybrid_model.model.MTPHybridModel``, whose token shift works under CP and on CPU).
+the pattern), with ``mtp=True``: ``mtp_block_spec`` is megatron-core's MTP block of
+``hp_megatron.decoder.mtp.GlobalShiftMTPLayer`` layers (the inner layers are the pattern's, built by megatron-core
+from these slots; the losses are ``hp_megatron.hybrid_model.model.MTPHybridModel``'s, whose token shift works under
+CP and on CPU). The module-level stack specs (Megatron-LM's ``--spec``) set none: megatron-core's ``HybridModel``
+refuses ``/`` patterns with them rather than mix its ``roll_tensor`` losses with our shift.
 """
 from __future__ import annotations
 
@@ -109,14 +111,16 @@ def hybrid_mtp_block_spec(provider):
 
 def get_hybrid_stack_spec(backend="eager", *, g_mixer: str = "gdn", qk_layernorm: bool | str = "config",
                           linear: str = "local", cp_layout: str | None = None,
-                          slot_mixers: dict | None = None) -> ModuleSpec:
+                          slot_mixers: dict | None = None, mtp: bool = False) -> ModuleSpec:
     """``ModuleSpec(HybridStack)`` with our layers in ``HybridModel``'s slots (module docstring) and the MTP block.
 
     ``backend``: ``eager | triton | ascendc`` or a spec provider (``hp_megatron.specs.providers``); ``g_mixer``: the
     default mixer of the ``G`` slot, ``gdn`` or ``kda``; ``slot_mixers``: ``{HybridModel layer number: our symbol}``
     for layers of a shared slot (GDN and KDA layers in one model); ``qk_layernorm``: the attention layers' q/k
     RMSNorms (True, False or ``"config"``: per ``config.qk_layernorm``); ``cp_layout``: written into the mixers'
-    params (None: their default, ``config.hp_cp_layout``)."""
+    params (None: their default, ``config.hp_cp_layout``); ``mtp``: set ``mtp_block_spec`` (for
+    ``MTPHybridModel``, whose losses are ours; megatron-core's ``HybridModel`` would compute them with
+    ``roll_tensor``, so the module-level specs Megatron-LM imports leave it unset and ``/`` patterns are refused)."""
     from hp_megatron.registry import mixer
 
     if g_mixer not in g_mixers():
@@ -140,7 +144,7 @@ def get_hybrid_stack_spec(backend="eager", *, g_mixer: str = "gdn", qk_layernorm
             pre_mlp_layernorm=norm, mlp=mlp, mlp_bda=get_bias_dropout_add)),
         moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=norm, mlp=_moe_mlp_spec(provider), mlp_bda=get_bias_dropout_add)),
-        mtp_block_spec=hybrid_mtp_block_spec(provider),
+        mtp_block_spec=hybrid_mtp_block_spec(provider) if mtp else None,
     ))
 
 

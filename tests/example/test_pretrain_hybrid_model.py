@@ -7,9 +7,12 @@ attention, MoE, one MTP layer) transformers models converted twice (``hf-to-mcor
 * Four ranks, HybridModel: TP2 x CP2 + SP (Kimi Linear; Qwen3-Next with MTP and packed documents) and EP2 x PP2
   (Qwen3-Next with MTP: ``|`` in the derived pattern, the MTP block on the last stage): the first iteration equals
   the one-rank HybridModel run (relative 1e-4).
-* Resume: the Kimi Linear TP2 x CP2 run saves after iterations 2 and 3; resumed from iteration 2 on one rank, its
-  iteration 3 equals the TP2 x CP2 run's (the layouts differ in that one iteration only; comparing with an
+* Resume: the Qwen3-Next (MTP) EP2 x PP2 run saves after iterations 2 and 3; resumed from iteration 2 on one rank,
+  its iteration 3 equals the EP2 x PP2 run's (the layouts differ in that one iteration only; comparing with an
   uninterrupted one-rank run would compare two steps of layout rounding, which MoE routing and Adam amplify).
+* Migration (``python -m hp_megatron.convert gpt-to-hybrid``): the one-rank GPTModel Kimi Linear run's checkpoint
+  after iteration 2 (KDA, MLA, dense and MoE MLPs; weights and Adam state) resumed as HybridModel continues the GPT
+  run's iteration 3 (relative 1e-6).
 Two spawns (4 ranks, then 1 rank), every case streamed.
 """
 import os
@@ -35,8 +38,8 @@ REFERENCES = {"kimi": ("kimi_linear", ["--train-iters", "2"]), "qwen_mtp": ("qwe
               "qwen_mtp_packed": ("qwen3_next", MTP + PACKED)}
 COMPARED = ("kimi", "qwen_mtp_packed")
 LAYOUTS = {  # name: (reference, layout flags), HybridModel
-    "kimi_tp2_cp2_sp": ("kimi", TP2_CP2_SP + ["--train-iters", "3", "--save-interval", "2"]),
-    "qwen_mtp_ep2_pp2": ("qwen_mtp", EP2_PP2),
+    "kimi_tp2_cp2_sp": ("kimi", TP2_CP2_SP),
+    "qwen_mtp_ep2_pp2": ("qwen_mtp", EP2_PP2 + ["--train-iters", "3", "--save-interval", "2"]),
     "qwen_mtp_packed_tp2_cp2_sp": ("qwen_mtp_packed", TP2_CP2_SP),
 }
 
@@ -49,19 +52,27 @@ def _argv(root, reference, model_class, extra=()):
 @pytest.fixture(scope="module")
 def runs(pydoc_data, tmp_path_factory):
     """(layout reader: the last rank's iterations, {reference: one-rank iterations})."""
-    root = write_converted(str(tmp_path_factory.mktemp("pretrain_hybrid_model")), pydoc_data,
-                           ("kimi_linear", "qwen3_next"), mtp_num_layers=0, model_classes=("gpt", "hybrid"))
+    root = write_converted(str(tmp_path_factory.mktemp("pretrain_hybrid_model")), pydoc_data, ("kimi_linear",),
+                           model_classes=("gpt", "hybrid"))
     mtp_root = str(tmp_path_factory.mktemp("pretrain_hybrid_model_mtp"))
     write_converted(mtp_root, pydoc_data, ("qwen3_next",), mtp_num_layers=1, model_classes=("gpt", "hybrid"))
     roots = {"kimi": root, "qwen_mtp": mtp_root, "qwen_mtp_packed": mtp_root}
     saved = str(tmp_path_factory.mktemp("hybrid_saved"))
     layouts = {name: _argv(roots[ref], ref, "hybrid", flags) for name, (ref, flags) in LAYOUTS.items()}
-    layouts["kimi_tp2_cp2_sp"] += ["--save", saved]
+    layouts["qwen_mtp_ep2_pp2"] += ["--save", saved]
     references = {f"{ref}_{cls}": _argv(roots[ref], ref, cls) for ref in REFERENCES for cls in ("gpt", "hybrid")
                   if cls == "hybrid" or ref in COMPARED}
-    resumed = _argv(root, "kimi", "hybrid", ["--train-iters", "3"])
+    resumed = _argv(mtp_root, "qwen_mtp", "hybrid", ["--train-iters", "3"])
     resumed[resumed.index("--load") + 1] = saved
     references["resumed"] = resumed
+    gpt_saved, migrated = str(tmp_path_factory.mktemp("gpt_saved")), str(tmp_path_factory.mktemp("migrated"))
+    references["kimi_gpt"] = _argv(root, "kimi", "gpt", ["--train-iters", "3", "--save", gpt_saved,
+                                                         "--save-interval", "2"])
+    references["migrate"] = ["convert", "gpt-to-hybrid", "--load", os.path.join(gpt_saved, "iter_0000002"),
+                             "--save", migrated, "--overwrite"]
+    from_gpt = _argv(root, "kimi", "hybrid", ["--train-iters", "3"])
+    from_gpt[from_gpt.index("--load") + 1] = migrated
+    references["resumed_from_gpt"] = from_gpt
 
     def resume_from_iteration_2():   # the run saved iterations 2 and 3; the tracker names the latest
         with open(os.path.join(saved, "latest_checkpointed_iteration.txt"), "w") as f:
@@ -78,7 +89,7 @@ def _rel(a, b):
 def test_hybrid_model_run_equals_gpt_model_run(runs, reference):
     _, single = runs
     gpt, hybrid = single[f"{reference}_gpt"], single[f"{reference}_hybrid"]
-    assert len(gpt) == len(hybrid) == (2 if reference == "kimi" else 1)
+    assert len(hybrid) == (2 if reference == "kimi" else 1) and len(gpt) >= len(hybrid)
     keys = ("lm_loss", "grad_norm") + (("mtp_1 loss",) if "mtp" in reference else ())
     for got, ref in zip(hybrid, gpt):
         assert got["iteration"] == ref["iteration"]
@@ -96,7 +107,16 @@ def test_hybrid_model_layout_equals_one_rank(runs, name):
 
 def test_hybrid_model_resume_at_another_layout_continues_the_losses(runs):
     layout, single = runs
-    saved, resumed = layout("kimi_tp2_cp2_sp"), single["resumed"]
+    saved, resumed = layout("qwen_mtp_ep2_pp2"), single["resumed"]
     assert [h["iteration"] for h in saved] == [1, 2, 3] and [h["iteration"] for h in resumed] == [3]
-    for key in ("lm_loss", "grad_norm"):
+    for key in ("lm_loss", "grad_norm", "mtp_1 loss"):
         assert _rel(resumed[0][key], saved[2][key]) <= 1e-4, (key, resumed, saved)
+
+
+def test_migrated_gpt_checkpoint_resumes_as_hybrid_model(runs):
+    _, single = runs
+    assert single["migrate"] == 0
+    gpt, resumed = single["kimi_gpt"], single["resumed_from_gpt"]
+    assert [h["iteration"] for h in gpt] == [1, 2, 3] and [h["iteration"] for h in resumed] == [3]
+    for key in ("lm_loss", "grad_norm"):
+        assert _rel(resumed[0][key], gpt[2][key]) <= 1e-6, (key, resumed, gpt)

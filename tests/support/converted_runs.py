@@ -70,11 +70,21 @@ def iterations(argv) -> list:
 
 def _first_iterations(rank, world_size, cases, every=False):
     """In a worker: :func:`first_iteration` (``every``: :func:`iterations`) of each ``(name, argv)`` case, each
-    result streamed."""
+    result streamed; a case whose argv starts with ``"convert"`` runs ``python -m hp_megatron.convert`` with the rest
+    (its exit status is the result)."""
     out = {}
     for name, argv in cases:
         case_started(name)
-        out[name] = (iterations if every else first_iteration)(list(argv))
+        if argv and argv[0] == "convert":  # a step between runs: ``python -m hp_megatron.convert`` on rank 0
+            from hp_megatron.convert.__main__ import main as convert_main
+
+            out[name] = convert_main(list(argv[1:])) if rank == 0 else 0
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.barrier()
+        else:
+            out[name] = (iterations if every else first_iteration)(list(argv))
         case_result(name, out[name])
     return out
 
