@@ -8,7 +8,8 @@ LayerNumbering``: the model's (``decoder.layers.<i>.self_attention.*`` -> ``deco
 ``decoder.final_layernorm`` -> ``decoder.final_norm``, MTP inner layers), and the optimizer state's, which
 megatron-core keys by the same names (``optimizer.state.exp_avg.<model key>``); the common state (iteration, LR
 schedule, optimizer param groups, which name no parameter) is kept, with ``model_class = "hybrid"`` and the pattern
-added. So a training checkpoint resumes as HybridModel where the GPT run left off (weights bit-exact, Adam moments
+added; the output layer's ``_extra_state`` object, empty without Transformer Engine, which ``GPTModel`` leaves out
+of its checkpoints and ``HybridModel`` reads, is added empty. So a training checkpoint resumes as HybridModel where the GPT run left off (weights bit-exact, Adam moments
 too); a weights-only (``release``) checkpoint stays weights-only.
 
 Refused: GPT checkpoints with megatron-core's stacked layer axis (every layer of one mixer and one MLP kind,
@@ -21,11 +22,12 @@ import os
 import re
 
 from hp_megatron.checkpoint.common_state import read_common_state, with_common_state
-from hp_megatron.checkpoint.dcp_io import Chunk, ChunkReader, save_lazily
+from hp_megatron.checkpoint.dcp_io import Chunk, ChunkReader, object_bytes, save_lazily
 from hp_megatron.checkpoint.directory import (COMMON_OBJECT, RELEASE, checkpoint_directory, iteration_directory,
                                               write_tracker)
 from hp_megatron.checkpoint.errors import CheckpointError
 
+OUTPUT_EXTRA_STATE = "output_layer._extra_state/shard_0_1"
 STACKED = re.compile(r"(^|\.)decoder\.layers\.(?!\d)")
 
 
@@ -81,6 +83,8 @@ def migrate_gpt_to_hybrid(load: str, save: str, hybrid_pattern: str, *, overwrit
             sources.append((key, offset, size, dtype))
     objects = {_renamed(k, numbering): v for k, v in reader.read_objects([k for k in reader.objects
                                                                         if k != COMMON_OBJECT]).items()}
+    if "output_layer.weight" in reader.tensors:   # GPTModel drops its (empty) output-layer extra state, HybridModel not
+        objects.setdefault(OUTPUT_EXTRA_STATE, object_bytes(None))
 
     def produce(i: int):
         import torch

@@ -120,3 +120,27 @@ def test_migrated_gpt_checkpoint_resumes_as_hybrid_model(runs):
     assert [h["iteration"] for h in gpt] == [1, 2, 3] and [h["iteration"] for h in resumed] == [3]
     for key in ("lm_loss", "grad_norm"):
         assert _rel(resumed[0][key], gpt[2][key]) <= 1e-6, (key, resumed, gpt)
+
+
+def test_model_class_flags_checked_at_parse_time(pydoc_data):
+    from tests.support.converted_runs import example
+
+    parse = example().parse_args
+    data = ["--data-path", f"{pydoc_data}/pydoc_text_document", "--tokenizer", f"{pydoc_data}/tokenizer.json"]
+    assert parse(data).model_class == "gpt"
+    args = parse(data + ["--model-class", "hybrid", "--hybrid-layer-pattern", "G-GE|*-*E/*E"])
+    assert (args.num_layers, args.hp_layer_pattern, args.mtp_num_layers, args.hp_mtp_layer_symbol) == (4, "GGAA", 1, "A")
+    args = parse(data + ["--model-class", "hybrid", "--hybrid-layer-pattern", "G-G-+-", "--hp-layer-pattern", "KGM"])
+    assert (args.num_layers, args.hp_layer_pattern) == (3, "KGM")
+    with pytest.raises(ValueError, match=r"^--hybrid-layer-pattern G-\*- is for --model-class hybrid"):
+        parse(data + ["--hybrid-layer-pattern", "G-*-"])
+    with pytest.raises(ValueError, match=r"^--hp-layer-pattern KM \(HybridModel layers G\+\) does not match the mixer "
+                                         r"layers G\* of --hybrid-layer-pattern G-\*-$"):
+        parse(data + ["--model-class", "hybrid", "--hybrid-layer-pattern", "G-*-", "--hp-layer-pattern", "KM"])
+    with pytest.raises(ValueError, match=r"^--num-layers 4 conflicts with --hybrid-layer-pattern G-\*- \(2 mixer"):
+        parse(data + ["--model-class", "hybrid", "--hybrid-layer-pattern", "G-*-", "--num-layers", "4"])
+    with pytest.raises(ValueError, match=r"^--model-class hybrid: the layer pattern GKMA has attention and MLA layers, "
+                                         r"which megatron-core's HybridModel refuses in one model"):
+        parse(data + ["--model-class", "hybrid", "--hp-layer-pattern", "GKMA"])
+    with pytest.raises(ValueError, match=r"symbols \['M'\] have none of our layers"):
+        parse(data + ["--model-class", "hybrid", "--hybrid-layer-pattern", "M-*-"])
