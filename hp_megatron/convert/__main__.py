@@ -48,14 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
                           help="megatron-core model class of the checkpoint: GPTModel (default) or HybridModel")
     to_hf.add_argument("--model-class", choices=("gpt", "hybrid"), default=None,
                        help="model class of the checkpoint (default: read from it)")
-    migrate = sub.add_parser("gpt-to-hybrid", help="GPTModel checkpoint -> HybridModel checkpoint (weights and "
-                                                   "optimizer state bit-exact)")
-    migrate.add_argument("--load", required=True, help="GPTModel checkpoint root or iteration directory")
-    migrate.add_argument("--save", required=True, help="checkpoint root to create")
-    migrate.add_argument("--hybrid-layer-pattern", default=None,
-                         help="the model's HybridModel pattern (default: from the checkpoint's hf_config or the "
-                              "example's stored flags)")
-    migrate.add_argument("--overwrite", action="store_true", help="replace --save if it exists")
+    for name, source, target in (("gpt-to-hybrid", "GPTModel", "HybridModel"),
+                                 ("hybrid-to-gpt", "HybridModel", "GPTModel")):
+        migrate = sub.add_parser(name, help=f"{source} checkpoint -> {target} checkpoint (weights and optimizer "
+                                            "state bit-exact)")
+        migrate.add_argument("--load", required=True, help=f"{source} checkpoint root or iteration directory")
+        migrate.add_argument("--save", required=True, help="checkpoint root to create")
+        migrate.add_argument("--hybrid-layer-pattern", default=None,
+                             help="the model's HybridModel pattern (default: from the checkpoint's hf_config or the "
+                                  "example's stored flags)")
+        migrate.add_argument("--overwrite", action="store_true", help="replace --save if it exists")
     for p in (to_mcore, to_hf):
         p.add_argument("--rules", default=None, help="package.module:function returning the TensorRules")
         p.add_argument("--model-builder", default=None, help="package.module:function building the GPTModel")
@@ -66,10 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.direction == "gpt-to-hybrid":
+        if args.direction in ("gpt-to-hybrid", "hybrid-to-gpt"):
             done = _migrate(args)
-            state = "weights and optimizer state" if done["optimizer"] else "weights only (the checkpoint has no optimizer state)"
-            print(f"gpt-to-hybrid: {done['tensors']} tensors, {done['objects']} objects ({state}), pattern "
+            state = ("weights and optimizer state" if done["optimizer"]
+                     else "weights only (the checkpoint has no optimizer state)")
+            print(f"{args.direction}: {done['tensors']} tensors, {done['objects']} objects ({state}), pattern "
                   f"{done['pattern']} -> {args.save}", flush=True)
             return 0
         report = _convert(args)
@@ -103,18 +106,21 @@ def _convert(args):
 
 
 def _migrate(args) -> dict:
-    """``gpt-to-hybrid``: the pattern from the flag, the checkpoint's ``hf_config`` (its architecture, with the
-    checkpoint's MTP depth) or the example's stored flags; then ``migrate_gpt_to_hybrid``."""
+    """``gpt-to-hybrid`` / ``hybrid-to-gpt``: the pattern from the flag, the checkpoint's ``hybrid_layer_pattern``
+    (a migrated one), its ``hf_config`` (its architecture, with the checkpoint's MTP depth) or the example's stored
+    flags; then ``migrate_gpt_to_hybrid`` / ``migrate_hybrid_to_gpt``."""
     from hp_megatron.checkpoint import checkpoint_directory
     from hp_megatron.checkpoint.common_state import read_common_state
     from hp_megatron.convert.engine import stored_mtp_depth
-    from hp_megatron.convert.migrate import migrate_gpt_to_hybrid, pattern_of_model_args
+    from hp_megatron.convert.migrate import migrate_gpt_to_hybrid, migrate_hybrid_to_gpt, pattern_of_model_args
     from hp_megatron.models import get_architecture
 
     pattern = args.hybrid_layer_pattern
     if pattern is None:
         common = read_common_state(checkpoint_directory(args.load))
-        if common.get("hf_config") is not None:
+        if common.get("hybrid_layer_pattern"):
+            pattern = common["hybrid_layer_pattern"]
+        elif common.get("hf_config") is not None:
             hf = common["hf_config"]
             pattern = get_architecture(hf["model_type"]).with_mtp(stored_mtp_depth(args.load)).hybrid_pattern(hf)
         elif common.get("hp_model_args") is not None:
@@ -122,7 +128,8 @@ def _migrate(args) -> dict:
         else:
             raise ValueError(f"{args.load}: its common state has neither hf_config nor hp_model_args; pass "
                              "--hybrid-layer-pattern")
-    return {**migrate_gpt_to_hybrid(args.load, args.save, pattern, overwrite=args.overwrite), "pattern": pattern}
+    migrate = migrate_gpt_to_hybrid if args.direction == "gpt-to-hybrid" else migrate_hybrid_to_gpt
+    return {**migrate(args.load, args.save, pattern, overwrite=args.overwrite), "pattern": pattern}
 
 
 def _architecture(hf_config: dict, args):

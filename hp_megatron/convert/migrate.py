@@ -44,16 +44,26 @@ def pattern_of_model_args(stored: dict) -> str:
                              mtp_symbol=mtp_symbol, mtp_depth=depth)
 
 
-def _renamed(key: str, numbering) -> str:
-    """``key`` (a tensor key or a ``<key>/shard_<i>_<n>`` object key) in HybridModel's numbering."""
+def _renamed(key: str, rename) -> str:
+    """``key`` (a tensor key or a ``<key>/shard_<i>_<n>`` object key) with its name renamed by ``rename``."""
     name, slash, shard = key.partition("/")
-    return numbering.gpt_to_hybrid(name) + slash + shard
+    return rename(name) + slash + shard
 
 
 def migrate_gpt_to_hybrid(load: str, save: str, hybrid_pattern: str, *, overwrite: bool = False) -> dict:
     """Write the HybridModel checkpoint of the GPTModel checkpoint ``load`` (root or iteration directory) under
     ``save`` (same iteration directory name and tracker); ``hybrid_pattern``: the model's HybridModel pattern (with
     ``/`` MTP parts; ``|`` is irrelevant to the keys). Returns ``{"tensors", "objects", "optimizer": bool}``."""
+    return _migrate(load, save, hybrid_pattern, "hybrid", overwrite)
+
+
+def migrate_hybrid_to_gpt(load: str, save: str, hybrid_pattern: str, *, overwrite: bool = False) -> dict:
+    """The inverse of :func:`migrate_gpt_to_hybrid` (``hybrid-to-gpt``: e.g. to generate from a HybridModel
+    checkpoint, which ``hp_megatron.generate`` does not build yet); ``hybrid_pattern``: the checkpoint's."""
+    return _migrate(load, save, hybrid_pattern, "gpt", overwrite)
+
+
+def _migrate(load: str, save: str, hybrid_pattern: str, target: str, overwrite: bool) -> dict:
     from hp_megatron.convert.engine import _atomic_directory
     from hp_megatron.hybrid_model.numbering import LayerNumbering
 
@@ -64,16 +74,27 @@ def migrate_gpt_to_hybrid(load: str, save: str, hybrid_pattern: str, *, overwrit
         raise CheckpointError(f"{ckpt}: GPT tensors on megatron-core's stacked layer axis ({stacked[0]}, ...): a "
                               "model of one mixer and one MLP kind; migrate it with megatron-core's "
                               "tools/checkpoint/gpt_hybrid_conversion.py")
-    if any(k.startswith("decoder.final_norm.") for k in reader.tensors):
-        raise CheckpointError(f"{ckpt}: already a HybridModel checkpoint (decoder.final_norm.*)")
+    is_hybrid = any(k.startswith("decoder.final_norm.") for k in reader.tensors)
+    if is_hybrid == (target == "hybrid"):
+        raise CheckpointError(f"{ckpt}: already a {'HybridModel' if is_hybrid else 'GPTModel'} checkpoint (decoder."
+                              f"{'final_norm' if is_hybrid else 'final_layernorm'}.*)")
     numbering = LayerNumbering(hybrid_pattern)
     layers = {int(m.group(1)) for k in reader.tensors if (m := re.search(r"(?:^|\.)decoder\.layers\.(\d+)\.", k))}
-    if layers != set(range(numbering.num_gpt_layers)):
-        raise CheckpointError(f"{ckpt}: holds GPT layers {sorted(layers)}, the hybrid layer pattern {hybrid_pattern!r} "
-                              f"{numbering.num_gpt_layers}")
+    expected = len(numbering.hybrid_pattern.split("/")[0].replace("|", "")) if is_hybrid else numbering.num_gpt_layers
+    if layers != set(range(expected)):
+        raise CheckpointError(f"{ckpt}: holds layers {sorted(layers)}, the hybrid layer pattern {hybrid_pattern!r} "
+                              f"{expected} {'HybridModel' if is_hybrid else 'GPT'} layers")
     common = read_common_state(ckpt)
-    common.update(model_class="hybrid", hybrid_layer_pattern=hybrid_pattern)
-    keys = {k: _renamed(k, numbering) for k in reader.tensors}
+    if target == "hybrid":
+        rename = numbering.gpt_to_hybrid
+        common.update(model_class="hybrid", hybrid_layer_pattern=hybrid_pattern)
+    else:
+        def rename(name):   # GPTModel's MTP checkpoint keys say transformer_layer on every megatron-core version
+            return numbering.hybrid_to_gpt(name, mtp_inner="transformer_layer")
+
+        common.update(model_class="gpt")
+        common.pop("hybrid_layer_pattern", None)
+    keys = {k: _renamed(k, rename) for k in reader.tensors}
     if len(set(keys.values())) != len(keys):
         raise CheckpointError(f"{ckpt}: two tensors map to one HybridModel key under {hybrid_pattern!r}")
     chunks, sources = [], []
@@ -81,9 +102,12 @@ def migrate_gpt_to_hybrid(load: str, save: str, hybrid_pattern: str, *, overwrit
         for offset, size in reader.chunks(key):
             chunks.append(Chunk(keys[key], shape, offset, size, dtype))
             sources.append((key, offset, size, dtype))
-    objects = {_renamed(k, numbering): v for k, v in reader.read_objects([k for k in reader.objects
-                                                                        if k != COMMON_OBJECT]).items()}
-    if "output_layer.weight" in reader.tensors:   # GPTModel drops its (empty) output-layer extra state, HybridModel not
+    objects = {_renamed(k, rename): v for k, v in reader.read_objects([k for k in reader.objects
+                                                                     if k != COMMON_OBJECT]).items()}
+    # GPTModel leaves its (empty) output-layer extra state out of checkpoints, HybridModel reads it
+    if target == "gpt":
+        objects.pop(OUTPUT_EXTRA_STATE, None)
+    elif "output_layer.weight" in reader.tensors:
         objects.setdefault(OUTPUT_EXTRA_STATE, object_bytes(None))
 
     def produce(i: int):

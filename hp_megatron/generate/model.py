@@ -22,6 +22,7 @@ def load_weights(model, load: str) -> str:
 
     path = checkpoint_directory(load)
     verify_checkpoint_files(path)
+    _refuse_hybrid_model(path, {})
     try:
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
     except (Exception, CheckpointException) as exc:
@@ -89,6 +90,7 @@ def model_source(hf_config: str | None, load: str | None, use_checkpoint_args: b
         raise ValueError("--hp-hf-config is required without --load (the model's HF config.json)")
     else:
         path, common = _common_state(load)
+        _refuse_hybrid_model(path, common)
         stored = common.get(MODEL_ARGS_KEY)
         if stored is not None and (use_checkpoint_args or common.get("hf_config") is None):
             return ModelSource("args", stored, int(stored["vocab_size"]), int(stored["seq_length"]),
@@ -102,6 +104,15 @@ def model_source(hf_config: str | None, load: str | None, use_checkpoint_args: b
         config, tokenizer = common["hf_config"], None
     return ModelSource("hf", config, int(config["vocab_size"]), int(config.get("max_position_embeddings") or 4096),
                        tokenizer)
+
+
+def _refuse_hybrid_model(path: str, common: dict) -> None:
+    """ValueError for a HybridModel checkpoint (generation builds ``GPTModel`` only, so far), naming the way back."""
+    from hp_megatron.convert.engine import stored_model_class
+
+    if common.get("model_class") == "hybrid" or stored_model_class(path) == "hybrid":
+        raise ValueError(f"checkpoint {path} is a HybridModel checkpoint; generation builds GPTModel only so far: "
+                         f"python -m hp_megatron.convert hybrid-to-gpt --load {path} --save DIR, then --load DIR")
 
 
 def _common_state(load: str) -> tuple[str, dict]:

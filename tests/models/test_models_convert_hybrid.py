@@ -86,3 +86,50 @@ def test_model_class_refusals():
         get_architecture("llama").for_model_class("mamba")
     with pytest.raises(ValueError, match=r"deepseek_v3: with_mtp before for_model_class\('hybrid'\)"):
         get_architecture("deepseek_v3").for_model_class("hybrid").with_mtp(1)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next"])
+def test_gpt_to_hybrid_migration_equals_hybrid_conversion(single_rank, arch, tmp_path):
+    """``gpt-to-hybrid`` of the GPT conversion (MLA or GDN + attention, dense and MoE MLPs, an MTP layer) is the
+    HybridModel conversion, key for key and bit for bit; ``hybrid-to-gpt`` gives the GPT conversion back."""
+    from hp_megatron.checkpoint.dcp_io import ChunkReader
+    from hp_megatron.convert.__main__ import main as convert_main
+    from hp_megatron.convert.engine import hf_to_mcore
+    from hp_megatron.models import get_architecture
+    from hp_megatron.models.tiny import add_tiny_mtp_layer
+
+    hf_dir = str(tmp_path / "hf")
+    tiny_hf_model(arch, hf_dir)
+    add_tiny_mtp_layer(hf_dir, arch, seed=4)
+    architecture = get_architecture(arch).with_mtp(1)
+    hf_to_mcore(hf_dir, str(tmp_path / "gpt"), architecture)
+    hf_to_mcore(hf_dir, str(tmp_path / "hybrid"), architecture.for_model_class("hybrid"))
+    assert convert_main(["gpt-to-hybrid", "--load", str(tmp_path / "gpt"), "--save", str(tmp_path / "migrated")]) == 0
+    assert convert_main(["hybrid-to-gpt", "--load", str(tmp_path / "migrated"), "--save", str(tmp_path / "back")]) == 0
+    assert convert_main(["gpt-to-hybrid", "--load", str(tmp_path / "hybrid"), "--save", str(tmp_path / "x")]) == 2
+
+    def tensors(name):
+        reader = ChunkReader(str(tmp_path / name / "release"))
+        out = {}
+        for key, (shape, dtype) in reader.tensors.items():
+            out[key] = torch.empty(shape, dtype=dtype)
+            reader.read_into([(key, (0,) * len(shape), out[key])])
+        return out, sorted(reader.objects)
+
+    for made, reference in (("migrated", "hybrid"), ("back", "gpt")):
+        (got, got_objects), (want, want_objects) = tensors(made), tensors(reference)
+        assert sorted(got) == sorted(want) and got_objects == want_objects, made
+        assert all(torch.equal(got[k], want[k]) for k in want), made
+
+
+def test_generate_refuses_a_hybrid_model_checkpoint(single_rank, tmp_path):
+    from hp_megatron.convert.engine import hf_to_mcore
+    from hp_megatron.generate.model import model_source
+    from hp_megatron.models import get_architecture
+
+    hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "hybrid")
+    tiny_hf_model("deepseek_v3", hf_dir)
+    hf_to_mcore(hf_dir, ckpt, get_architecture("deepseek_v3").for_model_class("hybrid"))
+    with pytest.raises(ValueError, match=r"is a HybridModel checkpoint; generation builds GPTModel only so far: "
+                                         r"python -m hp_megatron.convert hybrid-to-gpt --load "):
+        model_source(None, ckpt)
