@@ -122,14 +122,33 @@ def test_gpt_to_hybrid_migration_equals_hybrid_conversion(single_rank, arch, tmp
         assert all(torch.equal(got[k], want[k]) for k in want), made
 
 
-def test_generate_refuses_a_hybrid_model_checkpoint(single_rank, tmp_path):
-    from hp_megatron.convert.engine import hf_to_mcore
-    from hp_megatron.generate.model import model_source
-    from hp_megatron.models import get_architecture
+def test_generate_and_export_on_a_hybrid_model_checkpoint(single_rank, tmp_path):
+    """``hp_megatron.generate`` builds the HybridModel of a HybridModel checkpoint (DeepSeek-V3: MLA, dense and MoE
+    MLPs): greedy tokens and log-probs equal those of the GPTModel conversion of the same HF model, and
+    ``export_hf_weights`` of the HybridModel gives the HF checkpoint back bit for bit."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "hybrid")
+    from hp_megatron.convert.engine import hf_to_mcore
+    from hp_megatron.generate.loop import StaticGenerator, sampling_params
+    from hp_megatron.generate.model import model_source
+    from hp_megatron.models import export_hf_weights, get_architecture
+
+    hf_dir = str(tmp_path / "hf")
     tiny_hf_model("deepseek_v3", hf_dir)
-    hf_to_mcore(hf_dir, ckpt, get_architecture("deepseek_v3").for_model_class("hybrid"))
-    with pytest.raises(ValueError, match=r"is a HybridModel checkpoint; generation builds GPTModel only so far: "
-                                         r"python -m hp_megatron.convert hybrid-to-gpt --load "):
-        model_source(None, ckpt)
+    results = {}
+    for model_class in ("gpt", "hybrid"):
+        ckpt = str(tmp_path / model_class)
+        hf_to_mcore(hf_dir, ckpt, get_architecture("deepseek_v3").for_model_class(model_class))
+        source = model_source(None, ckpt)
+        model = source.build(load=ckpt)
+        assert isinstance(model, HybridModel) == (model_class == "hybrid")
+        generator = StaticGenerator(model, vocab_size=source.vocab_size, max_positions=source.max_positions,
+                                    max_batch_size=2, max_sequence_length=24)
+        results[model_class] = generator.generate([[1, 5, 7, 9, 3], [4, 4, 2]], sampling_params(max_new_tokens=5))
+    exported = dict(export_hf_weights(model, hf_dir))
+    assert results["hybrid"].tokens == results["gpt"].tokens
+    for got, want in zip(results["hybrid"].log_probs, results["gpt"].log_probs):
+        assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5
+    original = read_safetensors(hf_dir)
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k].cpu(), v) for k, v in original.items())
