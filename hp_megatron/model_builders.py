@@ -116,8 +116,9 @@ def hybrid_model(config, *, vocab_size: int, max_sequence_length: int, hybrid_la
     allowed = {hybrid_symbol_of(s) for s in mtp_symbols()} | {"-", "E"}
     for part in split_pattern(pattern)[1]:
         if set(part) - allowed:
+            names = [mixer(s).name for s in mtp_symbols()]
             raise ValueError(f"hybrid layer pattern {pattern!r}: MTP part {part!r} may hold {sorted(allowed)} only "
-                             f"(megatron-core's MTP layers are attention layers: {[mixer(s).name for s in mtp_symbols()]})")
+                             f"(megatron-core's MTP layers are attention layers: {names})")
     hybrid_config = hybrid_model_config(config, pattern)
     slot_mixers = {}
     for slot, ours in slot_symbols().items():   # slots several of our mixers share (G: GDN and KDA)

@@ -8,7 +8,8 @@ imports it, the engine does not); ``--rules`` / ``--model-builder`` (``package.m
 conversion rules / model builder. ``--mtp-num-layers N`` converts DeepSeek-V3's / Qwen3-Next's
 multi-token-prediction layers too (N: config.json's ``num_nextn_predict_layers`` / ``mtp_num_hidden_layers``);
 mcore-to-hf takes the checkpoint's MTP depth unless given. ``--model-class hybrid`` converts to / from megatron-core's
-``HybridModel`` (0.19+; the architecture's rules in HybridModel's layer numbering, ``hp_megatron.hybrid_model.numbering``);
+``HybridModel`` (0.19+; the architecture's rules in HybridModel's layer numbering,
+``hp_megatron.hybrid_model.numbering``);
 mcore-to-hf reads the class from the checkpoint unless given. ``gpt-to-hybrid --load GPT --save HYBRID`` migrates a
 GPTModel checkpoint of our layers (training state included) to HybridModel (``hp_megatron.convert.migrate``).
 """

@@ -9,8 +9,8 @@ LayerNumbering``: the model's (``decoder.layers.<i>.self_attention.*`` -> ``deco
 megatron-core keys by the same names (``optimizer.state.exp_avg.<model key>``); the common state (iteration, LR
 schedule, optimizer param groups, which name no parameter) is kept, with ``model_class = "hybrid"`` and the pattern
 added; the output layer's ``_extra_state`` object, empty without Transformer Engine, which ``GPTModel`` leaves out
-of its checkpoints and ``HybridModel`` reads, is added empty. So a training checkpoint resumes as HybridModel where the GPT run left off (weights bit-exact, Adam moments
-too); a weights-only (``release``) checkpoint stays weights-only.
+of its checkpoints and ``HybridModel`` reads, is added empty. So a training checkpoint resumes as HybridModel where
+the GPT run left off (weights bit-exact, Adam moments too); a weights-only (``release``) checkpoint stays weights-only.
 
 Refused: GPT checkpoints with megatron-core's stacked layer axis (every layer of one mixer and one MLP kind,
 ``decoder.layers.<name>`` of shape ``[layers, ...]``; megatron-core's ``gpt_hybrid_conversion.py`` handles those

@@ -139,7 +139,8 @@ class LayerNumbering:
             mixers, mlps = self._positions(main)
             index = int(found["index"])
             if index >= len(mixers):
-                raise ValueError(f"{key}: GPT layer {index} is past the {len(mixers)} layers of {self.hybrid_pattern!r}")
+                raise ValueError(f"{key}: GPT layer {index} is past the {len(mixers)} layers of "
+                                 f"{self.hybrid_pattern!r}")
             j = (mixers if found["part"] in MIXER_PARTS else mlps)[index]
             return f"{found['head']}{j}.{found['part']}{found['rest']}"
         found = _MTP_KEY.match(key)

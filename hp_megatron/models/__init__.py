@@ -22,4 +22,5 @@ from hp_megatron.models.weights import export_hf_weights, hf_weight_exporter
 
 __all__ = ["ARCHITECTURES", "Architecture", "KeyMap", "ModelPreset", "architecture_of", "conversion_rules_from_hf",
            "export_hf_weights", "get_architecture", "gpt_key_map", "hf_weight_exporter", "hybrid_key_map",
-           "preset_from_hf", "preset_gpt_model", "preset_hybrid_model", "preset_layer_spec", "preset_transformer_config"]
+           "preset_from_hf", "preset_gpt_model", "preset_hybrid_model", "preset_layer_spec",
+           "preset_transformer_config"]

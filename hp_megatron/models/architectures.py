@@ -86,8 +86,8 @@ class Architecture:
             raise ValueError(f"{self.model_type}: only a preset's GPT architecture converts to model_class "
                              f"{model_class!r} (this one: model_class={self.model_class!r}, "
                              f"model_builder={self.model_builder!r})")
-        return replace(self, model_class=model_class,
-                       conversion_rules=functools.partial(_renumbered_rules, self.conversion_rules, self.hybrid_pattern))
+        rules = functools.partial(_renumbered_rules, self.conversion_rules, self.hybrid_pattern)
+        return replace(self, model_class=model_class, conversion_rules=rules)
 
     def with_mtp(self, mtp_num_layers: int) -> "Architecture":
         """This architecture with its model built, and its checkpoints converted, with ``mtp_num_layers``

@@ -30,8 +30,9 @@ def preset_layer_spec(preset, backend="eager", **kwargs):
 
 def preset_gpt_model(preset, config, backend="eager", *, max_sequence_length: int, pre_process: bool = True,
                      post_process: bool = True, vp_stage=None, **spec_kwargs):
-    """megatron-core ``GPTModel`` of ``preset`` for this pipeline stage (``hp_megatron.model_builders.hybrid_gpt_model``:
-    our RMSNorm as the final norm); ``config`` is typically :func:`preset_transformer_config`'s."""
+    """megatron-core ``GPTModel`` of ``preset`` for this pipeline stage
+    (``hp_megatron.model_builders.hybrid_gpt_model``: our RMSNorm as the final norm); ``config`` is typically
+    :func:`preset_transformer_config`'s."""
     from hp_megatron.model_builders import hybrid_gpt_model
 
     return hybrid_gpt_model(config, preset_layer_spec(preset, backend, **spec_kwargs),
