@@ -276,6 +276,10 @@ def apply_hybrid_layer_pattern(args, argv) -> None:
     if unknown:
         raise ValueError(f"--hybrid-layer-pattern {pattern}: symbols {unknown} have none of our layers "
                          f"(ours: {sorted(ours)} mixers, {list(MLP_SYMBOLS)} MLPs)")
+    has_moe = any(s == "E" for s in main + "".join(mtp))
+    if has_moe != (args.num_experts is not None):
+        raise ValueError(f"--hybrid-layer-pattern {pattern} has {'' if has_moe else 'no '}MoE layers (E) but "
+                         f"{'no --num-experts' if has_moe else f'--num-experts {args.num_experts}'} is given")
     if _given_on_command_line(argv, "num_layers") and args.num_layers != len(mixers):
         raise ValueError(f"--num-layers {args.num_layers} conflicts with --hybrid-layer-pattern {pattern} "
                          f"({len(mixers)} mixer layers, each with its MLP layer: one GPT layer)")

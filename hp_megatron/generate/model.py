@@ -139,8 +139,10 @@ def build_model_from_args(stored: dict, *, tensor_model_parallel_size: int = 1, 
 
     args = args_from_stored(stored)
     args.model_class = checkpoint_model_class(load)
-    # the pattern the run gave (--hybrid-layer-pattern, stored beside the flags), else derived from them
-    args.hybrid_layer_pattern = _common_state(load)[1].get("hybrid_layer_pattern") if load is not None else None
+    # the pattern the run gave (--hybrid-layer-pattern, stored beside the flags; one pipeline stage here), else
+    # derived from the flags
+    pattern = _common_state(load)[1].get("hybrid_layer_pattern") if load is not None else None
+    args.hybrid_layer_pattern = pattern.replace("|", "") if pattern else None
     vocab, tp = int(stored["padded_vocab_size"]), tensor_model_parallel_size
     if vocab % tp:
         raise ValueError(f"the checkpoint's padded vocabulary {vocab} is not divisible by "

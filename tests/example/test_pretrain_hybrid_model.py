@@ -129,7 +129,8 @@ def test_model_class_flags_checked_at_parse_time(pydoc_data):
     parse = example().parse_args
     data = ["--data-path", f"{pydoc_data}/pydoc_text_document", "--tokenizer", f"{pydoc_data}/tokenizer.json"]
     assert parse(data).model_class == "gpt"
-    args = parse(data + ["--model-class", "hybrid", "--hybrid-layer-pattern", "G-GE|*-*E/*E"])
+    args = parse(data + ["--model-class", "hybrid", "--hybrid-layer-pattern", "G-GE|*-*E/*E",
+                         "--num-experts", "4"])
     assert (args.num_layers, args.hp_layer_pattern) == (4, "GGAA")
     assert (args.mtp_num_layers, args.hp_mtp_layer_symbol) == (1, "A")
     args = parse(data + ["--model-class", "hybrid", "--hybrid-layer-pattern", "G-G-+-", "--hp-layer-pattern", "KGM"])
@@ -144,5 +145,7 @@ def test_model_class_flags_checked_at_parse_time(pydoc_data):
     with pytest.raises(ValueError, match=r"^--model-class hybrid: the layer pattern GKMA has attention and MLA layers, "
                                          r"which megatron-core's HybridModel refuses in one model"):
         parse(data + ["--model-class", "hybrid", "--hp-layer-pattern", "GKMA"])
+    with pytest.raises(ValueError, match=r"^--hybrid-layer-pattern G-\*E has MoE layers \(E\) but no --num-experts is"):
+        parse(data + ["--model-class", "hybrid", "--hybrid-layer-pattern", "G-*E"])
     with pytest.raises(ValueError, match=r"symbols \['M'\] have none of our layers"):
         parse(data + ["--model-class", "hybrid", "--hybrid-layer-pattern", "M-*-"])
