@@ -74,6 +74,13 @@ class RankZeroArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+MODEL_CLASSES = ("gpt", "hybrid")
+# GPTModel on every megatron-core version for now (docs/usage.md, "Model class"): 0.16 has no HybridModel; on 0.19
+# generation, export and Megatron-LM's tools of this project read GPTModel checkpoints, and HybridModel refuses
+# attention and MLA layers in one model, which our patterns allow
+DEFAULT_MODEL_CLASS = "gpt"
+
+
 def build_parser(argv=None) -> argparse.ArgumentParser:
     """The example's flags; add groups to the returned parser to extend it (its defaults show in --help).
     ``argv`` (default ``sys.argv[1:]``): where ``--hp-mixer-module`` modules are read from, imported before the
@@ -91,6 +98,13 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
                         "each mixer's default (docs/cp.md, 'Which CP method'); a2a+p2p needs Megatron-LM's "
                         "--hierarchical-context-parallel-sizes (the Megatron-LM launchers)")
     g = parser.add_argument_group("model (Megatron-LM names)")
+    g.add_argument("--model-class", choices=MODEL_CLASSES, default=DEFAULT_MODEL_CLASS,
+                   help="megatron-core's GPTModel, or HybridModel (megatron-core 0.19+; one pattern symbol = one "
+                        "layer); docs/usage.md says why the default is gpt")
+    g.add_argument("--hybrid-layer-pattern", default=None,
+                   help="with --model-class hybrid: megatron-core's pattern (G GDN/KDA, * attention, + MLA, - MLP, "
+                        "E MoE, | pipeline stages, / MTP depths); None: derived from --hp-layer-pattern or "
+                        "--hp-hf-config")
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=128)
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="None: 8/3 x hidden, a multiple of 64")
@@ -184,9 +198,11 @@ def parse_args(argv=None, parser=None):
         args.expert_tensor_parallel_size = args.tensor_model_parallel_size
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    apply_hybrid_layer_pattern(args, sys.argv[1:] if argv is None else argv)
     if args.hp_layer_pattern is None:
         args.hp_layer_pattern = "KKKM"
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    check_model_class_args(args)
     return args
 
 
@@ -237,6 +253,90 @@ def apply_hf_preset(args, argv):
         for dest, value in training_choices.items():
             setattr(args, dest, value)
     return preset
+
+
+def apply_hybrid_layer_pattern(args, argv) -> None:
+    """``--hybrid-layer-pattern`` (``--model-class hybrid`` only): the GPT numbering's flags it implies. Its mixer
+    layers are ``--num-layers`` (given: must agree), its ``/`` parts ``--mtp-num-layers`` (given: must agree) and
+    the MTP layers' ``--hp-mtp-layer-symbol``; without ``--hp-layer-pattern`` the layer pattern says what
+    megatron-core's symbols say (``G`` GDN, ``*`` attention, ``+`` MLA); with it, its ``G`` / ``K`` letters pick
+    GDN or KDA for the ``G`` layers in order (its other letters must match the hybrid pattern's)."""
+    pattern = args.hybrid_layer_pattern
+    if pattern is None:
+        return
+    if args.model_class != "hybrid":
+        raise ValueError(f"--hybrid-layer-pattern {pattern} is for --model-class hybrid (got --model-class "
+                         f"{args.model_class})")
+    if args.hp_hf_config is not None:
+        raise ValueError(f"--hybrid-layer-pattern {pattern} conflicts with --hp-hf-config {args.hp_hf_config}, "
+                         "whose architecture's pattern is derived from its config.json")
+    from hp_megatron.hybrid_model.numbering import MLP_SYMBOLS, LayerNumbering, hybrid_symbol_of, split_pattern
+    from hp_megatron.registry import symbols
+
+    LayerNumbering(pattern)   # one MLP layer per mixer layer, in the main pattern and each MTP part
+    main, mtp = split_pattern(pattern)
+    mixers = [s for s in main if s not in MLP_SYMBOLS]
+    ours = {}
+    for symbol in symbols():   # megatron-core's symbol -> the first of our mixers in its slot (G: GDN)
+        try:
+            ours.setdefault(hybrid_symbol_of(symbol), symbol)
+        except ValueError:
+            continue
+    unknown = sorted(set(mixers) - set(ours))
+    if unknown:
+        raise ValueError(f"--hybrid-layer-pattern {pattern}: symbols {unknown} have none of our layers "
+                         f"(ours: {sorted(ours)} mixers, {list(MLP_SYMBOLS)} MLPs)")
+    has_moe = any(s == "E" for s in main + "".join(mtp))
+    if has_moe != (args.num_experts is not None):
+        raise ValueError(f"--hybrid-layer-pattern {pattern} has {'' if has_moe else 'no '}MoE layers (E) but "
+                         f"{'no --num-experts' if has_moe else f'--num-experts {args.num_experts}'} is given")
+    if _given_on_command_line(argv, "num_layers") and args.num_layers != len(mixers):
+        raise ValueError(f"--num-layers {args.num_layers} conflicts with --hybrid-layer-pattern {pattern} "
+                         f"({len(mixers)} mixer layers, each with its MLP layer: one GPT layer)")
+    args.num_layers = len(mixers)
+    if args.hp_layer_pattern is None:
+        args.hp_layer_pattern = "".join(ours[s] for s in mixers)
+    else:
+        layers = [args.hp_layer_pattern[i % len(args.hp_layer_pattern)] for i in range(len(mixers))]
+        slots = "".join(hybrid_symbol_of(s) for s in layers)
+        if slots != "".join(mixers):
+            raise ValueError(f"--hp-layer-pattern {args.hp_layer_pattern} (HybridModel layers {slots}) does not "
+                             f"match the mixer layers {''.join(mixers)} of --hybrid-layer-pattern {pattern}")
+    if mtp:
+        if args.mtp_num_layers not in (None, len(mtp)):
+            raise ValueError(f"--mtp-num-layers {args.mtp_num_layers} conflicts with --hybrid-layer-pattern {pattern} "
+                             f"({len(mtp)} MTP depths)")
+        args.mtp_num_layers = len(mtp)
+        kinds = {s for part in mtp for s in part if s not in MLP_SYMBOLS}
+        if len(kinds) != 1 or len(mtp[0]) != 2:
+            raise ValueError(f"--hybrid-layer-pattern {pattern}: each MTP part is one mixer and one MLP layer of "
+                             "one kind (as our GPT MTP layers), e.g. /*-")
+        if args.hp_mtp_layer_symbol is None:
+            args.hp_mtp_layer_symbol = ours[kinds.pop()]
+    elif args.mtp_num_layers:
+        raise ValueError(f"--mtp-num-layers {args.mtp_num_layers} with --hybrid-layer-pattern {pattern}: add its MTP "
+                         "depths to the pattern ('/' parts, e.g. /*-)")
+
+
+def check_model_class_args(args) -> None:
+    """``--model-class hybrid``: megatron-core has ``HybridModel`` (0.19+), and the layers fit it (it refuses
+    attention and MLA layers in one model)."""
+    if args.model_class != "hybrid":
+        return
+    try:
+        import megatron.core.models.hybrid.hybrid_model  # noqa: F401
+    except ImportError as err:
+        from megatron.core.package_info import __version__
+
+        raise ValueError(f"--model-class hybrid needs megatron-core's HybridModel (0.19+); the installed "
+                         f"megatron-core {__version__} has none ({err})") from err
+    from hp_megatron.hybrid_model.numbering import hybrid_symbol_of
+
+    pattern = args.hp_preset.pattern if args.hp_preset is not None else args.hp_layer_pattern
+    kinds = {hybrid_symbol_of(s) for s in pattern + (args.hp_mtp_layer_symbol or "")}
+    if {"*", "+"} <= kinds:
+        raise ValueError(f"--model-class hybrid: the layer pattern {pattern} has attention and MLA layers, which "
+                         "megatron-core's HybridModel refuses in one model ('*' and '+'); use --model-class gpt")
 
 
 def split_weights(split: str):

@@ -44,7 +44,7 @@ from checkpointing import resume, save_checkpoint  # noqa: E402
 from cli import parse_args, quiet_known_warnings, run_reporting_errors, same_on_every_rank, split_weights  # noqa: E402
 from hp_megatron.arguments import apply_hp_config  # noqa: E402
 from hp_megatron.training.cp_subgroup_registration import register_cp_subgroups_from_args  # noqa: E402
-from hp_megatron.models import preset_gpt_model, preset_transformer_config  # noqa: E402
+from hp_megatron.models import preset_gpt_model, preset_hybrid_model, preset_transformer_config  # noqa: E402
 from hp_megatron.platform import CPU_SAFE_CONFIG, apply_cpu_training_shims  # noqa: E402
 from hp_megatron.training.model_args import (MODEL_ARGS_KEY, hybrid_config_from_args,  # noqa: E402
                                              hybrid_model_from_args, stored_model_args)
@@ -131,22 +131,24 @@ def build_config(args, vocab_size):
 
 
 def build_model(args, config, vocab_size):
-    """This pipeline stage's ``GPTModel`` (``hybrid_gpt_model``) in megatron-core DDP."""
+    """This pipeline stage's ``GPTModel`` (``hybrid_gpt_model``) or, with ``--model-class hybrid``, ``HybridModel``
+    (``hybrid_model``; its config is ``config`` in HybridModel's layer numbering) in megatron-core DDP."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     stage = dict(pre_process=parallel_state.is_pipeline_first_stage(),
                  post_process=parallel_state.is_pipeline_last_stage())
     if args.hp_preset is not None:  # exactly the model the conversion rules of --hp-hf-config target
-        model = preset_gpt_model(args.hp_preset, config, args.hp_backend, max_sequence_length=args.seq_length, **stage,
-                                 linear=args.hp_linear, cp_layout=args.hp_cp_layout)
+        build = preset_hybrid_model if args.model_class == "hybrid" else preset_gpt_model
+        model = build(args.hp_preset, config, args.hp_backend, max_sequence_length=args.seq_length, **stage,
+                      linear=args.hp_linear, cp_layout=args.hp_cp_layout)
     else:
         model = hybrid_model_from_args(args, config, vocab_size=vocab_size, **stage)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)
-    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
 
 def build_optimizer(args, model):
@@ -258,6 +260,7 @@ def setup(args):
     vocab_size = model_vocab_size(args, tokenizer.vocab_size)
     config = build_config(args, vocab_size)
     model = build_model(args, config, vocab_size)
+    config = model.config  # HybridModel's: the same fields in its layer numbering
     optimizer = build_optimizer(args, model)
     scheduler = build_scheduler(args, optimizer)
     config.finalize_model_grads_func = finalize_model_grads
@@ -272,11 +275,13 @@ def model_description(args, vocab_size, tokenizer_vocab):
     """What each checkpoint stores to rebuild the model, as Megatron-LM stores ``args``: ``--hp-hf-config``'s
     config.json (``{"hf_config": ...}``, as a converted checkpoint) or the model flags
     (``hp_megatron.training.model_args.stored_model_args``); ``python -m hp_megatron.generate --load`` reads them."""
+    model_class = {"model_class": args.model_class}
     if args.hp_preset is not None:
         from hp_megatron.convert.safetensors_io import load_hf_config
 
-        return {"hf_config": load_hf_config(args.hp_hf_config)}
-    return {MODEL_ARGS_KEY: stored_model_args(args, padded_vocab_size=vocab_size, vocab_size=tokenizer_vocab)}
+        return {"hf_config": load_hf_config(args.hp_hf_config), **model_class}
+    return {MODEL_ARGS_KEY: stored_model_args(args, padded_vocab_size=vocab_size, vocab_size=tokenizer_vocab),
+            **model_class, "hybrid_layer_pattern": args.hybrid_layer_pattern}
 
 
 def evaluate(args, model, loader, forward_step_func, num_micro, device):

@@ -7,7 +7,11 @@ The architecture comes from config.json's ``model_type`` (the table of ``hp_mega
 imports it, the engine does not); ``--rules`` / ``--model-builder`` (``package.module:function``) replace its
 conversion rules / model builder. ``--mtp-num-layers N`` converts DeepSeek-V3's / Qwen3-Next's
 multi-token-prediction layers too (N: config.json's ``num_nextn_predict_layers`` / ``mtp_num_hidden_layers``);
-mcore-to-hf takes the checkpoint's MTP depth unless given.
+mcore-to-hf takes the checkpoint's MTP depth unless given. ``--model-class hybrid`` converts to / from megatron-core's
+``HybridModel`` (0.19+; the architecture's rules in HybridModel's layer numbering,
+``hp_megatron.hybrid_model.numbering``);
+mcore-to-hf reads the class from the checkpoint unless given. ``gpt-to-hybrid --load GPT --save HYBRID`` migrates a
+GPTModel checkpoint of our layers (training state included) to HybridModel (``hp_megatron.convert.migrate``).
 """
 from __future__ import annotations
 
@@ -41,6 +45,20 @@ def build_parser() -> argparse.ArgumentParser:
                                "them (DeepSeek-V3, Qwen3-Next; default 0: none)")
     to_hf.add_argument("--mtp-num-layers", type=int, default=None,
                        help="multi-token-prediction layers to convert (default: those the checkpoint holds)")
+    to_mcore.add_argument("--model-class", choices=("gpt", "hybrid"), default="gpt",
+                          help="megatron-core model class of the checkpoint: GPTModel (default) or HybridModel")
+    to_hf.add_argument("--model-class", choices=("gpt", "hybrid"), default=None,
+                       help="model class of the checkpoint (default: read from it)")
+    for name, source, target in (("gpt-to-hybrid", "GPTModel", "HybridModel"),
+                                 ("hybrid-to-gpt", "HybridModel", "GPTModel")):
+        migrate = sub.add_parser(name, help=f"{source} checkpoint -> {target} checkpoint (weights and optimizer "
+                                            "state bit-exact)")
+        migrate.add_argument("--load", required=True, help=f"{source} checkpoint root or iteration directory")
+        migrate.add_argument("--save", required=True, help="checkpoint root to create")
+        migrate.add_argument("--hybrid-layer-pattern", default=None,
+                             help="the model's HybridModel pattern (default: from the checkpoint's hf_config or the "
+                                  "example's stored flags)")
+        migrate.add_argument("--overwrite", action="store_true", help="replace --save if it exists")
     for p in (to_mcore, to_hf):
         p.add_argument("--rules", default=None, help="package.module:function returning the TensorRules")
         p.add_argument("--model-builder", default=None, help="package.module:function building the GPTModel")
@@ -51,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.direction in ("gpt-to-hybrid", "hybrid-to-gpt"):
+            done = _migrate(args)
+            state = ("weights and optimizer state" if done["optimizer"]
+                     else "weights only (the checkpoint has no optimizer state)")
+            print(f"{args.direction}: {done['tensors']} tensors, {done['objects']} objects ({state}), pattern "
+                  f"{done['pattern']} -> {args.save}", flush=True)
+            return 0
         report = _convert(args)
     except (ValueError, FileExistsError) as err:  # CheckpointError is a ValueError
         print(f"error: {err}", file=sys.stderr, flush=True)
@@ -65,17 +90,47 @@ def main(argv=None) -> int:
 
 
 def _convert(args):
-    from hp_megatron.convert.engine import hf_to_mcore, mcore_to_hf, stored_hf_config, stored_mtp_depth
+    from hp_megatron.convert.engine import (hf_to_mcore, mcore_to_hf, stored_hf_config, stored_model_class,
+                                            stored_mtp_depth)
     from hp_megatron.convert.safetensors_io import load_hf_config
 
     if args.direction == "hf-to-mcore":
         architecture = _architecture(load_hf_config(args.load), args).with_mtp(args.mtp_num_layers)
-        return hf_to_mcore(args.load, args.save, architecture, iteration=args.ckpt_iteration,
-                           overwrite=args.overwrite, drop_unmodeled=args.drop_unmodeled)
+        return hf_to_mcore(args.load, args.save, architecture.for_model_class(args.model_class),
+                           iteration=args.ckpt_iteration, overwrite=args.overwrite, drop_unmodeled=args.drop_unmodeled)
     hf_config = load_hf_config(args.hf_config) if args.hf_config else stored_hf_config(args.load)
     depth = stored_mtp_depth(args.load) if args.mtp_num_layers is None else args.mtp_num_layers
-    return mcore_to_hf(args.load, args.save, _architecture(hf_config, args).with_mtp(depth), hf_config=hf_config,
-                       max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+    model_class = args.model_class or stored_model_class(args.load)
+    architecture = _architecture(hf_config, args).with_mtp(depth).for_model_class(model_class)
+    return mcore_to_hf(args.load, args.save, architecture, hf_config=hf_config, max_shard_size=args.max_shard_size,
+                       overwrite=args.overwrite)
+
+
+def _migrate(args) -> dict:
+    """``gpt-to-hybrid`` / ``hybrid-to-gpt``: the pattern from the flag, the checkpoint's ``hybrid_layer_pattern``
+    (a migrated one), its ``hf_config`` (its architecture, with the checkpoint's MTP depth) or the example's stored
+    flags; then ``migrate_gpt_to_hybrid`` / ``migrate_hybrid_to_gpt``."""
+    from hp_megatron.checkpoint import checkpoint_directory
+    from hp_megatron.checkpoint.common_state import read_common_state
+    from hp_megatron.convert.engine import stored_mtp_depth
+    from hp_megatron.convert.migrate import migrate_gpt_to_hybrid, migrate_hybrid_to_gpt, pattern_of_model_args
+    from hp_megatron.models import get_architecture
+
+    pattern = args.hybrid_layer_pattern
+    if pattern is None:
+        common = read_common_state(checkpoint_directory(args.load))
+        if common.get("hybrid_layer_pattern"):
+            pattern = common["hybrid_layer_pattern"]
+        elif common.get("hf_config") is not None:
+            hf = common["hf_config"]
+            pattern = get_architecture(hf["model_type"]).with_mtp(stored_mtp_depth(args.load)).hybrid_pattern(hf)
+        elif common.get("hp_model_args") is not None:
+            pattern = pattern_of_model_args(common["hp_model_args"])
+        else:
+            raise ValueError(f"{args.load}: its common state has neither hf_config nor hp_model_args; pass "
+                             "--hybrid-layer-pattern")
+    migrate = migrate_gpt_to_hybrid if args.direction == "gpt-to-hybrid" else migrate_hybrid_to_gpt
+    return {**migrate(args.load, args.save, pattern, overwrite=args.overwrite), "pattern": pattern}
 
 
 def _architecture(hf_config: dict, args):

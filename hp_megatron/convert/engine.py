@@ -166,6 +166,13 @@ def stored_mtp_depth(load: str) -> int:
     return len({m.group(1) for k in keys if (m := re.match(r"mtp\.layers\.(\d+)\.", k))})
 
 
+def stored_model_class(load: str) -> str:
+    """``hybrid`` when a checkpoint holds megatron-core ``HybridModel`` tensors (its final norm
+    ``decoder.final_norm.*``), else ``gpt`` (``GPTModel``: ``decoder.final_layernorm.*``)."""
+    keys = ChunkReader(checkpoint_directory(load)).tensors
+    return "hybrid" if any(k.startswith("decoder.final_norm.") for k in keys) else "gpt"
+
+
 def _hf_config_of(common: dict, ckpt: str) -> dict:
     if common.get("hf_config") is None:
         raise CheckpointError(f"{ckpt}: its common state stores no hf_config; pass the HF config.json (--hf-config)")

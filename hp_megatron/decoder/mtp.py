@@ -31,6 +31,20 @@ from layers.cp.sequence import packed_cu_seqlens, plan_for_batch
 from layers.base.megatron_compat import record_mtp_metrics
 
 
+def without_cuda_moves(setup):
+    """``setup()`` (a model's ``setup_embeddings_and_output_layer``) also on a CPU-only torch: with pipeline
+    parallelism megatron-core gives the MTP stage its copy of the embedding with ``weight.data.cuda()`` before the
+    all-reduce; without CUDA that move is the identity here."""
+    if torch.cuda.is_available():
+        return setup()
+    to_cuda = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
+    try:
+        return setup()
+    finally:
+        torch.Tensor.cuda = to_cuda
+
+
 def roll_to_next_token(x: torch.Tensor, cp_group=None, layout: str = "zigzag", packed_seq_params=None) -> torch.Tensor:
     """``x [b, s_local]`` (BSHD rows, or ``[1, t_local]`` of a THD stream) shifted one token left in global order:
     position ``g`` holds ``x[g + 1]``, or 0 where ``g`` is the last token of its row / packed document. With a CP

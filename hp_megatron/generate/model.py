@@ -34,12 +34,13 @@ def load_weights(model, load: str) -> str:
 
 def build_model(hf_config: dict, *, tensor_model_parallel_size: int = 1, load: str | None = None,
                 params_dtype: torch.dtype = torch.float32):
-    """The ``GPTModel`` of ``hf_config`` on this rank (weights from ``load`` when given, else random), in eval
-    mode, on CUDA when megatron-core's device is a GPU."""
+    """The ``GPTModel`` of ``hf_config`` (``HybridModel`` when ``load`` is a HybridModel checkpoint) on this rank
+    (weights from ``load`` when given, else random), in eval mode, on CUDA when megatron-core's device is a GPU."""
     from hp_megatron.models import architecture_of
 
-    model = architecture_of(hf_config).build_model(hf_config, tensor_model_parallel_size=tensor_model_parallel_size,
-                                                    params_dtype=params_dtype)
+    architecture = architecture_of(hf_config).for_model_class(checkpoint_model_class(load))
+    model = architecture.build_model(hf_config, tensor_model_parallel_size=tensor_model_parallel_size,
+                                     params_dtype=params_dtype)
     if torch.cuda.is_available():
         model.cuda()
     if load is not None:
@@ -122,6 +123,17 @@ def check_stored_model(stored: dict, path: str) -> None:
     check_mixer_support(args, decode=True)
 
 
+def checkpoint_model_class(load: str | None) -> str:
+    """``gpt`` or ``hybrid``: the model class of the checkpoint ``load`` (its common state's ``model_class``, else its
+    keys: ``hp_megatron.convert.engine.stored_model_class``); ``gpt`` without ``load``."""
+    from hp_megatron.convert.engine import stored_model_class
+
+    if load is None:
+        return "gpt"
+    _, common = _common_state(load)
+    return common.get("model_class") or stored_model_class(load)
+
+
 def _common_state(load: str) -> tuple[str, dict]:
     """(checkpoint directory, its common state) of ``load`` (tracker or iteration directory), read with
     megatron-core's ``dist_checkpointing.load_common_state_dict``; ValueError naming a missing file."""
@@ -136,14 +148,19 @@ def _common_state(load: str) -> tuple[str, dict]:
 
 def build_model_from_args(stored: dict, *, tensor_model_parallel_size: int = 1, load: str | None = None,
                           params_dtype: torch.dtype = torch.float32):
-    """The example's ``GPTModel`` of the stored flags ``stored`` (``hp_megatron.training.model_args``) at
-    ``tensor_model_parallel_size`` on this rank, without the MTP layers (generation reads the main head only),
-    weights from ``load``, in eval mode."""
+    """The example's ``GPTModel`` (``HybridModel`` for a HybridModel checkpoint ``load``) of the stored flags
+    ``stored`` (``hp_megatron.training.model_args``) at ``tensor_model_parallel_size`` on this rank, without the MTP
+    layers (generation reads the main head only), weights from ``load``, in eval mode."""
     from hp_megatron.arguments import validate_hp_args
     from hp_megatron.platform import CPU_SAFE_CONFIG
     from hp_megatron.training.model_args import args_from_stored, hybrid_config_from_args, hybrid_model_from_args
 
     args = args_from_stored(stored)
+    args.model_class = checkpoint_model_class(load)
+    # the pattern the run gave (--hybrid-layer-pattern, stored beside the flags; one pipeline stage here), else
+    # derived from the flags
+    pattern = _common_state(load)[1].get("hybrid_layer_pattern") if load is not None else None
+    args.hybrid_layer_pattern = pattern.replace("|", "") if pattern else None
     vocab, tp = int(stored["padded_vocab_size"]), tensor_model_parallel_size
     if vocab % tp:
         raise ValueError(f"the checkpoint's padded vocabulary {vocab} is not divisible by "

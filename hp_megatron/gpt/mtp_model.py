@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from hp_megatron.decoder.mtp import attach_mtp_losses
+from hp_megatron.decoder.mtp import attach_mtp_losses, without_cuda_moves
 
 
 class MTPGPTModel(GPTModel):
@@ -15,14 +15,7 @@ class MTPGPTModel(GPTModel):
     def setup_embeddings_and_output_layer(self):
         """megatron-core's, also on a CPU-only torch: with pipeline parallelism it gives the MTP stage its copy of the
         embedding with ``weight.data.cuda()`` before the all-reduce; without CUDA that move is the identity here."""
-        if torch.cuda.is_available():
-            return super().setup_embeddings_and_output_layer()
-        to_cuda = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
-        try:
-            return super().setup_embeddings_and_output_layer()
-        finally:
-            torch.Tensor.cuda = to_cuda
+        return without_cuda_moves(super().setup_embeddings_and_output_layer)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """megatron-core's, with ``metadata["dp_cp_group"]`` defaulted to the data x context parallel group (as

@@ -14,11 +14,13 @@ builders (``hp_megatron.config``, ``specs``, ``gpt_model``); never ``hp_megatron
 """
 from hp_megatron.models.architectures import (ARCHITECTURES, Architecture, architecture_of, conversion_rules_from_hf,
                                               get_architecture, preset_from_hf)
-from hp_megatron.models.build import preset_gpt_model, preset_layer_spec, preset_transformer_config
+from hp_megatron.models.build import (preset_gpt_model, preset_hybrid_model, preset_layer_spec,
+                                      preset_transformer_config)
 from hp_megatron.models.common import ModelPreset
 from hp_megatron.models.megatron_gdn import KeyMap, gpt_key_map, hybrid_key_map
 from hp_megatron.models.weights import export_hf_weights, hf_weight_exporter
 
 __all__ = ["ARCHITECTURES", "Architecture", "KeyMap", "ModelPreset", "architecture_of", "conversion_rules_from_hf",
            "export_hf_weights", "get_architecture", "gpt_key_map", "hf_weight_exporter", "hybrid_key_map",
-           "preset_from_hf", "preset_gpt_model", "preset_layer_spec", "preset_transformer_config"]
+           "preset_from_hf", "preset_gpt_model", "preset_hybrid_model", "preset_layer_spec",
+           "preset_transformer_config"]

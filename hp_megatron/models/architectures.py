@@ -21,7 +21,8 @@ import hp_megatron.models.llama as llama
 import hp_megatron.models.qwen3_5 as qwen3_5
 import hp_megatron.models.qwen3_next as qwen3_next
 from hp_megatron.convert.safetensors_io import load_hf_config
-from hp_megatron.models.build import preset_gpt_model, preset_transformer_config
+from hp_megatron.models.build import (preset_gpt_model, preset_hybrid_model, preset_hybrid_pattern,
+                                      preset_transformer_config)
 from hp_megatron.models.common import ModelPreset
 
 
@@ -37,7 +38,9 @@ class Architecture:
     multi-token-prediction modules), which ``hf_to_mcore`` drops only when asked; ``model_builder``, when set,
     builds the model in place of the preset's GPTModel (the converter's ``--model-builder``); ``mtp_num_layers``:
     the multi-token-prediction layers the model is built with and converted (:meth:`with_mtp`; 0: none);
-    ``unmodeled_with_mtp``: the ``unmodeled_tensors`` that stay unmodeled with MTP (a VL checkpoint's vision tower)."""
+    ``unmodeled_with_mtp``: the ``unmodeled_tensors`` that stay unmodeled with MTP (a VL checkpoint's vision tower);
+    ``model_class``: ``gpt`` (megatron-core's ``GPTModel``) or ``hybrid`` (``HybridModel``; :meth:`for_model_class`:
+    the same rules, their keys renumbered by ``hp_megatron.hybrid_model.numbering.LayerNumbering``)."""
 
     model_type: str
     preset: Callable[[dict], ModelPreset] | None
@@ -46,6 +49,7 @@ class Architecture:
     model_builder: Callable | None = None
     mtp_num_layers: int = 0
     unmodeled_with_mtp: Callable[[dict], dict] = no_unmodeled_tensors
+    model_class: str = "gpt"
 
     def __post_init__(self):
         if self.preset is None and self.model_builder is None:
@@ -66,9 +70,29 @@ class Architecture:
         fields = dict(CPU_SAFE_CONFIG, params_dtype=torch.float32)
         config = preset_transformer_config(preset, **{**fields, **config_overrides})
         text = hf_config.get("text_config", hf_config)   # a VL checkpoint's language model (Qwen3.5)
-        return preset_gpt_model(preset, config, max_sequence_length=text.get("max_position_embeddings") or 4096,
-                                pre_process=parallel_state.is_pipeline_first_stage(),
-                                post_process=parallel_state.is_pipeline_last_stage())
+        build = preset_hybrid_model if self.model_class == "hybrid" else preset_gpt_model
+        return build(preset, config, max_sequence_length=text.get("max_position_embeddings") or 4096,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
+
+    def hybrid_pattern(self, hf_config: dict) -> str:
+        """The ``HybridModel`` pattern of ``hf_config``'s model (with this architecture's MTP layers)."""
+        return preset_hybrid_pattern(self.preset(hf_config), mtp_num_layers=self.mtp_num_layers or None)
+
+    def for_model_class(self, model_class: str) -> "Architecture":
+        """This architecture built and converted as megatron-core's ``model_class`` (``gpt | hybrid``): for
+        ``hybrid`` a ``HybridModel`` and the rules written for GPT with their keys in HybridModel's numbering (one
+        set of rules per architecture; the numbering is a mapping). Call :meth:`with_mtp` first."""
+        if model_class not in MODEL_CLASSES:
+            raise ValueError(f"model_class must be one of {MODEL_CLASSES}, got {model_class!r}")
+        if model_class == self.model_class:
+            return self
+        if self.model_class != "gpt" or self.preset is None:
+            raise ValueError(f"{self.model_type}: only a preset's GPT architecture converts to model_class "
+                             f"{model_class!r} (this one: model_class={self.model_class!r}, "
+                             f"model_builder={self.model_builder!r})")
+        rules = functools.partial(_renumbered_rules, self.conversion_rules, self.hybrid_pattern)
+        return replace(self, model_class=model_class, conversion_rules=rules)
 
     def with_mtp(self, mtp_num_layers: int) -> "Architecture":
         """This architecture with its model built, and its checkpoints converted, with ``mtp_num_layers``
@@ -84,8 +108,21 @@ class Architecture:
                              f"{sorted(MTP_ARCHITECTURES)}, got mtp_num_layers={mtp_num_layers}")
         if self.mtp_num_layers:
             raise ValueError(f"{self.model_type}: the architecture has {self.mtp_num_layers} MTP layers already")
+        if self.model_class != "gpt":
+            raise ValueError(f"{self.model_type}: with_mtp before for_model_class({self.model_class!r})")
         return replace(self, mtp_num_layers=mtp_num_layers, unmodeled_tensors=self.unmodeled_with_mtp,
                        conversion_rules=functools.partial(self.conversion_rules, mtp_num_layers=mtp_num_layers))
+
+
+MODEL_CLASSES = ("gpt", "hybrid")
+
+
+def _renumbered_rules(gpt_rules, hybrid_pattern, hf_config: dict) -> list:
+    """``gpt_rules(hf_config)`` with each ``mcore_key`` in HybridModel's numbering (``LayerNumbering``)."""
+    from hp_megatron.hybrid_model.numbering import LayerNumbering
+
+    numbering = LayerNumbering(hybrid_pattern(hf_config))
+    return [replace(rule, mcore_key=numbering.gpt_to_hybrid(rule.mcore_key)) for rule in gpt_rules(hf_config)]
 
 
 ARCHITECTURES = {arch.model_type: arch for arch in (

@@ -1,5 +1,6 @@
 """What a :class:`~hp_megatron.models.common.ModelPreset` builds: its declared config, its layer spec and its
-megatron-core ``GPTModel`` (through ``hp_megatron.model_builders.hybrid_gpt_model``, the one builder).
+megatron-core ``GPTModel`` (``hp_megatron.model_builders.hybrid_gpt_model``) or ``HybridModel``
+(``hp_megatron.model_builders.hybrid_model``, megatron-core 0.19+).
 
 The preset itself is a declaration; these functions are the only place that turns one into megatron-core objects
 (``Architecture.build_model``, the example's ``--hp-hf-config`` path, tests and benchmarks call them).
@@ -29,8 +30,9 @@ def preset_layer_spec(preset, backend="eager", **kwargs):
 
 def preset_gpt_model(preset, config, backend="eager", *, max_sequence_length: int, pre_process: bool = True,
                      post_process: bool = True, vp_stage=None, **spec_kwargs):
-    """megatron-core ``GPTModel`` of ``preset`` for this pipeline stage (``hp_megatron.model_builders.hybrid_gpt_model``:
-    our RMSNorm as the final norm); ``config`` is typically :func:`preset_transformer_config`'s."""
+    """megatron-core ``GPTModel`` of ``preset`` for this pipeline stage
+    (``hp_megatron.model_builders.hybrid_gpt_model``: our RMSNorm as the final norm); ``config`` is typically
+    :func:`preset_transformer_config`'s."""
     from hp_megatron.model_builders import hybrid_gpt_model
 
     model = hybrid_gpt_model(config, preset_layer_spec(preset, backend, **spec_kwargs),
@@ -54,3 +56,29 @@ def _mapping_position_ids(position_ids_map):
         return None
 
     return hook
+
+
+def preset_hybrid_model(preset, config, backend="eager", *, max_sequence_length: int, pre_process: bool = True,
+                        post_process: bool = True, vp_stage=None, **spec_kwargs):
+    """megatron-core ``HybridModel`` of ``preset`` for this pipeline stage (``hp_megatron.model_builders.hybrid_model``:
+    the pattern derived from the preset's, the same model as :func:`preset_gpt_model` in HybridModel's numbering);
+    ``config`` is typically :func:`preset_transformer_config`'s (GPT numbering)."""
+    from hp_megatron.model_builders import hybrid_model
+
+    model = hybrid_model(config, max_sequence_length=max_sequence_length, pre_process=pre_process,
+                         post_process=post_process, vp_stage=vp_stage, backend=backend,
+                         qk_layernorm=preset.qk_layernorm, mtp_symbol=preset.mtp_symbol, **spec_kwargs,
+                         **preset.gpt_model_kwargs)
+    if preset.position_ids_map is not None:
+        model.register_forward_pre_hook(_mapping_position_ids(preset.position_ids_map), with_kwargs=True)
+    return model
+
+
+def preset_hybrid_pattern(preset, **overrides) -> str:
+    """The ``HybridModel`` pattern of ``preset``'s model (``overrides``: config fields such as ``mtp_num_layers``;
+    one pipeline stage: ``|`` does not change checkpoint keys)."""
+    from hp_megatron.model_builders import derived_hybrid_pattern
+    from hp_megatron.platform import CPU_SAFE_CONFIG
+
+    config = preset_transformer_config(preset, **{**CPU_SAFE_CONFIG, **overrides, "pipeline_model_parallel_size": 1})
+    return derived_hybrid_pattern(config, preset.mtp_symbol)

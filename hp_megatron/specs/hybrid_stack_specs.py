@@ -17,11 +17,18 @@ symbol  slot                        our layer (``get_hybrid_stack_spec``)
 ``D``   ``dsa_layer``               RMSNorm -> our DSA (``layers.mixers.mla.dsa``: MLA over the indexer's top-k tokens)
 ======  ==========================  ===========================================================================
 
-KDA has no symbol of its own in ``HybridModel`` (its ``Symbols`` are fixed): ``g_mixer="kda"`` builds a stack spec
-whose ``gdn_layer`` slot is our KDA, so ``G`` means KDA under that spec (``kda_hybrid_stack_spec``); a model with
-both GDN and KDA layers is not expressible with one pattern. The decoder is ``hp_megatron.hybrid_model.stack.HybridStack``
-(final norm ``RMSNorm``). Multi-token prediction (a ``/`` part of the pattern) needs ``mtp_block_spec``, which
-these specs do not set (``HybridModel`` then refuses the pattern).
+Slots come from the registry: each mixer's ``MixerEntry.stack_slot`` (or megatron-core's own slot
+``<name>_layer`` where an installed version has one, e.g. ``K`` / ``kda_layer``:
+``hp_megatron.hybrid_model.numbering.hybrid_symbol_of``). A slot several of our mixers declare (``G``: GDN and KDA)
+holds all of them; ``g_mixer`` is the one its layers take by default and ``slot_mixers`` (``{HybridModel layer
+number: our symbol}``, ``numbering.delta_slot_mixers``) picks per layer, so one model holds GDN and KDA layers
+(``hp_megatron.model_builders.hybrid_model`` derives it from ``config.hp_layer_pattern``). The decoder is
+``hp_megatron.hybrid_model.stack.HybridStack`` (final norm ``RMSNorm``). Multi-token prediction (a ``/`` part of
+the pattern), with ``mtp=True``: ``mtp_block_spec`` is megatron-core's MTP block of
+``hp_megatron.decoder.mtp.GlobalShiftMTPLayer`` layers (the inner layers are the pattern's, built by megatron-core
+from these slots; the losses are ``hp_megatron.hybrid_model.model.MTPHybridModel``'s, whose token shift works under
+CP and on CPU). The module-level stack specs (Megatron-LM's ``--spec``) set none: megatron-core's ``HybridModel``
+refuses ``/`` patterns with them rather than mix its ``roll_tensor`` losses with our shift.
 """
 from __future__ import annotations
 
@@ -37,8 +44,8 @@ from layers.base.megatron_compat import dense_mlp_spec
 
 
 def g_mixers() -> tuple:
-    """The names of the registered mixers that may fill HybridModel's ``G`` slot (``MixerEntry.stack_slot``)."""
-    return tuple(mixers()[s].name for s in symbols_where(lambda e: e.stack_slot == "gdn_layer"))
+    """The names of the registered mixers that fill HybridModel's ``G`` slot (``MixerEntry.stack_slot``)."""
+    return tuple(mixers()[s].name for s in slot_symbols().get("gdn_layer", ()))
 
 
 def _megatron_hybrid():
@@ -56,25 +63,66 @@ def _megatron_hybrid():
     return HybridStackSubmodules, MLPLayer, MoETransformerLayer
 
 
-def _mixer_layer(mixer: str, provider, qk_layernorm, cp_layout) -> ModuleSpec:
-    from hp_megatron.hybrid_model.stack import HybridStackLayer
+def slot_symbols() -> dict:
+    """``{HybridStackSubmodules field: (our mixer symbols in registration order)}`` of every registered mixer that
+    declares a HybridModel slot."""
+    from hp_megatron.hybrid_model.numbering import hybrid_symbol_of
+    from hp_megatron.hybrid_model.stack import SLOTS
 
-    return ModuleSpec(module=HybridStackLayer, params={"own_positions": mixer_named(mixer).own_positions},
-                      submodules=TransformerLayerSubmodules(
-                          input_layernorm=provider.layer_norm(rms_norm=True),
-                          self_attention=get_mixer_spec(mixer, provider, qk_layernorm=qk_layernorm,
-                                                        cp_layout=cp_layout),
-                          self_attn_bda=get_bias_dropout_add))
+    out: dict = {}
+    for symbol in symbols_where(lambda e: e.stack_slot is not None):
+        out.setdefault(SLOTS[hybrid_symbol_of(symbol)], []).append(symbol)
+    return {slot: tuple(found) for slot, found in out.items()}
+
+
+def _mixer_layer(default: str, slot_mixers, provider, qk_layernorm, cp_layout) -> ModuleSpec:
+    """The layer spec of a mixer slot: ``default`` (our symbol) or, per layer, ``slot_mixers``' symbol."""
+    from hp_megatron.hybrid_model.stack import HybridStackLayer
+    from hp_megatron.registry import mixer
+
+    def mixer_spec(symbol):
+        return get_mixer_spec(mixer(symbol).name, provider, qk_layernorm=qk_layernorm, cp_layout=cp_layout)
+
+    params = {"own_positions": mixer(default).own_positions}
+    if slot_mixers and set(slot_mixers.values()) != {default}:
+        if any(mixer(s).own_positions != params["own_positions"] for s in slot_mixers.values()):
+            raise ValueError(f"the mixers of one HybridModel slot {sorted(set(slot_mixers.values()))} differ in "
+                             "whether they take the model's rotary tables")
+        params.update(mixer_by_layer=dict(slot_mixers),
+                      mixer_specs={s: mixer_spec(s) for s in sorted(set(slot_mixers.values()))})
+    return ModuleSpec(module=HybridStackLayer, params=params, submodules=TransformerLayerSubmodules(
+        input_layernorm=provider.layer_norm(rms_norm=True), self_attention=mixer_spec(default),
+        self_attn_bda=get_bias_dropout_add))
+
+
+def hybrid_mtp_block_spec(provider):
+    """megatron-core's MTP block spec of :class:`GlobalShiftMTPLayer` layers for ``HybridModel``: our norms and
+    ``eh_proj``; the inner layers are built by megatron-core from the stack's slots and the ``/`` pattern."""
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlockSubmodules
+
+    from hp_megatron.decoder.mtp import GlobalShiftMTPLayer
+    from layers.base.megatron_compat import mtp_layer_submodules
+
+    norm = provider.layer_norm(rms_norm=True)
+    layer = ModuleSpec(module=GlobalShiftMTPLayer, submodules=mtp_layer_submodules(
+        enorm=norm, hnorm=norm, eh_proj=provider.column_parallel_linear(), layer=None, layer_norm=norm))
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[layer])
 
 
 def get_hybrid_stack_spec(backend="eager", *, g_mixer: str = "gdn", qk_layernorm: bool | str = "config",
-                          linear: str | None = None, cp_layout: str | None = None) -> ModuleSpec:
-    """``ModuleSpec(HybridStack)`` with our layers in ``HybridModel``'s slots (module docstring).
+                          linear: str | None = None, cp_layout: str | None = None,
+                          slot_mixers: dict | None = None, mtp: bool = False) -> ModuleSpec:
+    """``ModuleSpec(HybridStack)`` with our layers in ``HybridModel``'s slots (module docstring) and the MTP block.
 
     ``backend``: ``eager | triton | ascendc`` or a spec provider (``hp_megatron.specs.providers``); ``g_mixer``: the
-    mixer of the ``G`` slot, ``gdn`` or ``kda``; ``qk_layernorm``: the attention layers' q/k RMSNorms (True, False
-    or ``"config"``: per ``config.qk_layernorm``); ``cp_layout``: written into the mixers' params (None: their
-    default, ``config.hp_cp_layout``)."""
+    default mixer of the ``G`` slot, ``gdn`` or ``kda``; ``slot_mixers``: ``{HybridModel layer number: our symbol}``
+    for layers of a shared slot (GDN and KDA layers in one model); ``qk_layernorm``: the attention layers' q/k
+    RMSNorms (True, False or ``"config"``: per ``config.qk_layernorm``); ``cp_layout``: written into the mixers'
+    params (None: their default, ``config.hp_cp_layout``); ``mtp``: set ``mtp_block_spec`` (for
+    ``MTPHybridModel``, whose losses are ours; megatron-core's ``HybridModel`` would compute them with
+    ``roll_tensor``, so the module-level specs Megatron-LM imports leave it unset and ``/`` patterns are refused)."""
+    from hp_megatron.registry import mixer
+
     entry = mixer_named(g_mixer)
     refuse_without_slot(entry, mixers().values(), "g_mixer (the mixer of HybridModel's 'G' slot)")
     if entry.stack_slot != "gdn_layer":
@@ -87,15 +135,19 @@ def get_hybrid_stack_spec(backend="eager", *, g_mixer: str = "gdn", qk_layernorm
     norm = provider.layer_norm(rms_norm=True)
     mlp = dense_mlp_spec(MLPSubmodules(linear_fc1=provider.column_parallel_linear(),
                                        linear_fc2=provider.row_parallel_linear()))
+    slot_mixers = dict(slot_mixers or {})
+    mixer_slots = {}
+    for slot, ours in slot_symbols().items():
+        default = next((s for s in ours if mixer(s).name == g_mixer), ours[0])
+        mine = {n: s for n, s in slot_mixers.items() if s in ours}
+        mixer_slots[slot] = _mixer_layer(default, mine, provider, qk_layernorm, cp_layout)
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
-        gdn_layer=_mixer_layer(g_mixer, provider, qk_layernorm, cp_layout),
-        attention_layer=_mixer_layer("attn", provider, qk_layernorm, cp_layout),
-        mla_layer=_mixer_layer("mla", provider, qk_layernorm, cp_layout),
-        dsa_layer=_mixer_layer("dsa", provider, qk_layernorm, cp_layout),
+        **mixer_slots,
         mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=norm, mlp=mlp, mlp_bda=get_bias_dropout_add)),
         moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=norm, mlp=_moe_mlp_spec(provider), mlp_bda=get_bias_dropout_add)),
+        mtp_block_spec=hybrid_mtp_block_spec(provider) if mtp else None,
     ))
 
 

@@ -55,22 +55,27 @@ def hybrid_config_from_args(args, **run):
 
 
 def hybrid_model_from_args(args, config, *, vocab_size: int, pre_process: bool = True, post_process: bool = True):
-    """This pipeline stage's ``GPTModel`` (``hybrid_gpt_model``) of the flags ``args`` over
-    ``get_hybrid_layer_spec(--hp-layer-pattern)``: RoPE when the pattern (or the MTP layers) has attention,
-    untied output layer; the MTP block when ``config.mtp_num_layers``."""
+    """This pipeline stage's model of the flags ``args``: with ``--model-class gpt`` (the default, also for args
+    without the flag) a ``GPTModel`` (``hybrid_gpt_model``) over ``get_hybrid_layer_spec(--hp-layer-pattern)``, with
+    ``--model-class hybrid`` the same model as megatron-core's ``HybridModel`` (``hybrid_model``; pattern
+    ``--hybrid-layer-pattern`` or derived). RoPE when the pattern (or the MTP layers) has attention, untied output
+    layer; the MTP block when ``config.mtp_num_layers``."""
+    from hp_megatron.model_builders import hybrid_gpt_model, hybrid_model
     from hp_megatron.registry import symbols_where
     from hp_megatron.specs import get_hybrid_layer_spec
-    from hp_megatron.model_builders import hybrid_gpt_model
 
     mtp_kind = args.hp_mtp_layer_symbol if getattr(config, "mtp_num_layers", None) else None
-    spec = get_hybrid_layer_spec(args.hp_layer_pattern, backend=args.hp_backend, linear=args.hp_linear,
-                                 cp_layout=args.hp_cp_layout, mtp_symbol=mtp_kind)
     rope_symbols = symbols_where(lambda e: e.model_rope)   # zigzag with CP: checked by validate_hp_args
     uses_rope = any(s in args.hp_layer_pattern + (mtp_kind or "") for s in rope_symbols)
-    return hybrid_gpt_model(config, spec, vocab_size=vocab_size, max_sequence_length=args.seq_length,
-                            pre_process=pre_process, post_process=post_process, backend=args.hp_backend,
-                            share_embeddings_and_output_weights=False,
-                            position_embedding_type="rope" if uses_rope else "none", rotary_base=args.rotary_base)
+    model = dict(vocab_size=vocab_size, max_sequence_length=args.seq_length, pre_process=pre_process,
+                 post_process=post_process, backend=args.hp_backend, share_embeddings_and_output_weights=False,
+                 position_embedding_type="rope" if uses_rope else "none", rotary_base=args.rotary_base)
+    if getattr(args, "model_class", "gpt") == "hybrid":
+        return hybrid_model(config, hybrid_layer_pattern=getattr(args, "hybrid_layer_pattern", None),
+                            linear=args.hp_linear, cp_layout=args.hp_cp_layout, mtp_symbol=mtp_kind, **model)
+    spec = get_hybrid_layer_spec(args.hp_layer_pattern, backend=args.hp_backend, linear=args.hp_linear,
+                                 cp_layout=args.hp_cp_layout, mtp_symbol=mtp_kind)
+    return hybrid_gpt_model(config, spec, **model)
 
 
 def stored_model_args(args, *, padded_vocab_size: int, vocab_size: int) -> dict:
