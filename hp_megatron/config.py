@@ -87,6 +87,9 @@ class HybridFields:
     linear_conv_bias: bool = False
     """Bias in the GDN/KDA short convolution."""
 
+    gdn_allow_neg_eigval: bool = False
+    """GDN beta = 2 sigmoid(b) in (0, 2) (OLMo-Hybrid's ``linear_allow_neg_eigval``); False: sigmoid(b)."""
+
     kda_gate_low_rank_dim: Optional[int] = None
     """KDA forget/output-gate low-rank dim (None: the value head dim, as Kimi Linear)."""
 

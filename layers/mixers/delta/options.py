@@ -61,6 +61,15 @@ DELTA_ROWS = (
     OptionRow(None, "gated_norm_zero_centered_gamma", None, bool),
 )
 
+# GDN's own rows (here, not in gdn.py, so that the flag table is read without importing the layers)
+GDN_ROWS = (
+    OptionRow("--hp-gdn-allow-neg-eigval", "gdn_allow_neg_eigval", "allow_neg_eigval", bool, model=True,
+              optional=False, preset=True,
+              help="GDN beta = 2 sigmoid(b), in (0, 2): transitions with negative eigenvalues (OLMo-Hybrid; FLA's "
+                   "allow_neg_eigval); computed before the op, which takes beta as given"),
+)
+GDN_DEFAULTS = {"allow_neg_eigval": False}
+
 # KDA's own rows (here, not in kda.py, so that the flag table is read without importing the layers)
 KDA_ROWS = (
     OptionRow("--hp-kda-lower-bound", "kda_lower_bound", "lower_bound", float, model=True, check="negative",

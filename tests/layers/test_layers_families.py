@@ -1,0 +1,95 @@
+"""The layer features of the 2026 families against transformers' own modules (single rank, fp32, eager), forward
+and input / parameter gradients:
+
+* GDN ``allow_neg_eigval`` (beta = 2 sigmoid(b)) with key head dim != value head dim: ``OlmoHybridGatedDeltaNet``
+  (separate ``q/k/v/a/b/g_proj``), batched rows over more than one 64-token chunk.
+
+Their CP / TP runs are cases of the shared spawn of tests/layers/test_layers_delta_parallel.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.helpers import use_transformers_torch_path
+from tests.support.reference import rel_err
+
+HIDDEN = 32
+TOL = 1e-5
+OLMO_GDN = dict(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=16)
+
+
+def _config(**overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    kw = dict(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, use_cpu_initialization=True,
+              params_dtype=torch.float32, gradient_accumulation_fusion=False, bias_dropout_fusion=False)
+    return TransformerConfig(**{**kw, **overrides})
+
+
+def _olmo_hybrid_gdn(seed, allow_neg_eigval):
+    from transformers import OlmoHybridConfig
+    from transformers.models.olmo_hybrid import modeling_olmo_hybrid
+
+    cls = use_transformers_torch_path(modeling_olmo_hybrid).OlmoHybridGatedDeltaNet
+    torch.manual_seed(seed)
+    cfg = OlmoHybridConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                           layer_types=["linear_attention", "full_attention"],
+                           linear_num_key_heads=OLMO_GDN["num_key_heads"],
+                           linear_num_value_heads=OLMO_GDN["num_value_heads"],
+                           linear_key_head_dim=OLMO_GDN["key_head_dim"],
+                           linear_value_head_dim=OLMO_GDN["value_head_dim"],
+                           linear_allow_neg_eigval=allow_neg_eigval, linear_a_log_min=0.5, linear_a_log_max=4.0)
+    layer = cls(cfg, layer_idx=0).float()
+    with torch.no_grad():
+        layer.o_norm.weight.uniform_(0.5, 1.5)
+        layer.b_proj.weight.mul_(4.0)   # beta spread over (0, 2): some transitions with negative eigenvalues
+    return layer
+
+
+def olmo_hybrid_gdn_parts(state: dict, prefix: str = "") -> dict:
+    """``OlmoHybridGatedDeltaNet``'s tensors (in memory: one ``conv1d`` of the q | k | v channels) -> our GDN's
+    global parts."""
+    names = {"in_proj.weight.query": "q_proj.weight", "in_proj.weight.key": "k_proj.weight",
+             "in_proj.weight.value": "v_proj.weight", "in_proj.weight.z": "g_proj.weight",
+             "in_proj.weight.beta": "b_proj.weight", "in_proj.weight.alpha": "a_proj.weight",
+             "A_log": "A_log", "dt_bias": "dt_bias", "out_norm.weight": "o_norm.weight",
+             "out_proj.weight": "o_proj.weight"}
+    parts = {ours: state[prefix + theirs] for ours, theirs in names.items()}
+    conv = state[prefix + "conv1d.weight"]
+    key = OLMO_GDN["num_key_heads"] * OLMO_GDN["key_head_dim"]
+    parts.update(zip(("conv1d.weight.query", "conv1d.weight.key", "conv1d.weight.value"),
+                     conv.split([key, key, conv.shape[0] - 2 * key], 0)))
+    return parts
+
+
+@pytest.mark.parametrize("allow_neg_eigval", [True, False])
+def test_gdn_allow_neg_eigval_matches_olmo_hybrid(single_rank, allow_neg_eigval):
+    from layers import GatedDeltaNet
+
+    hf = _olmo_hybrid_gdn(0, allow_neg_eigval)
+    ours = GatedDeltaNet(_config(), None, layer_number=1, norm_eps=1e-5, allow_neg_eigval=allow_neg_eigval,
+                         **OLMO_GDN)
+    ours.load_global_parts(olmo_hybrid_gdn_parts(hf.state_dict()))
+    torch.manual_seed(1)
+    x = torch.randn(2, 70, HIDDEN)
+    grad_out = torch.randn(2, 70, HIDDEN)
+    x_ref = x.clone().requires_grad_(True)
+    hf(x_ref).backward(grad_out)
+    x_ours = x.transpose(0, 1).clone().requires_grad_(True)
+    y, _ = ours(x_ours, attention_mask=None)
+    y.backward(grad_out.transpose(0, 1))
+    with torch.no_grad():
+        y_ref = hf(x)
+    assert rel_err(y.transpose(0, 1), y_ref) <= TOL
+    assert rel_err(x_ours.grad.transpose(0, 1), x_ref.grad) <= TOL
+    grads = ours.global_parts({n: p.grad for n, p in ours.named_parameters()})
+    assert rel_err(grads["in_proj.weight.beta"], hf.b_proj.weight.grad) <= TOL
+    assert rel_err(grads["A_log"], hf.A_log.grad) <= 1e-4
+
+
+def test_gdn_allow_neg_eigval_is_a_bool(single_rank):
+    from layers import GatedDeltaNet
+
+    with pytest.raises(TypeError, match="allow_neg_eigval must be a bool"):
+        GatedDeltaNet(_config(), None, layer_number=1, allow_neg_eigval=1, **OLMO_GDN)
