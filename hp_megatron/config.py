@@ -55,6 +55,14 @@ class HybridFields:
     DeepSeek-V3; the presets set it). MTP layers have this fixed kind, not the one the pattern gives their layer
     number."""
 
+    hp_post_norm_symbols: Optional[str] = None
+    """Layer symbols whose layers are post-norm, ``h + norm(mixer(h))`` and ``h + norm(mlp(h))`` (OLMo 3; OLMo-Hybrid:
+    ``"A"``; ``--hp-post-norm-layers``; ``hp_megatron.decoder.post_norm``); None: every layer pre-norm."""
+
+    hp_qk_norm_scope: str = "head"
+    """What the q/k RMSNorms of ``A`` layers normalise: each ``head`` (megatron-core's ``qk_layernorm``) or the whole
+    ``projection`` (OLMo 2 / 3; ``--hp-qk-norm-scope``; ``hp_megatron.decoder.qk_norm.ProjectionRMSNorm``)."""
+
     hp_cp_layout: str = "zigzag"
     """Token layout over the CP ranks of every mixer (GDN, KDA, MLA, attention) and the data path: ``zigzag``
     (Megatron's load-balanced split) or ``contiguous`` (``--hp-cp-layout``)."""
@@ -83,6 +91,10 @@ class HybridFields:
 
     delta_init_seed: Optional[int] = None
     """Base seed of the GDN/KDA layout-independent initialisation (None: ``torch.initial_seed()``)."""
+
+    delta_norm_eps: Optional[float] = None
+    """Epsilon of the GDN/KDA output norm (None: ``layernorm_epsilon``; OLMo-Hybrid: 1e-5, FLA's default, beside
+    ``rms_norm_eps`` 1e-6)."""
 
     linear_conv_bias: bool = False
     """Bias in the GDN/KDA short convolution."""
@@ -184,6 +196,10 @@ def check_hybrid_fields(config) -> None:
             validate_pattern(config.hp_layer_pattern, symbols())
         except ValueError as err:
             raise ValueError(f"{owner}.hp_layer_pattern {config.hp_layer_pattern!r}: {err}") from None
+    unknown = sorted(set(config.hp_post_norm_symbols or "") - set(symbols()))
+    if unknown:
+        raise ValueError(f"{owner}.hp_post_norm_symbols {config.hp_post_norm_symbols!r}: unknown symbols {unknown}; "
+                         f"known: {sorted(symbols())}")
     kind = config.hp_mtp_layer_symbol
     if kind is not None and kind not in symbols():
         raise ValueError(f"{owner}.hp_mtp_layer_symbol must be one of {sorted(symbols())} or None, got {kind!r}")

@@ -17,6 +17,7 @@ import torch
 import hp_megatron.models.deepseek_v3 as deepseek_v3
 import hp_megatron.models.kimi_linear as kimi_linear
 import hp_megatron.models.llama as llama
+import hp_megatron.models.olmo_hybrid as olmo_hybrid
 import hp_megatron.models.qwen3_next as qwen3_next
 from hp_megatron.convert.safetensors_io import load_hf_config
 from hp_megatron.models.build import preset_gpt_model, preset_transformer_config
@@ -90,6 +91,7 @@ ARCHITECTURES = {arch.model_type: arch for arch in (
     Architecture(deepseek_v3.MODEL_TYPE, deepseek_v3.megatron_config, deepseek_v3.conversion_rules,
                  deepseek_v3.unmodeled_tensors),
     Architecture(kimi_linear.MODEL_TYPE, kimi_linear.megatron_config, kimi_linear.conversion_rules),
+    Architecture(olmo_hybrid.MODEL_TYPE, olmo_hybrid.megatron_config, olmo_hybrid.conversion_rules),
 )}
 
 

@@ -1,5 +1,5 @@
 """Tiny random transformers models of the supported architectures (``qwen3_next``, ``deepseek_v3``,
-``kimi_linear``): small configs with routed and shared experts, dense and MoE layers and mixed layer types, for
+``kimi_linear``, ``olmo_hybrid``): small configs with routed and shared experts, dense and MoE layers and mixed layer types, for
 tests and for trying the HF -> megatron-core -> training path (``examples/pretrain/tiny_hf_checkpoint.py``)."""
 from __future__ import annotations
 
@@ -61,7 +61,21 @@ def _kimi_linear(vocab_size: int):
     return transformers.KimiLinearForCausalLM, cfg
 
 
-TINY_ARCHITECTURES = {"qwen3_next": _qwen3_next, "deepseek_v3": _deepseek_v3, "kimi_linear": _kimi_linear}
+def _olmo_hybrid(vocab_size: int):
+    """GDN with K != V and negative eigenvalues, post-norm attention (GQA) with whole-projection q/k norms, NoPE (the
+    released checkpoints' ``rope_theta: null``)."""
+    transformers = import_transformers()
+    cfg = transformers.OlmoHybridConfig(
+        vocab_size=vocab_size, hidden_size=TINY_HIDDEN, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=16, linear_allow_neg_eigval=True, rms_norm_eps=1e-6,
+        pad_token_id=None, eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": None},
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+    return transformers.OlmoHybridForCausalLM, cfg
+
+
+TINY_ARCHITECTURES = {"qwen3_next": _qwen3_next, "deepseek_v3": _deepseek_v3, "kimi_linear": _kimi_linear,
+                      "olmo_hybrid": _olmo_hybrid}
 
 
 def tiny_hf_config(arch: str, vocab_size: int = TINY_VOCAB):
@@ -102,6 +116,28 @@ def build_tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = TINY_VOCAB):
     model = cls(cfg).float().eval()
     perturb_parameters(model, seed)
     return model
+
+
+def save_tiny_hf_model(model, directory: str) -> None:
+    """``model.save_pretrained(directory)`` with the released checkpoints' tensor layout. transformers 5.25 saves
+    OLMo-Hybrid's short conv (one ``conv1d`` in memory) as ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` of equal
+    thirds, which is wrong when the key and value dims differ (it loads back, by concatenation, but the parts are
+    not the model's q, k, v channels); the released checkpoints hold q, k, v convs of their own sizes, written here."""
+    model.save_pretrained(directory)
+    cfg = model.config
+    if cfg.model_type != "olmo_hybrid":
+        return
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(directory, "model.safetensors")
+    state = load_file(path)
+    key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    for name in [n for n in state if n.endswith("linear_attn.q_conv1d.weight")]:
+        prefix = name[:-len("q_conv1d.weight")]
+        names = [f"{prefix}{p}_conv1d.weight" for p in "qkv"]
+        fused = torch.cat([state[n] for n in names], 0)
+        state.update(zip(names, fused.split([key, key, fused.shape[0] - 2 * key], 0)))
+    save_file({k: v.contiguous() for k, v in state.items()}, path, metadata={"format": "pt"})
 
 
 MTP_LAYER_TYPE = {"qwen3_next": dict(layer_types=["full_attention"], mlp_only_layers=[]),

@@ -51,10 +51,16 @@ GRADS = {
                     ("model.layers.3.self_attn.o_norm.weight", None, "decoder.layers.3.self_attention.out_norm.weight"),
                     ("model.layers.2.self_attn.kv_b_proj.weight", None, "decoder.layers.2.self_attention.linear_kv_up_proj.weight"),
                     ("model.layers.2.self_attn.kv_a_layernorm.weight", None, "decoder.layers.2.self_attention.kv_layernorm.weight")],
+    "olmo_hybrid": [("model.layers.1.self_attn.q_norm.weight", None, "decoder.layers.1.self_attention.q_layernorm.weight"),
+                    ("model.layers.3.self_attn.k_norm.weight", None, "decoder.layers.3.self_attention.k_layernorm.weight"),
+                    ("model.layers.1.post_attention_layernorm.weight", None,
+                     "decoder.layers.1.self_attention.post_norm.weight"),
+                    ("model.layers.3.post_feedforward_layernorm.weight", None, "decoder.layers.3.mlp.post_norm.weight"),
+                    ("model.layers.0.linear_attn.A_log", None, "decoder.layers.0.self_attention.A_log")],
 }
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "deepseek_v3", "kimi_linear"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "deepseek_v3", "kimi_linear", "olmo_hybrid"])
 def test_matches_transformers_and_round_trips(single_rank, arch):
     with tempfile.TemporaryDirectory() as directory:
         hf_model, hf_config = tiny_hf_model(arch, directory)

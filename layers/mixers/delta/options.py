@@ -58,6 +58,7 @@ DELTA_ROWS = (
               check="positive", preset=True, help="short convolution width"),
     OptionRow(None, "linear_conv_bias", "conv_bias", bool, optional=False),
     OptionRow(None, "delta_init_seed", "init_seed", int),
+    OptionRow(None, "delta_norm_eps", "norm_eps", float, model=True, check="positive"),
     OptionRow(None, "gated_norm_zero_centered_gamma", None, bool),
 )
 
