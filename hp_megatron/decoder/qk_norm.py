@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed.nn.functional as dist_nn
 from torch import nn
+
+from layers.shared.parallel import AllReduceSum
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class ProjectionRMSNorm(nn.Module):
         flat = x.reshape(*x.shape[:-2], -1).float()
         squares = flat.pow(2).sum(-1, keepdim=True)
         if self.tp_group is not None:
-            squares = dist_nn.all_reduce(squares, group=self.tp_group)
+            squares = AllReduceSum.apply(squares, self.tp_group)
         normed = flat * torch.rsqrt(squares / self.total + self.eps)
         return (self.weight.float() * normed).to(x.dtype).reshape(x.shape)
 

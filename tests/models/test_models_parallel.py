@@ -17,6 +17,7 @@ from tests.support.reference import rel_err
 
 TOL = 1e-4
 CASES = [(arch, layout) for layout in ("tp2cp2", "pp2ep2") for arch in ("qwen3_next", "deepseek_v3", "kimi_linear")]
+CASES += [("olmo_hybrid", "tp2cp2")]   # dense: no experts to place
 SIZES = {"tp2cp2": dict(tp=2, cp=2, pp=1, ep=1), "pp2ep2": dict(tp=1, cp=1, pp=2, ep=2)}
 # mcore parameters whose gradients are compared (their HF counterparts: test_models_tp1.GRADS)
 GRAD_KEYS = {
@@ -30,7 +31,13 @@ GRAD_KEYS = {
                     "decoder.layers.1.mlp.router.weight", "decoder.layers.0.self_attention.in_proj.weight",
                     "decoder.layers.3.self_attention.out_norm.weight",
                     "decoder.layers.2.self_attention.linear_kv_up_proj.weight"],
+    "olmo_hybrid": ["decoder.layers.1.self_attention.q_layernorm.weight", "decoder.layers.3.self_attention.k_layernorm.weight",
+                    "decoder.layers.1.self_attention.post_norm.weight", "decoder.layers.3.mlp.post_norm.weight",
+                    "decoder.layers.0.self_attention.in_proj.weight", "decoder.layers.3.self_attention.linear_qkv.weight"],
 }
+# checkpoint names -> transformers' in-memory names (Kimi's MoE, OLMo-Hybrid's norms)
+IN_MEMORY = (("block_sparse_moe.", "mlp."), ("feedforward_layer_norm", "post_attention_layernorm"),
+             ("attention_layer_norm", "input_layernorm"))
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.")
 
 
@@ -88,7 +95,9 @@ def _reference_grads(hf_model, rules, keys):
     out = {}
     for key in keys:
         rule = by_key[key]
-        names = [k.replace("block_sparse_moe.", "mlp.") for k in rule.hf_keys]  # Kimi's in-memory MoE name
+        names = list(rule.hf_keys)
+        for old, new in IN_MEMORY:
+            names = [k.replace(old, new) for k in names]
         if all(k in params for k in names):
             out[key] = rule.to_mcore([params[k].grad for k in names])
             continue
