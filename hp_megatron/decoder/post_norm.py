@@ -32,9 +32,30 @@ def post_normed(cls: type, norm) -> type:
                 out = out + bias
             return self.post_norm(out), None
 
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            """The module's own, with ``post_norm`` replicated over its TP group (megatron-core's ``MLP`` would
+            give it no TP group: every TP rank a main replica)."""
+            state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            state.update(_replicated_sharded_state_dict(self, "post_norm", prefix, sharded_offsets, metadata))
+            return state
+
     PostNormed.__name__ = PostNormed.__qualname__ = f"PostNorm{cls.__name__}"
     PostNormed.__module__ = __name__
     return PostNormed
+
+
+def _replicated_sharded_state_dict(owner, name: str, prefix: str, sharded_offsets, metadata) -> dict:
+    """``owner.<name>``'s tensors as ShardedTensors replicated over the TP group (``owner.tp_group``, else
+    megatron's) and the data x context group."""
+    import inspect
+
+    from megatron.core import parallel_state
+    from megatron.core.transformer.utils import sharded_state_dict_default
+
+    module = getattr(owner, name)
+    tp_group = getattr(owner, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
+    keywords = {"tp_group": tp_group} if "tp_group" in inspect.signature(sharded_state_dict_default).parameters else {}
+    return sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata, **keywords)
 
 
 def _built_class(spec):
