@@ -55,16 +55,18 @@ class ProjectionRMSNorm(nn.Module):
     "projection"`` (:class:`QueryProjectionRMSNorm`, :class:`KeyProjectionRMSNorm`), built as megatron's
     ``SelfAttention`` builds its q/k norms (``hidden_size`` = the head dim) and applied to ``[s, b, heads_local, d]``.
 
-    Under tensor parallelism each rank holds its heads' slice of the weight (``[heads_local * d]``, TP axis 0 in
-    checkpoints) and the sum of squares is all-reduced over the TP group (differentiably: every rank's output depends
-    on every rank's channels). Key heads replicated over TP (``num_query_groups`` < TP) are refused."""
+    Under tensor parallelism the weight (``[heads * d]``) is replicated, as megatron-core's q/k norm weights are,
+    and each rank scales its heads' channels with its slice of it: each rank's gradient is nonzero on its slice only,
+    and megatron-core's ``finalize_model_grads`` sums ``q_layernorm`` / ``k_layernorm`` gradients over TP (what it
+    does for per-head q/k norms), which completes it. The sum of squares is all-reduced over the TP group
+    (differentiably: every rank's output depends on every rank's channels). Key heads replicated over TP
+    (``num_query_groups`` < TP) are refused."""
 
     part = None   # "query" | "key"
 
     def __init__(self, config=None, hidden_size=None, eps=1e-5, **kwargs):
         super().__init__()
         from megatron.core import parallel_state
-        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         heads = config.num_attention_heads if self.part == "query" else (config.num_query_groups
                                                                          or config.num_attention_heads)
@@ -72,10 +74,10 @@ class ProjectionRMSNorm(nn.Module):
         if heads % tp:
             raise ValueError(f"hp_qk_norm_scope='projection': the {self.part} heads ({heads}) must be divisible by "
                              f"the tensor-parallel size {tp} (heads replicated over TP are not supported)")
-        self.eps, self.total = float(eps), heads * hidden_size
+        self.eps, self.total, self.local = float(eps), heads * hidden_size, heads // tp * hidden_size
         self.tp_group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
-        self.weight = nn.Parameter(torch.ones(heads // tp * hidden_size, dtype=config.params_dtype))
-        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        self.start = (self.tp_group.rank() if self.tp_group is not None else 0) * self.local
+        self.weight = nn.Parameter(torch.ones(self.total, dtype=config.params_dtype))
         setattr(self.weight, "sequence_parallel", False)
 
     def forward(self, x):
@@ -84,16 +86,11 @@ class ProjectionRMSNorm(nn.Module):
         if self.tp_group is not None:
             squares = AllReduceSum.apply(squares, self.tp_group)
         normed = flat * torch.rsqrt(squares / self.total + self.eps)
-        return (self.weight.float() * normed).to(x.dtype).reshape(x.shape)
-
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
-        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0},
-                                                   sharded_offsets)
+        weight = self.weight.narrow(0, self.start, self.local)
+        return (weight.float() * normed).to(x.dtype).reshape(x.shape)
 
     def extra_repr(self):
-        return f"{self.part}: {self.weight.shape[0]} of {self.total} channels, eps={self.eps}"
+        return f"{self.part}: channels {self.start}..{self.start + self.local} of {self.total}, eps={self.eps}"
 
 
 class QueryProjectionRMSNorm(ProjectionRMSNorm):

@@ -9,7 +9,9 @@ load-balancing loss and the expert-bias update (the router loads all-reduced bef
 
 * DeepSeek-V3 at EP2 on 4 ranks (DP4, each expert on 2 data-parallel ranks) and at EP2 x PP2;
 * Qwen3-Next at EP2 x TP2 with sequence parallelism, experts split over TP too (ETP2, the default) and whole
-  (``--expert-tensor-parallel-size 1``: expert data parallel 2).
+  (``--expert-tensor-parallel-size 1``: expert data parallel 2);
+* the dense OLMo-Hybrid (GDN with negative eigenvalues, post-norm attention with whole-projection q/k norms) at
+  TP2 x CP2 with sequence parallelism, in the same spawns.
 
 Two spawns: 4 ranks for the three layouts (each case streamed, so a failing layout fails its own test only),
 1 rank for both references. The flags' checks (EP not dividing the experts, EP without experts...) are parse-time
@@ -21,7 +23,7 @@ import pytest
 
 from tests.support.converted_runs import example, example_argv, layouts_and_references, write_converted
 
-ARCH_FLAGS = {"deepseek_v3": [], "qwen3_next": ["--moe-aux-loss-coeff", "1e-2"]}
+ARCH_FLAGS = {"deepseek_v3": [], "qwen3_next": ["--moe-aux-loss-coeff", "1e-2"], "olmo_hybrid": []}
 LAYOUTS = {
     "ep2": ("deepseek_v3", ["--expert-model-parallel-size", "2"]),
     "ep2_pp2": ("deepseek_v3", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
@@ -29,6 +31,8 @@ LAYOUTS = {
                                "--sequence-parallel"]),
     "ep2_tp2_etp1": ("qwen3_next", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                     "--sequence-parallel", "--expert-tensor-parallel-size", "1"]),
+    "olmo_hybrid_tp2_cp2": ("olmo_hybrid", ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+                                            "--sequence-parallel"]),
 }
 
 
@@ -59,7 +63,9 @@ def test_layout_first_iteration_matches_single_rank(runs, name):
     got, ref = layout(name), single[LAYOUTS[name][0]]
     for key in ("lm_loss", "grad_norm"):
         assert _rel(got[key], ref[key]) <= 1e-4, (key, got, ref)
-    if LAYOUTS[name][0] == "qwen3_next":  # softmax router with the aux loss
+    if LAYOUTS[name][0] == "olmo_hybrid":  # dense
+        assert "load_balancing_loss" not in ref and "expert bias update" not in ref, ref
+    elif LAYOUTS[name][0] == "qwen3_next":  # softmax router with the aux loss
         assert ref["load_balancing_loss"] > 0 and "expert bias update" not in ref, ref
         assert _rel(got["load_balancing_loss"], ref["load_balancing_loss"]) <= 1e-4, (got, ref)
     else:  # sigmoid router with expert bias, no aux loss: every expert's bias moved by the rate (none at the mean)

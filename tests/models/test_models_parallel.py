@@ -183,7 +183,7 @@ def _run_case(arch, layout, rank):
             dist.recv(grad, ps.get_pipeline_model_parallel_next_rank())
             hidden.backward(grad)
         # megatron's gradient reduction (finalize_model_grads): experts over the expert-data-parallel
-        # group, the rest over data x context, sequence-parallel weights also over TP
+        # group, the rest over data x context, sequence-parallel weights and q/k norms also over TP
         references = _reference_grads(hf_model, rules, GRAD_KEYS[arch])
         for key, t, mixer, path in named:
             if t.grad is None:
@@ -192,7 +192,9 @@ def _run_case(arch, layout, rank):
             group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group(
                 with_context_parallel=True)
             dist.all_reduce(t.grad, group=group)
-            if getattr(t, "sequence_parallel", False):  # replicated weights that saw only this rank's tokens
+            # replicated weights that saw only this rank's tokens, or (q/k norms) heads
+            if getattr(t, "sequence_parallel", False) or config.qk_layernorm and ("q_layernorm" in key
+                                                                                  or "k_layernorm" in key):
                 dist.all_reduce(t.grad, group=ps.get_tensor_model_parallel_group())
             if key in references:
                 result[key] = rel_err(t.grad, _shard(references[key], t, key, mixer, path, tp_rank, tp))
