@@ -2,11 +2,15 @@
 and input / parameter gradients:
 
 * GDN ``allow_neg_eigval`` (beta = 2 sigmoid(b)) with key head dim != value head dim: ``OlmoHybridGatedDeltaNet``
-  (separate ``q/k/v/a/b/g_proj``), batched rows over more than one 64-token chunk.
+  (separate ``q/k/v/a/b/g_proj``), batched rows over more than one 64-token chunk;
+* the refusals of post-norm layers and whole-projection q/k norms (their numbers: the OLMo-Hybrid model tests in
+  tests/models, against transformers at TP1 and TP2 x CP2).
 
 Their CP / TP runs are cases of the shared spawn of tests/layers/test_layers_delta_parallel.py.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -93,3 +97,29 @@ def test_gdn_allow_neg_eigval_is_a_bool(single_rank):
 
     with pytest.raises(TypeError, match="allow_neg_eigval must be a bool"):
         GatedDeltaNet(_config(), None, layer_number=1, allow_neg_eigval=1, **OLMO_GDN)
+
+
+def test_post_norm_and_projection_norm_refusals(single_rank):
+    """Post-norm layers take dense MLPs and registered symbols; whole-projection key norms need the key heads split
+    over TP (not replicated)."""
+    from megatron.core.transformer import TransformerConfig
+
+    from hp_megatron.config import HybridTransformerConfig
+    from hp_megatron.decoder.post_norm import with_post_norm
+    from hp_megatron.decoder.qk_norm import KeyProjectionRMSNorm
+    from hp_megatron.specs import get_hybrid_layer_spec
+
+    base = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, use_cpu_initialization=True)
+    with pytest.raises(ValueError, match=r"hp_post_norm_symbols 'AZ': unknown symbols \['Z'\]"):
+        HybridTransformerConfig(**base, hp_post_norm_symbols="AZ")
+    with pytest.raises(ValueError, match=r"hp_qk_norm_scope must be one of"):
+        HybridTransformerConfig(**base, hp_qk_norm_scope="channel")
+    spec = get_hybrid_layer_spec("A")
+    config = HybridTransformerConfig(**base, hp_post_norm_symbols="A")
+    layer = spec.submodules.layer_types["A"]
+    with pytest.raises(ValueError, match="has a MoE MLP; post-norm layers have dense MLPs only"):
+        with_post_norm(config, "A", replace(layer, mlp=spec.submodules.moe_mlp))
+    assert with_post_norm(config, "G", layer) is layer
+    with pytest.raises(ValueError, match=r"the key heads \(1\) must be divisible by the tensor-parallel size 2"):
+        KeyProjectionRMSNorm(config=TransformerConfig(**base, num_query_groups=1, tensor_model_parallel_size=2),
+                             hidden_size=8, eps=1e-6)
