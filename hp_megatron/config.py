@@ -112,6 +112,10 @@ class HybridFields:
     kda_safe_gate: bool = False
     """KDA safe gate (needs ``kda_lower_bound`` in [-5, 0))."""
 
+    kda_full_rank_gates: bool = False
+    """KDA forget / output gates at full rank, parts of ``in_proj`` (Ling 3.0's ``f_proj`` / ``g_proj``); False: Kimi
+    Linear's low-rank ``gate_down_proj`` + up-projections."""
+
     kda_output_gate_bias: bool = False
     """Bias of the KDA output-gate up-projection (Kimi Linear: False; FLA's layer: True)."""
 

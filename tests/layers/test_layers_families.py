@@ -3,6 +3,8 @@ and input / parameter gradients:
 
 * GDN ``allow_neg_eigval`` (beta = 2 sigmoid(b)) with key head dim != value head dim: ``OlmoHybridGatedDeltaNet``
   (separate ``q/k/v/a/b/g_proj``), batched rows over more than one 64-token chunk;
+* KDA ``full_rank_gates`` with the safe gate: ``BailingHybridDeltaAttention`` (Ling 3.0: ``forget_gate.f_proj``,
+  ``g_proj`` at full rank);
 * the refusals of post-norm layers and whole-projection q/k norms (their numbers: the OLMo-Hybrid model tests in
   tests/models, against transformers at TP1 and TP2 x CP2).
 
@@ -97,6 +99,68 @@ def test_gdn_allow_neg_eigval_is_a_bool(single_rank):
 
     with pytest.raises(TypeError, match="allow_neg_eigval must be a bool"):
         GatedDeltaNet(_config(), None, layer_number=1, allow_neg_eigval=1, **OLMO_GDN)
+
+
+LING_KDA = dict(num_key_heads=4, num_value_heads=4, key_head_dim=8, value_head_dim=8)
+
+
+def _bailing_kda(seed):
+    from transformers import BailingHybridConfig
+    from transformers.models.bailing_hybrid import modeling_bailing_hybrid
+
+    cls = use_transformers_torch_path(modeling_bailing_hybrid).BailingHybridDeltaAttention
+    torch.manual_seed(seed)
+    cfg = BailingHybridConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=LING_KDA["num_key_heads"],
+                              head_dim=LING_KDA["key_head_dim"], layer_group_size=2, kda_safe_gate=True,
+                              kda_lower_bound=-5.0, rms_norm_eps=1e-6, pad_token_id=None, eos_token_id=None)
+    layer = cls(cfg, layer_idx=0).float()
+    with torch.no_grad():   # the forget gate's parameters are torch.empty until _init_weights
+        fg = layer.forget_gate
+        fg.A_log.copy_(torch.empty_like(fg.A_log).uniform_(0.5, 2.0).log())
+        fg.dt_bias.uniform_(-2.0, 1.0)
+        layer.o_norm.weight.uniform_(0.5, 1.5)
+    return layer
+
+
+def bailing_kda_parts(state: dict, prefix: str = "") -> dict:
+    """``BailingHybridDeltaAttention``'s tensors (in memory: one ``conv1d``) -> our KDA's global parts
+    (``full_rank_gates``)."""
+    names = {"in_proj.weight.query": "q_proj.weight", "in_proj.weight.key": "k_proj.weight",
+             "in_proj.weight.value": "v_proj.weight", "in_proj.weight.beta": "b_proj.weight",
+             "in_proj.weight.forget": "forget_gate.f_proj.weight", "in_proj.weight.output": "g_proj.weight",
+             "A_log": "forget_gate.A_log", "dt_bias": "forget_gate.dt_bias", "out_norm.weight": "o_norm.weight",
+             "out_proj.weight": "o_proj.weight"}
+    parts = {ours: state[prefix + theirs] for ours, theirs in names.items()}
+    parts.update(zip(("conv1d.weight.query", "conv1d.weight.key", "conv1d.weight.value"),
+                     state[prefix + "conv1d.weight"].chunk(3, 0)))
+    return parts
+
+
+def test_kda_full_rank_gates_match_ling(single_rank):
+    from layers import KimiDeltaAttention
+
+    hf = _bailing_kda(0)
+    ours = KimiDeltaAttention(_config(), None, layer_number=1, full_rank_gates=True, safe_gate=True, lower_bound=-5.0,
+                              norm_eps=1e-6, **LING_KDA)
+    assert not hasattr(ours, "gate_down_proj")
+    ours.load_global_parts(bailing_kda_parts(hf.state_dict()))
+    torch.manual_seed(1)
+    x = torch.randn(2, 70, HIDDEN)
+    grad_out = torch.randn(2, 70, HIDDEN)
+    x_ref = x.clone().requires_grad_(True)
+    y_ref = hf(x_ref)
+    y_ref.backward(grad_out)
+    x_ours = x.transpose(0, 1).clone().requires_grad_(True)
+    y, _ = ours(x_ours, attention_mask=None)
+    y.backward(grad_out.transpose(0, 1))
+    assert rel_err(y.transpose(0, 1), y_ref) <= TOL
+    assert rel_err(x_ours.grad.transpose(0, 1), x_ref.grad) <= TOL
+    grads = ours.global_parts({n: p.grad for n, p in ours.named_parameters()})
+    assert rel_err(grads["in_proj.weight.forget"], hf.forget_gate.f_proj.weight.grad) <= TOL
+    assert rel_err(grads["in_proj.weight.output"], hf.g_proj.weight.grad) <= TOL
+    assert rel_err(grads["dt_bias"], hf.forget_gate.dt_bias.grad) <= 1e-4
+    with pytest.raises(ValueError, match="full_rank_gates=True has no low-rank gate projections"):
+        KimiDeltaAttention(_config(), None, layer_number=1, full_rank_gates=True, gate_low_rank_dim=4, **LING_KDA)
 
 
 def test_post_norm_and_projection_norm_refusals(single_rank):

@@ -63,6 +63,8 @@ def _cases():
     olmo = dict(allow_neg_eigval=True, value_head_dim=16)
     add("gdn", 2, 2, True, True, dims=olmo, cp_method="p2p")
     add("gdn", 1, 2, False, False, dims=olmo, cp_method="ulysses")
+    # Ling 3.0's KDA: full-rank gates (in_proj parts) with the safe gate
+    add("kda", 2, 2, True, True, dims=dict(full_rank_gates=True, safe_gate=True, lower_bound=-5.0), cp_method="p2p")
     return cases
 
 

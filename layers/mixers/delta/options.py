@@ -81,12 +81,16 @@ KDA_ROWS = (
     OptionRow("--hp-kda-safe-gate", "kda_safe_gate", "safe_gate", bool, model=True, optional=False, preset=True,
               help="KDA safe gate (needs a lower bound in [-5, 0))"),
     OptionRow(None, "kda_output_gate_bias", "output_gate_bias", bool, optional=False),
+    OptionRow("--hp-kda-full-rank-gates", "kda_full_rank_gates", "full_rank_gates", bool, model=True, optional=False,
+              preset=True, help="KDA forget and output gates projected from the hidden state at full rank, as parts "
+                                "of in_proj (Ling 3.0's f_proj / g_proj), not through Kimi Linear's low-rank pair"),
 )
 KDA_DEFAULTS = {
     "gate_low_rank_dim": None,  # None -> value_head_dim (Kimi Linear)
     "lower_bound": None,
     "safe_gate": False,
     "output_gate_bias": False,  # Kimi Linear: False; FLA's layer: True
+    "full_rank_gates": False,  # Kimi Linear: low rank; Ling 3.0: full rank
 }
 
 _DEFAULTS = {  # keyword -> default when neither the keyword nor a config field gives it
