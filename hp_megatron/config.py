@@ -123,6 +123,9 @@ class HybridFields:
     """GDN/KDA output norm stores ``weight - 1`` (None: follow ``layernorm_zero_centered_gamma``; Qwen3-Next:
     False, its GDN norm is plain while its other norms are zero-centred)."""
 
+    mla_output_gate: bool = False
+    """MLA head-wise sigmoid output gate (Ling 3.0's ``g_proj``: ``linear_gate_proj.weight [heads, hidden]``)."""
+
     mla_cp_strategy: Optional[str] = None
     """MLA context-parallel strategy: ``latent``, ``latent_ulysses``, ``expanded_ulysses`` or ``auto``; None: from
     megatron's ``cp_comm_type``, else ``latent``."""
