@@ -59,6 +59,13 @@ class HybridFields:
     """Layer symbols whose layers are post-norm, ``h + norm(mixer(h))`` and ``h + norm(mlp(h))`` (OLMo 3; OLMo-Hybrid:
     ``"A"``; ``--hp-post-norm-layers``; ``hp_megatron.decoder.post_norm``); None: every layer pre-norm."""
 
+    hp_swiglu_limits: Optional[tuple] = None
+    """Per-layer SwiGLU clip of the routed experts and dense MLPs, ``min(silu(gate), L) * clamp(up, -L, L)``, one
+    number per layer (0: none; Ling 3.0's ``expert_swiglu_limit_list``; ``hp_megatron.decoder.swiglu_limits``)."""
+
+    hp_shared_swiglu_limits: Optional[tuple] = None
+    """The same for the shared experts (Ling 3.0's ``share_expert_swiglu_limit_list``)."""
+
     hp_qk_norm_scope: str = "head"
     """What the q/k RMSNorms of ``A`` layers normalise: each ``head`` (megatron-core's ``qk_layernorm``) or the whole
     ``projection`` (OLMo 2 / 3; ``--hp-qk-norm-scope``; ``hp_megatron.decoder.qk_norm.ProjectionRMSNorm``)."""

@@ -36,6 +36,7 @@ from hp_megatron.decoder.moe_layers import moe_layer_flags, with_layer_mlp, with
 from hp_megatron.decoder.pattern import stage_layer_offset, symbol_for_layer, validate_pattern
 from hp_megatron.decoder.post_norm import with_post_norm
 from hp_megatron.decoder.qk_norm import resolve_qk_norm
+from hp_megatron.decoder.swiglu_limits import with_swiglu_limits
 from hp_megatron.decoder.rotary import without_rotary
 
 
@@ -101,6 +102,7 @@ class PatternLayer(TransformerLayer):
             self.homogeneous = len(set(pattern)) == 1 and len(set(moe_layer_flags(config))) == 1
             layer = with_layer_mlp(config, submodules.layer_types[self.layer_symbol], submodules.moe_mlp,
                                    layer_number + offset)
+            layer = with_swiglu_limits(config, layer, layer_number + offset)
         self.drops_rotary = self.layer_symbol in submodules.own_positions
         layer = with_post_norm(config, self.layer_symbol, resolve_qk_norm(config, layer))
         super().__init__(config, layer, layer_number, *args, **kwargs)

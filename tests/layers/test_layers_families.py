@@ -5,6 +5,9 @@ and input / parameter gradients:
   (separate ``q/k/v/a/b/g_proj``), batched rows over more than one 64-token chunk;
 * KDA ``full_rank_gates`` with the safe gate: ``BailingHybridDeltaAttention`` (Ling 3.0: ``forget_gate.f_proj``,
   ``g_proj`` at full rank);
+* per-layer SwiGLU clipping: megatron-core's MLP with :class:`ClippedSwiGLUInput` against ``BailingHybridMLP``
+  (shared experts) and ``BailingHybridExperts`` (routed), inputs large enough that most units clip; the layer
+  spec of a MoE layer carries each layer's limits;
 * the refusals of post-norm layers and whole-projection q/k norms (their numbers: the OLMo-Hybrid model tests in
   tests/models, against transformers at TP1 and TP2 x CP2).
 
@@ -161,6 +164,83 @@ def test_kda_full_rank_gates_match_ling(single_rank):
     assert rel_err(grads["dt_bias"], hf.forget_gate.dt_bias.grad) <= 1e-4
     with pytest.raises(ValueError, match="full_rank_gates=True has no low-rank gate projections"):
         KimiDeltaAttention(_config(), None, layer_number=1, full_rank_gates=True, gate_low_rank_dim=4, **LING_KDA)
+
+
+def _megatron_mlp(config, limit, ffn):
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from hp_megatron.decoder.swiglu_limits import ClippedSwiGLUInput
+
+    fc1 = ModuleSpec(module=ClippedSwiGLUInput, params={"limit": limit}) if limit else ColumnParallelLinear
+    return MLP(config, MLPSubmodules(linear_fc1=fc1, linear_fc2=RowParallelLinear), ffn_hidden_size=ffn)
+
+
+@pytest.mark.parametrize("limit", [0.75, 0])
+def test_swiglu_limits_match_ling(single_rank, limit):
+    from transformers import BailingHybridConfig
+    from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridExperts, BailingHybridMLP
+
+    from hp_megatron.decoder.swiglu_limits import silu_inverse
+
+    assert abs(torch.nn.functional.silu(torch.tensor(silu_inverse(7.0), dtype=torch.float64)).item() - 7.0) < 1e-12
+    cfg = BailingHybridConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, head_dim=8,
+                              moe_intermediate_size=16, num_local_experts=2, layer_group_size=2, pad_token_id=None,
+                              eos_token_id=None, expert_swiglu_limit_list=[0, limit],
+                              share_expert_swiglu_limit_list=[0, limit])
+    torch.manual_seed(0)
+    shared = BailingHybridMLP(cfg, intermediate_size=16, layer_idx=1).float()
+    experts = BailingHybridExperts(cfg, layer_idx=1).float()
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.3)
+    torch.nn.init.normal_(experts.down_proj, std=0.3)
+    config = _config(gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                     ffn_hidden_size=16)
+    x = 3.0 * torch.randn(40, HIDDEN)
+    for name, ref_fn, (w_gate_up, w_down) in (
+            ("shared", lambda t: shared(t),
+             (torch.cat([shared.gate_proj.weight, shared.up_proj.weight]), shared.down_proj.weight)),
+            ("expert", lambda t: experts(t, torch.zeros(len(t), 1, dtype=torch.long), torch.ones(len(t), 1)),
+             (experts.gate_up_proj[0], experts.down_proj[0]))):
+        ours = _megatron_mlp(config, limit, 16)
+        with torch.no_grad():
+            ours.linear_fc1.weight.copy_(w_gate_up)
+            ours.linear_fc2.weight.copy_(w_down)
+        x_ref, x_ours = x.clone().requires_grad_(True), x[:, None].clone().requires_grad_(True)
+        ref = ref_fn(x_ref)
+        out, _ = ours(x_ours)
+        grad = torch.randn_like(ref)
+        (ref * grad).sum().backward()
+        (out[:, 0] * grad).sum().backward()
+        assert rel_err(out[:, 0], ref) <= TOL, name
+        assert rel_err(x_ours.grad[:, 0], x_ref.grad) <= TOL, name
+    gate, up = (x @ w_gate_up.T).chunk(2, -1)
+    if limit:   # the case clips: most units, and both halves
+        assert (torch.nn.functional.silu(gate) > limit).float().mean() > 0.2 and (up.abs() > limit).any()
+
+
+def test_swiglu_limits_in_the_layer_spec(single_rank):
+    from hp_megatron.config import HybridTransformerConfig
+    from hp_megatron.decoder.moe_layers import with_moe_mlp
+    from hp_megatron.decoder.swiglu_limits import ClippedSwiGLUInput, with_swiglu_limits
+    from hp_megatron.specs import get_hybrid_layer_spec
+
+    spec = get_hybrid_layer_spec("A")
+    config = HybridTransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, num_moe_experts=2,
+                                     use_cpu_initialization=True, hp_swiglu_limits=(0, 7.0),
+                                     hp_shared_swiglu_limits=(0, 5.0))
+    moe = with_moe_mlp(config, spec.submodules.layer_types["A"], spec.submodules.moe_mlp)
+    assert with_swiglu_limits(config, moe, 1) is moe
+    limited = with_swiglu_limits(config, moe, 2)
+    sub = getattr(limited.mlp, "submodules", None) or limited.mlp.keywords["submodules"]
+    experts = getattr(sub.experts, "submodules", None) or sub.experts.keywords["submodules"]
+    shared = sub.shared_experts.keywords["submodules"] if hasattr(sub.shared_experts, "keywords") else \
+        sub.shared_experts.submodules
+    assert (experts.linear_fc1.module, experts.linear_fc1.params) == (ClippedSwiGLUInput, {"limit": 7.0})
+    assert (shared.linear_fc1.module, shared.linear_fc1.params) == (ClippedSwiGLUInput, {"limit": 5.0})
+    with pytest.raises(ValueError, match=r"hp_swiglu_limits must hold one number >= 0 per layer"):
+        with_swiglu_limits(HybridTransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4,
+                                                   hp_swiglu_limits=(1.0,)), moe, 1)
 
 
 def test_post_norm_and_projection_norm_refusals(single_rank):
