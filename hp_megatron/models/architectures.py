@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+import hp_megatron.models.bailing_hybrid as bailing_hybrid
 import hp_megatron.models.deepseek_v3 as deepseek_v3
 import hp_megatron.models.kimi_linear as kimi_linear
 import hp_megatron.models.llama as llama
@@ -92,6 +93,8 @@ ARCHITECTURES = {arch.model_type: arch for arch in (
                  deepseek_v3.unmodeled_tensors),
     Architecture(kimi_linear.MODEL_TYPE, kimi_linear.megatron_config, kimi_linear.conversion_rules),
     Architecture(olmo_hybrid.MODEL_TYPE, olmo_hybrid.megatron_config, olmo_hybrid.conversion_rules),
+    Architecture(bailing_hybrid.MODEL_TYPE, bailing_hybrid.megatron_config, bailing_hybrid.conversion_rules,
+                 bailing_hybrid.unmodeled_tensors),
 )}
 
 

@@ -74,8 +74,24 @@ def _olmo_hybrid(vocab_size: int):
     return transformers.OlmoHybridForCausalLM, cfg
 
 
+def _bailing_hybrid(vocab_size: int):
+    """KDA (safe gate, full-rank gates) and MLA with the output gate (layer i MLA when (i + 1) % 2 == 0), a dense
+    first layer, grouped sigmoid routing with expert bias, shared experts, per-layer SwiGLU limits (the KDA head
+    dim equals the rope head dim: transformers 5.25 re-reads a saved ``head_dim`` as the KDA head dim)."""
+    transformers = import_transformers()
+    cfg = transformers.BailingHybridConfig(
+        vocab_size=vocab_size, hidden_size=TINY_HIDDEN, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=8, num_local_experts=8,
+        num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=6, layer_group_size=2, kda_safe_gate=True, kda_lower_bound=-5.0, rope_theta=10000.0,
+        rms_norm_eps=1e-6, pad_token_id=None, eos_token_id=None, num_mtp_layers=0,
+        expert_swiglu_limit_list=[0, 0.5, 0, 0.3], share_expert_swiglu_limit_list=[0, 0.4, 0, 0.2])
+    return transformers.BailingHybridForCausalLM, cfg
+
+
 TINY_ARCHITECTURES = {"qwen3_next": _qwen3_next, "deepseek_v3": _deepseek_v3, "kimi_linear": _kimi_linear,
-                      "olmo_hybrid": _olmo_hybrid}
+                      "olmo_hybrid": _olmo_hybrid, "bailing_hybrid": _bailing_hybrid}
 
 
 def tiny_hf_config(arch: str, vocab_size: int = TINY_VOCAB):
@@ -98,7 +114,7 @@ def perturb_parameters(model, seed: int) -> None:
         noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
         if name.endswith("gate.weight") and p.shape[0] > 1:  # routers
             p.copy_(noise)
-        elif "e_score_correction_bias" in name:
+        elif "e_score_correction_bias" in name or name.endswith("expert_bias"):
             p.copy_(0.3 * noise)
         elif "norm" in name:
             p.copy_(p + 0.1 * noise)

@@ -16,11 +16,12 @@ LLAMA_VOCAB = 96  # tiny_llama's
 
 def _use_torch_path():
     """transformers' pure-PyTorch GDN/KDA functions (not FLA's Triton kernels) for the reference forward."""
+    from transformers.models.bailing_hybrid import modeling_bailing_hybrid
     from transformers.models.kimi_linear import modeling_kimi_linear
     from transformers.models.olmo_hybrid import modeling_olmo_hybrid
     from transformers.models.qwen3_next import modeling_qwen3_next
 
-    for module in (modeling_qwen3_next, modeling_kimi_linear, modeling_olmo_hybrid):
+    for module in (modeling_qwen3_next, modeling_kimi_linear, modeling_olmo_hybrid, modeling_bailing_hybrid):
         use_transformers_torch_path(module)
 
 
