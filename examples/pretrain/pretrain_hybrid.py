@@ -114,7 +114,7 @@ def build_config(args, vocab_size):
                pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                context_parallel_size=args.context_parallel_size, sequence_parallel=args.sequence_parallel,
                init_method_std=args.init_method_std, params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
-               **CPU_SAFE_CONFIG)
+               calculate_per_token_loss=args.calculate_per_token_loss, **CPU_SAFE_CONFIG)
     if args.num_experts is not None:  # how the experts are split and balanced: this run's flags
         run.update(expert_model_parallel_size=args.expert_model_parallel_size,
                    expert_tensor_parallel_size=args.expert_tensor_parallel_size,
