@@ -17,7 +17,8 @@ from tests.support.reference import rel_err
 
 TOL = 1e-4
 CASES = [(arch, layout) for layout in ("tp2cp2", "pp2ep2") for arch in ("qwen3_next", "deepseek_v3", "kimi_linear")]
-CASES += [("olmo_hybrid", "tp2cp2"), ("bailing_hybrid", "tp2cp2"), ("bailing_hybrid", "pp2ep2")]   # OLMo: dense
+# OLMo-Hybrid (dense) for its new block features; Ling 3.0 runs TP2 x CP2 + SP and EP2 in the example (= one rank)
+CASES += [("olmo_hybrid", "tp2cp2")]
 SIZES = {"tp2cp2": dict(tp=2, cp=2, pp=1, ep=1), "pp2ep2": dict(tp=1, cp=1, pp=2, ep=2)}
 # mcore parameters whose gradients are compared (their HF counterparts: test_models_tp1.GRADS)
 GRAD_KEYS = {
@@ -35,14 +36,9 @@ GRAD_KEYS = {
                     "decoder.layers.1.self_attention.post_norm.weight", "decoder.layers.3.mlp.post_norm.weight",
                     "decoder.layers.0.self_attention.in_proj.weight", "decoder.layers.3.self_attention.linear_qkv.weight"],
 }
-GRAD_KEYS["bailing_hybrid"] = ["decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight",
-                                "decoder.layers.3.mlp.router.weight", "decoder.layers.1.self_attention.linear_gate_proj.weight",
-                                "decoder.layers.2.self_attention.in_proj.weight",
-                                "decoder.layers.3.mlp.shared_experts.linear_fc1.weight"]
 # checkpoint names -> transformers' in-memory names (Kimi's MoE, OLMo-Hybrid's norms)
 IN_MEMORY = (("block_sparse_moe.", "mlp."), ("feedforward_layer_norm", "post_attention_layernorm"),
-             ("attention_layer_norm", "input_layernorm"), (".attention.", ".self_attn."), ("self_attn.dense.", "self_attn.o_proj."),
-             ("self_attn.f_proj.", "self_attn.forget_gate.f_proj."))
+             ("attention_layer_norm", "input_layernorm"))
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.")
 
 
