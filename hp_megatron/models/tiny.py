@@ -1,5 +1,6 @@
 """Tiny random transformers models of the supported architectures (``qwen3_next``, ``deepseek_v3``,
-``kimi_linear``, ``olmo_hybrid``): small configs with routed and shared experts, dense and MoE layers and mixed layer types, for
+``kimi_linear``, ``olmo_hybrid``, ``bailing_hybrid``): small configs with routed and shared experts, dense and MoE
+layers and mixed layer types, for
 tests and for trying the HF -> megatron-core -> training path (``examples/pretrain/tiny_hf_checkpoint.py``)."""
 from __future__ import annotations
 

@@ -105,7 +105,8 @@ def test_packed_batch_crosses_a_document_end(root):
 
     args = example().parse_args(_argv(root, "bailing_hybrid", PACKED))
     train, _ = build_datasets(args, BPETokenizer(args.tokenizer))
-    restarts = sum(int((torch.as_tensor(train[i]["position_ids"])[1:] == 0).sum()) for i in range(args.global_batch_size))
+    restarts = sum(int((torch.as_tensor(train[i]["position_ids"])[1:] == 0).sum())
+                   for i in range(args.global_batch_size))
     assert restarts >= 1
 
 

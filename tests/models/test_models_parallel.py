@@ -32,9 +32,11 @@ GRAD_KEYS = {
                     "decoder.layers.1.mlp.router.weight", "decoder.layers.0.self_attention.in_proj.weight",
                     "decoder.layers.3.self_attention.out_norm.weight",
                     "decoder.layers.2.self_attention.linear_kv_up_proj.weight"],
-    "olmo_hybrid": ["decoder.layers.1.self_attention.q_layernorm.weight", "decoder.layers.3.self_attention.k_layernorm.weight",
+    "olmo_hybrid": ["decoder.layers.1.self_attention.q_layernorm.weight",
+                    "decoder.layers.3.self_attention.k_layernorm.weight",
                     "decoder.layers.1.self_attention.post_norm.weight", "decoder.layers.3.mlp.post_norm.weight",
-                    "decoder.layers.0.self_attention.in_proj.weight", "decoder.layers.3.self_attention.linear_qkv.weight"],
+                    "decoder.layers.0.self_attention.in_proj.weight",
+                    "decoder.layers.3.self_attention.linear_qkv.weight"],
 }
 # checkpoint names -> transformers' in-memory names (Kimi's MoE, OLMo-Hybrid's norms)
 IN_MEMORY = (("block_sparse_moe.", "mlp."), ("feedforward_layer_norm", "post_attention_layernorm"),

@@ -3,7 +3,8 @@
 Math (per value head, as ``Qwen3NextGatedDeltaNet`` in transformers and megatron-core's GatedDeltaNet)::
 
     q, k, v = SiLU(causal_conv1d(in_proj(x)[q, k, v]))           short conv over the q/k/v channels
-    beta    = sigmoid(in_proj(x)[beta])  (2 sigmoid(...) with allow_neg_eigval: OLMo-Hybrid);  g = -exp(A_log) * softplus(in_proj(x)[alpha] + dt_bias)
+    beta    = sigmoid(in_proj(x)[beta])   (2 sigmoid(...) with allow_neg_eigval: OLMo-Hybrid)
+    g       = -exp(A_log) * softplus(in_proj(x)[alpha] + dt_bias)
     S_t     = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,  o_t = S_t^T q_t / sqrt(K)
               (q, k l2-normalized; value head i reads query/key head i // (HV/H))
     y       = out_proj(rmsnorm(o) * out_norm.weight * SiLU(in_proj(x)[z]))

@@ -13,7 +13,8 @@ With ``full_rank_gates`` (Ling 3.0) the forget and output gates are parts of in_
 parallelism, one all-gather) with q, k, v, beta, and no gate_down_proj / up-projections.
 
 Parameters (global shapes, r = gate_low_rank_dim, default V): ``in_proj.weight [2*H*K + HV*V + HV, h]``
-(parts query, key, value, beta; + forget ``[HV*K]``, output ``[HV*V]`` with ``full_rank_gates``); ``conv1d.weight [2*H*K + HV*V, 1, W]``; ``gate_down_proj.weight [2r, h]``
+(parts query, key, value, beta; + forget ``[HV*K]``, output ``[HV*V]`` with ``full_rank_gates``);
+``conv1d.weight [2*H*K + HV*V, 1, W]``; ``gate_down_proj.weight [2r, h]``
 (parts forget, output; replicated over TP); ``forget_gate_up_proj.weight [HV*K, r]``;
 ``output_gate_up_proj.weight [HV*V, r]`` (+ ``bias`` with ``output_gate_bias``); ``A_log [HV]``;
 ``dt_bias [HV*K]``; ``out_norm.weight [V]``; ``out_proj.weight [h, HV*V]``.

@@ -369,7 +369,7 @@ class MultiLatentAttention(ContextParallelMixer, MegatronModule):
                 state_dict[prefix + ours] = state_dict.pop(prefix + te)
 
 
-# -- transformers (DeepSeek-V3 / Kimi-Linear / Ling 3.0) state dicts ------------------------------------------------------
+# -- transformers (DeepSeek-V3 / Kimi-Linear / Ling 3.0) state dicts ---------------------------------------------
 # transformers name -> ours; q_b_proj/q_proj/kv_b_proj/o_proj are split over TP by heads.
 HF_TO_MLA = {
     "q_proj.weight": "linear_q_proj.weight",
