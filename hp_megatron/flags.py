@@ -28,7 +28,7 @@ def global_rows() -> tuple:
         *SHARED_ROWS,
         OptionRow("--hp-hf-config", None, None, str,
                   help="Hugging Face config.json (or a checkpoint directory holding one) of a supported architecture "
-                       "(qwen3_next, deepseek_v3, kimi_linear): the model flags come from it "
+                       "(hp_megatron.models.ARCHITECTURES): the model flags come from it "
                        "(hp_megatron.models.args.apply_hf_config_to_args; docs/models.md)"),
         OptionRow("--hp-post-norm-layers", "hp_post_norm_symbols", None, str, model=True, preset=True,
                   help="layer symbols whose layers are post-norm: h + norm(mixer(h)), h + norm(mlp(h)) (OLMo 3; "
