@@ -104,9 +104,30 @@ DEEPSEEK_V3 = dict(
     rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
                       mscale=1.0, mscale_all_dim=1.0))
 
+
+
+def transformers_defaults(config_class: str) -> dict:
+    """config.json of a transformers config class at its defaults, which its docstring names as a released model's
+    shapes (``OlmoHybridConfig``: allenai/Olmo-Hybrid-7B; ``BailingHybridConfig``: inclusionAI/Ling-3.0-Flash);
+    OLMo-Hybrid without RoPE, as its released checkpoints."""
+    import transformers
+
+    hf = getattr(transformers, config_class)().to_dict()
+    if hf["model_type"] == "olmo_hybrid":
+        hf["rope_parameters"] = {"rope_type": "default", "rope_theta": None}
+    return hf
+
+
 PRESETS = {"Qwen3-Next-80B-A3B": QWEN3_NEXT_80B_A3B, "Kimi-Linear-48B-A3B": KIMI_LINEAR_48B_A3B,
-           "DeepSeek-V3": DEEPSEEK_V3}
-MIXERS = {"G": "GDN", "K": "KDA", "M": "MLA", "A": "gated attention"}
+           "DeepSeek-V3": DEEPSEEK_V3, "OLMo-Hybrid-7B": lambda: transformers_defaults("OlmoHybridConfig"),
+           "Ling-3.0-Flash": lambda: transformers_defaults("BailingHybridConfig")}
+MIXERS = {"G": "GDN", "K": "KDA", "M": "MLA", "A": "attention (Qwen3-Next: gated)"}
+
+
+def preset_config(name: str) -> dict:
+    """The config.json dict of preset ``name`` (a literal, or read from transformers' defaults)."""
+    preset = PRESETS[name]
+    return preset() if callable(preset) else preset
 
 
 # ----------------------------------------------------------------------------------------------------- layers
@@ -378,7 +399,7 @@ def main(argv=None):
 
     with single_rank_megatron(0):
         meta = dict(run_meta("model_memory.py", argv), T=args.T, backend=args.backend)
-        results = [preset_result(name, PRESETS[name], args.T, args.backend, args.budget_gb)
+        results = [preset_result(name, preset_config(name), args.T, args.backend, args.budget_gb)
                    for name in args.presets]
     checks = tp_check(args.check_tp) if args.check_tp else []
     if args.write_docs and args.json is None:

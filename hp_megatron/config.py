@@ -55,6 +55,21 @@ class HybridFields:
     DeepSeek-V3; the presets set it). MTP layers have this fixed kind, not the one the pattern gives their layer
     number."""
 
+    hp_post_norm_symbols: Optional[str] = None
+    """Layer symbols whose layers are post-norm, ``h + norm(mixer(h))`` and ``h + norm(mlp(h))`` (OLMo 3; OLMo-Hybrid:
+    ``"A"``; ``--hp-post-norm-layers``; ``hp_megatron.decoder.post_norm``); None: every layer pre-norm."""
+
+    hp_swiglu_limits: Optional[tuple] = None
+    """Per-layer SwiGLU clip of the routed experts and dense MLPs, ``min(silu(gate), L) * clamp(up, -L, L)``, one
+    number per layer (0: none; Ling 3.0's ``expert_swiglu_limit_list``; ``hp_megatron.decoder.swiglu_limits``)."""
+
+    hp_shared_swiglu_limits: Optional[tuple] = None
+    """The same for the shared experts (Ling 3.0's ``share_expert_swiglu_limit_list``)."""
+
+    hp_qk_norm_scope: str = "head"
+    """What the q/k RMSNorms of ``A`` layers normalise: each ``head`` (megatron-core's ``qk_layernorm``) or the whole
+    ``projection`` (OLMo 2 / 3; ``--hp-qk-norm-scope``; ``hp_megatron.decoder.qk_norm.ProjectionRMSNorm``)."""
+
     hp_cp_layout: str = "zigzag"
     """Token layout over the CP ranks of every mixer (GDN, KDA, MLA, attention) and the data path: ``zigzag``
     (Megatron's load-balanced split) or ``contiguous`` (``--hp-cp-layout``)."""
@@ -84,8 +99,15 @@ class HybridFields:
     delta_init_seed: Optional[int] = None
     """Base seed of the GDN/KDA layout-independent initialisation (None: ``torch.initial_seed()``)."""
 
+    delta_norm_eps: Optional[float] = None
+    """Epsilon of the GDN/KDA output norm (None: ``layernorm_epsilon``; OLMo-Hybrid: 1e-5, FLA's default, beside
+    ``rms_norm_eps`` 1e-6)."""
+
     linear_conv_bias: bool = False
     """Bias in the GDN/KDA short convolution."""
+
+    gdn_allow_neg_eigval: bool = False
+    """GDN beta = 2 sigmoid(b) in (0, 2) (OLMo-Hybrid's ``linear_allow_neg_eigval``); False: sigmoid(b)."""
 
     kda_gate_low_rank_dim: Optional[int] = None
     """KDA forget/output-gate low-rank dim (None: the value head dim, as Kimi Linear)."""
@@ -97,12 +119,19 @@ class HybridFields:
     kda_safe_gate: bool = False
     """KDA safe gate (needs ``kda_lower_bound`` in [-5, 0))."""
 
+    kda_full_rank_gates: bool = False
+    """KDA forget / output gates at full rank, parts of ``in_proj`` (Ling 3.0's ``f_proj`` / ``g_proj``); False: Kimi
+    Linear's low-rank ``gate_down_proj`` + up-projections."""
+
     kda_output_gate_bias: bool = False
     """Bias of the KDA output-gate up-projection (Kimi Linear: False; FLA's layer: True)."""
 
     gated_norm_zero_centered_gamma: Optional[bool] = None
     """GDN/KDA output norm stores ``weight - 1`` (None: follow ``layernorm_zero_centered_gamma``; Qwen3-Next:
     False, its GDN norm is plain while its other norms are zero-centred)."""
+
+    mla_output_gate: bool = False
+    """MLA head-wise sigmoid output gate (Ling 3.0's ``g_proj``: ``linear_gate_proj.weight [heads, hidden]``)."""
 
     mla_cp_strategy: Optional[str] = None
     """MLA context-parallel strategy: ``latent``, ``latent_ulysses``, ``expanded_ulysses`` or ``auto``; None: from
@@ -181,6 +210,10 @@ def check_hybrid_fields(config) -> None:
             validate_pattern(config.hp_layer_pattern, symbols())
         except ValueError as err:
             raise ValueError(f"{owner}.hp_layer_pattern {config.hp_layer_pattern!r}: {err}") from None
+    unknown = sorted(set(config.hp_post_norm_symbols or "") - set(symbols()))
+    if unknown:
+        raise ValueError(f"{owner}.hp_post_norm_symbols {config.hp_post_norm_symbols!r}: unknown symbols {unknown}; "
+                         f"known: {sorted(symbols())}")
     kind = config.hp_mtp_layer_symbol
     if kind is not None and kind not in symbols():
         raise ValueError(f"{owner}.hp_mtp_layer_symbol must be one of {sorted(symbols())} or None, got {kind!r}")

@@ -30,6 +30,13 @@ def global_rows() -> tuple:
                   help="Hugging Face config.json (or a checkpoint directory holding one) of a supported architecture "
                        "(hp_megatron.models.ARCHITECTURES: qwen3_next, qwen3_5*, deepseek_v3, kimi_linear...): the "
                        "model flags come from it (hp_megatron.models.args.apply_hf_config_to_args; docs/models.md)"),
+        OptionRow("--hp-post-norm-layers", "hp_post_norm_symbols", None, str, model=True, preset=True,
+                  help="layer symbols whose layers are post-norm: h + norm(mixer(h)), h + norm(mlp(h)) (OLMo 3; "
+                       "OLMo-Hybrid: A); dense MLPs only"),
+        OptionRow("--hp-qk-norm-scope", "hp_qk_norm_scope", None, str, model=True, default="head",
+                  choices=("head", "projection"), optional=False, preset=True,
+                  help="the q/k RMSNorms of A layers (--qk-layernorm) over each head (megatron-core's) or over the "
+                       "whole q / k projection (OLMo 2 / 3, OLMo-Hybrid; TP all-reduces the sum of squares)"),
         OptionRow("--hp-mtp-layer-symbol", "hp_mtp_layer_symbol", None, str, model=True, choices=mtp_symbols(),
                   preset=True,
                   help="the mixer of the multi-token-prediction layers (--mtp-num-layers) under a layer pattern with "

@@ -171,9 +171,9 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
                    help="documents attend only within themselves: micro-batches are packed (THD) along EODs")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD tokens")
     g.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="the loss and its gradient are the mean over every loss token of the global batch (Megatron's "
-                        "default divides each micro-batch and CP rank by its own token count, which weighs tokens "
-                        "unequally when the counts differ: packed documents with --eod-mask-loss under CP)")
+                   help="gradients of the mean over every loss token of the global batch (Megatron-LM's flag); "
+                        "without it, of the mean of each rank's micro-batch means, which differs under CP or DP "
+                        "when ranks hold different numbers of loss tokens (--eod-mask-loss, packed documents)")
     g.add_argument("--save", default=None, help="checkpoint directory (None: no checkpoint is written)")
     g.add_argument("--save-interval", type=int, default=None, help="None: save at the end only")
     g.add_argument("--load", default=None, help="resume from the latest checkpoint here when there is one")

@@ -19,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 if REPO not in sys.path:  # run from a fresh clone without installing
     sys.path.insert(0, REPO)
 
-from hp_megatron.models.tiny import TINY_ARCHITECTURES, build_tiny_hf_model  # noqa: E402
+from hp_megatron.models.tiny import TINY_ARCHITECTURES, build_tiny_hf_model, save_tiny_hf_model  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     except RuntimeError as err:  # transformers missing: one line naming the install command
         print(f"error: {err}", file=sys.stderr)
         return 2
-    model.save_pretrained(args.save)
+    save_tiny_hf_model(model, args.save)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"saved a tiny random {type(model).__name__} ({n_params} parameters, vocab {args.vocab_size}) to {args.save}")
     return 0

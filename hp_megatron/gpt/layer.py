@@ -34,7 +34,9 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from hp_megatron.decoder.moe_layers import moe_layer_flags, with_layer_mlp, with_moe_mlp
 from hp_megatron.decoder.pattern import stage_layer_offset, symbol_for_layer, validate_pattern
+from hp_megatron.decoder.post_norm import with_post_norm
 from hp_megatron.decoder.qk_norm import resolve_qk_norm
+from hp_megatron.decoder.swiglu_limits import with_swiglu_limits
 from hp_megatron.decoder.rotary import without_rotary
 from hp_megatron.registry import mixers, refuse_unsupported
 
@@ -109,12 +111,13 @@ class PatternLayer(TransformerLayer):
             self.homogeneous = len(set(pattern)) == 1 and len(set(moe_layer_flags(config))) == 1
             layer = with_layer_mlp(config, submodules.layer_types[self.layer_symbol], submodules.moe_mlp,
                                    layer_number + offset)
+            layer = with_swiglu_limits(config, layer, layer_number + offset)
         if self.layer_symbol in mixers():   # what its mixer declares it cannot run (MixerEntry.supports)
             refuse_unsupported([mixers()[self.layer_symbol]], mixers().values(),
                                source=f"the pattern {pattern} of layer {layer_number + offset}",
                                cp_size=getattr(config, "context_parallel_size", 1) or 1)
         self.drops_rotary = self.layer_symbol in submodules.own_positions
-        layer = resolve_qk_norm(config, layer)
+        layer = with_post_norm(config, self.layer_symbol, resolve_qk_norm(config, layer))
         super().__init__(config, layer, layer_number, *args, **kwargs)
 
     def forward(self, *args, **kwargs):

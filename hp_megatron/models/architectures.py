@@ -14,10 +14,12 @@ from typing import Callable
 
 import torch
 
+import hp_megatron.models.bailing_hybrid as bailing_hybrid
 import hp_megatron.models.deepseek_v3 as deepseek_v3
 import hp_megatron.models.dsa_models as dsa_models
 import hp_megatron.models.kimi_linear as kimi_linear
 import hp_megatron.models.llama as llama
+import hp_megatron.models.olmo_hybrid as olmo_hybrid
 import hp_megatron.models.qwen3_5 as qwen3_5
 import hp_megatron.models.qwen3_next as qwen3_next
 from hp_megatron.convert.safetensors_io import load_hf_config
@@ -137,6 +139,9 @@ ARCHITECTURES = {arch.model_type: arch for arch in (
     Architecture(dsa_models.DEEPSEEK_V32, dsa_models.deepseek_v32_config, dsa_models.deepseek_v32_rules,
                  deepseek_v3.unmodeled_tensors),
     Architecture(dsa_models.GLM_MOE_DSA, dsa_models.glm_moe_dsa_config, dsa_models.glm_moe_dsa_rules),
+    Architecture(olmo_hybrid.MODEL_TYPE, olmo_hybrid.megatron_config, olmo_hybrid.conversion_rules),
+    Architecture(bailing_hybrid.MODEL_TYPE, bailing_hybrid.megatron_config, bailing_hybrid.conversion_rules,
+                 bailing_hybrid.unmodeled_tensors),
 )}
 
 

@@ -1,5 +1,6 @@
 """Tiny random transformers models of the supported architectures (``qwen3_next``, ``deepseek_v3``,
-``kimi_linear``, Qwen3.5's ``qwen3_5_text`` / ``qwen3_5_moe_text`` and their VL ``qwen3_5`` / ``qwen3_5_moe``):
+``kimi_linear``, Qwen3.5's ``qwen3_5_text`` / ``qwen3_5_moe_text`` and their VL ``qwen3_5`` / ``qwen3_5_moe``, ``olmo_hybrid``,
+``bailing_hybrid``):
 small configs with routed and shared experts, dense and MoE layers and mixed layer types, for tests and for trying the HF -> megatron-core -> training path (``examples/pretrain/tiny_hf_checkpoint.py``)."""
 from __future__ import annotations
 
@@ -125,10 +126,40 @@ def _qwen3_5_moe(vocab_size: int):
                                                                                            vision_config=TINY_VISION)
 
 
+def _olmo_hybrid(vocab_size: int):
+    """GDN with K != V and negative eigenvalues, post-norm attention (GQA) with whole-projection q/k norms, NoPE (the
+    released checkpoints' ``rope_theta: null``)."""
+    transformers = import_transformers()
+    cfg = transformers.OlmoHybridConfig(
+        vocab_size=vocab_size, hidden_size=TINY_HIDDEN, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=16, linear_allow_neg_eigval=True, rms_norm_eps=1e-6,
+        pad_token_id=None, eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": None},
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+    return transformers.OlmoHybridForCausalLM, cfg
+
+
+def _bailing_hybrid(vocab_size: int):
+    """KDA (safe gate, full-rank gates) and MLA with the output gate (layer i MLA when (i + 1) % 2 == 0), a dense
+    first layer, grouped sigmoid routing with expert bias, shared experts, per-layer SwiGLU limits (the KDA head
+    dim equals the rope head dim: transformers 5.25 re-reads a saved ``head_dim`` as the KDA head dim)."""
+    transformers = import_transformers()
+    cfg = transformers.BailingHybridConfig(
+        vocab_size=vocab_size, hidden_size=TINY_HIDDEN, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, head_dim=8, num_local_experts=8,
+        num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=6, layer_group_size=2, kda_safe_gate=True, kda_lower_bound=-5.0, rope_theta=10000.0,
+        rms_norm_eps=1e-6, pad_token_id=None, eos_token_id=None, num_mtp_layers=0,
+        expert_swiglu_limit_list=[0, 0.5, 0, 0.3], share_expert_swiglu_limit_list=[0, 0.4, 0, 0.2])
+    return transformers.BailingHybridForCausalLM, cfg
+
+
 TINY_ARCHITECTURES = {"qwen3_next": _qwen3_next, "deepseek_v3": _deepseek_v3, "kimi_linear": _kimi_linear,
                       "qwen3_5_text": _qwen3_5_text, "qwen3_5_moe_text": _qwen3_5_moe_text, "qwen3_5": _qwen3_5,
                       "qwen3_5_moe": _qwen3_5_moe, "deepseek_v32": _deepseek_v32,
-                      "glm_moe_dsa": _glm_moe_dsa}
+                      "glm_moe_dsa": _glm_moe_dsa, "olmo_hybrid": _olmo_hybrid,
+                      "bailing_hybrid": _bailing_hybrid}
 VL_TEXT_ARCHITECTURE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}  # VL -> its language model
 
 
@@ -152,7 +183,7 @@ def perturb_parameters(model, seed: int) -> None:
         noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
         if name.endswith("gate.weight") and p.shape[0] > 1:  # routers
             p.copy_(noise)
-        elif "e_score_correction_bias" in name:
+        elif "e_score_correction_bias" in name or name.endswith("expert_bias"):
             p.copy_(0.3 * noise)
         elif "norm" in name:
             p.copy_(p + 0.1 * noise)
@@ -170,6 +201,28 @@ def build_tiny_hf_model(arch: str, seed: int = 0, vocab_size: int = TINY_VOCAB):
     model = cls(cfg).float().eval()
     perturb_parameters(model, seed)
     return model
+
+
+def save_tiny_hf_model(model, directory: str) -> None:
+    """``model.save_pretrained(directory)`` with the released checkpoints' tensor layout. transformers 5.25 saves
+    OLMo-Hybrid's short conv (one ``conv1d`` in memory) as ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` of equal
+    thirds, which is wrong when the key and value dims differ (it loads back, by concatenation, but the parts are
+    not the model's q, k, v channels); the released checkpoints hold q, k, v convs of their own sizes, written here."""
+    model.save_pretrained(directory)
+    cfg = model.config
+    if cfg.model_type != "olmo_hybrid":
+        return
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(directory, "model.safetensors")
+    state = load_file(path)
+    key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    for name in [n for n in state if n.endswith("linear_attn.q_conv1d.weight")]:
+        prefix = name[:-len("q_conv1d.weight")]
+        names = [f"{prefix}{p}_conv1d.weight" for p in "qkv"]
+        fused = torch.cat([state[n] for n in names], 0)
+        state.update(zip(names, fused.split([key, key, fused.shape[0] - 2 * key], 0)))
+    save_file({k: v.contiguous() for k, v in state.items()}, path, metadata={"format": "pt"})
 
 
 MTP_LAYER_TYPE = {"qwen3_next": dict(layer_types=["full_attention"], mlp_only_layers=[]),

@@ -73,6 +73,20 @@ class SumGradOverTP(torch.autograd.Function):
         return _all_reduce(grad, ctx.group), None
 
 
+class AllReduceSum(torch.autograd.Function):
+    """Sum over ``group`` in forward and in backward (each rank's output depends on every rank's input: a norm's
+    sum of squares over TP-split channels)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
 def spec_module(spec):
     """The class a ``ModuleSpec`` (or a bare class) builds; ``(module path, name)`` specs are imported."""
     from megatron.core.transformer.spec_utils import ModuleSpec

@@ -1,7 +1,7 @@
 """MLA context parallelism on gloo ranks: every strategy (P = 2, 4; BSHD rows and packed THD documents in
 Megatron's zigzag layout; TP x CP with sequence parallelism) equals the single-rank layer on the same global
 input (output, input gradient and every parameter gradient summed over CP ranks), and the bytes each rank
-moves equal the closed forms of ``layers.cp.mla.mla_comm_bytes``. One spawn per world size serves all cases."""
+moves equal the closed forms of ``layers.cp.mla.mla_comm_bytes``; one case with Ling 3.0's output gate. One spawn per world size serves all cases."""
 from __future__ import annotations
 
 import pytest
@@ -24,7 +24,9 @@ def _cases(world_size):
     if world_size == 4:
         cases += [dict(strategy="latent_ulysses", fmt="bshd", tp=2, q_lora=16, sp=True),
                   dict(strategy="latent", fmt="thd", tp=2, q_lora=None, sp=False),
-                  dict(strategy="expanded_ulysses", fmt="thd", tp=2, q_lora=16, sp=True)]
+                  dict(strategy="expanded_ulysses", fmt="thd", tp=2, q_lora=16, sp=True),
+                  # Ling 3.0's head-wise output gate
+                  dict(strategy="latent", fmt="thd", tp=2, q_lora=None, sp=True, output_gate=True)]
     return cases
 
 
@@ -53,11 +55,12 @@ def _run_case(rank, world_size, groups, case):
     config = make_config(q_lora_rank=case["q_lora"], heads=heads, tp=tp, sequence_parallel=sp)
     ref_config = make_config(q_lora_rank=case["q_lora"], heads=heads)
     torch.manual_seed(11)
-    ref = build_layer(ref_config, groups["self"], groups["self"])
+    gate = {"output_gate": True} if case.get("output_gate") else {}
+    ref = build_layer(ref_config, groups["self"], groups["self"], **gate)
     with torch.no_grad():
         for p in ref.parameters():                      # norms too, so their gradients are exercised
             p.add_(0.1 * torch.randn_like(p))
-    layer = build_layer(config, groups["tp"], groups["cp"], cp_strategy=case["strategy"])
+    layer = build_layer(config, groups["tp"], groups["cp"], cp_strategy=case["strategy"], **gate)
     layer.comm_stats = CommStats()
     layer.load_state_dict({k: _tp_shard(k, v, tp_rank, tp) for k, v in ref.state_dict().items()})
 

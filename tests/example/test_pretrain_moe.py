@@ -9,7 +9,13 @@ load-balancing loss and the expert-bias update (the router loads all-reduced bef
 
 * DeepSeek-V3 at EP2 on 4 ranks (DP4, each expert on 2 data-parallel ranks) and at EP2 x PP2;
 * Qwen3-Next at EP2 x TP2 with sequence parallelism, experts split over TP too (ETP2, the default) and whole
-  (``--expert-tensor-parallel-size 1``: expert data parallel 2).
+  (``--expert-tensor-parallel-size 1``: expert data parallel 2);
+* the dense OLMo-Hybrid (GDN with negative eigenvalues, post-norm attention with whole-projection q/k norms) at
+  TP2 x CP2 with sequence parallelism;
+* Ling 3.0 (KDA + output-gated MLA, grouped sigmoid router with expert bias, clipped SwiGLU experts) at EP2 and at
+  TP2 x CP2 with sequence parallelism, and with packed documents (``--reset-position-ids --reset-attention-mask
+  --eod-mask-loss``) at CP2 with the KDA CP methods ``p2p`` and ``ulysses`` against one rank with the same flags;
+all in the same two spawns.
 
 Two spawns: 4 ranks for the three layouts (each case streamed, so a failing layout fails its own test only),
 1 rank for both references. The flags' checks (EP not dividing the experts, EP without experts...) are parse-time
@@ -21,7 +27,15 @@ import pytest
 
 from tests.support.converted_runs import example, example_argv, layouts_and_references, write_converted
 
-ARCH_FLAGS = {"deepseek_v3": [], "qwen3_next": ["--moe-aux-loss-coeff", "1e-2"]}
+ARCH_FLAGS = {"deepseek_v3": [], "qwen3_next": ["--moe-aux-loss-coeff", "1e-2"], "olmo_hybrid": [],
+              "bailing_hybrid": []}
+# 128 tokens and seed 1: the first global batch holds a document end (test_packed_batch_crosses_a_document_end);
+# per-token loss: with --eod-mask-loss the CP ranks hold different numbers of loss tokens, and only the global
+# token mean is the one-rank gradient (Megatron's default averages each rank's own mean)
+PACKED = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--calculate-per-token-loss",
+          "--seq-length", "128", "--seed", "1"]
+# single-rank references beyond each architecture's plain run: {name: (arch, flags)}
+REFERENCES = {"bailing_hybrid_packed": ("bailing_hybrid", PACKED)}
 LAYOUTS = {
     "ep2": ("deepseek_v3", ["--expert-model-parallel-size", "2"]),
     "ep2_pp2": ("deepseek_v3", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
@@ -29,7 +43,16 @@ LAYOUTS = {
                                "--sequence-parallel"]),
     "ep2_tp2_etp1": ("qwen3_next", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                     "--sequence-parallel", "--expert-tensor-parallel-size", "1"]),
+    "olmo_hybrid_tp2_cp2": ("olmo_hybrid", ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+                                            "--sequence-parallel"]),
+    "ling_ep2": ("bailing_hybrid", ["--expert-model-parallel-size", "2"]),
+    "ling_tp2_cp2": ("bailing_hybrid", ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+                                        "--sequence-parallel"]),
+    "ling_packed_cp2_p2p": ("bailing_hybrid", ["--context-parallel-size", "2", "--hp-cp-method", "p2p", *PACKED]),
+    "ling_packed_cp2_ulysses": ("bailing_hybrid", ["--context-parallel-size", "2", "--hp-cp-method", "ulysses",
+                                                   *PACKED]),
 }
+REFERENCE_OF = {"ling_packed_cp2_p2p": "bailing_hybrid_packed", "ling_packed_cp2_ulysses": "bailing_hybrid_packed"}
 
 
 def _argv(root, arch, extra=()):
@@ -45,8 +68,10 @@ def root(pydoc_data, tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(root):
     """(layout reader: the last rank's first iteration, {arch: single-rank first iteration})."""
+    references = {arch: _argv(root, arch) for arch in ARCH_FLAGS}
+    references.update({name: _argv(root, arch, flags) for name, (arch, flags) in REFERENCES.items()})
     return layouts_and_references({name: _argv(root, arch, flags) for name, (arch, flags) in LAYOUTS.items()},
-                                  {arch: _argv(root, arch) for arch in ARCH_FLAGS})
+                                  references)
 
 
 def _rel(a, b):
@@ -56,16 +81,33 @@ def _rel(a, b):
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_first_iteration_matches_single_rank(runs, name):
     layout, single = runs
-    got, ref = layout(name), single[LAYOUTS[name][0]]
+    got, ref = layout(name), single[REFERENCE_OF.get(name, LAYOUTS[name][0])]
     for key in ("lm_loss", "grad_norm"):
         assert _rel(got[key], ref[key]) <= 1e-4, (key, got, ref)
-    if LAYOUTS[name][0] == "qwen3_next":  # softmax router with the aux loss
+    if LAYOUTS[name][0] == "olmo_hybrid":  # dense
+        assert "load_balancing_loss" not in ref and "expert bias update" not in ref, ref
+    elif LAYOUTS[name][0] == "qwen3_next":  # softmax router with the aux loss
         assert ref["load_balancing_loss"] > 0 and "expert bias update" not in ref, ref
         assert _rel(got["load_balancing_loss"], ref["load_balancing_loss"]) <= 1e-4, (got, ref)
     else:  # sigmoid router with expert bias, no aux loss: every expert's bias moved by the rate (none at the mean)
         assert "load_balancing_loss" not in ref, ref
         assert ref["expert bias update"] == pytest.approx(1e-3, rel=1e-4), ref
         assert got["expert bias update"] == pytest.approx(ref["expert bias update"], rel=1e-6), (got, ref)
+
+
+def test_packed_batch_crosses_a_document_end(root):
+    """The packed runs' first global batch (what their first iteration trains on) has a document end inside a
+    sample, so the CP layouts split documents and restart positions there."""
+    import torch
+
+    from prepare_data import BPETokenizer
+    from pretrain_hybrid import build_datasets
+
+    args = example().parse_args(_argv(root, "bailing_hybrid", PACKED))
+    train, _ = build_datasets(args, BPETokenizer(args.tokenizer))
+    restarts = sum(int((torch.as_tensor(train[i]["position_ids"])[1:] == 0).sum())
+                   for i in range(args.global_batch_size))
+    assert restarts >= 1
 
 
 def _parse(root, arch, flags, world_size):

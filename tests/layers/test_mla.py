@@ -113,6 +113,37 @@ def test_matches_transformers_kimi_linear(single_rank):
     assert rel_err(layer.linear_kv_up_proj.weight.grad, hf.kv_b_proj.weight.grad) <= 1e-5
 
 
+def test_output_gate_matches_transformers_bailing_hybrid(single_rank):
+    """Ling 3.0's MLA: DeepSeek-V3's with a head-wise sigmoid output gate (``g_proj``), interleaved RoPE, no q LoRA."""
+    from transformers import BailingHybridConfig
+    from transformers.models.bailing_hybrid.modeling_bailing_hybrid import (BailingHybridAttention,
+                                                                            BailingHybridRotaryEmbedding)
+
+    from layers.mixers.mla.layer import mla_state_dict_from_hf, mla_state_dict_to_hf
+
+    torch.manual_seed(3)
+    cfg = BailingHybridConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+                              kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, rms_norm_eps=1e-6,
+                              num_hidden_layers=2, layer_group_size=2, rope_theta=10000.0, pad_token_id=None,
+                              eos_token_id=None)
+    cfg._attn_implementation = "eager"
+    hf, rotary = BailingHybridAttention(cfg, 1).float(), BailingHybridRotaryEmbedding(cfg)
+    config = make_config(q_lora_rank=None, rope_type="rope", rotary_scaling_factor=1.0)
+    layer = build_layer(config, single_rank, single_rank, output_gate=True)
+    layer.load_state_dict(mla_state_dict_from_hf(hf.state_dict(), config))
+    B, T = 2, 12
+    x = torch.randn(B, T, 32, requires_grad=True)
+    cos, sin = rotary(x, torch.arange(T)[None].expand(B, T))
+    ref, _ = hf(x, (cos, sin), _causal_mask(T))
+    _assert_output_and_input_grad_match(layer, x, ref)
+    assert rel_err(layer.linear_gate_proj.weight.grad, hf.g_proj.weight.grad) <= 1e-5
+    back = mla_state_dict_to_hf(layer.state_dict(), config)
+    assert sorted(back) == sorted(hf.state_dict()) and all(torch.equal(back[k], v) for k, v in hf.state_dict().items())
+    assert build_layer(config, single_rank, single_rank).linear_gate_proj is None
+    with pytest.raises(TypeError, match="output_gate must be a bool"):
+        build_layer(config, single_rank, single_rank, output_gate="yes")
+
+
 def test_packed_documents_restart_positions(single_rank):
     """THD: each document equals transformers run on that document alone (positions from 0)."""
     from megatron.core.packed_seq_params import PackedSeqParams

@@ -15,7 +15,8 @@ from tests.support.models_case import read_safetensors, tiny_hf_model, to_mcore,
 from tests.support.reference import rel_err
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "deepseek_v3", "kimi_linear", "qwen3_5_moe_text", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "deepseek_v3", "kimi_linear", "qwen3_5_moe_text", "qwen3_5",
+                                  "olmo_hybrid", "bailing_hybrid"])
 def test_engine_round_trip_and_load(single_rank, arch, tmp_path):
     from megatron.core import dist_checkpointing
 

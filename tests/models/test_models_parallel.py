@@ -20,6 +20,8 @@ CASES = [(arch, layout) for layout in ("tp2cp2", "pp2ep2") for arch in ("qwen3_n
 # DSA (its selections on this model and batch are > 1e-4 from a tie: tests/models/test_models_dsa.py); GLM-5's shared
 # indexer layer 3 may not start a pipeline stage (its source, layer 2, would be on the other one), so GLM-5 is TP x CP
 CASES += [("glm_moe_dsa", "tp2cp2"), ("deepseek_v32", "pp2ep2")]
+# OLMo-Hybrid (dense) for its new block features; Ling 3.0 runs TP2 x CP2 + SP and EP2 in the example (= one rank)
+CASES += [("olmo_hybrid", "tp2cp2")]
 SIZES = {"tp2cp2": dict(tp=2, cp=2, pp=1, ep=1), "pp2ep2": dict(tp=1, cp=1, pp=2, ep=2)}
 # mcore parameters whose gradients are compared (their HF counterparts: test_models_tp1.GRADS)
 GRAD_KEYS = {
@@ -39,7 +41,15 @@ GRAD_KEYS = {
                     "decoder.layers.1.mlp.router.weight", "decoder.layers.0.self_attention.in_proj.weight",
                     "decoder.layers.3.self_attention.out_norm.weight",
                     "decoder.layers.2.self_attention.linear_kv_up_proj.weight"],
+    "olmo_hybrid": ["decoder.layers.1.self_attention.q_layernorm.weight",
+                    "decoder.layers.3.self_attention.k_layernorm.weight",
+                    "decoder.layers.1.self_attention.post_norm.weight", "decoder.layers.3.mlp.post_norm.weight",
+                    "decoder.layers.0.self_attention.in_proj.weight",
+                    "decoder.layers.3.self_attention.linear_qkv.weight"],
 }
+# checkpoint names -> transformers' in-memory names (Kimi's MoE, OLMo-Hybrid's norms)
+IN_MEMORY = (("block_sparse_moe.", "mlp."), ("feedforward_layer_norm", "post_attention_layernorm"),
+             ("attention_layer_norm", "input_layernorm"))
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.")
 
 
@@ -97,7 +107,9 @@ def _reference_grads(hf_model, rules, keys):
     out = {}
     for key in keys:
         rule = by_key[key]
-        names = [k.replace("block_sparse_moe.", "mlp.") for k in rule.hf_keys]  # Kimi's in-memory MoE name
+        names = list(rule.hf_keys)
+        for old, new in IN_MEMORY:
+            names = [k.replace(old, new) for k in names]
         if all(k in params for k in names):
             out[key] = rule.to_mcore([params[k].grad for k in names])
             continue
@@ -183,7 +195,7 @@ def _run_case(arch, layout, rank):
             dist.recv(grad, ps.get_pipeline_model_parallel_next_rank())
             hidden.backward(grad)
         # megatron's gradient reduction (finalize_model_grads): experts over the expert-data-parallel
-        # group, the rest over data x context, sequence-parallel weights also over TP
+        # group, the rest over data x context, sequence-parallel weights and q/k norms also over TP
         references = _reference_grads(hf_model, rules, GRAD_KEYS[arch])
         for key, t, mixer, path in named:
             if t.grad is None:
@@ -192,7 +204,9 @@ def _run_case(arch, layout, rank):
             group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group(
                 with_context_parallel=True)
             dist.all_reduce(t.grad, group=group)
-            if getattr(t, "sequence_parallel", False):  # replicated weights that saw only this rank's tokens
+            # replicated weights that saw only this rank's tokens, or (q/k norms) heads
+            if getattr(t, "sequence_parallel", False) or config.qk_layernorm and ("q_layernorm" in key
+                                                                                  or "k_layernorm" in key):
                 dist.all_reduce(t.grad, group=ps.get_tensor_model_parallel_group())
             if key in references:
                 result[key] = rel_err(t.grad, _shard(references[key], t, key, mixer, path, tp_rank, tp))

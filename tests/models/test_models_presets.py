@@ -49,6 +49,29 @@ def test_registry_and_refusals():
                         "moe_router_activation_func": "softmax"})
 
 
+def test_olmo_hybrid_preset_from_transformers_defaults():
+    """OlmoHybridConfig's defaults (Olmo-Hybrid-7B's shapes): GDN 3:1 attention, K = 0.75 hidden / heads, V = 2K,
+    negative eigenvalues, post-norm attention with whole-projection q/k norms; RoPE only with a rope_theta."""
+    from transformers import OlmoHybridConfig
+
+    from hp_megatron.models import preset_from_hf
+
+    hf = OlmoHybridConfig().to_dict()
+    preset = preset_from_hf(hf)
+    assert preset.pattern == "GGGA" * 8 and preset.qk_layernorm
+    assert {k: preset.mixer_fields[k] for k in ("linear_key_head_dim", "linear_value_head_dim", "gdn_allow_neg_eigval",
+                                                 "hp_post_norm_symbols", "hp_qk_norm_scope", "delta_norm_eps")} == \
+        dict(linear_key_head_dim=96, linear_value_head_dim=192, gdn_allow_neg_eigval=True, hp_post_norm_symbols="A",
+             hp_qk_norm_scope="projection", delta_norm_eps=1e-5)
+    assert preset.gpt_model_kwargs["position_embedding_type"] == "rope"
+    released = preset_from_hf({**hf, "rope_parameters": {"rope_type": "default", "rope_theta": None}})
+    assert released.gpt_model_kwargs["position_embedding_type"] == "none"
+    with pytest.raises(ValueError, match="rope_parameters"):
+        preset_from_hf({**hf, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}})
+    with pytest.raises(ValueError, match="layer_types"):
+        preset_from_hf({**hf, "layer_types": ["sliding_attention"] * 32})
+
+
 def test_hf_config_flag_sets_megatron_args_and_config():
     from megatron.core.transformer.transformer_config import TransformerConfig
 

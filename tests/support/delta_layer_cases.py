@@ -39,12 +39,12 @@ def _cases():
     """(case id, dict(kind, tp, cp, sp, thd, options))."""
     cases = []
 
-    def add(kind, tp, cp, sp, thd, packed_cp_group=False, **options):
+    def add(kind, tp, cp, sp, thd, packed_cp_group=False, dims=None, **options):
         label = "-".join([kind, f"tp{tp}", f"cp{cp}"] + (["sp"] if sp else []) + (["thd"] if thd else ["bshd"])
                          + (["cp_group_in_packed_seq_params"] if packed_cp_group else [])
-                         + [f"{k}={v}" for k, v in options.items()])
+                         + [f"{k}={v}" for k, v in {**(dims or {}), **options}.items()])
         cases.append((label, dict(kind=kind, tp=tp, cp=cp, sp=sp, thd=thd, packed_cp_group=packed_cp_group,
-                                  options=options)))
+                                  options=options, dims=dims or {})))
 
     for kind in ("gdn", "kda"):
         add(kind, 2, 1, False, False)
@@ -61,6 +61,12 @@ def _cases():
         add(kind, 2, 2, False, False, cp_method="p2p", cp_layout="contiguous")
         add(kind, 2, 2, True, True, cp_method="allgather", cp_layout="contiguous")
         add(kind, 2, 2, False, True, packed_cp_group=True, cp_method="allgather")  # hybrid CP (mcore >= 0.16)
+    # OLMo-Hybrid's GDN: beta = 2 sigmoid(b) with K != V, under a state-passing method and Ulysses
+    olmo = dict(allow_neg_eigval=True, value_head_dim=16)
+    add("gdn", 2, 2, True, True, dims=olmo, cp_method="p2p")
+    add("gdn", 1, 2, False, False, dims=olmo, cp_method="ulysses")
+    # Ling 3.0's KDA: full-rank gates (in_proj parts) with the safe gate
+    add("kda", 2, 2, True, True, dims=dict(full_rank_gates=True, safe_gate=True, lower_bound=-5.0), cp_method="p2p")
     return cases
 
 

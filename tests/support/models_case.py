@@ -16,24 +16,27 @@ LLAMA_VOCAB = 96  # tiny_llama's
 
 def _use_torch_path():
     """transformers' pure-PyTorch GDN/KDA functions (not FLA's Triton kernels) for the reference forward."""
+    from transformers.models.bailing_hybrid import modeling_bailing_hybrid
     from transformers.models.kimi_linear import modeling_kimi_linear
+    from transformers.models.olmo_hybrid import modeling_olmo_hybrid
     from transformers.models.qwen3_5 import modeling_qwen3_5
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
     from transformers.models.qwen3_next import modeling_qwen3_next
 
-    for module in (modeling_qwen3_next, modeling_kimi_linear, modeling_qwen3_5, modeling_qwen3_5_moe):
+    for module in (modeling_qwen3_next, modeling_kimi_linear, modeling_qwen3_5, modeling_qwen3_5_moe,
+                   modeling_olmo_hybrid, modeling_bailing_hybrid):
         use_transformers_torch_path(module)
 
 
 def tiny_hf_model(arch: str, directory: str, seed: int = 0, save: bool = True, vocab_size: int = VOCAB):
     """(model, config.json as a dict): ``hp_megatron.models.tiny``'s tiny random transformers model of ``arch``
     saved to ``directory`` (``save=False``: (model, None), another process saves the same model there)."""
-    from hp_megatron.models.tiny import build_tiny_hf_model
+    from hp_megatron.models.tiny import build_tiny_hf_model, save_tiny_hf_model
 
     _use_torch_path()
     model = build_tiny_hf_model(arch, seed, vocab_size=vocab_size)
     if save:
-        model.save_pretrained(directory)
+        save_tiny_hf_model(model, directory)
         with open(os.path.join(directory, "config.json")) as f:
             return model, json.load(f)
     return model, None

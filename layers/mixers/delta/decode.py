@@ -20,7 +20,7 @@ from layers.shared.inference import inference_window, layer_cache
 from layers.ops.delta_rule import chunk_op
 from layers.ops.step import check_decode_backend, delta_rule_step
 
-IN_KERNEL = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True)
+IN_KERNEL = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
 
 
 def cache_specs(mixer, max_batch: int) -> list:
@@ -61,7 +61,8 @@ def delta_inference_forward(mixer, hidden_states, context, attention_mask):
             history.copy_(conv_tail(prior, qkv, mixer.conv_kernel_dim - 1))
 
     g, beta, gate, gate_keywords = mixer.gates(parts, hidden_states)
-    flags = dict(IN_KERNEL, backend=mixer.backend, **gate_keywords)
+    flags = dict(IN_KERNEL, use_beta_sigmoid_in_kernel=mixer.beta_sigmoid_in_kernel, backend=mixer.backend,
+                 **gate_keywords)
     if decode:
         core = delta_rule_step(mixer.kind, q, k, v, g, beta, state, **flags)
     else:

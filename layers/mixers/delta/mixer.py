@@ -86,6 +86,7 @@ class DeltaMixer(ContextParallelMixer, MegatronModule):
     kind = None
     gate_activation = "silu"
     OPTIONS = COMMON_OPTIONS
+    beta_sigmoid_in_kernel = True   # :meth:`gates` returns beta raw (the op applies the sigmoid)
 
     def __init__(self, config, submodules: DeltaMixerSubmodules = None, layer_number: Optional[int] = None,
                  pg_collection=None, cp_comm_type=None, attn_mask_type=None, **kwargs):
@@ -322,7 +323,8 @@ class DeltaMixer(ContextParallelMixer, MegatronModule):
         g, beta, gate, gate_keywords = self.gates(parts, hidden_states)
         core, _ = chunk_op(self.kind)(
             q, k, v, g, beta, use_qk_l2norm_in_kernel=conv_part is None or self._part_l2norm is None,
-            use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True, cu_seqlens=cu_seqlens, cp_context=ctx,
+            use_beta_sigmoid_in_kernel=self.beta_sigmoid_in_kernel, use_gate_in_kernel=True, cu_seqlens=cu_seqlens,
+            cp_context=ctx,
             backend=self.backend, **gate_keywords)
         if conv_part is not None:
             conv_part.discard(core)   # q, k, v refilled before the op's backward
@@ -417,7 +419,7 @@ class DeltaMixer(ContextParallelMixer, MegatronModule):
     def gates(self, parts, hidden_states) -> tuple:
         """``(g, beta, output gate [b, s, HV_local, V], gate keywords of the op)`` from the in-projection's parts
         after query, key and value (``[b, s, rows_local]`` views, by name) and ``hidden_states [s(/tp), b, h]``;
-        g and beta raw (the op applies the in-kernel gate and sigmoid)."""
+        g raw (the op applies the in-kernel gate); beta raw when ``beta_sigmoid_in_kernel``, else activated."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:

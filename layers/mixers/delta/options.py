@@ -66,8 +66,18 @@ DELTA_ROWS = (
               check="positive", preset=True, megatron_field=True, help="short convolution width"),
     OptionRow(None, "linear_conv_bias", "conv_bias", bool, optional=False),
     OptionRow(None, "delta_init_seed", "init_seed", int),
+    OptionRow(None, "delta_norm_eps", "norm_eps", float, model=True, check="positive"),
     OptionRow(None, "gated_norm_zero_centered_gamma", None, bool),
 )
+
+# GDN's own rows (here, not in gdn.py, so that the flag table is read without importing the layers)
+GDN_ROWS = (
+    OptionRow("--hp-gdn-allow-neg-eigval", "gdn_allow_neg_eigval", "allow_neg_eigval", bool, model=True,
+              optional=False, preset=True,
+              help="GDN beta = 2 sigmoid(b), in (0, 2): transitions with negative eigenvalues (OLMo-Hybrid; FLA's "
+                   "allow_neg_eigval); computed before the op, which takes beta as given"),
+)
+GDN_DEFAULTS = {"allow_neg_eigval": False}
 
 # KDA's own rows (here, not in kda.py, so that the flag table is read without importing the layers)
 KDA_ROWS = (
@@ -79,12 +89,16 @@ KDA_ROWS = (
     OptionRow("--hp-kda-safe-gate", "kda_safe_gate", "safe_gate", bool, model=True, optional=False, preset=True,
               help="KDA safe gate (needs a lower bound in [-5, 0))"),
     OptionRow(None, "kda_output_gate_bias", "output_gate_bias", bool, optional=False),
+    OptionRow("--hp-kda-full-rank-gates", "kda_full_rank_gates", "full_rank_gates", bool, model=True, optional=False,
+              preset=True, help="KDA forget and output gates projected from the hidden state at full rank, as parts "
+                                "of in_proj (Ling 3.0's f_proj / g_proj), not through Kimi Linear's low-rank pair"),
 )
 KDA_DEFAULTS = {
     "gate_low_rank_dim": None,  # None -> value_head_dim (Kimi Linear)
     "lower_bound": None,
     "safe_gate": False,
     "output_gate_bias": False,  # Kimi Linear: False; FLA's layer: True
+    "full_rank_gates": False,  # Kimi Linear: low rank; Ling 3.0: full rank
 }
 
 _DEFAULTS = {  # keyword -> default when neither the keyword nor a config field gives it

@@ -69,5 +69,4 @@ def mla_inference_forward(attn, hidden_states, context, attention_mask):
         out = attn.core_attention(query, key, value, q_ids=None, cu_seqlens=None)
     else:
         out = absorbed_attention(query, cache[rows, :offset + seq], kv_weight, dims, attn.softmax_scale, offset)
-    out = out.reshape(batch, seq, dims.heads * dims.v).transpose(0, 1).contiguous()
-    return attn.linear_proj(out)
+    return attn.project_output(out, hidden_states)

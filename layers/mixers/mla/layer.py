@@ -9,6 +9,7 @@ sequence parallelism; THD packs documents with ``b = 1``)::
     q  = [q_nope | rope(q_pe)]                                    per TP-local head
     K/V = linear_kv_up_proj(c) per head, keys [k_nope | k_pe]
     o  = causal softmax(q K^T * mscale^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim)) V
+    o  = o * sigmoid(linear_gate_proj(x))    per head, with ``output_gate`` (Ling 3.0)
     out, bias = linear_proj(o)
 
 Heads are split over TP (column-parallel up projections, row-parallel output). Under CP the attention
@@ -80,14 +81,17 @@ class MultiLatentAttention(ContextParallelMixer, MegatronModule):
     ``"expanded_ulysses"``; also read from ``config.mla_cp_strategy``), ``cp_layout`` (``"zigzag"``,
     Megatron's, or ``"contiguous"``; also read from ``config.hp_cp_layout``), ``rope_type`` (overrides
     ``config.rope_type``; ``"none"`` = NoPE as in Kimi Linear), ``checkpoint_norm_names`` (``"te"`` or
-    ``"local"`` names of the latent norms in ``sharded_state_dict``). ``comm_stats`` (a
+    ``"local"`` names of the latent norms in ``sharded_state_dict``), ``output_gate`` (a head-wise sigmoid gate of
+    the attention output, ``linear_gate_proj [heads, hidden]`` column parallel; also ``config.mla_output_gate``).
+    ``comm_stats`` (a
     ``layers.cp.accounting.CommStats`` or None) records CP bytes.
     """
 
     def __init__(self, config, submodules: MLASelfAttentionSubmodules, layer_number: Optional[int] = None,
                  attn_mask_type=None, cp_comm_type: Optional[str] = None, pg_collection=None,
                  *, cp_strategy: Optional[str] = None, cp_layout: Optional[str] = None,
-                 rope_type: Optional[str] = None, checkpoint_norm_names: str = "te", comm_stats=None, **kwargs):
+                 rope_type: Optional[str] = None, checkpoint_norm_names: str = "te", comm_stats=None,
+                 output_gate: Optional[bool] = None, **kwargs):
         super().__init__(config=config)
         check_keywords("MultiLatentAttention", kwargs, declared_keywords(MultiLatentAttention))
         if _mask_type_name(attn_mask_type) not in (None, "causal"):
@@ -158,6 +162,14 @@ class MultiLatentAttention(ContextParallelMixer, MegatronModule):
                                         init_method=c.output_layer_init_method, bias=c.add_bias_linear,
                                         input_is_parallel=True, skip_bias_add=True, is_expert=False,
                                         tp_comm_buffer_name="proj", tp_group=self.tp_group)
+        self.output_gate = bool(getattr(c, "mla_output_gate", False)) if output_gate is None else output_gate
+        if not isinstance(self.output_gate, bool):
+            raise TypeError(f"MultiLatentAttention: output_gate must be a bool, got {output_gate!r}")
+        self.linear_gate_proj = None
+        if self.output_gate:   # column parallel like the up projections: each rank gates its own heads
+            self.linear_gate_proj = build_module(submodules.linear_kv_up_proj, c.hidden_size, heads,
+                                                 gather_output=False, tp_comm_buffer_name="gate_proj",
+                                                 tp_group=self.tp_group, **linear)
         for name in ("linear_q_up_proj", "linear_kv_up_proj"):
             if hasattr(getattr(self, name, None), "layer_norm_weight"):
                 raise ValueError(f"{name} must be a plain column-parallel linear; fused layer-norm linears are not "
@@ -245,8 +257,19 @@ class MultiLatentAttention(ContextParallelMixer, MegatronModule):
                                        kv_weight=kv_weight, dims=dims, attention=self._attention(),
                                        group=cp_group, layout=self.cp_layout, cu_seqlens=cu_seqlens,
                                        stats=self.comm_stats, plan=plan)
-        out = out.reshape(batch, seq, dims.heads * dims.v).transpose(0, 1).contiguous()
-        return self.linear_proj(out)
+        return self.project_output(out, hidden_states)
+
+    def project_output(self, out, hidden_states):
+        """Attention output ``[b, s, heads_local(, v)]`` -> ``linear_proj``'s ``(output [s, b, hidden], bias)``, gated
+        per head by ``sigmoid(linear_gate_proj(hidden_states))`` (fp32 sigmoid, as transformers) with
+        ``output_gate``."""
+        batch, seq, dims = out.shape[0], out.shape[1], self.dims
+        out = out.reshape(batch, seq, dims.heads, dims.v)
+        if self.linear_gate_proj is not None:
+            gate, _ = self.linear_gate_proj(hidden_states)                # [s, b, heads_local]
+            gate = torch.sigmoid(gate.float()).to(out.dtype).transpose(0, 1)
+            out = out * gate.unsqueeze(-1)
+        return self.linear_proj(out.reshape(batch, seq, dims.heads * dims.v).transpose(0, 1).contiguous())
 
     def _attention(self):
         """The core attention ``(q, k, v, q_ids=, cu_seqlens=) -> o`` this forward uses (a subclass may bind more)."""
@@ -359,7 +382,7 @@ class MultiLatentAttention(ContextParallelMixer, MegatronModule):
                 state_dict[prefix + ours] = state_dict.pop(prefix + te)
 
 
-# -- transformers (DeepSeek-V3 / Kimi-Linear) state dicts ------------------------------------------------------
+# -- transformers (DeepSeek-V3 / Kimi-Linear / Ling 3.0) state dicts ---------------------------------------------
 # transformers name -> ours; q_b_proj/q_proj/kv_b_proj/o_proj are split over TP by heads.
 HF_TO_MLA = {
     "q_proj.weight": "linear_q_proj.weight",
@@ -371,6 +394,7 @@ HF_TO_MLA = {
     "kv_b_proj.weight": "linear_kv_up_proj.weight",
     "o_proj.weight": "linear_proj.weight",
     "o_proj.bias": "linear_proj.bias",
+    "g_proj.weight": "linear_gate_proj.weight",   # Ling 3.0's head-wise output gate (output_gate)
 }
 
 
@@ -391,7 +415,7 @@ def _tp_slice(name, tensor, tp_rank, tp_size):
     if tp_size == 1:
         return tensor
     if name in ("linear_q_proj.weight", "linear_q_up_proj.weight", "linear_kv_up_proj.weight",
-                "linear_q_down_proj.weight", "linear_kv_down_proj.weight"):
+                "linear_q_down_proj.weight", "linear_kv_down_proj.weight", "linear_gate_proj.weight"):
         return tensor.chunk(tp_size, dim=0)[tp_rank].clone()
     if name == "linear_proj.weight":
         return tensor.chunk(tp_size, dim=1)[tp_rank].clone()

@@ -29,6 +29,9 @@ MLA_ROWS = (
               preset=True, megatron_field=True, help="MLA rope q/k head dim"),
     OptionRow("--hp-mla-v-head-dim", "v_head_dim", None, int, model=True, check="positive", preset=True,
               megatron_field=True, help="MLA value head dim"),
+    OptionRow("--hp-mla-output-gate", "mla_output_gate", "output_gate", bool, model=True, optional=False, preset=True,
+              help="MLA head-wise sigmoid output gate: o_h * sigmoid(linear_gate_proj(x))_h before linear_proj "
+                   "(Ling 3.0's g_proj; one column-parallel [heads, hidden] projection)"),
     OptionRow("--hp-mla-rope-type", "rope_type", None, str, model=True, default="rope", choices=ROPE_TYPES,
               optional=False, preset=True, megatron_field=True,
               help="MLA rotary embedding (none = NoPE, as Kimi Linear's MLA layers)"),

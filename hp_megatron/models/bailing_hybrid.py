@@ -1,0 +1,182 @@
+"""Ling 3.0 (``model_type: bailing_hybrid``, e.g. inclusionAI/Ling-3.0-Flash): KDA layers ("K") and MLA layers ("M":
+layer i when ``(i + 1) % layer_group_size == 0``), DeepSeek-V3's grouped sigmoid MoE with expert bias after the
+first dense layers, per-layer SwiGLU clipping.
+
+megatron-core equivalents of what differs from Kimi Linear / DeepSeek-V3:
+* KDA with the safe gate (``kda_safe_gate``, ``kda_lower_bound``) and full-rank gates (``kda_full_rank_gates``:
+  ``f_proj`` / ``g_proj`` as parts of our in_proj), the short conv stored as ``q/k/v_conv1d``;
+* MLA with a head-wise sigmoid output gate (``mla_output_gate``: ``g_proj`` -> ``linear_gate_proj``), interleaved
+  RoPE, the output projection stored as ``dense``;
+* routed experts and shared experts clipped per layer (``hp_swiglu_limits`` / ``hp_shared_swiglu_limits`` from
+  ``expert_swiglu_limit_list`` / ``share_expert_swiglu_limit_list``; a dense layer's MLP is not clipped, as in
+  transformers' ``BailingHybridMLP(config)``).
+
+Checkpoint names are the released ones (``save_pretrained`` writes them): ``model.word_embeddings``,
+``model.layers.<i>.attention.*``, ``mlp.gate.expert_bias``. The checkpoints' multi-token-prediction layers,
+``model.layers.<num_hidden_layers + i>`` (``num_nextn_predict_layers``), are listed as unmodeled (dropped with
+``--drop-unmodeled``); converting them is not implemented yet.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from hp_megatron.convert.rules import TensorRule, identity_rule
+from hp_megatron.models.common import (ModelPreset, decoder_config, field_of, layer_prefix, mla_fields, mla_rules,
+                                       mlp_rules, moe_router_config, moe_rules, norm_rules, refuse, require,
+                                       rope_parameters)
+from hp_megatron.registry import check_hf_symbols, conversion_rules_of, register_conversion_rules
+
+MODEL_TYPE = "bailing_hybrid"
+LAYER_SYMBOLS = check_hf_symbols(MODEL_TYPE, {"linear_attention": "K", "full_attention": "M"})
+MTP_FIELD = "num_nextn_predict_layers"
+
+
+def _get(hf: dict, *names, default=None):
+    """The first of ``names`` config.json sets (transformers' attribute_map spells fields two ways)."""
+    for name in names:
+        if hf.get(name) is not None:
+            return hf[name]
+    return default
+
+
+def mtp_depth(hf: dict) -> int:
+    return _get(hf, MTP_FIELD, "num_mtp_layers", default=0)
+
+
+def unmodeled_tensors(hf: dict) -> dict:
+    layers = field_of(hf, MODEL_TYPE, "num_hidden_layers")
+    return {f"model.layers.{layers + i}.": f"Ling 3.0 multi-token-prediction layer {i} ({MTP_FIELD}="
+            f"{mtp_depth(hf)})" for i in range(mtp_depth(hf))}
+
+
+def _layer_types(hf: dict) -> list:
+    num_layers = field_of(hf, MODEL_TYPE, "num_hidden_layers")
+    types = hf.get("layer_types")
+    if types is None:
+        group = hf.get("layer_group_size", 6)
+        types = ["full_attention" if (i + 1) % group == 0 else "linear_attention" for i in range(num_layers)]
+    if len(types) != num_layers or any(t not in LAYER_SYMBOLS for t in types):
+        refuse(MODEL_TYPE, "layer_types", types, f"{num_layers} entries of {sorted(LAYER_SYMBOLS)}")
+    return types
+
+
+def moe_layers(hf: dict) -> list:
+    num_layers = field_of(hf, MODEL_TYPE, "num_hidden_layers")
+    types = hf.get("mlp_layer_types")
+    if types is None:
+        first_dense = hf.get("first_k_dense_replace", 2)
+        types = ["dense" if i < first_dense else "sparse" for i in range(num_layers)]
+    if len(types) != num_layers or any(t not in ("dense", "sparse") for t in types):
+        refuse(MODEL_TYPE, "mlp_layer_types", types, f"{num_layers} of ['dense', 'sparse']")
+    return [t == "sparse" for t in types]
+
+
+def _kda_dims(hf: dict) -> dict:
+    """KDA heads (= attention heads), head dim (transformers: ``linear_head_dim``, set from ``head_dim``), conv."""
+    return dict(heads=field_of(hf, MODEL_TYPE, "num_attention_heads"),
+                head_dim=_get(hf, "linear_head_dim", "head_dim", default=128),
+                conv=_get(hf, "linear_conv_kernel_dim", "short_conv_kernel_size", default=4))
+
+
+def _limits(hf: dict, name: str, alias: str, flags: list) -> tuple | None:
+    limits = _get(hf, name, alias)
+    if not limits:
+        return None
+    if len(limits) != len(flags):
+        refuse(MODEL_TYPE, name, limits, f"one limit per layer ({len(flags)})")
+    limits = tuple(float(v) if is_moe else 0.0 for v, is_moe in zip(limits, flags))   # dense MLPs: no clip
+    return limits if any(limits) else None
+
+
+def megatron_config(hf: dict) -> ModelPreset:
+    """The megatron-core model of a Ling 3.0 ``config.json`` (a dict)."""
+    require(hf, MODEL_TYPE, "model_type", (MODEL_TYPE,))
+    require(hf, MODEL_TYPE, "attention_bias", (False,), False)
+    require(hf, MODEL_TYPE, "attention_dropout", (0, 0.0), 0.0)
+    require(hf, MODEL_TYPE, "output_router_logits", (False,), False)
+    rope = rope_parameters(hf)
+    if rope["rope_type"] != "default":
+        refuse(MODEL_TYPE, "rope_parameters.rope_type", rope["rope_type"], ["default"])
+    types, flags = _layer_types(hf), moe_layers(hf)
+    config = decoder_config(hf, MODEL_TYPE, 1e-6)
+    if any(flags):
+        config.update(moe_router_config(MODEL_TYPE, num_experts=_get(hf, "num_experts", "num_local_experts"),
+                                        topk=_get(hf, "num_experts_per_token", "num_experts_per_tok"),
+                                        norm_topk_prob=_get(hf, "moe_renormalize", "norm_topk_prob", default=True),
+                                        score_function="sigmoid", scaling_factor=hf.get("routed_scaling_factor"),
+                                        expert_bias=True, num_groups=_get(hf, "num_expert_group", "n_group"),
+                                        group_topk=hf.get("topk_group")),
+                      moe_layer_freq=[int(f) for f in flags],
+                      moe_ffn_hidden_size=field_of(hf, MODEL_TYPE, "moe_intermediate_size"))
+        shared = _get(hf, "num_shared_experts", "n_shared_experts", default=0)
+        if shared:
+            config["moe_shared_expert_intermediate_size"] = shared * hf["moe_intermediate_size"]
+    kda = _kda_dims(hf)
+    lower = float(hf.get("kda_lower_bound", -5.0))
+    mixer = dict(linear_num_key_heads=kda["heads"], linear_num_value_heads=kda["heads"],
+                 linear_key_head_dim=kda["head_dim"], linear_value_head_dim=kda["head_dim"],
+                 linear_conv_kernel_dim=kda["conv"], kda_full_rank_gates=True,
+                 kda_safe_gate=bool(hf.get("kda_safe_gate", True)), kda_lower_bound=lower,
+                 mla_output_gate=True, hp_swiglu_limits=_limits(hf, "expert_swiglu_limit_list", "swiglu_limits", flags),
+                 hp_shared_swiglu_limits=_limits(hf, "share_expert_swiglu_limit_list", "swiglu_limits_shared", flags),
+                 **mla_fields(hf, MODEL_TYPE, "rope", rope))
+    gpt = dict(vocab_size=field_of(hf, MODEL_TYPE, "vocab_size"), position_embedding_type="none",
+               share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)))
+    return ModelPreset(MODEL_TYPE, "".join(LAYER_SYMBOLS[t] for t in types), transformer_fields=config,
+                       mixer_fields=mixer, gpt_model_kwargs=gpt)
+
+
+def _cat_rule(mcore_key: str, hf_keys: tuple, sizes: list) -> TensorRule:
+    return TensorRule(mcore_key, hf_keys, lambda ts: torch.cat(list(ts), 0), lambda t: tuple(t.split(sizes, 0)))
+
+
+def kda_layer_rules(mcore: str, hf_layer: str, hf: dict, preset: ModelPreset) -> list[TensorRule]:
+    """The ``K`` mixer's rules: Ling's ``attention`` (q/k/v/b/f/g projections: our in_proj parts)."""
+    d = _kda_dims(hf)
+    H, K = d["heads"], d["head_dim"]
+    attn = hf_layer + "attention."
+    return [_cat_rule(mcore + "in_proj.weight", tuple(f"{attn}{n}_proj.weight" for n in "qkvbfg"),
+                      [H * K] * 3 + [H] + [H * K] * 2),
+            _cat_rule(mcore + "conv1d.weight", tuple(f"{attn}{n}_conv1d.weight" for n in "qkv"), [H * K] * 3),
+            identity_rule(mcore + "A_log", attn + "A_log"),
+            identity_rule(mcore + "dt_bias", attn + "dt_bias"),
+            identity_rule(mcore + "out_norm.weight", attn + "o_norm.weight"),
+            identity_rule(mcore + "out_proj.weight", attn + "dense.weight")]
+
+
+def mla_layer_rules(mcore: str, hf_layer: str, hf: dict, preset: ModelPreset) -> list[TensorRule]:
+    """The ``M`` mixer's rules: DeepSeek-V3's MLA under ``attention.`` (``o_proj`` stored as ``dense``) and the
+    output gate ``g_proj``."""
+    attn = hf_layer + "attention."
+    rules = mla_rules(mcore, attn, preset.mixer_fields, preset.transformer_fields["num_attention_heads"],
+                      rope_interleave=True)
+    rules = [replace(r, hf_keys=(attn + "dense.weight",)) if r.hf_keys == (attn + "o_proj.weight",) else r
+             for r in rules]
+    return rules + [identity_rule(mcore + "linear_gate_proj.weight", attn + "g_proj.weight")]
+
+
+def conversion_rules(hf: dict) -> list[TensorRule]:
+    """One rule per megatron-core tensor of the model of :func:`megatron_config`."""
+    preset = megatron_config(hf)
+    experts = preset.transformer_fields.get("num_moe_experts", 0)
+    shared = "shared_experts." if preset.transformer_fields.get("moe_shared_expert_intermediate_size") else None
+    rules = [identity_rule("embedding.word_embeddings.weight", "model.word_embeddings.weight"),
+             identity_rule("decoder.final_layernorm.weight", "model.norm.weight")]
+    if not preset.gpt_model_kwargs["share_embeddings_and_output_weights"]:
+        rules.append(identity_rule("output_layer.weight", "lm_head.weight"))
+    for i, (symbol, is_moe) in enumerate(zip(preset.pattern, moe_layers(hf))):
+        mcore, theirs = layer_prefix(i), f"model.layers.{i}."
+        rules += conversion_rules_of(MODEL_TYPE, symbol)(mcore + "self_attention.", theirs, hf, preset)
+        rules += norm_rules(mcore, theirs)
+        if is_moe:
+            rules += moe_rules(mcore + "mlp.", theirs + "mlp.", experts, router="gate.weight", shared=shared,
+                               expert_bias="gate.expert_bias")
+        else:
+            rules += mlp_rules(mcore + "mlp.", theirs + "mlp.")
+    return rules
+
+
+register_conversion_rules(MODEL_TYPE, "K", kda_layer_rules)
+register_conversion_rules(MODEL_TYPE, "M", mla_layer_rules)
