@@ -84,7 +84,7 @@ def _worker(rank, P, cases, kind, repeats, warmup, calibration_path):
     cls = GatedDeltaNet if kind == "gdn" else KimiDeltaAttention
     rows = []
     for T, (H, HV) in cases:
-        def build(cand):
+        def build(cand, H=H, HV=HV):
             return cls(config, None, layer_number=1, num_key_heads=H, num_value_heads=HV, key_head_dim=HEAD_DIM,
                        value_head_dim=HEAD_DIM, init_seed=1, cp_method=cand.method, cp_group_size=cand.group_size,
                        cp_ulysses_degree=cand.ulysses_degree)

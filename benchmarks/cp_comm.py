@@ -93,7 +93,7 @@ def _worker(rank, P):
         ctx = build_cp_context(None, method="ulysses", layout="zigzag")
         T_small = 2 * P * 2
         full = {"q": (H, K), "k": (H, K), "v": (HV, V), "g": (HV,), "beta": (HV,)}
-        for name, tail in full.items():
+        for _name, tail in full.items():
             x = torch.zeros((1, T_small) + tail, dtype=torch.bfloat16)
             seq_to_heads(shard(x, ctx, 1), ctx)
         o = torch.zeros(1, T_small, HV // P, V, dtype=torch.bfloat16)

@@ -80,7 +80,8 @@ def _transformers_torch_path(arch: str) -> None:
 
     module = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
     for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
-                 "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "fused_recurrent_kimi_delta_attention"):
+                 "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention",
+                 "fused_recurrent_kimi_delta_attention"):
         fn = getattr(module, name, None)
         if fn is not None and hasattr(fn, "__wrapped__"):
             setattr(module, name, fn.__wrapped__)
@@ -183,7 +184,8 @@ def run(args) -> dict:
                       "prefill_vs_training_forward": ours["training_forward_s"] / ours["prefill_s"]}
     d = DEEPSEEK_V3
     deepseek = {"cache_values_per_token": d["kv_lora_rank"] + d["qk_rope_head_dim"],
-                "full_kv_values_per_token": d["heads"] * (d["qk_nope_head_dim"] + d["qk_rope_head_dim"] + d["v_head_dim"])}
+                "full_kv_values_per_token": d["heads"] * (d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
+                                                          + d["v_head_dim"])}
     return {"meta": dict(run_meta("generate.py"), load_average=load, cpus=os.cpu_count()),
             "batch": args.batch, "prompt": args.prompt, "new": args.new, "models": rows, "deepseek_v3": deepseek}
 

@@ -418,7 +418,8 @@ def build_megatron_gdn():
 def section_layers(rows, budget, shapes, iters, which):
     if which == "c":
         candidates = [("gdn", "hp layers.mixers.delta.gdn.GatedDeltaNet", lambda: build_our_layer("gdn"), True, True),
-                      ("kda", "hp layers.mixers.delta.kda.KimiDeltaAttention", lambda: build_our_layer("kda"), True, True)]
+                      ("kda", "hp layers.mixers.delta.kda.KimiDeltaAttention", lambda: build_our_layer("kda"), True,
+                       True)]
     else:
         candidates = [("gdn", "fla.layers.GatedDeltaNet", lambda: build_fla_layer("gdn"), False, True),
                       ("kda", "fla.layers.KimiDeltaAttention", lambda: build_fla_layer("kda"), False, True),

@@ -127,7 +127,8 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--thd", action="store_true", help="packed documents (PackedSeqParams) on every call")
-    parser.add_argument("--value-heads", type=int, default=4, help="GDN/KDA value heads (a multiple of the 4 key heads)")
+    parser.add_argument("--value-heads", type=int, default=4,
+                        help="GDN/KDA value heads (a multiple of the 4 key heads)")
     parser.add_argument("--value-dim", type=int, default=8, help="GDN/KDA value head dim")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--warmup", type=int, default=5)

@@ -21,9 +21,9 @@ need no GPU: what autograd saves and which kernels launch do not depend on the d
 
 Saved bytes: one forward under ``torch.autograd.graph.saved_tensors_hooks``; every tensor autograd packs is
 reduced to its storage (``untyped_storage().data_ptr()``), each storage counted once with its full
-``nbytes()`` at the end of the forward (a storage freed for recompute counts 0); storages of the layer's parameters are excluded, the layer input is included (the layer keeps
-it alive). Divided by B*T tokens. Tensors a custom autograd Function keeps as plain ``ctx`` attributes are
-invisible to the hooks (FLA keeps none of size; ours keep none).
+``nbytes()`` at the end of the forward (a storage freed for recompute counts 0); storages of the layer's
+parameters are excluded, the layer input is included (the layer keeps it alive). Divided by B*T tokens. Tensors a custom
+autograd Function keeps as plain ``ctx`` attributes are invisible to the hooks (FLA keeps none of size; ours keep none).
 
 Kernels: the aten ops that reach a kernel during one forward, and separately during its backward (loss =
 sum(y * dy)), counted by a ``TorchDispatchMode`` (the dispatcher level below autograd and composite
@@ -41,10 +41,10 @@ Usage: ``python benchmarks/layer_memory.py [--hidden 1024 2048] [--dtypes float3
 docs/benchmarks.md, rows into docs/layer_memory.json)]``;
 ``--dsa-seq-lengths 4096 16384 65536 [--write-docs]`` measures only the DSA table instead (:func:`dsa_rows`: our DSA
 layer against our dense MLA of the same small heads at each T, forward peak and saved bytes per token; docs section
-``dsa_memory``). ``--merge A.json B.json ...`` measures nothing and publishes the rows of earlier runs' ``--json`` files as one table
-(a later file's row replaces an earlier one of the same layer, implementation and shape), for tables measured
-piecewise (the interpreter takes minutes per row on a small machine). ``--docs-section NAME`` publishes into the section
-``NAME`` of docs/benchmarks.md and docs/NAME.json instead of ``layer_memory`` (a table measured with another
+``dsa_memory``). ``--merge A.json B.json ...`` measures nothing and publishes the rows of earlier runs' ``--json``
+files as one table (a later file's row replaces an earlier one of the same layer, implementation and shape), for tables
+measured piecewise (the interpreter takes minutes per row on a small machine). ``--docs-section NAME`` publishes into
+the section ``NAME`` of docs/benchmarks.md and docs/NAME.json instead of ``layer_memory`` (a table measured with another
 megatron-core beside the main one, e.g. ``layer_memory_mcore019``).
 """
 from __future__ import annotations
@@ -393,7 +393,8 @@ def dsa_rows(seq_lengths) -> list:
             torch.manual_seed(0)
             layer = build_dsa_or_mla(kind)
             x = torch.randn(T, 1, DSA_SHAPE["hidden"]) * 0.5
-            peak, retained = _memory_of_forward(lambda: layer(x.detach().requires_grad_(True), None)[0])
+            peak, retained = _memory_of_forward(
+                lambda layer=layer, x=x: layer(x.detach().requires_grad_(True), None)[0])
             rows.append(dict(kind=kind, T=T, retained_bytes_per_token=retained / T,
                              forward_peak_bytes_per_token=peak / T))
             print(f"  {kind} T={T}: kept {retained / T / 1e3:.2f} kB/token, forward peak {peak / T / 1e3:.2f} "
@@ -477,8 +478,8 @@ def markdown(rows, meta) -> str:
              f"{HEAD_DIM}; GVA: half as many query/key heads (KDA layers without GVA support: error row). "
              "kB/token: unique non-parameter storages saved for backward (input included) / tokens. Kernels: leaf "
              "aten ops that launch a kernel + Triton launches, forward and backward (module docstring of "
-             "`benchmarks/layer_memory.py`). Ratios: saved bytes relative to ours (triton) and to FLA's layer at the same "
-             "shape; + recompute: `--recompute-modules hp_conv hp_gated_norm`; megatron-core's `@jit_fuser` "
+             "`benchmarks/layer_memory.py`). Ratios: saved bytes relative to ours (triton) and to FLA's layer at the "
+             "same shape; + recompute: `--recompute-modules hp_conv hp_gated_norm`; megatron-core's `@jit_fuser` "
              "helpers run uncompiled here.", "",
              "| layer | hidden | heads qk/v | dtype | implementation | saved kB/token | vs ours (triton) | "
              "vs FLA layer | kernels fwd (aten+triton) | kernels bwd (aten+triton) | kernels fwd+bwd |",

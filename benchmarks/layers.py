@@ -197,7 +197,7 @@ def run_shape(B, T, args, device, dtype):
     for kind in ("gdn", "kda"):
         built = {}
 
-        def ours():
+        def ours(kind=kind, built=built):
             layer, d = build_ours(kind, args, dtype, device)
             built["dims"], built["parts"] = d, layer.global_parts()
             return layer
@@ -207,7 +207,8 @@ def run_shape(B, T, args, device, dtype):
             measure(kind, "mcore", lambda: build_mcore_gdn(args, dtype, device), args.repeats)
         if "parts" in built and not args.skip_hf:
             slow = kind == "kda"  # transformers' KDA chunk loop takes seconds per call
-            measure(kind, "hf", lambda: build_hf(kind, args, dtype, device, built["parts"], built["dims"]),
+            measure(kind, "hf",
+                    lambda kind=kind, built=built: build_hf(kind, args, dtype, device, built["parts"], built["dims"]),
                     1 if slow else args.repeats, reference)
     return rows
 

@@ -1,8 +1,9 @@
 """Bytes per rank per layer moved by MLA context parallelism: our strategies vs Transformer Engine's ring.
 
 Closed forms from ``layers.cp.mla.mla_comm_bytes`` (tests/cp/test_cp_mla.py checks them against the bytes the
-layer actually moves on gloo ranks). Ring (``tests.support.mla_layer.ring_comm_bytes``) = TE's P2P ring attention passing the expanded K/V
-(heads x (qk + rope + v) values per token) around the CP ring: P-1 hops forward, K/V and dK/dV backward.
+layer actually moves on gloo ranks). Ring (``tests.support.mla_layer.ring_comm_bytes``) = TE's P2P ring attention
+passing the expanded K/V (heads x (qk + rope + v) values per token) around the CP ring: P-1 hops forward, K/V and dK/dV
+backward.
 
 Usage: ``python benchmarks/mla_comm.py [--seq 131072] [--dtype-bytes 2] [--json out.json] [--no-docs]``
 prints JSON and a markdown table and replaces the ``mla_comm`` section of docs/benchmarks.md.
@@ -59,7 +60,8 @@ def markdown(table: list[dict], seq_len: int, element_size: int) -> str:
              "P2P ring attention exchanging expanded K/V (`ring_comm_bytes` of `tests/support/mla_layer.py`). n/a: "
              "Ulysses strategies need heads % P == 0.",
              "",
-             "| model | P | latent | latent_ulysses | expanded_ulysses | TE ring | ring / latent (fwd) | ring / latent (fwd+bwd) |",
+             "| model | P | latent | latent_ulysses | expanded_ulysses | TE ring | ring / latent (fwd) | "
+             "ring / latent (fwd+bwd) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in table:
         lines.append(f"| {r['model']} | {r['P']} | {_mib(r['latent'])} | {_mib(r['latent_ulysses'])} | "

@@ -68,7 +68,8 @@ def add_hp_arguments(parser: argparse.ArgumentParser, argv=None) -> argparse.Arg
         if i == 0:
             group.add_argument(MIXER_MODULE_FLAG, action="append", default=[], metavar="MODULE",
                                help="import MODULE before the flags are checked: it registers mixers of its own "
-                                    "(hp_megatron.registry.register_mixer; their pattern symbols and flags); repeatable")
+                                    "(hp_megatron.registry.register_mixer; their pattern symbols and flags); "
+                                    "repeatable")
         add_row_arguments(group, rows)
     return parser
 
@@ -108,7 +109,8 @@ def hp_config_from_args(args) -> dict:
     # every flag-table row with a flag and a config field, then the defaults that follow from the model size
     fields = {row.field: getattr(args, row.dest, row.default) for row in flag_table()
               if row.flag is not None and row.field is not None}
-    for row in DSA_ROWS:   # Megatron-LM's own --dsa-indexer-* flags (its dest = the field) stand when ours are not given
+    # Megatron-LM's own --dsa-indexer-* flags (its dest = the field) stand when ours are not given
+    for row in DSA_ROWS:
         if getattr(args, row.dest, row.default) == row.default and getattr(args, row.field, None) is not None:
             fields[row.field] = getattr(args, row.field)
     fields.update({

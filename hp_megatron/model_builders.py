@@ -122,7 +122,7 @@ def hybrid_model(config, *, vocab_size: int, max_sequence_length: int, hybrid_la
                              f"(megatron-core's MTP layers are attention layers: {names})")
     hybrid_config = hybrid_model_config(config, pattern)
     slot_mixers = {}
-    for slot, ours in slot_symbols().items():   # slots several of our mixers share (G: GDN and KDA)
+    for _slot, ours in slot_symbols().items():   # slots several of our mixers share (G: GDN and KDA)
         if len(ours) > 1:
             slot_mixers.update(delta_slot_mixers(pattern, getattr(config, "hp_layer_pattern", None),
                                                  hybrid_symbol_of(ours[0])))

@@ -117,7 +117,8 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     g = parser.add_argument_group("mixture of experts (Megatron-LM names; with --hp-hf-config the model's own MoE)")
     g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (None: no MoE)")
     g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
-    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="an expert's FFN size (None: --ffn-hidden-size)")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="an expert's FFN size (None: --ffn-hidden-size)")
     g.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="ranks the experts are split across (within the data-parallel x CP ranks)")

@@ -177,7 +177,8 @@ class _RegionLoadPlanner(LoadPlanner):
             items += create_read_items_for_chunk_list(key, stored, [chunk])
         zero = torch.Size((0,))
         items += [ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(key), dest_offsets=zero,
-                           storage_index=MetadataIndex(key), storage_offsets=zero, lengths=zero) for key in self.objects]
+                           storage_index=MetadataIndex(key), storage_offsets=zero, lengths=zero)
+                  for key in self.objects]
         return LoadPlan(items)
 
     def create_global_plan(self, global_plan):

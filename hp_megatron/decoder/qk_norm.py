@@ -82,7 +82,7 @@ class ProjectionRMSNorm(nn.Module):
         self.tp_group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
         self.start = (self.tp_group.rank() if self.tp_group is not None else 0) * self.local
         self.weight = nn.Parameter(torch.ones(self.total, dtype=config.params_dtype))
-        setattr(self.weight, "sequence_parallel", False)
+        self.weight.sequence_parallel = False
 
     def forward(self, x):
         flat = x.reshape(*x.shape[:-2], -1).float()

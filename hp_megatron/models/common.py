@@ -259,7 +259,8 @@ def mla_rules(mcore: str, hf: str, mixer_fields: dict, heads: int, *, rope_inter
     def rule(hf_name):
         ours = HF_TO_MLA[hf_name]
         return TensorRule(mcore + ours, (hf + hf_name,),
-                          lambda ts: mla_state_dict_from_hf({hf_name: ts[0]}, dims, rope_interleave=rope_interleave)[ours],
+                          lambda ts: mla_state_dict_from_hf({hf_name: ts[0]}, dims,
+                                                            rope_interleave=rope_interleave)[ours],
                           lambda t: (mla_state_dict_to_hf({ours: t}, dims, rope_interleave=rope_interleave)[hf_name],))
 
     return [rule(name) for name in names]

@@ -230,8 +230,8 @@ def hybrid_rules(hf: dict, preset: ModelPreset, mtp_num_layers: int = 0) -> list
     from the registry under ``preset.model_type``."""
     rules = model_rules(preset.gpt_model_kwargs["share_embeddings_and_output_weights"])
     for i, (symbol, is_moe) in enumerate(zip(preset.pattern, moe_layers(hf))):
-        rules += conversion_rules_of(preset.model_type, symbol)(layer_prefix(i) + "self_attention.", f"model.layers.{i}.",
-                                                         hf, preset)
+        rules += conversion_rules_of(preset.model_type, symbol)(layer_prefix(i) + "self_attention.",
+                                                                f"model.layers.{i}.", hf, preset)
         rules += layer_norm_rules(i)
         rules += layer_mlp_rules(i, is_moe, hf.get("num_experts", 0), router="gate.weight",
                                  shared="shared_expert.", shared_gate="shared_expert_gate.weight")

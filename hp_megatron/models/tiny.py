@@ -1,7 +1,8 @@
 """Tiny random transformers models of the supported architectures (``qwen3_next``, ``deepseek_v3``,
-``kimi_linear``, Qwen3.5's ``qwen3_5_text`` / ``qwen3_5_moe_text`` and their VL ``qwen3_5`` / ``qwen3_5_moe``, ``olmo_hybrid``,
-``bailing_hybrid``):
-small configs with routed and shared experts, dense and MoE layers and mixed layer types, for tests and for trying the HF -> megatron-core -> training path (``examples/pretrain/tiny_hf_checkpoint.py``)."""
+``kimi_linear``, Qwen3.5's ``qwen3_5_text`` / ``qwen3_5_moe_text`` and their VL ``qwen3_5`` / ``qwen3_5_moe``,
+``olmo_hybrid``, ``bailing_hybrid``):
+small configs with routed and shared experts, dense and MoE layers and mixed layer types, for tests and for trying the
+HF -> megatron-core -> training path (``examples/pretrain/tiny_hf_checkpoint.py``)."""
 from __future__ import annotations
 
 import os

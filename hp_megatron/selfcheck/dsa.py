@@ -1,7 +1,8 @@
 """Self-check rows of DSA (DeepSeek Sparse Attention, ``layers/mixers/mla/sparse.py``): its one path is eager PyTorch
 on whatever device runs the check, so the rows compare that path on the device in the checked dtype with itself in
-fp32 on the host CPU (identical by construction when the check itself runs on the CPU in fp32): the indexer scores (``scores``), the sparse attention over the fp32 run's selection (``fwd``: top-k is
-discontinuous, so both runs attend to the same tokens) and its gradients (``bwd``); packed documents, causal top-k."""
+fp32 on the host CPU (identical by construction when the check itself runs on the CPU in fp32): the indexer scores
+(``scores``), the sparse attention over the fp32 run's selection (``fwd``: top-k is discontinuous, so both runs attend
+to the same tokens) and its gradients (``bwd``); packed documents, causal top-k."""
 from __future__ import annotations
 
 import torch

@@ -32,7 +32,8 @@ from hp_megatron.gpt.layer import PatternLayer, PatternLayerSubmodules
 from layers.mixers.attention.context_parallel import ContextParallelDotProductAttention
 from hp_megatron.specs.hybrid_stack_specs import STACK_SPECS, get_hybrid_stack_spec, ready_stack_spec
 from hp_megatron.registry import mixer_names, symbols
-from hp_megatron.specs.gpt_layer_specs import get_hybrid_layer_spec, get_layer_spec, get_layer_submodules, get_mixer_spec
+from hp_megatron.specs.gpt_layer_specs import (get_hybrid_layer_spec, get_layer_spec, get_layer_submodules,
+                                               get_mixer_spec)
 from hp_megatron.specs.providers import (AscendCSpecProvider, EagerSpecProvider, TritonSpecProvider,
                                          get_spec_provider)
 

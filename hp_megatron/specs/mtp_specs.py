@@ -25,7 +25,8 @@ def mtp_transformer_layer_spec(config, layer_spec: ModuleSpec) -> ModuleSpec:
     """The ``MTPPatternLayer`` spec of the MTP layers: ``layer_spec`` reduced to its MTP kind."""
     if not (isinstance(layer_spec, ModuleSpec) and isinstance(layer_spec.module, type)
             and issubclass(layer_spec.module, PatternLayer)):
-        raise TypeError(f"multi-token prediction needs a PatternLayer layer spec (hp_megatron.specs), got {layer_spec!r}")
+        raise TypeError("multi-token prediction needs a PatternLayer layer spec (hp_megatron.specs), "
+                        f"got {layer_spec!r}")
     submodules: PatternLayerSubmodules = layer_spec.submodules
     pattern = layer_spec.params.get("pattern") or getattr(config, "hp_layer_pattern", None)
     if pattern is None:

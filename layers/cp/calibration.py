@@ -49,7 +49,7 @@ def group_device(group) -> torch.device:
     if "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
     if "hccl" in backend:
-        return torch.device("npu", torch.npu.current_device())   # noqa: attribute added by torch_npu
+        return torch.device("npu", torch.npu.current_device())   # attribute added by torch_npu
     return torch.device("cpu")
 
 

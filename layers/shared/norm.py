@@ -90,7 +90,7 @@ class RMSNorm(nn.Module):
         self.zero_centered_gamma = _zero_centered(config, zero_centered_gamma)
         self.weight = _norm_weight(config, hidden_size, self.zero_centered_gamma)
         sequence_parallel = bool(getattr(config, "sequence_parallel", False)) if config is not None else False
-        setattr(self.weight, "sequence_parallel", sequence_parallel)
+        self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight + 1 if self.zero_centered_gamma else self.weight

@@ -35,7 +35,7 @@ def sum_grad_over_tp(param, config, tp_group) -> None:
     ``config.sequence_parallel`` through megatron-core's finalization, otherwise by a hook (per micro-batch, or
     deferred to :func:`finalize_model_grads` when the config's ``finalize_model_grads_func`` is it)."""
     sp = bool(getattr(config, "sequence_parallel", False))
-    setattr(param, "sequence_parallel", sp)
+    param.sequence_parallel = sp
     if sp or group_size(tp_group) == 1 or not param.requires_grad:
         return
     param_ref = weakref.ref(param)

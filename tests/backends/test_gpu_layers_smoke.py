@@ -43,7 +43,8 @@ def test_every_section_runs_on_cpu():
     names = {(r["section"], r["name"]) for r in rows}
     for op in ("chunk_gated_delta_rule", "chunk_kda"):
         assert ("a", f"fla.{op}") in names and ("b", f"layers.ops.{op}") in names
-    assert {n for s, n in names if s == "c"} == {"hp layers.mixers.delta.gdn.GatedDeltaNet", "hp layers.mixers.delta.kda.KimiDeltaAttention"}
+    assert {n for s, n in names if s == "c"} == {"hp layers.mixers.delta.gdn.GatedDeltaNet",
+                                                 "hp layers.mixers.delta.kda.KimiDeltaAttention"}
     assert {n for s, n in names if s == "d"} == {"fla.layers.GatedDeltaNet", "fla.layers.KimiDeltaAttention",
                                                  "megatron.core GatedDeltaNet"}
     cp = {n for s, n in names if s == "e"}

@@ -45,7 +45,8 @@ def test_truncated_distcp_is_one_line_naming_the_file_and_save_is_untouched(conv
     save = tmp / "truncated_out"
     save.mkdir()
     (save / "keep.txt").write_text("before")
-    env = {**os.environ, "PYTHONPATH": pythonpath(str(ROOT)), "PYTHONWARNINGS": "ignore"}  # megatron-core's import warnings
+    # PYTHONWARNINGS: megatron-core's import warnings
+    env = {**os.environ, "PYTHONPATH": pythonpath(str(ROOT)), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "hp_megatron.convert", "mcore-to-hf", "--load", damaged,
                            "--save", str(save), "--overwrite"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)

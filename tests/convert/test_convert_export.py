@@ -1,15 +1,16 @@
 """``export_hf_weights`` streams a running sharded model's weights: exactly the tensors ``mcore_to_hf`` writes.
 
-The tiny Qwen3-Next, DeepSeek-V3, Kimi Linear dense Qwen3.5, Ling 3.0 and OLMo-Hybrid (dense: TP2 x PP2) (tests/support/models_case.py) and a tiny
-tied-embedding Llama are converted with ``hf_to_mcore``; ``mcore_to_hf`` writes the reference HF directory. In one spawn of 4 gloo ranks
-each checkpoint is loaded into a GPTModel at TP2 x PP2 x EP2 (expert tensor parallel 1: megatron-core 0.16 lays the
-experts of 4 ranks out as ETP1 x EP2 x expert-DP1 x PP2, the dense part as TP2 x DP1 x PP2) and exported; Qwen3-Next
-also at TP2 x CP2 x EP2 (expert-DP 2: CP and expert-DP replicas must be read once), and Llama with tied embeddings
-at TP2 x CP2 (megatron-core ties them across pipeline stages with a CUDA copy, so not at PP2 on CPU). The tensors
-received equal the reference's bit for bit, under the same names, none missing or extra, on ``dst`` (every rank for
-``dst=None``); the other ranks see the same names with ``None``. Weak references to what the generator yielded
-show it keeps at most the current rule's assembled tensor alive. The same exporter, called again after an in-place
-change of the weights, yields the changed weights; a rank whose ``sharded_state_dict`` fails stops every rank.
+The tiny Qwen3-Next, DeepSeek-V3, Kimi Linear dense Qwen3.5, Ling 3.0 and OLMo-Hybrid (dense: TP2 x PP2)
+(tests/support/models_case.py) and a tiny tied-embedding Llama are converted with ``hf_to_mcore``; ``mcore_to_hf``
+writes the reference HF directory. In one spawn of 4 gloo ranks each checkpoint is loaded into a GPTModel at TP2 x PP2 x
+EP2 (expert tensor parallel 1: megatron-core 0.16 lays the experts of 4 ranks out as ETP1 x EP2 x expert-DP1 x PP2, the
+dense part as TP2 x DP1 x PP2) and exported; Qwen3-Next also at TP2 x CP2 x EP2 (expert-DP 2: CP and expert-DP replicas
+must be read once), and Llama with tied embeddings at TP2 x CP2 (megatron-core ties them across pipeline stages with a
+CUDA copy, so not at PP2 on CPU). The tensors received equal the reference's bit for bit, under the same names, none
+missing or extra, on ``dst`` (every rank for ``dst=None``); the other ranks see the same names with ``None``. Weak
+references to what the generator yielded show it keeps at most the current rule's assembled tensor alive. The same
+exporter, called again after an in-place change of the weights, yields the changed weights; a rank whose
+``sharded_state_dict`` fails stops every rank.
 
 Multi-token prediction: the tiny Qwen3-Next, DeepSeek-V3 and Qwen3.5-MoE VL (its language model under
 ``model.language_model.``, the vision tower dropped) checkpoints with one MTP layer
@@ -33,8 +34,8 @@ CASES = (("qwen3_next", "qwen3_next", "tp2_pp2_ep2", None), ("deepseek_v3", "dee
          ("kimi_linear", "kimi_linear", "tp2_pp2_ep2", 3), ("llama_tied", "llama", "tp2_cp2_ep2", 1),
          ("qwen3_next_cp2", "qwen3_next", "tp2_cp2_ep2", 2), ("qwen3_next_mtp", "qwen3_next", "tp2_pp2_ep2", None),
          ("deepseek_v3_mtp", "deepseek_v3", "tp2_pp2_ep2", 3), ("qwen3_5_text", "qwen3_5_text", "tp2_pp2_ep2", 1),
-         ("qwen3_5_moe_mtp", "qwen3_5_moe", "tp2_pp2_ep2", 0),
-         ("olmo_hybrid", "olmo_hybrid", "tp2_pp2_ep2", 0), ("bailing_hybrid", "bailing_hybrid", "tp2_pp2_ep2", 1))   # Qwen3.5: dense text; VL MoE with MTP
+         ("qwen3_5_moe_mtp", "qwen3_5_moe", "tp2_pp2_ep2", 0),   # Qwen3.5: dense text; VL MoE with MTP
+         ("olmo_hybrid", "olmo_hybrid", "tp2_pp2_ep2", 0), ("bailing_hybrid", "bailing_hybrid", "tp2_pp2_ep2", 1))
 LAYOUTS = {"tp2_pp2_ep2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                                expert_model_parallel_size=2, expert_tensor_parallel_size=1),
            "tp2_cp2_ep2": dict(tensor_model_parallel_size=2, context_parallel_size=2,

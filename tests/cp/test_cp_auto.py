@@ -332,7 +332,7 @@ def _worker(rank, world_size, path):
         layer = GatedDeltaNet(config, None, layer_number=1, **dims, **opts)
         hook_calls = []                # megatron's DDP accumulates main_grad in such hooks: one call per backward
         for p in layer.parameters():
-            p.register_post_accumulate_grad_hook(lambda p: hook_calls.append(1))
+            p.register_post_accumulate_grad_hook(lambda p, hook_calls=hook_calls: hook_calls.append(1))
         xl = x[idx].clone().requires_grad_(True)
         y, _ = layer(xl)
         y.square().sum().backward()
@@ -471,8 +471,8 @@ def test_layer_with_auto_equals_the_chosen_method(ranks):
     for r in results:
         assert r["layer"]["dy"] == 0 and r["layer"]["ddx"] == 0 and r["layer"]["dgrad"] == 0
         assert r["layer"]["hook_calls"] == 1          # the calibration runs touched no parameter gradient
-    lines = [l for l in results[0]["log"] if l.startswith("[hp_megatron cp auto] GDN")]
-    assert len(lines) == 4 and all("runner-up" in l and "ms fwd+bwd" in l for l in lines)
+    lines = [line for line in results[0]["log"] if line.startswith("[hp_megatron cp auto] GDN")]
+    assert len(lines) == 4 and all("runner-up" in line and "ms fwd+bwd" in line for line in lines)
     measured, model_only, no_grad, pair = lines      # the default times the model's 3 best on the layer
     assert ", P=2: " in pair and "timed on the layer" not in pair
     assert " H=2 HV=2 " in no_grad and no_grad.endswith(f"ms -> {_label(results[0]['no_grad'])}")
@@ -507,4 +507,4 @@ def test_mla_with_auto_equals_the_chosen_strategy(ranks):
     assert len({r["mla"]["strategy"] for r in results}) == 1
     assert results[0]["mla"]["strategy"] in ("latent", "latent_ulysses", "expanded_ulysses")
     assert all(r["mla"]["dy"] == 0 for r in results)
-    assert sum(l.startswith("[hp_megatron cp auto] MLA") for l in results[0]["log"]) == 1
+    assert sum(line.startswith("[hp_megatron cp auto] MLA") for line in results[0]["log"]) == 1

@@ -1,7 +1,8 @@
 """MLA context parallelism on gloo ranks: every strategy (P = 2, 4; BSHD rows and packed THD documents in
 Megatron's zigzag layout; TP x CP with sequence parallelism) equals the single-rank layer on the same global
 input (output, input gradient and every parameter gradient summed over CP ranks), and the bytes each rank
-moves equal the closed forms of ``layers.cp.mla.mla_comm_bytes``; one case with Ling 3.0's output gate. One spawn per world size serves all cases."""
+moves equal the closed forms of ``layers.cp.mla.mla_comm_bytes``; one case with Ling 3.0's output gate. One spawn per
+world size serves all cases."""
 from __future__ import annotations
 
 import pytest

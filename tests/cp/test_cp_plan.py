@@ -129,7 +129,7 @@ def test_plan_pieces_links_transitions(P, layout, cu, batch, T):
             assert b > a
             assert ldoc[a:b].unique().numel() == 1 and lpos[a:b].unique().numel() == 1
             assert torch.equal(ids[a:b], torch.arange(int(ids[a]), int(ids[a]) + b - a))
-        for a, b in zip(cuts[1:-1], cuts[2:]):          # consecutive pieces differ in document or position
+        for a, _b in zip(cuts[1:-1], cuts[2:]):          # consecutive pieces differ in document or position
             prev = cuts[cuts.index(a) - 1]
             assert (ldoc[prev], lpos[prev]) != (ldoc[a], lpos[a])
         D = plan.num_chains

@@ -107,7 +107,7 @@ def test_round_trip_and_gradients(P):
 
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_ulysses_bytes(P):
-    for rank, (res, _) in enumerate(_results(P)):
+    for _rank, (res, _) in enumerate(_results(P)):
         for c in res:
             U, n = c["U"], c["local_bytes"]
             recs = [r for r in c["stats"] if r["name"].startswith("ulysses.")]

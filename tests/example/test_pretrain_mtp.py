@@ -79,5 +79,6 @@ def test_mtp_flags_checked_at_parse_time(root):
                                          r"KKKK\) cannot be megatron-core's MTP layer .*mixers with MTP: M=MLA, A="):
         parse(data + MTP + ["--hp-layer-pattern", "KKKK"])
     assert parse(data + MTP + ["--hp-mtp-layer-symbol", "A"]).hp_mtp_layer_symbol == "A"
-    with pytest.raises(ValueError, match=r"--hp-mtp-layer-symbol A conflicts with --hp-hf-config .*hp_mtp_layer_symbol M"):
+    with pytest.raises(ValueError,
+                       match=r"--hp-mtp-layer-symbol A conflicts with --hp-hf-config .*hp_mtp_layer_symbol M"):
         parse(_argv(root, "deepseek_v3", ["--hp-mtp-layer-symbol", "A"]))

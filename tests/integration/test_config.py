@@ -49,7 +49,8 @@ def assert_megatron_fields_kept(before, after, changed):
     wanted = HybridMLATransformerConfig if isinstance(before, MLATransformerConfig) else HybridTransformerConfig
     assert type(after) is wanted
     assert set(vars(after)) <= _field_names(after)
-    moved = [f.name for f in fields(before) if f.name not in changed and getattr(after, f.name) is not getattr(before, f.name)]
+    moved = [f.name for f in fields(before)
+             if f.name not in changed and getattr(after, f.name) is not getattr(before, f.name)]
     assert not moved, moved
 
 
@@ -67,7 +68,8 @@ def test_class_choice_and_declared_fields():
     assert set(MLA_FIELD_NAMES) == mla_only - {"multi_latent_attention", "cache_mla_latents"}
     assert _field_names(plain) == _field_names(TransformerConfig) | set(MLA_FIELD_NAMES) | set(HYBRID_FIELD_NAMES)
     assert _field_names(mla) == _field_names(MLATransformerConfig) | set(HYBRID_FIELD_NAMES)
-    assert (plain.q_lora_rank, plain.rope_type, plain.hp_cp_layout, plain.hp_backend) == (512, "yarn", "zigzag", "eager")
+    assert (plain.q_lora_rank, plain.rope_type, plain.hp_cp_layout, plain.hp_backend) == (512, "yarn", "zigzag",
+                                                                                          "eager")
     assert mla.kv_lora_rank == 16 and set(vars(plain)) <= _field_names(plain) and set(vars(mla)) <= _field_names(mla)
     # built directly, megatron's __post_init__ runs too
     direct = HybridTransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, hp_layer_pattern="GA")

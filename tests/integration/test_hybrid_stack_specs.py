@@ -5,7 +5,8 @@ is RMSNorm -> mixer -> residual, RMSNorm -> MLP -> residual; HybridModel's patte
 layers each (mixer layer, MLP layer), so with the GPT model's weights copied over, logits and every gradient are
 the same. Cases: GDN + RoPE attention with q/k norms (``hybrid_stack_spec``, ``G-*-`` vs ``GA``), KDA + MLA with
 the model's RoPE tables on (``kda_hybrid_stack_spec``, ``G-+-`` vs ``KM``: the MLA layer applies its own rotary
-embedding and gets none of the model's), GDN + MoE (``GEGE`` vs ``GG`` with experts), GDN + DSA (``G-D-`` vs ``GD``). One in-process gloo rank.
+embedding and gets none of the model's), GDN + MoE (``GEGE`` vs ``GG`` with experts), GDN + DSA (``G-D-`` vs ``GD``).
+One in-process gloo rank.
 """
 import re
 
@@ -131,7 +132,7 @@ def test_module_level_stack_specs(monkeypatch):
     assert sorted(specs.STACK_SPECS) == sorted(
         f"{prefix}hybrid_stack{suffix}_spec" for prefix in ("", "kda_") for suffix in ("", "_triton", "_ascendc"))
     with pytest.raises(AttributeError, match="no attribute 'hybrid_stack_cuda_spec'"):
-        specs.hybrid_stack_cuda_spec
+        _ = specs.hybrid_stack_cuda_spec
     with pytest.raises(ValueError, match=r"g_mixer .* must be one of \('gdn', 'kda'\), got 'mla'"):
         specs.get_hybrid_stack_spec(g_mixer="mla")
 
@@ -147,4 +148,4 @@ def test_without_hybrid_model_stack_specs_name_the_version(monkeypatch):
     monkeypatch.delitem(vars(specs), "hybrid_stack_spec", raising=False)
     with pytest.raises(RuntimeError, match=r"HybridModel \(megatron.core.models.hybrid, megatron-core 0.19\+\); the "
                                            r"installed megatron-core \S+ has none"):
-        specs.hybrid_stack_spec
+        _ = specs.hybrid_stack_spec

@@ -190,7 +190,7 @@ def test_registered_mixer_gets_a_ready_spec(scratch_registry):
         for name in ("zeta_spec", "zeta_triton_spec"):
             vars(specs).pop(name, None)
     with pytest.raises(AttributeError):
-        specs.no_such_mixer_spec
+        _ = specs.no_such_mixer_spec
 
 
 def test_registration_refuses_megatron_fields_and_clashes(scratch_registry):

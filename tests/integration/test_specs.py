@@ -188,7 +188,8 @@ def test_arguments_become_config_fields():
     fields = hp_config_from_args(args)
     assert fields["hp_layer_pattern"] == "KKKM" and fields["hp_backend"] == "triton"
     assert fields["delta_cp_method"] == "p2p" and fields["hp_cp_layout"] == "zigzag"
-    assert (fields["linear_num_key_heads"], fields["linear_num_value_heads"], fields["linear_key_head_dim"]) == (4, 8, 16)
+    assert (fields["linear_num_key_heads"], fields["linear_num_value_heads"],
+            fields["linear_key_head_dim"]) == (4, 8, 16)
     assert fields["kda_lower_bound"] == -5.0 and fields["kv_lora_rank"] == 48 and fields["rope_type"] == "none"
     config = apply_hp_config(TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4), args)
     assert config.delta_cp_method == "p2p" and config.kv_lora_rank == 48

@@ -1,7 +1,7 @@
 """The library parts of the training scripts: ``hp_megatron.model_builders`` (the one hybrid GPTModel builder of
 the example, the Megatron-LM launcher and ``hp_megatron.models.preset_gpt_model``), ``hp_megatron.checkpoint``
-(Megatron-LM's checkpoint directory layout, also read by the converter) and ``hp_megatron.platform``'s CPU-safe config fields,
-which must say what Megatron-LM's CPU flags say."""
+(Megatron-LM's checkpoint directory layout, also read by the converter) and ``hp_megatron.platform``'s CPU-safe config
+fields, which must say what Megatron-LM's CPU flags say."""
 import os
 import re
 import sys

@@ -360,7 +360,8 @@ def test_decode_equals_full_forward(single_rank, schedule):
     errors = [rel_err(got[t], full[t]) for t in range(TOTAL)]
     assert max(errors) < 1e-4, errors
     d = first.dims
-    assert [tuple(t.shape) for t in context.key_value_memory_dict[1]] == [(4, TOTAL, d.kv_lora_rank + d.pe), (4, TOTAL, 8)]
+    assert [tuple(t.shape) for t in context.key_value_memory_dict[1]] == [(4, TOTAL, d.kv_lora_rank + d.pe),
+                                                                          (4, TOTAL, 8)]
     assert [tuple(t.shape) for t in context.key_value_memory_dict[2]] == [(4, TOTAL, d.kv_lora_rank + d.pe)]
 
 

@@ -2,9 +2,9 @@
 
 Runs inside the spawn of ``test_layers_delta_parallel`` (one set of 4 gloo ranks serves both files):
 ``checkpoint_round_trip`` (tests/support/delta_layer_cases.py) builds both layers through megatron-core's
-``parallel_state`` (TP=2, CP=2, the path a Megatron model takes), records their outputs on this rank's shard of a global input, saves them with
-``dist_checkpointing``, re-initialises megatron with TP=1, CP=1 (DP=4), builds fresh layers with other initial
-weights, loads the checkpoint and runs the full input.
+``parallel_state`` (TP=2, CP=2, the path a Megatron model takes), records their outputs on this rank's shard of a global
+input, saves them with ``dist_checkpointing``, re-initialises megatron with TP=1, CP=1 (DP=4), builds fresh layers with
+other initial weights, loads the checkpoint and runs the full input.
 """
 from __future__ import annotations
 

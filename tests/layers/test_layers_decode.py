@@ -225,8 +225,8 @@ def test_softmax_core_attention_with_cached_keys(single_rank):
 
     from layers.mixers.attention.context_parallel import ContextParallelDotProductAttention
 
-    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2, attention_dropout=0.0,
-                               use_cpu_initialization=True, params_dtype=torch.float32)
+    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2,
+                               attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32)
     attention = ContextParallelDotProductAttention(config, layer_number=1)
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(7, 2, 4, 8, generator=gen)

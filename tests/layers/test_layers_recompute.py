@@ -1,13 +1,14 @@
 """Selective recompute of our mixer parts (``--recompute-granularity selective --recompute-modules hp_conv
-hp_gated_norm hp_mla_up_proj``; layers/shared/recompute.py): the GDN / KDA / MLA layer with recompute must give the same output, input gradient and
-every parameter gradient as the same layer without, bit for bit (fp32, CPU): the recompute re-runs the same ops on
-the same saved inputs. Single rank (BSHD and packed THD documents; eager, and triton through Triton's interpreter)
-and on two gloo ranks under TP2 + SP and CP2 (MLA: TP2 + SP; its recompute is CP 1 only). On the triton backend
-``hp_conv`` also moves q/k's L2 norm from FLA's op into the recomputed part (FLA's own l2norm kernel, the op then
-without ``use_qk_l2norm_in_kernel``): checked single rank on packed documents and under CP2 on both triton CP
+hp_gated_norm hp_mla_up_proj``; layers/shared/recompute.py): the GDN / KDA / MLA layer with recompute must give the same
+output, input gradient and every parameter gradient as the same layer without, bit for bit (fp32, CPU): the recompute
+re-runs the same ops on the same saved inputs. Single rank (BSHD and packed THD documents; eager, and triton through
+Triton's interpreter) and on two gloo ranks under TP2 + SP and CP2 (MLA: TP2 + SP; its recompute is CP 1 only). On the
+triton backend ``hp_conv`` also moves q/k's L2 norm from FLA's op into the recomputed part (FLA's own l2norm kernel, the
+op then without ``use_qk_l2norm_in_kernel``): checked single rank on packed documents and under CP2 on both triton CP
 paths (FLA's own KCP for allgather on a contiguous packed sequence, FLA's kernels with our exchange for p2p zigzag).
 Also: the refill of a freed output by a storage pointer swap (no copy) with the part's own graph still exact, the
-same with the copy fallback of torches without the swap (on the part and on each layer), the config / command-line split of our names from megatron-core's, and the one-line error for bad names.
+same with the copy fallback of torches without the swap (on the part and on each layer), the config / command-line split
+of our names from megatron-core's, and the one-line error for bad names.
 """
 from __future__ import annotations
 
@@ -168,7 +169,7 @@ def test_recompute_frees_the_parts_outputs(single_rank):
         params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
         storages = {}
 
-        def pack(t):
+        def pack(t, params=params, storages=storages):
             s = t.untyped_storage()
             if s.data_ptr() not in params:
                 storages[s.data_ptr()] = s

@@ -41,7 +41,8 @@ from import_hook import run_after, run_before
 # (file under megatron/ or an entry script, line, redirected call, text on that line). Megatron-LM tag core_v0.16.1 over
 # megatron-core 0.16.1. The comment says what the CPU side does.
 SITES_016 = (
-    # start-up: the CUDA assert, one device per rank (model-parallel groups and seeds are set up only then), the dataset-helper build (`make` in site-packages), fused kernels, JIT warm-up
+    # start-up: the CUDA assert, one device per rank (model-parallel groups and seeds are set up only then), the
+    # dataset-helper build (`make` in site-packages), fused kernels, JIT warm-up
     ("megatron/training/initialize.py", 62, "torch.cuda.is_available", "assert torch.cuda.is_available()"),
     ("megatron/training/initialize.py", 319, "torch.cuda.device_count", "torch.cuda.device_count()"),
     ("megatron/training/initialize.py", 331, "torch.cuda.set_device", "torch.cuda.set_device(args.local_rank)"),

@@ -1,8 +1,8 @@
 """The conversion engine (``hp_megatron.convert``) on the real architectures' table entries (Qwen3-Next, DeepSeek-V3,
-Kimi Linear, Qwen3.5-MoE, the Qwen3.5 VL checkpoint's language model): a ``save_pretrained`` directory of each tiny model -> megatron-core torch_dist checkpoint -> HF
-directory (several shards) is bit-exact; the checkpoint loads through ``sharded_state_dict`` (expert axes, SwiGLU
-factories, GDN/KDA/MLA parameters) into the architecture's GPTModel with exactly the rules' tensors and gives
-transformers' logits."""
+Kimi Linear, Qwen3.5-MoE, the Qwen3.5 VL checkpoint's language model): a ``save_pretrained`` directory of each tiny
+model -> megatron-core torch_dist checkpoint -> HF directory (several shards) is bit-exact; the checkpoint loads through
+``sharded_state_dict`` (expert axes, SwiGLU factories, GDN/KDA/MLA parameters) into the architecture's GPTModel with
+exactly the rules' tensors and gives transformers' logits."""
 from __future__ import annotations
 
 import glob

@@ -1,8 +1,8 @@
 """Generation through megatron-core's static inference path (``hp_megatron.generate``) against transformers'
 ``generate``: the tiny random models of ``models_case`` (Qwen3-Next: GDN + attention, Kimi Linear: KDA + MLA,
-DeepSeek-V3: MLA with q LoRA; Llama: attention; Qwen3.5 dense and the Qwen3.5-MoE VL checkpoint (text only); OLMo-Hybrid: GDN with negative eigenvalues + post-norm NoPE
-attention; Ling 3.0: KDA with full-rank gates + output-gated MLA, clipped SwiGLU experts) are
-converted with ``hf_to_mcore`` and loaded the way the command
+DeepSeek-V3: MLA with q LoRA; Llama: attention; Qwen3.5 dense and the Qwen3.5-MoE VL checkpoint (text only);
+OLMo-Hybrid: GDN with negative eigenvalues + post-norm NoPE attention; Ling 3.0: KDA with full-rank gates + output-gated
+MLA, clipped SwiGLU experts) are converted with ``hf_to_mcore`` and loaded the way the command
 loads them; three prompts of different lengths in ONE batch give the same 32 greedy tokens (fp32) as
 transformers generating each prompt alone (no padding in the reference). Also the command itself (one
 subprocess on a converted checkpoint) and its one-line errors for bad input."""

@@ -150,7 +150,8 @@ def _case(arch, rank):
               for d, t, lp in positions]
     tp2_diff = max(abs(a - b) for x, y in zip(greedy_tp1.log_probs, greedy_tp2.log_probs) for a, b in zip(x, y))
     return {"max_abs": max(diffs), "max_excess": max(excess),
-            "train_fp32_error": max(abs(train[k] - exact[k]) for k in exact), "count": len(diffs), "min_log_prob": min(min(lp) for lp in result.log_probs),
+            "train_fp32_error": max(abs(train[k] - exact[k]) for k in exact), "count": len(diffs),
+            "min_log_prob": min(min(lp) for lp in result.log_probs),
             "tp2_same_tokens": greedy_tp1.tokens == greedy_tp2.tokens, "tp2_log_prob_diff": tp2_diff}
 
 

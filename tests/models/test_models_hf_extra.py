@@ -24,7 +24,8 @@ sys.meta_path.insert(0, Hidden())
 
 
 def _python_without_hf(code: str, *argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": pythonpath(str(ROOT)), "PYTHONWARNINGS": "ignore"}  # megatron-core's import warnings
+    # PYTHONWARNINGS: megatron-core's import warnings
+    env = {**os.environ, "PYTHONPATH": pythonpath(str(ROOT)), "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-c", HIDE + code, *argv], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
 

@@ -138,7 +138,8 @@ def _reduced_grads(model, sizes):
         if t.grad is None:
             continue
         expert = "local_experts" in key
-        group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group(with_context_parallel=True)
+        group = (ps.get_expert_data_parallel_group() if expert
+                 else ps.get_data_parallel_group(with_context_parallel=True))
         dist.all_reduce(t.grad, group=group)
         t.grad /= dp_cp
         if getattr(t, "sequence_parallel", False):
@@ -250,7 +251,8 @@ def results():
     return _results(4)
 
 
-@pytest.mark.parametrize("case", [f"{a}-{l}" for a, ls in CASES.items() for l in ls] + ["qwen3_next-packed-documents"])
+@pytest.mark.parametrize("case", [f"{a}-{layout}" for a, ls in CASES.items() for layout in ls]
+                         + ["qwen3_next-packed-documents"])
 def test_mtp_layout_matches_single_rank(results, case):
     checked = set()
     for rank, per_rank in enumerate(results):

@@ -25,8 +25,9 @@ CASES += [("olmo_hybrid", "tp2cp2")]
 SIZES = {"tp2cp2": dict(tp=2, cp=2, pp=1, ep=1), "pp2ep2": dict(tp=1, cp=1, pp=2, ep=2)}
 # mcore parameters whose gradients are compared (their HF counterparts: test_models_tp1.GRADS)
 GRAD_KEYS = {
-    "qwen3_next": ["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight", "decoder.layers.2.mlp.router.weight",
-                   "decoder.layers.3.self_attention.linear_qkv.weight", "decoder.layers.1.input_layernorm.weight",
+    "qwen3_next": ["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight",
+                   "decoder.layers.2.mlp.router.weight", "decoder.layers.3.self_attention.linear_qkv.weight",
+                   "decoder.layers.1.input_layernorm.weight",
                    "decoder.layers.0.self_attention.in_proj.weight"],
     "deepseek_v3": ["decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight",
                     "decoder.layers.3.mlp.router.weight", "decoder.layers.2.self_attention.linear_kv_up_proj.weight",

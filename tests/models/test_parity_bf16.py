@@ -20,7 +20,7 @@ def test_every_cp_method_bf16_log_probs_within_1p5x_of_one_rank():
     base = {r["layout"]: r["vs_fp32"] for r in result["rows"] if r["cp"] == 1}
     assert set(base) == {"bshd", "packed"} and all(b["mean"] > 0 for b in base.values())   # bf16 is not fp32
     rows = [r for r in result["rows"] if r["cp"] == 2]
-    assert {(r["method"], r["layout"]) for r in rows} == {(m, l) for m in CP_METHODS for l in base}
+    assert {(r["method"], r["layout"]) for r in rows} == {(m, layout) for m in CP_METHODS for layout in base}
     for r in rows:
         for stat in ("max", "mean"):
             assert r["vs_fp32"][stat] <= 1.5 * base[r["layout"]][stat], (r, base[r["layout"]])

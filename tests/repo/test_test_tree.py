@@ -40,7 +40,8 @@ def test_no_test_module_imports_another_test_module():
 
 def test_every_test_module_is_in_an_area_package():
     loose = [p.name for p in TESTS.glob("test_*.py")]
-    assert not loose, f"test modules directly in tests/ (put each in its area folder, see docs/architecture.md): {loose}"
+    assert not loose, ("test modules directly in tests/ (put each in its area folder, see docs/architecture.md): "
+                       f"{loose}")
     folders = {p.parent for p in TESTS.rglob("test_*.py")} | {TESTS / "support"}
     missing = sorted(str(f.relative_to(TESTS)) for f in folders if not (f / "__init__.py").is_file())
     # without __init__.py pytest imports a test file under its bare name: two areas could not hold the same name,

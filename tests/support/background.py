@@ -5,8 +5,8 @@ whole `.ci/run` used 1.1 CPU seconds per second. A test module whose check is on
 (a benchmark's smoke run) declares it with :func:`declare` at import; ``tests/conftest.py`` starts the declared
 runs of modules with selected tests once collection ends (:func:`start_selected`), at nice 10 so that they take
 the idle core and yield to the tests, moves those modules' tests to the end of the session (:func:`last`), and
-the test collects the result with :func:`result`. Each run writes its stdout/stderr to files in its own temporary folder (no pipe to
-fill), gets the environment of the pytest process at collection, and is killed at exit if still running.
+the test collects the result with :func:`result`. Each run writes its stdout/stderr to files in its own temporary folder
+(no pipe to fill), gets the environment of the pytest process at collection, and is killed at exit if still running.
 """
 from __future__ import annotations
 

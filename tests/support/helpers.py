@@ -26,7 +26,8 @@ def torch_distributed_answers_fake_groups(monkeypatch) -> None:
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size",
                         lambda group=None: group.size() if isinstance(group, FakeGroup) else size(group))
-    monkeypatch.setattr(dist, "get_rank", lambda group=None: group.rank() if isinstance(group, FakeGroup) else rank(group))
+    monkeypatch.setattr(dist, "get_rank",
+                        lambda group=None: group.rank() if isinstance(group, FakeGroup) else rank(group))
 
 
 # transformers binds flash-linear-attention's kernels in place of these pure-PyTorch functions when FLA imports.

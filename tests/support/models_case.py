@@ -1,6 +1,7 @@
 """Tiny random transformers models (the supported architectures, and Llama for the conversion engine) and the
-conversion round trip, shared by tests/models and tests/convert: build with transformers, perturb every parameter off its initial constant, ``save_pretrained``,
-read the safetensors, convert with ``hp_megatron.models`` rules, run both sides in fp32."""
+conversion round trip, shared by tests/models and tests/convert: build with transformers, perturb every parameter off
+its initial constant, ``save_pretrained``, read the safetensors, convert with ``hp_megatron.models`` rules, run both
+sides in fp32."""
 from __future__ import annotations
 
 import json

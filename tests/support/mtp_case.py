@@ -3,8 +3,8 @@
 
 * DeepSeek-V3: transformers' own ``transformers.modeling_layers.MtpModel`` (enorm / hnorm / eh_proj, the decoder
   layer, the post norm, the shared head) loaded by ``MtpModel.from_pretrained`` from the checkpoint.
-* Qwen3-Next and Qwen3.5 (transformers skips ``mtp.*``): :class:`Qwen3NextMTPReference`, the DeepSeek-V3 report's section 2.2
-  ``h' = fc([RMSNorm(Emb(t_{i+1})); RMSNorm(h_i)])``, one decoder layer, a final norm, the shared head, in
+* Qwen3-Next and Qwen3.5 (transformers skips ``mtp.*``): :class:`Qwen3NextMTPReference`, the DeepSeek-V3 report's
+  section 2.2 ``h' = fc([RMSNorm(Emb(t_{i+1})); RMSNorm(h_i)])``, one decoder layer, a final norm, the shared head, in
   Qwen3-Next's module names, from transformers' Qwen3-Next modules (the decoder layer loaded by transformers
   from the checkpoint's ``mtp.layers.0.*``).
 
@@ -112,7 +112,8 @@ def qwen3_next_mtp_reference(hf_dir: str, main) -> Qwen3NextMTPReference:
     if config["model_type"] == "qwen3_next":
         config["mlp_only_layers"] = []
     one = {k.replace("mtp.layers.0.", "model.layers.0."): v for k, v in state.items() if k.startswith("mtp.layers.0.")}
-    one.update({k: state[k] for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight") if k in state})
+    one.update({k: state[k] for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+                if k in state})
     with tempfile.TemporaryDirectory() as tmp:
         from safetensors.torch import save_file
 

@@ -39,9 +39,9 @@ def megatron_lm_skip(series: tuple[int, int]) -> str | None:
     """Why a test driving Megatron-LM of ``series`` (e.g. ``(0, 16)``) cannot run here, or None when it can."""
     wanted = "%d.%d" % series
     if MEGATRON_LM is None:
-        return (f"Megatron-LM's training code not found: set MEGATRON_LM_PATH to a checkout of "
-                f"https://github.com/NVIDIA/Megatron-LM at the tag of the installed megatron-core "
-                f"(default ../shared/megatron-lm for 0.16, ../shared/megatron-lm-0.19 for 0.19)")
+        return ("Megatron-LM's training code not found: set MEGATRON_LM_PATH to a checkout of "
+                "https://github.com/NVIDIA/Megatron-LM at the tag of the installed megatron-core "
+                "(default ../shared/megatron-lm for 0.16, ../shared/megatron-lm-0.19 for 0.19)")
     if MEGATRON_LM_SERIES != series:
         return (f"drives Megatron-LM {wanted}'s training code; the installed megatron-core is "
                 f"{'%d.%d' % MEGATRON_LM_SERIES} (its checkout: {MEGATRON_LM}); the version matrix runs it on "

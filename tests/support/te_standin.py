@@ -42,7 +42,7 @@ class LayerNormColumnParallelLinear(ColumnParallelLinear):
         init = torch.zeros if self.zero_centered else torch.ones
         self.layer_norm_weight = torch.nn.Parameter(init(input_size, dtype=config.params_dtype))
         self.eps = config.layernorm_epsilon
-        setattr(self.layer_norm_weight, "sequence_parallel", bool(config.sequence_parallel))
+        self.layer_norm_weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x, *args, **kwargs):
         weight = self.layer_norm_weight + 1 if self.zero_centered else self.layer_norm_weight

@@ -27,7 +27,8 @@ def write_tokenizer_dir(tokenizer_json: str, output_dir: str, eos_token: str = E
     if not os.path.isfile(tokenizer_json):
         raise ValueError(f"tokenizer file {tokenizer_json!r} does not exist")
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=tokenizer_json, eos_token=eos_token, pad_token=pad_token)
-    missing = [t for t in (eos_token, pad_token) if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+    missing = [t for t in (eos_token, pad_token)
+               if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
     if missing:
         raise ValueError(f"tokenizer {tokenizer_json!r} has no token {missing}; pass --eos-token/--pad-token")
     tokenizer.save_pretrained(output_dir)

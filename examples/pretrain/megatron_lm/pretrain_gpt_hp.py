@@ -9,9 +9,9 @@ Needs a Megatron-LM checkout on PYTHONPATH (``pretrain_gpt.py``, ``megatron/trai
   ``--multi-latent-attention``) holding our fields, through ``hp_megatron.arguments.apply_hp_config``, before
   the model is built, and
 * the model provider first registers the CP sub-groups of the ``--hp-*`` CP flags on every rank
-  (``hp_megatron.training.cp_subgroup_registration.register_cp_subgroups_from_args``), then builds the model with Megatron-LM's
-  ``GPTModel`` keywords through ``hp_megatron.model_builders.hybrid_gpt_model`` (the block-final norm is our
-  RMSNorm, as in the layers, on every install; megatron-core's module-level ``LayerNormImpl`` is not patched;
+  (``hp_megatron.training.cp_subgroup_registration.register_cp_subgroups_from_args``), then builds the model with
+  Megatron-LM's ``GPTModel`` keywords through ``hp_megatron.model_builders.hybrid_gpt_model`` (the block-final norm is
+  our RMSNorm, as in the layers, on every install; megatron-core's module-level ``LayerNormImpl`` is not patched;
   with ``--mtp-num-layers`` the multi-token-prediction block of the spec's declared MTP kind, in place of
   Megatron-LM's ``mtp_block_spec``, and Megatron-LM logs ``mtp_1 loss`` ... as for its own models), and
 * Megatron-LM's training loop finalizes gradients with ``layers.shared.tp_replicated_grads.finalize_model_grads``

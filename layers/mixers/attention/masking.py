@@ -56,7 +56,8 @@ def query_blocks(q_ids: torch.Tensor, cu_seqlens: torch.Tensor | None, num_keys:
         end = min(begin + block_size, ids.numel())
         gid, start = ids[begin:end], starts[begin:end]
         k_begin, k_end = int(start.min()), int(gid.max()) + 1
-        contiguous = bool((gid == torch.arange(k_begin, k_begin + gid.numel())).all()) and k_end - k_begin == gid.numel()
+        contiguous = (bool((gid == torch.arange(k_begin, k_begin + gid.numel())).all())
+                      and k_end - k_begin == gid.numel())
         if contiguous and bool((start == k_begin).all()):
             blocks.append(QueryBlock(begin, end, k_begin, k_end, None))
             continue

@@ -142,7 +142,7 @@ class ReplicatedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, config, device, dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
-        setattr(self.weight, "sequence_parallel", bool(getattr(config, "sequence_parallel", False)))
+        self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
 
     def forward(self, x):
         return torch.nn.functional.linear(x, self.weight)

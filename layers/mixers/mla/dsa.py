@@ -153,8 +153,8 @@ class DSAttention(MultiLatentAttention):
             raise ValueError(f"DSA runs under context parallelism with the 'latent' strategy only (each rank gathers "
                              f"the latent and the indexer keys), got cp_strategy={self.cp_strategy!r}")
         if self.recompute_up_proj:
-            raise ValueError("--recompute-modules hp_mla_up_proj is not supported by DSA layers (their sparse attention "
-                             "already recomputes per query block in backward and keeps K/V as its input)")
+            raise ValueError("--recompute-modules hp_mla_up_proj is not supported by DSA layers (their sparse "
+                             "attention already recomputes per query block in backward and keeps K/V as its input)")
         self.block_size = block_size
         self.topk = c.dsa_indexer_topk
         freq, offset = c.dsa_indexer_topk_freq or 1, c.dsa_indexer_skip_topk_offset or 0
@@ -276,5 +276,5 @@ def attach_indexer_loss(out: torch.Tensor, loss: torch.Tensor, layer_number, num
     return DSAIndexerLossAutoScaler.apply(out, loss)
 
 
-__all__ = ["DSAIndexer", "DSAttention", "apply_half_rope", "attach_indexer_loss", "dsa_comm_bytes", "is_skip_topk_layer",
-           "source_topk_layer"]
+__all__ = ["DSAIndexer", "DSAttention", "apply_half_rope", "attach_indexer_loss", "dsa_comm_bytes",
+           "is_skip_topk_layer", "source_topk_layer"]

@@ -71,7 +71,6 @@ def select_topk(index_q, index_w, index_k, topk: int, *, q_ids=None, cu_seqlens=
     """Causal (per-document) top-k of the indexer scores -> int64 ``[B, S, topk]`` global key ids, -1 where a
     query sees fewer than ``topk`` keys; no gradient."""
     B, S = index_q.shape[:2]
-    T = index_k.shape[1]
     if topk < 1:
         raise ValueError(f"dsa_indexer_topk must be positive, got {topk}")
     ids = torch.arange(S) if q_ids is None else q_ids.detach().cpu().long()

@@ -136,8 +136,9 @@ def load_fla() -> FLA:
         raise RuntimeError(f"backend='triton' found flash-linear-attention {getattr(fla, '__version__', '?')}, "
                            f"too old; need {PACKAGES}. Install: {INSTALL_HINT}")
     gdn, kda, conv, l2norm = import_fla_functions(
-        f"training (flash-linear-attention {_fmt(fla_version)} found)", "fla.ops.gated_delta_rule:chunk_gated_delta_rule",
-        "fla.ops.kda:chunk_kda", "fla.modules.causal_conv1d:causal_conv1d", "fla.modules.norm.l2norm:l2norm")
+        f"training (flash-linear-attention {_fmt(fla_version)} found)",
+        "fla.ops.gated_delta_rule:chunk_gated_delta_rule", "fla.ops.kda:chunk_kda",
+        "fla.modules.causal_conv1d:causal_conv1d", "fla.modules.norm.l2norm:l2norm")
     for name, fn in (("chunk_gated_delta_rule", gdn), ("chunk_kda", kda), ("causal_conv1d", conv)):
         _check_signature(name, fn)
     dispatch, candidates = dispatch_state(importlib.import_module("fla.backends"), os.environ.get(DISPATCH_ENV))

@@ -28,8 +28,8 @@ def delta_rule_step(kind, q, k, v, g, beta, state, *, scale, use_qk_l2norm_in_ke
     check_inputs(q, k, v, g, beta)
     step = _fla_function(path)
     common = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=state, output_final_state=True,
-                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                  use_gate_in_kernel=use_gate_in_kernel)
+                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, use_gate_in_kernel=use_gate_in_kernel)
     gate = {"A_log": A_log, "dt_bias": dt_bias} if use_gate_in_kernel else {}
     if kind.lower_bound_gate:
         gate["lower_bound"] = lower_bound

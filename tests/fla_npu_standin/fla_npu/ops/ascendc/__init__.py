@@ -30,9 +30,9 @@ What it enforces like that revision (each check names the operator):
 - the GDN building blocks fla-npu's A2/A3 example composes (``recompute_w_u_fwd``, ``chunk_local_cumsum``,
   ``chunk_bwd_dqkwg``, ``prepare_wy_repr_bwd_da`` / ``_full``; signatures from main 17e24fdd ``_aclnn_ctypes.py``).
 - dtypes: bf16 (composite GDN: bf16 only; KDA: ``chunk_fwd_h``, ``chunk_kda_fwd_finalize`` and the backward
-  stages bf16 only, the prepare and the GDN building blocks bf16/fp16; ``ALLOW_FP32`` widens q/k/v-like tensors for exact tests but never
-  the inputs the real ops demand in one dtype: composite backward ``initial_state``/``dht`` bf16 (``dh0``
-  comes back bf16), ``gk`` of the backward CP summary bf16/fp16, ``dq_raw`` / ``d_aqk`` / ``gk`` / ``raw_g``
+  stages bf16 only, the prepare and the GDN building blocks bf16/fp16; ``ALLOW_FP32`` widens q/k/v-like tensors for
+  exact tests but never the inputs the real ops demand in one dtype: composite backward ``initial_state``/``dht`` bf16
+  (``dh0`` comes back bf16), ``gk`` of the backward CP summary bf16/fp16, ``dq_raw`` / ``d_aqk`` / ``gk`` / ``raw_g``
   of the KDA backward finalize fp32 (``chunk_kda_bwd_prepare`` returns ``dq_raw`` fp32)); ``beta_raw`` must
   have ``beta``'s dtype. The KDA backward stages are Ascend 950 only (their op-defs register ascend950).
 - layouts/ranks: composite forward returns ``o`` ``[B,T,HV,V]`` whatever ``layout`` says and the backward takes
