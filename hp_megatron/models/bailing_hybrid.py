@@ -23,9 +23,9 @@ from dataclasses import replace
 import torch
 
 from hp_megatron.convert.rules import TensorRule, identity_rule
-from hp_megatron.models.common import (ModelPreset, decoder_config, field_of, layer_prefix, mla_fields, mla_rules,
-                                       mlp_rules, moe_router_config, moe_rules, norm_rules, refuse, require,
-                                       rope_parameters)
+from hp_megatron.models.common import (ModelPreset, decoder_config, field_of, first_of, grouped_sigmoid_moe_config,
+                                       layer_prefix, mla_fields, mla_rules, mlp_rules, moe_rules, norm_rules, refuse,
+                                       require, rope_parameters)
 from hp_megatron.registry import check_hf_symbols, conversion_rules_of, register_conversion_rules
 
 MODEL_TYPE = "bailing_hybrid"
@@ -33,16 +33,10 @@ LAYER_SYMBOLS = check_hf_symbols(MODEL_TYPE, {"linear_attention": "K", "full_att
 MTP_FIELD = "num_nextn_predict_layers"
 
 
-def _get(hf: dict, *names, default=None):
-    """The first of ``names`` config.json sets (transformers' attribute_map spells fields two ways)."""
-    for name in names:
-        if hf.get(name) is not None:
-            return hf[name]
-    return default
 
 
 def mtp_depth(hf: dict) -> int:
-    return _get(hf, MTP_FIELD, "num_mtp_layers", default=0)
+    return first_of(hf, MTP_FIELD, "num_mtp_layers", default=0)
 
 
 def unmodeled_tensors(hf: dict) -> dict:
@@ -76,12 +70,12 @@ def moe_layers(hf: dict) -> list:
 def _kda_dims(hf: dict) -> dict:
     """KDA heads (= attention heads), head dim (transformers: ``linear_head_dim``, set from ``head_dim``), conv."""
     return dict(heads=field_of(hf, MODEL_TYPE, "num_attention_heads"),
-                head_dim=_get(hf, "linear_head_dim", "head_dim", default=128),
-                conv=_get(hf, "linear_conv_kernel_dim", "short_conv_kernel_size", default=4))
+                head_dim=first_of(hf, "linear_head_dim", "head_dim", default=128),
+                conv=first_of(hf, "linear_conv_kernel_dim", "short_conv_kernel_size", default=4))
 
 
 def _limits(hf: dict, name: str, alias: str, flags: list) -> tuple | None:
-    limits = _get(hf, name, alias)
+    limits = first_of(hf, name, alias)
     if not limits:
         return None
     if len(limits) != len(flags):
@@ -101,18 +95,7 @@ def megatron_config(hf: dict) -> ModelPreset:
         refuse(MODEL_TYPE, "rope_parameters.rope_type", rope["rope_type"], ["default"])
     types, flags = _layer_types(hf), moe_layers(hf)
     config = decoder_config(hf, MODEL_TYPE, 1e-6)
-    if any(flags):
-        config.update(moe_router_config(MODEL_TYPE, num_experts=_get(hf, "num_experts", "num_local_experts"),
-                                        topk=_get(hf, "num_experts_per_token", "num_experts_per_tok"),
-                                        norm_topk_prob=_get(hf, "moe_renormalize", "norm_topk_prob", default=True),
-                                        score_function="sigmoid", scaling_factor=hf.get("routed_scaling_factor"),
-                                        expert_bias=True, num_groups=_get(hf, "num_expert_group", "n_group"),
-                                        group_topk=hf.get("topk_group")),
-                      moe_layer_freq=[int(f) for f in flags],
-                      moe_ffn_hidden_size=field_of(hf, MODEL_TYPE, "moe_intermediate_size"))
-        shared = _get(hf, "num_shared_experts", "n_shared_experts", default=0)
-        if shared:
-            config["moe_shared_expert_intermediate_size"] = shared * hf["moe_intermediate_size"]
+    config.update(grouped_sigmoid_moe_config(hf, MODEL_TYPE, flags))
     kda = _kda_dims(hf)
     lower = float(hf.get("kda_lower_bound", -5.0))
     mixer = dict(linear_num_key_heads=kda["heads"], linear_num_value_heads=kda["heads"],

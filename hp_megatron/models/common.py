@@ -110,6 +110,33 @@ def moe_router_config(model_type: str, *, num_experts: int, topk: int, norm_topk
     return fields
 
 
+def first_of(hf: dict, *names, default=None):
+    """The first of ``names`` config.json sets (transformers' attribute maps spell fields two ways)."""
+    for name in names:
+        if hf.get(name) is not None:
+            return hf[name]
+    return default
+
+
+def grouped_sigmoid_moe_config(hf: dict, model_type: str, flags: list) -> dict:
+    """The MoE config fields of Kimi Linear's and Ling 3.0's routing (sigmoid scores with expert bias, grouped top-k,
+    routed scaling, shared experts) for the MoE layers ``flags`` marks (one bool per layer); ``{}`` without any."""
+    if not any(flags):
+        return {}
+    config = moe_router_config(model_type, num_experts=first_of(hf, "num_experts", "num_local_experts"),
+                               topk=first_of(hf, "num_experts_per_token", "num_experts_per_tok"),
+                               norm_topk_prob=first_of(hf, "moe_renormalize", "norm_topk_prob", default=True),
+                               score_function="sigmoid", scaling_factor=hf.get("routed_scaling_factor"),
+                               expert_bias=True, num_groups=first_of(hf, "num_expert_group", "n_group"),
+                               group_topk=hf.get("topk_group"))
+    config.update(moe_layer_freq=[int(f) for f in flags],
+                  moe_ffn_hidden_size=field_of(hf, model_type, "moe_intermediate_size"))
+    shared = first_of(hf, "num_shared_experts", "n_shared_experts", default=0)
+    if shared:
+        config["moe_shared_expert_intermediate_size"] = shared * hf["moe_intermediate_size"]
+    return config
+
+
 def layer_prefix(i: int) -> str:
     return f"decoder.layers.{i}."
 

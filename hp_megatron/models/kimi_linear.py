@@ -17,21 +17,15 @@ import torch
 
 from hp_megatron.convert.rules import TensorRule, identity_rule
 from hp_megatron.registry import check_hf_symbols, conversion_rules_of, register_conversion_rules
-from hp_megatron.models.common import (ModelPreset, decoder_config, field_of, layer_norm_rules, layer_prefix,
-                                       mla_fields, mla_rules, mlp_rules, model_rules, moe_router_config, refuse,
-                                       require, swiglu_fc1_rule)
+from hp_megatron.models.common import (ModelPreset, decoder_config, field_of, first_of, grouped_sigmoid_moe_config,
+                                       layer_norm_rules, layer_prefix, mla_fields, mla_rules, mlp_rules, model_rules,
+                                       refuse, require, swiglu_fc1_rule)
 
 MODEL_TYPE = "kimi_linear"
 # HF layer type -> pattern symbol (checked against the mixer registry, hp_megatron.registry)
 LAYER_SYMBOLS = check_hf_symbols(MODEL_TYPE, {"linear_attention": "K", "full_attention": "M"})
 
 
-def _get(hf: dict, *names, default=None):
-    """The first of ``names`` config.json has (transformers' name, then Moonshot's)."""
-    for name in names:
-        if hf.get(name) is not None:
-            return hf[name]
-    return default
 
 
 def _linear(hf: dict) -> dict:
@@ -67,9 +61,9 @@ def moe_layers(hf: dict) -> list:
 
 def _kda_dims(hf: dict) -> dict:
     linear = _linear(hf)
-    return dict(heads=_get(linear, "num_heads", default=hf.get("linear_num_heads", 32)),
-                head_dim=_get(linear, "head_dim", default=hf.get("linear_head_dim", 128)),
-                conv=_get(linear, "short_conv_kernel_size", default=hf.get("linear_conv_kernel_dim", 4)))
+    return dict(heads=first_of(linear, "num_heads", default=hf.get("linear_num_heads", 32)),
+                head_dim=first_of(linear, "head_dim", default=hf.get("linear_head_dim", 128)),
+                conv=first_of(linear, "short_conv_kernel_size", default=hf.get("linear_conv_kernel_dim", 4)))
 
 
 def megatron_config(hf: dict) -> ModelPreset:
@@ -84,18 +78,7 @@ def megatron_config(hf: dict) -> ModelPreset:
     require(hf, MODEL_TYPE, "moe_layer_freq", (1,), 1)
     types, flags = layer_types(hf), moe_layers(hf)
     config = decoder_config(hf, MODEL_TYPE, 1e-5)
-    if any(flags):
-        config.update(moe_router_config(MODEL_TYPE, num_experts=_get(hf, "num_experts", "num_local_experts"),
-                                        topk=_get(hf, "num_experts_per_token", "num_experts_per_tok"),
-                                        norm_topk_prob=_get(hf, "moe_renormalize", "norm_topk_prob", default=True),
-                                        score_function="sigmoid", scaling_factor=hf.get("routed_scaling_factor"),
-                                        expert_bias=True, num_groups=_get(hf, "num_expert_group", "n_group"),
-                                        group_topk=hf.get("topk_group")),
-                      moe_layer_freq=[int(f) for f in flags],
-                      moe_ffn_hidden_size=field_of(hf, MODEL_TYPE, "moe_intermediate_size"))
-        shared = _get(hf, "num_shared_experts", "n_shared_experts", default=0)
-        if shared:
-            config["moe_shared_expert_intermediate_size"] = shared * hf["moe_intermediate_size"]
+    config.update(grouped_sigmoid_moe_config(hf, MODEL_TYPE, flags))
     kda = _kda_dims(hf)
     mixer = dict(linear_num_key_heads=kda["heads"], linear_num_value_heads=kda["heads"],
                  linear_key_head_dim=kda["head_dim"], linear_value_head_dim=kda["head_dim"],

@@ -268,14 +268,15 @@ def tiny_mtp_tensors(arch: str, seed: int = 0, vocab_size: int = TINY_VOCAB, mai
                 saved.update(load_file(os.path.join(tmp, name)))
     gen = torch.Generator().manual_seed(seed + 2)
     hidden = cfg.hidden_size
-    centred = arch != "deepseek_v3"   # Qwen3-Next's and Qwen3.5's norms store weight - 1
+    deepseek = arch in ("deepseek_v3", "deepseek_v32")   # MTP as model.layers.<num_hidden_layers>.*
+    centred = not deepseek   # Qwen3-Next's and Qwen3.5's norms store weight - 1
 
     def norm():
         return (0.0 if centred else 1.0) + 0.1 * torch.randn(hidden, generator=gen)
 
     proj = torch.randn(hidden, 2 * hidden, generator=gen) / (2 * hidden) ** 0.5
     decoder = {k[len("model.layers.0."):]: v for k, v in saved.items() if k.startswith("model.layers.0.")}
-    if arch != "deepseek_v3":
+    if not deepseek:
         tensors = {f"mtp.layers.0.{k}": v for k, v in decoder.items()}
         tensors.update({"mtp.pre_fc_norm_embedding.weight": norm(), "mtp.pre_fc_norm_hidden.weight": norm(),
                         "mtp.fc.weight": proj, "mtp.norm.weight": norm()})

@@ -16,8 +16,13 @@ from tests.support import background, triton_interpreter
 ROOT = Path(__file__).resolve().parents[2]
 REASON = triton_interpreter.available()
 
+# FLA's backend dispatch stays on in this run (FLA_DISABLE_BACKEND_DISPATCH=0, the user's choice that
+# layers/ops/triton/runtime.py honours): with it off, torch.compile traces megatron-core's GatedDeltaNet (section d,
+# which calls FLA's public functions) into Triton's CPU interpreter and fails on a uint64 fake tensor, an artifact of
+# the interpreter; our backend's default (dispatch off) is tested in tests/backends/test_backend_triton_interpreter.py
 DRIVER = """
-import runpy, sys
+import os, runpy, sys
+os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "0"
 sys.path[:0] = [{root!r}]
 from tests.support import triton_interpreter
 triton_interpreter.enable()

@@ -106,8 +106,10 @@ def _built_at_cp2(rank, world_size):
 
     from hp_megatron.platform import apply_cpu_training_shims
     from hp_megatron.specs import get_hybrid_layer_spec
-    from layers.cp.choice_log import CP_CHOICE_LOG
+    from layers.cp import choice_log
 
+    choice_log.CP_CHOICE_LOG.clear()   # the spawn is shared: count only this job's layers, each line once
+    choice_log._LOGGED.clear()
     sys.path.insert(0, EXAMPLE)
     os.environ["WORLD_SIZE"] = str(world_size)
     from cli import parse_args
@@ -125,7 +127,7 @@ def _built_at_cp2(rank, world_size):
             block = TransformerBlock(config, get_hybrid_layer_spec("GKM", "eager"), post_process=False)
             out[" ".join(extra)] = [getattr(layer.self_attention, "cp_method", None)
                                     or layer.self_attention.cp_strategy for layer in block.layers]
-        out["log"] = list(CP_CHOICE_LOG)
+        out["log"] = list(choice_log.CP_CHOICE_LOG)
     finally:
         parallel_state.destroy_model_parallel()
     return out

@@ -107,7 +107,7 @@ def test_refusals():
         with pytest.raises(ValueError, match=r"^--mla-down-proj-fusion \(mla_down_proj_fusion=True\) replaces the MLA "
                                              r"slot's layer with megatron-core's FusedMLASelfAttention"):
             hybrid_model(_config("KM", mla_down_proj_fusion=True), vocab_size=VOCAB, max_sequence_length=SEQ)
-        with pytest.raises(ValueError, match=r"MTP part 'G-' may hold \['\*', '\+', '-', 'E'\] only"):
+        with pytest.raises(ValueError, match=r"MTP part 'G-' may hold \['\*', '\+', '-', 'D', 'E'\] only"):
             hybrid_model(_config("KM", mtp_num_layers=1), vocab_size=VOCAB, max_sequence_length=SEQ,
                          hybrid_layer_pattern="G-+-/G-")
         with pytest.raises(ValueError, match=r"mtp_num_layers=2 \(--mtp-num-layers\) but the hybrid layer pattern "

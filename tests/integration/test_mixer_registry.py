@@ -47,7 +47,7 @@ def test_architectures_take_each_mixers_rules_from_the_registry():
     assert conversion_rules_of("deepseek_v3", "M") is deepseek_v3.mla_layer_rules
     assert conversion_rules_of("kimi_linear", "M") is kimi_linear.mla_layer_rules
     with pytest.raises(ValueError, match=r"qwen3_next: mixer 'kda' \(K\) has no conversion rules for it; it has "
-                                         r"them for \['kimi_linear'\]"):
+                                         r"them for \['bailing_hybrid', 'kimi_linear'\]"):
         conversion_rules_of("qwen3_next", "K")
 
 

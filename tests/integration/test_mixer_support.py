@@ -155,7 +155,8 @@ def test_mtp_and_hybrid_model_slot_refusals_come_from_the_registry(scratch_regis
     with pytest.raises(UnsupportedByMixer, match=r"^g_mixer \(the mixer of HybridModel's 'G' slot\): mixer 'zeta' "
                                                  r"declares no slot of megatron-core's HybridModel \(MixerEntry."
                                                  r"stack_slot is None\); mixers with a slot: gdn \(gdn_layer\), kda "
-                                                 r"\(gdn_layer\), mla \(mla_layer\), attn \(attention_layer\)$"):
+                                                 r"\(gdn_layer\), mla \(mla_layer\), attn \(attention_layer\), dsa "
+                                                 r"\(dsa_layer\)$"):
         get_hybrid_stack_spec(g_mixer="zeta")
     with pytest.raises(ValueError, match=r"must be one of \('gdn', 'kda'\), got 'attn' \(it fills HybridModel's "
                                          r"attention_layer\)$"):
@@ -236,7 +237,10 @@ def test_megatron_field_names_without_importing_megatron_core():
     declared = sorted(r.field for e in mixers().values() for r in e.options if r.megatron_field)
     assert set(declared) == {"linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                              "linear_value_head_dim", "linear_conv_kernel_dim", "q_lora_rank", "kv_lora_rank",
-                             "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type"}
+                             "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+                             # DSA's rows set megatron-core 0.19's own dsa_indexer_* fields
+                             *(r.field for r in mixers()["D"].options if r.field.startswith("dsa_indexer_"))}
+    assert len([f for f in declared if f.startswith("dsa_indexer_")]) == 9
 
 
 def _parser(rows):
