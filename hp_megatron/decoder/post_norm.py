@@ -35,7 +35,11 @@ def post_normed(cls: type, norm) -> type:
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             """The module's own, with ``post_norm`` replicated over its TP group (megatron-core's ``MLP`` would
             give it no TP group: every TP rank a main replica)."""
-            state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            post_norm = self._modules.pop("post_norm")   # megatron-core 0.16's MLP asks every child for its own
+            try:
+                state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            finally:
+                self._modules["post_norm"] = post_norm   # it was the last child: the order is unchanged
             state.update(_replicated_sharded_state_dict(self, "post_norm", prefix, sharded_offsets, metadata))
             return state
 

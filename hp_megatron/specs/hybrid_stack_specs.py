@@ -44,8 +44,9 @@ from layers.base.megatron_compat import dense_mlp_spec
 
 
 def g_mixers() -> tuple:
-    """The names of the registered mixers that fill HybridModel's ``G`` slot (``MixerEntry.stack_slot``)."""
-    return tuple(mixers()[s].name for s in slot_symbols().get("gdn_layer", ()))
+    """The names of the registered mixers that declare HybridModel's ``G`` slot (``MixerEntry.stack_slot``; read
+    without megatron-core's HybridModel, which 0.16 lacks)."""
+    return tuple(e.name for e in mixers().values() if e.stack_slot == "gdn_layer")
 
 
 def _megatron_hybrid():
