@@ -11,13 +11,18 @@ from __future__ import annotations
 def preset_transformer_config(preset, **overrides):
     """A ``hp_megatron.config.HybridTransformerConfig`` of ``preset`` (``transformer_fields``, ``mixer_fields``
     and ``pattern``); ``overrides`` (parallel sizes, dtypes...) win over it."""
-    from hp_megatron.config import HybridTransformerConfig
+    from hp_megatron.config import HybridTransformerConfig, hybrid_config
 
     # GPTModel records config.rotary_base (a declared MLA field) as its own: the preset's RoPE base where it has one
     gpt = preset.gpt_model_kwargs
     rotary = {"rotary_base": gpt["rotary_base"]} if "rotary_base" in gpt else {}
-    return HybridTransformerConfig(**{**preset.transformer_fields, **rotary, **preset.mixer_fields,
-                                      "hp_layer_pattern": preset.pattern, **overrides})
+    values = {**preset.transformer_fields, **rotary, **preset.mixer_fields, "hp_layer_pattern": preset.pattern,
+              **overrides}
+    declared = HybridTransformerConfig.__dataclass_fields__
+    config = HybridTransformerConfig(**{k: v for k, v in values.items() if k in declared})
+    # a registered mixer's own fields (DSA's dsa_indexer_* where megatron-core has none, 0.16) are attributes
+    extra = {k: v for k, v in values.items() if k not in declared}
+    return hybrid_config(config, **extra) if extra else config
 
 
 def preset_layer_spec(preset, backend="eager", **kwargs):
