@@ -12,6 +12,7 @@ import pytest
 
 from tests.support.models_case import tiny_llama
 from tests.support.paths import REPO, pythonpath
+from tests.support.stderr_lines import own_stderr_lines
 
 ROOT = pathlib.Path(REPO)
 
@@ -50,7 +51,7 @@ def test_truncated_distcp_is_one_line_naming_the_file_and_save_is_untouched(conv
     proc = subprocess.run([sys.executable, "-m", "hp_megatron.convert", "mcore-to-hf", "--load", damaged,
                            "--save", str(save), "--overwrite"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
-    lines = proc.stderr.strip().splitlines()
+    lines = own_stderr_lines(proc.stderr)
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: ") and os.path.join(damaged, "release", "__0_0.distcp") in lines[0]

@@ -23,6 +23,7 @@ import sys
 import pytest
 
 from tests.support.paths import EXAMPLE, REPO, pythonpath
+from tests.support.stderr_lines import own_stderr_lines
 
 LIMITED = "tests.support.limited_mixer"
 
@@ -59,7 +60,7 @@ def test_example_refuses_cp_for_a_mixer_without_cp_at_argument_time():
                  "--hp-layer-pattern", "P", "--context-parallel-size", "2", "--num-layers", "1", "--hidden-size",
                  "16", "--num-attention-heads", "2", "--seq-length", "8", "--micro-batch-size", "1",
                  "--global-batch-size", "1", "--train-iters", "1", "--no-progress"], {"WORLD_SIZE": "2"})
-    lines = proc.stderr.strip().splitlines()
+    lines = own_stderr_lines(proc.stderr)
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith("error: plain toy (P in --hp-layer-pattern P) has no context-parallel implementation "
                                "(MixerSupport.cp_methods is empty); got --context-parallel-size 2; mixers with CP: "

@@ -10,6 +10,7 @@ import sys
 
 from tests.support.models_case import read_safetensors, tiny_llama
 from tests.support.paths import REPO, pythonpath
+from tests.support.stderr_lines import own_stderr_lines
 
 ROOT = pathlib.Path(REPO)
 
@@ -35,7 +36,7 @@ def test_tiny_checkpoint_maker_names_the_install_command(tmp_path):
     save = tmp_path / "hf"
     code = "import runpy; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     proc = _python_without_hf(code, script, "--arch", "qwen3_next", "--save", str(save))
-    lines = proc.stderr.strip().splitlines()
+    lines = own_stderr_lines(proc.stderr)
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: ") and "transformers" in lines[0], lines
     assert "pip install -e .[hf]" in lines[0] and "pip install 'hp-megatron[hf]'" in lines[0], lines
