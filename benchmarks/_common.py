@@ -26,13 +26,14 @@ def run_meta(script: str, argv=None) -> dict:
                 transformers=transformers.__version__, python=platform.python_version())
 
 
-def cpu_peak_bytes(run) -> int:
-    """Peak of PyTorch's running total of allocated CPU bytes while ``run()`` executes, above what existed
+def cpu_memory_of(run) -> tuple:
+    """``(result, peak, retained)`` of ``result = run()``: the peak of PyTorch's running total of allocated CPU bytes
+    while it executes and the total still allocated at its end (while ``result`` is alive), both above what existed
     before it (the ``[memory]`` events of ``torch.profiler`` with ``profile_memory=True``)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
+        result = run()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -43,7 +44,13 @@ def cpu_peak_bytes(run) -> int:
     for event in memory:
         total += event["args"]["Bytes"]
         peak = max(peak, total)
-    return peak
+    return result, peak, total
+
+
+def cpu_peak_bytes(run) -> int:
+    """Peak of PyTorch's running total of allocated CPU bytes while ``run()`` executes, above what existed before it
+    (:func:`cpu_memory_of`)."""
+    return cpu_memory_of(run)[1]
 
 
 def rel_err(a, b) -> float:

@@ -356,26 +356,11 @@ DENSE_MAX_T = 4096   # our dense MLA's eager attention saves [heads, T, T] fp32 
 def _memory_of_forward(run) -> tuple:
     """``(peak, retained)``: the peak of PyTorch's running total of allocated CPU bytes during ``out = run()`` and the
     total still allocated at its end while ``out`` (with its autograd graph) is alive, both above what existed before
-    (``torch.profiler`` memory events, as ``benchmarks/_common.cpu_peak_bytes``)."""
-    import json as json_module
-    import tempfile
+    (``benchmarks/_common.cpu_memory_of``)."""
+    from benchmarks._common import cpu_memory_of
 
-    from torch.profiler import ProfilerActivity, profile
-
-    keep = []
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        keep.append(run())
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        events = json_module.loads(Path(path).read_text())["traceEvents"]
-    memory = sorted((e for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0),
-                    key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
-    total = peak = 0
-    for event in memory:
-        total += event["args"]["Bytes"]
-        peak = max(peak, total)
-    return peak, total
+    _, peak, retained = cpu_memory_of(run)
+    return peak, retained
 
 
 def dsa_rows(seq_lengths) -> list:
