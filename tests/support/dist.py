@@ -59,6 +59,9 @@ def load_factor() -> float:
         return 1.0
 
 
+AT_END = "end (waiting for the other ranks)"  # the pseudo-case of a rank whose fn returned, at the final barrier
+
+
 def _send(queue, rank, kind, payload):
     # pickled to bytes here: torch.multiprocessing would share tensors through file descriptors that
     # vanish when this worker exits before the parent reads them
@@ -124,6 +127,10 @@ def _entry(rank, world_size, store_path, fn, args, queue, environ=None, streams=
         # a file store, not a TCP port: a port picked free by the parent could be taken before rank 0 binds it
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
+        # no rank tears its group down while a peer is still connecting or sending: a rank whose fn needs no
+        # collective could exit while its peer was still in gloo's connectFullMesh ("Connection closed by peer")
+        case_started(AT_END)
+        dist.barrier()
         _send(queue, rank, "ok", result)
     except BaseException:  # report every failure to the parent, then exit non-zero
         _send(queue, rank, "error", traceback.format_exc())
@@ -151,9 +158,10 @@ class _Ranks:
         return ", ".join(f"rank {r} in case {self.case[r]!r} for {now - self.since[r]:.0f} s" for r in ranks)
 
     def overdue(self):
-        """(rank, limit) of a running rank past its deadline, else None."""
+        """(rank, limit) of a running rank past its deadline, else None; a rank in a case is named before one waiting
+        at the end for it."""
         factor, now = load_factor(), time.monotonic()
-        for r in self.running():
+        for r in sorted(self.running(), key=lambda r: self.case[r] == AT_END):
             limit = factor * (max(self.timeout, STARTUP_S) if self.case[r] == "start-up" else self.timeout)
             if now - self.since[r] > limit:
                 return r, limit
