@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from layers.ops.ascendc import runtime
+from layers.ops.ascendc.kda_fused import check_fused_backward, fused_backward, pre_transforms
 from layers.ops.ascendc.terminal import Extension
 from layers.ops.gates import kda_gate
 
@@ -185,18 +186,29 @@ class AscendCKimiDeltaAttention(torch.autograd.Function):
                      dt_bias=dt_bias, h0=initial_state)
         ctx.names = tuple(saved)
         ctx.save_for_backward(*saved.values())
+        ctx.set_materialize_grads(False)  # an unused final state sends no terminal gradient
         ctx.meta = meta
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
         return untoken(o, packed), final
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        ops = runtime.require_api("kda_bwd")
         meta = ctx.meta
         packed = meta["packed"]
         saved = dict(zip(ctx.names, ctx.saved_tensors))
-        dq, dk, dv, dbeta, dg, da_log, ddt, dh0 = kda_local_backward(
-            ops, saved, head_major(do, packed), dfinal, saved["h0"], meta)
+        do = torch.zeros_like(saved["v_hm"]).transpose(-3, -2) if do is None else do
+        do = do.unsqueeze(0) if packed and do.dim() == 3 else do
+        if meta["fused_bwd"]:  # off Ascend 950: fla-npu's monolithic ChunkKdaBwd (kda_fused.py)
+            if dfinal is not None:
+                raise RuntimeError("backend='ascendc' KDA off Ascend 950: a final-state gradient arrived, but fla-npu's "
+                                   "monolithic ChunkKdaBwd takes no dht: do not differentiate the final state there, "
+                                   "or use Ascend 950 / backend='eager'")
+            dq, dk, dv, dbeta, dg = fused_backward(runtime.require_api("kda_fused_bwd"), saved,
+                                                   head_major(do, packed), meta)
+            da_log = ddt = dh0 = None
+        else:
+            dq, dk, dv, dbeta, dg, da_log, ddt, dh0 = kda_local_backward(
+                runtime.require_api("kda_bwd"), saved, head_major(do, packed), dfinal, saved["h0"], meta)
         dbeta, dg = token_major_scalars(dbeta, dg, packed)
         qd, kd, vd, gd, bd = ctx.dtypes
         dh0 = None if dh0 is None else dh0.float()
@@ -205,13 +217,13 @@ class AscendCKimiDeltaAttention(torch.autograd.Function):
 
 
 def kda_meta(q, *, scale, output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-             use_gate_in_kernel, lower_bound, safe_gate, cu_seqlens):
+             use_gate_in_kernel, lower_bound, safe_gate, cu_seqlens, fused_bwd=False):
     packed = cu_seqlens is not None
     cu = runtime.host_offsets(cu_seqlens)
     return {"scale": float(scale), "cu": cu, "chunk_indices": runtime.chunk_indices(cu), "packed": packed,
             "layout": "TND" if packed else "BSND", "output_final_state": output_final_state,
             "l2norm": use_qk_l2norm_in_kernel, "beta_sigmoid": use_beta_sigmoid_in_kernel,
-            "gate": use_gate_in_kernel, "lower_bound": lower_bound, "safe_gate": safe_gate}
+            "gate": use_gate_in_kernel, "lower_bound": lower_bound, "safe_gate": safe_gate, "fused_bwd": fused_bwd}
 
 
 def kernel_gate_matches(A_log, lower_bound, safe_gate: bool) -> bool:
@@ -233,10 +245,14 @@ def resolve_gate(g, A_log, dt_bias, use_gate_in_kernel, lower_bound, safe_gate):
     return kda_gate(g.float(), A_log, dt_bias, lower_bound), None, None, False
 
 
+def needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def require_backward_api(device_name: str, *tensors):
-    """When a gradient will be needed: check the KDA backward exports and the SoC up front (one clear error,
+    """When a gradient will be needed: check the staged KDA backward's exports and SoC up front (one clear error,
     no wasted forward)."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if needs_grad(*tensors):
         runtime.check_soc_features(device_name, kda_backward=True)
         runtime.require_api("kda_bwd")
 
@@ -249,11 +265,20 @@ def chunk_kda(q, k, v, g, beta, *, scale, initial_state, output_final_state, use
     device_name = runtime.soc(q.device)
     check_kda(q, v)
     runtime.require_api("kda")
-    require_backward_api(device_name, q, k, v, g, beta, A_log, dt_bias, initial_state)
+    fused = needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state) and not device_name.startswith(
+        runtime.A5_SOCS)
+    if fused:  # off Ascend 950 the backward is the monolithic ChunkKdaBwd (kda_fused.py): its limits up front
+        check_fused_backward(device_name, initial_state, safe_gate)
+        runtime.require_api("kda_fused_bwd")
+        q, k, beta, g = pre_transforms(q, k, beta, g, A_log, dt_bias, lower_bound, use_qk_l2norm_in_kernel,
+                                       use_beta_sigmoid_in_kernel, use_gate_in_kernel)
+        use_qk_l2norm_in_kernel = use_beta_sigmoid_in_kernel = use_gate_in_kernel = False
+    else:
+        require_backward_api(device_name, q, k, v, g, beta, A_log, dt_bias, initial_state)
     g, A, dtb, gate = resolve_gate(g, A_log, dt_bias, use_gate_in_kernel, lower_bound, safe_gate)
     meta = kda_meta(q, scale=scale, output_final_state=output_final_state,
                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                     use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, use_gate_in_kernel=gate,
-                    lower_bound=lower_bound, safe_gate=safe_gate, cu_seqlens=cu_seqlens)
+                    lower_bound=lower_bound, safe_gate=safe_gate, cu_seqlens=cu_seqlens, fused_bwd=fused)
     state = None if initial_state is None else initial_state.float().contiguous()
     return AscendCKimiDeltaAttention.apply(q, k, v, g, beta, A, dtb, state, meta)
