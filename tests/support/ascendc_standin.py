@@ -31,7 +31,9 @@ BF16_STATE_TOL = 4 * 2.0 ** -9
 STAGED_GDN_BWD_OPS = {"npu_recompute_w_u_fwd", "npu_chunk_gated_delta_rule_fwd_h", "npu_chunk_bwd_dv_local",
                       "npu_chunk_gated_delta_rule_bwd_dhu", "npu_chunk_bwd_dqkwg", "npu_prepare_wy_repr_bwd_da",
                       "npu_prepare_wy_repr_bwd_full", "npu_chunk_local_cumsum"}
-FUSED_KDA_BWD_OPS = {"npu_chunk_kda_fwd_prepare", "npu_chunk_gated_delta_rule_fwd_h", "npu_chunk_kda_fwd_finalize", "npu_chunk_kda_bwd"}
+# KDA training off Ascend 950 (layers/ops/ascendc/kda_fused.py): the staged forward, the monolithic backward
+FUSED_KDA_BWD_OPS = {"npu_chunk_kda_fwd_prepare", "npu_chunk_gated_delta_rule_fwd_h", "npu_chunk_kda_fwd_finalize",
+                     "npu_chunk_kda_bwd"}
 A5_ONLY_OPS = {"npu_chunk_gated_delta_rule_bwd", "npu_chunk_gated_delta_rule_fwd_prepare", "npu_chunk_kda_bwd_prepare",
                "npu_chunk_kda_bwd_finalize"}
 

@@ -1453,7 +1453,7 @@ if _flag("FLA_NPU_STANDIN_KDA_BWD_EXPORTED"):  # later revisions export the KDA 
     _ASCENDC_OPS += ("npu_chunk_kda_bwd_prepare", "npu_chunk_kda_bwd_finalize")
 if _flag("FLA_NPU_STANDIN_KDA_FUSED_BWD_EXPORTED"):  # 7a8a59a3 (PR #334) and later _stable.py versions; not main 17e24fdd
     _ASCENDC_OPS += ("npu_chunk_kda_bwd",)
-_IMPL = {n: globals()[n] for n in ("chunk_kda_bwd_prepare", "chunk_kda_bwd_finalize")}
+_IMPL = {n: globals()[n] for n in ("chunk_kda_bwd_prepare", "chunk_kda_bwd_finalize", "chunk_kda_bwd")}
 for _n in _IMPL:
     del globals()[_n]
 # name -> implementation, like fla-npu's ``_aclnn_ctypes.ASCENDC_CTYPES_OPS`` (imported into this module there too)
