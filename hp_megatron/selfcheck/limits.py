@@ -62,8 +62,8 @@ def probe(backend: str, device) -> Limits:
         limits.backward["gdn"] = _raised(runtime.check_soc_features, soc, gdn_backward=True) or gdn_parts
         if staged:   # Ascend 910B / 910_93: KDA's backward is the monolithic ChunkKdaBwd (kda_fused.py)
             limits.backward["kda"] = _raised(runtime.require_api, "kda_fused_bwd")
-            limits.state_grad["kda"] = (f"backend='ascendc' on {soc}: KDA backward is fla-npu's monolithic ChunkKdaBwd, "
-                                        "which takes no initial_state / dht and safe_gate=True only "
+            limits.state_grad["kda"] = (f"backend='ascendc' on {soc}: KDA backward is fla-npu's monolithic "
+                                        "ChunkKdaBwd, which takes no initial_state / dht and safe_gate=True only "
                                         "(layers/ops/ascendc/kda_fused.py)")
             limits.state_cp_backward["kda"] = _raised(runtime.check_soc_features, soc, kda_backward=True)
         else:

@@ -32,9 +32,9 @@ import torch.distributed as dist
 from layers.ops import chunk_gated_delta_rule, chunk_kda
 from layers.ops.ascendc import runtime
 from tests.support.dist import run_distributed
-from tests.support.ascendc_standin import (A5_ONLY_OPS, BF16_STATE_TOL, BF16_TOL, FUSED_KDA_BWD_OPS, GRAD_TOL, KNOBS, OPS,
-                                           OUT_TOL, REAL, STAGED_GDN_BWD_OPS, STANDIN, StandinDevice, assert_close, compare,
-                                           forget_fla_npu, install_standin)
+from tests.support.ascendc_standin import (A5_ONLY_OPS, BF16_STATE_TOL, BF16_TOL, FUSED_KDA_BWD_OPS, GRAD_TOL, KNOBS,
+                                           OPS, OUT_TOL, REAL, STAGED_GDN_BWD_OPS, STANDIN, StandinDevice,
+                                           assert_close, compare, forget_fla_npu, install_standin)
 from tests.support.reference import make_problem, rel_err
 
 needs_standin = pytest.mark.skipif(REAL, reason="HP_ASCEND_REAL=1: this check targets the stand-in")

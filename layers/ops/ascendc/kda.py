@@ -200,9 +200,9 @@ class AscendCKimiDeltaAttention(torch.autograd.Function):
         do = do.unsqueeze(0) if packed and do.dim() == 3 else do
         if meta["fused_bwd"]:  # off Ascend 950: fla-npu's monolithic ChunkKdaBwd (kda_fused.py)
             if dfinal is not None:
-                raise RuntimeError("backend='ascendc' KDA off Ascend 950: a final-state gradient arrived, but fla-npu's "
-                                   "monolithic ChunkKdaBwd takes no dht: do not differentiate the final state there, "
-                                   "or use Ascend 950 / backend='eager'")
+                raise RuntimeError("backend='ascendc' KDA off Ascend 950: a final-state gradient arrived, but "
+                                   "fla-npu's monolithic ChunkKdaBwd takes no dht: do not differentiate the final "
+                                   "state there, or use Ascend 950 / backend='eager'")
             dq, dk, dv, dbeta, dg = fused_backward(runtime.require_api("kda_fused_bwd"), saved,
                                                    head_major(do, packed), meta)
             da_log = ddt = dh0 = None

@@ -15,16 +15,16 @@ Builds that wrap every export in ``_make_raw_wrapper`` (04097f56, main 17e24fdd)
 then reads the signature of the wrapped implementation from the module's ``ASCENDC_CTYPES_OPS`` table, and skips
 the keyword check of an operator whose implementation it cannot reach (the call itself then names a bad keyword).
 
-Device policy: fla-npu ships kernels for Atlas A2 (Ascend910B), A3 (Ascend910_93 / 910C) and A5 (Ascend950).
-Ascend 950 only: the composite GDN backward (A2/A3 run GDN's backward on the building blocks instead, feature
-``gdn_staged_bwd``, ``layers/ops/ascendc/gdn_staged.py``), ``chunk_gated_delta_rule_fwd_prepare`` (A2/A3 GDN CP
-gets w / u from the composite forward's A through ``recompute_w_u_fwd``), the KDA backward stages (the
-ChunkKdaBwdPrepare / ChunkKdaBwdFinalize op-defs register ascend950 only; A2/A3 run KDA's backward on the
-monolithic ``chunk_kda_bwd``, feature ``kda_fused_bwd``, ``layers/ops/ascendc/kda_fused.py``, without initial
-states or terminal gradients, so KDA's state-passing CP trains on Ascend 950 only), the composite forward's in-kernel L2 norm / sigmoid (run in PyTorch
-elsewhere). A3 rejects the BSND/TND layouts (BNSD is used there). The recurrent (decode) kernels and the CP
-summary / merge kernels register all three. Devices are asked through :data:`DEVICE` (``torch.npu`` via
-``torch_npu``), which tests replace.
+Device policy: fla-npu ships kernels for Atlas A2 (Ascend910B), A3 (Ascend910_93 / 910C) and A5 (Ascend950). Ascend
+950 only: the composite GDN backward (A2/A3 run GDN's backward on the building blocks instead, feature
+``gdn_staged_bwd``, ``layers/ops/ascendc/gdn_staged.py``), ``chunk_gated_delta_rule_fwd_prepare`` (A2/A3 GDN CP gets w
+/ u from the composite forward's A through ``recompute_w_u_fwd``), the KDA backward stages (the ChunkKdaBwdPrepare /
+ChunkKdaBwdFinalize op-defs register ascend950 only; A2/A3 run KDA's backward on the monolithic ``chunk_kda_bwd``,
+feature ``kda_fused_bwd``, ``layers/ops/ascendc/kda_fused.py``, without initial states or terminal gradients, so KDA's
+state-passing CP trains on Ascend 950 only), the composite forward's in-kernel L2 norm / sigmoid (run in PyTorch
+elsewhere). A3 rejects the BSND/TND layouts (BNSD is used there). The recurrent (decode) kernels and the CP summary /
+merge kernels register all three. Devices are asked through :data:`DEVICE` (``torch.npu`` via ``torch_npu``), which
+tests replace.
 """
 from __future__ import annotations
 

@@ -10,12 +10,13 @@ recurrent wrappers). docs/backends.md lists each fact with the revision and file
 real package and hp_megatron's contract differ, this file follows the real package.
 
 Knobs (environment variables) play the builds the revisions disagree on; the tests run each setting:
-``FLA_NPU_STANDIN_SOC`` (SoC, default ``Ascend950PR``), ``FLA_NPU_STANDIN_KDA_BWD_EXPORTED`` (KDA backward
-stages exported; read at import), ``FLA_NPU_STANDIN_KDA_FUSED_BWD_EXPORTED`` (the monolithic ``chunk_kda_bwd``
-exported, as PR #334's head 7a8a59a3 and later ``_stable.py`` versions do; read at import), ``FLA_NPU_STANDIN_DHU_USES_DHT`` (a build whose reverse state pass honours
-``dht``: the dhu op and the composite GDN backward), ``FLA_NPU_STANDIN_H_LAYOUT`` (``chunk_first`` h / dh
-``[B,NT,HV,K,V]``, the default, or the earlier ``head_first`` ``[B,HV,NT,K,V]``), ``FLA_NPU_STANDIN_RAW_WRAPPER``
-(exports wrapped as fla-npu's ``_make_raw_wrapper`` does, whose signature reads ``(name: str)``; read at import).
+``FLA_NPU_STANDIN_SOC`` (SoC, default ``Ascend950PR``), ``FLA_NPU_STANDIN_KDA_BWD_EXPORTED`` (KDA backward stages
+exported; read at import), ``FLA_NPU_STANDIN_KDA_FUSED_BWD_EXPORTED`` (the monolithic ``chunk_kda_bwd`` exported, as
+PR #334's head 7a8a59a3 and later ``_stable.py`` versions do; read at import), ``FLA_NPU_STANDIN_DHU_USES_DHT`` (a
+build whose reverse state pass honours ``dht``: the dhu op and the composite GDN backward),
+``FLA_NPU_STANDIN_H_LAYOUT`` (``chunk_first`` h / dh ``[B,NT,HV,K,V]``, the default, or the earlier ``head_first``
+``[B,HV,NT,K,V]``), ``FLA_NPU_STANDIN_RAW_WRAPPER`` (exports wrapped as fla-npu's ``_make_raw_wrapper`` does, whose
+signature reads ``(name: str)``; read at import).
 
 What it enforces like that revision (each check names the operator):
 - exports: ``_ASCENDC_OPS`` lists ``npu_<op>``; each is exported under that name and its short name. The KDA
@@ -1451,7 +1452,7 @@ _ASCENDC_OPS = ("npu_chunk_gated_delta_rule_fwd", "npu_chunk_gated_delta_rule_bw
                 "npu_prepare_wy_repr_bwd_full")
 if _flag("FLA_NPU_STANDIN_KDA_BWD_EXPORTED"):  # later revisions export the KDA backward stages
     _ASCENDC_OPS += ("npu_chunk_kda_bwd_prepare", "npu_chunk_kda_bwd_finalize")
-if _flag("FLA_NPU_STANDIN_KDA_FUSED_BWD_EXPORTED"):  # 7a8a59a3 (PR #334) and later _stable.py versions; not main 17e24fdd
+if _flag("FLA_NPU_STANDIN_KDA_FUSED_BWD_EXPORTED"):  # 7a8a59a3 (PR #334), later _stable.py; not main 17e24fdd
     _ASCENDC_OPS += ("npu_chunk_kda_bwd",)
 _IMPL = {n: globals()[n] for n in ("chunk_kda_bwd_prepare", "chunk_kda_bwd_finalize", "chunk_kda_bwd")}
 for _n in _IMPL:
