@@ -3,9 +3,11 @@
 Forward: ``chunk_kda_fwd_prepare`` (13 slots: gates, L2 norm, beta, WY tensors; the in-kernel gate and
 sigmoid run here) -> ``chunk_fwd_h`` (state pass, per-channel log2 gate ``gk``) -> ``chunk_kda_fwd_finalize``.
 Backward: ``chunk_kda_bwd_prepare`` (3 slots) -> ``chunk_gated_delta_rule_bwd_dhu`` (reverse state pass with
-the initial state and terminal gradient) -> ``chunk_kda_bwd_finalize`` (7 slots, every input gradient). The
-staged path is used instead of fla-npu's monolithic ``chunk_kda_bwd`` because that one rejects
-``initial_state`` and ``dht``, which initial states, final-state gradients and CP need.
+the initial state and terminal gradient) -> ``chunk_kda_bwd_finalize`` (7 slots, every input gradient). On
+Ascend 950 the staged path is used instead of fla-npu's monolithic ``chunk_kda_bwd`` because that one rejects
+``initial_state`` and ``dht``, which initial states, final-state gradients and state-passing CP need; on 910B /
+910_93, where the staged backward's op-defs are not registered, the backward is that monolithic op
+(``layers/ops/ascendc/kda_fused.py``, its limits checked up front).
 
 Layouts: token-major ``[B,T,H,D]`` inputs are ``BSND`` (packed: rank-3 ``TND`` views ``[T,H,D]``); every
 intermediate is head-major (``BNSD`` / packed ``NTD``), so the upstream gradient is transposed once.
