@@ -63,7 +63,7 @@ def delta_rows(backend, device, dtype, kind, method, opts, layout_name, limits):
     reason = limits.cp_methods.get(method) or (None if method == "ulysses" else limits.state_cp.get(kind))
     if reason:
         return [na_row(op, name, phase, dtype, reason) for phase in ("fwd", "bwd")]
-    no_bwd = limits.backward.get(kind)
+    no_bwd = limits.backward.get(kind) or (None if method == "ulysses" else limits.state_cp_backward.get(kind))
     grad = no_bwd is None
     layout, B, T, cu = LAYOUTS[layout_name]
     K, V = head_dims(backend)

@@ -19,6 +19,9 @@ from layers.ops.backends import get_backend
 class Limits:
     backward: dict = field(default_factory=dict)     # kind ("gdn" | "kda") -> reason
     state_cp: dict = field(default_factory=dict)     # kind -> reason the state-passing CP methods cannot run
+    state_cp_backward: dict = field(default_factory=dict)  # kind -> reason their backward cannot run
+    # kind -> reason a backward takes no initial state / final-state gradient and needs the safe (bounded) gate
+    state_grad: dict = field(default_factory=dict)
     cp_methods: dict = field(default_factory=dict)   # CP method -> reason
     decode: dict = field(default_factory=dict)       # decode rows "gdn" | "kda" | "conv" -> reason
 
@@ -57,8 +60,15 @@ def probe(backend: str, device) -> Limits:
         staged = staged_gdn_backward(soc)     # Ascend 910B / 910_93: GDN's backward and CP on the building blocks
         gdn_parts = _raised(runtime.require_api, "gdn_staged_bwd") if staged else None
         limits.backward["gdn"] = _raised(runtime.check_soc_features, soc, gdn_backward=True) or gdn_parts
-        limits.backward["kda"] = (_raised(runtime.check_soc_features, soc, kda_backward=True)
-                                  or _raised(runtime.require_api, "kda_bwd"))
+        if staged:   # Ascend 910B / 910_93: KDA's backward is the monolithic ChunkKdaBwd (kda_fused.py)
+            limits.backward["kda"] = _raised(runtime.require_api, "kda_fused_bwd")
+            limits.state_grad["kda"] = (f"backend='ascendc' on {soc}: KDA backward is fla-npu's monolithic "
+                                        "ChunkKdaBwd, which takes no initial_state / dht and safe_gate=True only "
+                                        "(layers/ops/ascendc/kda_fused.py)")
+            limits.state_cp_backward["kda"] = _raised(runtime.check_soc_features, soc, kda_backward=True)
+        else:
+            limits.backward["kda"] = (_raised(runtime.check_soc_features, soc, kda_backward=True)
+                                      or _raised(runtime.require_api, "kda_bwd"))
         cp_api = _raised(runtime.require_api, "cp")
         limits.state_cp["kda"] = cp_api
         limits.state_cp["gdn"] = cp_api or (gdn_parts if staged else _raised(runtime.require_api, "cp_gdn"))

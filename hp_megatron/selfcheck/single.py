@@ -14,11 +14,13 @@ from layers.ops.kinds import delta_kind
 
 
 def _delta_run(kind, backend, leaves, flags, cu, do, dS, grad):
+    """Outputs and gradients; ``dS`` None: the final state gets no cotangent."""
     o, S = chunk_op(kind)(**leaves, **flags, cu_seqlens=cu, output_final_state=True, backend=backend)
     out = {"o": o.detach(), "final_state": S.detach()}
     if not grad:
         return out, {}
-    grads = torch.autograd.grad((o.float() * do).sum() + (S.float() * dS).sum(), list(leaves.values()))
+    loss = (o.float() * do).sum() + ((S.float() * dS).sum() if dS is not None else 0.0)
+    grads = torch.autograd.grad(loss, list(leaves.values()))
     return out, {f"d{n}": g for n, g in zip(leaves, grads)}
 
 
@@ -26,11 +28,15 @@ def delta_rows(backend, device, dtype, case, limits):
     """fwd and bwd rows of one GDN / KDA case."""
     op = delta_kind(case.kind).op
     no_bwd = limits.backward.get(case.kind)
+    restricted = limits.state_grad.get(case.kind)   # no initial state / final-state gradient, safe gate only
+    if no_bwd is None and restricted and (case.initial_state or case.lower_bound is None):
+        no_bwd = restricted
     K, V = head_dims(backend)
     try:
         tensors, flags = delta_inputs(case, K, V, dtype)
         cu = None if case.cu_seqlens is None else torch.tensor(case.cu_seqlens, dtype=torch.int64)
         do, dS = (x.to(device) for x in cotangents((case.B, case.T, case.HV, V), (case.N, case.HV, K, V), case.seed))
+        dS = None if restricted else dS
         grad = no_bwd is None
         with torch.set_grad_enabled(grad):
             got = _delta_run(case.kind, backend, to_device(tensors, device, dtype, grad), flags, cu, do, dS, grad)

@@ -10,7 +10,8 @@ fla-npu's bf16 contract (tolerance 2e-2). The stand-in plays the pinned revision
 the KDA backward stages exported (a later revision) and ``dht`` ignored like fla-npu's kernels (one GDN CP case
 also on a build that honours it); tests/backends/test_backend_ascendc_contract.py tests each contract. Error tests:
 missing fla-npu / torch_npu, CPU tensors, unsupported SoC, incompatible signatures, wrong slot counts,
-recursive_doubling. GDN CP on stand-ins declared as Ascend 910B / 910_93 shares the CP spawn (``A2A3_CP_CASES``;
+recursive_doubling. GDN CP (and KDA Ulysses, ``A2A3_KDA_CP_CASES``) on stand-ins declared as Ascend 910B / 910_93
+shares the CP spawn (``A2A3_CP_CASES``;
 single-rank cases and KDA's refusal there: tests/backends/test_backend_ascendc_a2a3.py).
 
 On an Ascend NPU with fla-npu installed, ``HP_ASCEND_REAL=1`` runs the equality cases on the real kernels
@@ -31,9 +32,9 @@ import torch.distributed as dist
 from layers.ops import chunk_gated_delta_rule, chunk_kda
 from layers.ops.ascendc import runtime
 from tests.support.dist import run_distributed
-from tests.support.ascendc_standin import (A5_ONLY_OPS, BF16_STATE_TOL, BF16_TOL, GRAD_TOL, KNOBS, OPS, OUT_TOL, REAL,
-                                           STAGED_GDN_BWD_OPS, STANDIN, StandinDevice, assert_close, compare,
-                                           forget_fla_npu, install_standin)
+from tests.support.ascendc_standin import (A5_ONLY_OPS, BF16_STATE_TOL, BF16_TOL, FUSED_KDA_BWD_OPS, GRAD_TOL, KNOBS,
+                                           OPS, OUT_TOL, REAL, STAGED_GDN_BWD_OPS, STANDIN, StandinDevice,
+                                           assert_close, compare, forget_fla_npu, install_standin)
 from tests.support.reference import make_problem, rel_err
 
 needs_standin = pytest.mark.skipif(REAL, reason="HP_ASCEND_REAL=1: this check targets the stand-in")
@@ -218,6 +219,9 @@ DHT_HONOURED_CASE = ("gdn", "zigzag_thd", "p2p", {})
 A2A3_CP_CASES = [("Ascend910B3", "zigzag_thd", "p2p", {}, True), ("Ascend910B3", "contiguous_thd", *GROUPED, True),
                  ("Ascend910_9392", "contiguous_thd", "allgather", {}, True),
                  ("Ascend910_9392", "zigzag_bshd", "ulysses", {}, False)]
+# KDA on A2 / A3: Ulysses (the single-rank path on full sequences, whose backward is the monolithic chunk_kda_bwd;
+# the state-passing methods need initial states / dht, which it does not take); (SoC, layout)
+A2A3_KDA_CP_CASES = [("Ascend910B3", "zigzag_bshd"), ("Ascend910_9392", "zigzag_thd")]
 
 
 def _cp_problem(kind, layout_name, seed=21):
@@ -290,6 +294,15 @@ def cp_worker(rank, world):
         except Exception:  # noqa: BLE001
             results[f"a2a3-{soc}-{lay}-{method}"] = {"error": traceback.format_exc()}
             dist.barrier()
+    for soc, lay in A2A3_KDA_CP_CASES:
+        standin = install_standin(soc=soc)
+        standin.CALLS.clear()
+        try:
+            results[f"a2a3-kda-{soc}-{lay}"] = {"errs": cp_case("kda", lay, "ulysses", {}, False),
+                                                "calls": sorted(set(standin.CALLS))}
+        except Exception:  # noqa: BLE001
+            results[f"a2a3-kda-{soc}-{lay}"] = {"error": traceback.format_exc()}
+            dist.barrier()
     standin = install_standin()
     # recursive_doubling: a clear NotImplementedError before any communication
     from layers.cp import build_cp_context
@@ -357,6 +370,18 @@ def test_cp_gdn_on_a2_a3_matches_eager(cp_results, case):
     assert (summaries if method != "ulysses" else set()) | STAGED_GDN_BWD_OPS <= calls, calls
     assert not calls & A5_ONLY_OPS, calls
     assert ("npu_merge_fwd_bwd_kernel" in calls) == (method == "allgather")
+
+
+@pytest.mark.parametrize("case", A2A3_KDA_CP_CASES, ids=["-".join(c) for c in A2A3_KDA_CP_CASES])
+def test_cp_kda_ulysses_on_a2_a3_matches_eager(cp_results, case):
+    """KDA CP (Ulysses) on Ascend 910B / 910_93: output and every input gradient equal single-rank eager; the
+    backward ran on the monolithic chunk_kda_bwd, no Ascend-950-only operator."""
+    per_rank = [r[f"a2a3-kda-{case[0]}-{case[1]}"] for r in cp_results]
+    errors = [r["error"] for r in per_rank if "error" in r]
+    assert not errors, errors[0]
+    assert_close(per_rank[0]["errs"], OUT_TOL, GRAD_TOL)
+    calls = set(per_rank[0]["calls"])
+    assert FUSED_KDA_BWD_OPS <= calls and not calls & A5_ONLY_OPS, calls
 
 
 def test_cp_recursive_doubling_not_implemented(cp_results):

@@ -140,8 +140,10 @@ def test_standin_corrupted_op_fails_its_rows(standin, tmp_path, monkeypatch, cap
 @pytest.mark.parametrize("standin", ["Ascend910B3", "Ascend910_9392"], indirect=True)
 def test_limits_on_a2_a3(standin, monkeypatch, capsys):
     """Ascend 910B / 910_93 (the stand-in plays only the ops their op-defs register): GDN forward and backward run
-    (the backward on fla-npu's building blocks) and pass, and so do the GDN and KDA decode steps; KDA backward is
-    n/a with the adapter's reason; GDN and KDA state CP are available."""
+    (the backward on fla-npu's building blocks) and pass, and so do the GDN and KDA decode steps; KDA's backward
+    (fla-npu's monolithic ChunkKdaBwd) passes on the packed case without initial state (safe gate) and is n/a with
+    the reason on the case with an initial state; GDN and KDA state CP forward are available, KDA's backward
+    there is not."""
     import torch
 
     from hp_megatron.selfcheck import cli
@@ -149,40 +151,49 @@ def test_limits_on_a2_a3(standin, monkeypatch, capsys):
 
     limits = probe("ascendc", torch.device("cpu"))
     assert limits.backward["gdn"] is None and limits.state_cp["gdn"] is None, limits
-    assert "Ascend950" in limits.backward["kda"] and limits.state_cp["kda"] is None
+    assert limits.backward["kda"] is None and "ChunkKdaBwd" in limits.state_grad["kda"], limits
+    assert limits.state_cp["kda"] is None and "Ascend950" in limits.state_cp_backward["kda"], limits
     assert limits.decode == {"gdn": None, "kda": None, "conv": None}
     assert "recursive_doubling" in limits.cp_methods and "p2p" not in limits.cp_methods
     good = {"torch": "2.7.1", "torch_npu": "2.7.1.post5", "triton-ascend": "3.2.0", "CANN": "8.5.0"}
     monkeypatch.setattr(cli.requirements, "installed", lambda backend: good)
     status, out = _main(["--backend", "ascendc", "--device", "cpu", "--no-cp", "--only",
-                         "chunk_gated_delta_rule B=2,chunk_kda B=2,delta_rule_step"], capsys)
-    results = {(op, phase): (result, note) for (op, _, phase), (result, note) in _rows(out).items()}
+                         "chunk_gated_delta_rule B=2,chunk_kda B=2,in-kernel lb=-5,delta_rule_step"], capsys)
+    rows = _rows(out)
+    results = {(op, phase): (result, note) for (op, case, phase), (result, note) in rows.items() if "B=2" in case}
     assert results[("chunk_gated_delta_rule", "fwd")][0] == "pass", out
     assert results[("chunk_gated_delta_rule", "bwd")][0] == "pass", out
     assert results[("chunk_kda", "fwd")][0] == "pass", out
-    steps = {case: result for (op, case, phase), (result, _) in _rows(out).items() if op == "delta_rule_step"}
+    steps = {case: result for (op, case, phase), (result, _) in rows.items() if op == "delta_rule_step"}
     assert len(steps) == 2 and set(steps.values()) == {"pass"}, out
-    kda_bwd = results[("chunk_kda", "bwd")]
-    assert kda_bwd[0] == "n/a" and "Ascend950" in kda_bwd[1], out
+    kda_bwd = results[("chunk_kda", "bwd")]                          # B=2 ... h0: an initial state
+    assert kda_bwd[0] == "n/a" and "ChunkKdaBwd" in kda_bwd[1], out
+    packed = {phase: result for (op, case, phase), (result, _) in rows.items()
+              if op == "chunk_kda" and case.startswith("packed") and "h0" not in case}
+    assert packed == {"fwd": "pass", "bwd": "pass"}, out
     assert status == 0, out
 
 
 @pytest.mark.parametrize("standin", ["Ascend910_9392"], indirect=True)
 def test_cp_rows_on_a3(standin, monkeypatch, capsys):
     """The CP rows on a declared Ascend910_9392 (each spawned rank installs the same stand-in): GDN's p2p forward
-    and backward pass (building blocks), KDA's forward passes and its backward is n/a naming Ascend950."""
+    and backward pass (building blocks), KDA's p2p forward passes and its backward is n/a naming Ascend950; KDA's
+    Ulysses forward and backward pass (the monolithic ChunkKdaBwd)."""
     from hp_megatron.selfcheck import cli
     from tests.support.selfcheck_env import standin_a3
 
     good = {"torch": "2.7.1", "torch_npu": "2.7.1.post5", "triton-ascend": "3.2.0", "CANN": "8.5.0"}
     monkeypatch.setattr(cli.requirements, "installed", lambda backend: good)
-    status, out = _main(["--backend", "ascendc", "--device", "cpu", "--only", "CP2 p2p zigzag packed"], capsys,
-                        standin_a3)
-    results = {(op, phase): (result, note) for (op, _, phase), (result, note) in _rows(out).items()}
-    assert results[("chunk_gated_delta_rule", "fwd")][0] == "pass", out
-    assert results[("chunk_gated_delta_rule", "bwd")][0] == "pass", out
-    assert results[("chunk_kda", "fwd")][0] == "pass", out
-    assert results[("chunk_kda", "bwd")][0] == "n/a" and "Ascend950" in results[("chunk_kda", "bwd")][1], out
+    status, out = _main(["--backend", "ascendc", "--device", "cpu", "--only",
+                         "CP2 p2p zigzag packed,chunk_kda CP2 ulysses"], capsys, standin_a3)
+    results = {(op, case.split()[1], phase): (result, note) for (op, case, phase), (result, note) in _rows(out).items()}
+    assert results[("chunk_gated_delta_rule", "p2p", "fwd")][0] == "pass", out
+    assert results[("chunk_gated_delta_rule", "p2p", "bwd")][0] == "pass", out
+    assert results[("chunk_kda", "p2p", "fwd")][0] == "pass", out
+    kda_p2p_bwd = results[("chunk_kda", "p2p", "bwd")]
+    assert kda_p2p_bwd[0] == "n/a" and "Ascend950" in kda_p2p_bwd[1], out
+    assert results[("chunk_kda", "ulysses", "fwd")][0] == "pass", out
+    assert results[("chunk_kda", "ulysses", "bwd")][0] == "pass", out
     assert status == 0, out
 
 

@@ -31,6 +31,9 @@ BF16_STATE_TOL = 4 * 2.0 ** -9
 STAGED_GDN_BWD_OPS = {"npu_recompute_w_u_fwd", "npu_chunk_gated_delta_rule_fwd_h", "npu_chunk_bwd_dv_local",
                       "npu_chunk_gated_delta_rule_bwd_dhu", "npu_chunk_bwd_dqkwg", "npu_prepare_wy_repr_bwd_da",
                       "npu_prepare_wy_repr_bwd_full", "npu_chunk_local_cumsum"}
+# KDA training off Ascend 950 (layers/ops/ascendc/kda_fused.py): the staged forward, the monolithic backward
+FUSED_KDA_BWD_OPS = {"npu_chunk_kda_fwd_prepare", "npu_chunk_gated_delta_rule_fwd_h", "npu_chunk_kda_fwd_finalize",
+                     "npu_chunk_kda_bwd"}
 A5_ONLY_OPS = {"npu_chunk_gated_delta_rule_bwd", "npu_chunk_gated_delta_rule_fwd_prepare", "npu_chunk_kda_bwd_prepare",
                "npu_chunk_kda_bwd_finalize"}
 
@@ -56,21 +59,24 @@ def forget_fla_npu():
     runtime.require_api.cache_clear()
 
 
-KNOBS = ("FLA_NPU_STANDIN_SOC", "FLA_NPU_STANDIN_KDA_BWD_EXPORTED", "FLA_NPU_STANDIN_DHU_USES_DHT",
-         "FLA_NPU_STANDIN_H_LAYOUT", "FLA_NPU_STANDIN_RAW_WRAPPER")
+KNOBS = ("FLA_NPU_STANDIN_SOC", "FLA_NPU_STANDIN_KDA_BWD_EXPORTED", "FLA_NPU_STANDIN_KDA_FUSED_BWD_EXPORTED",
+         "FLA_NPU_STANDIN_DHU_USES_DHT", "FLA_NPU_STANDIN_H_LAYOUT", "FLA_NPU_STANDIN_RAW_WRAPPER")
 
 
 def install_standin(soc: str = "Ascend950PR", fp32: bool = True, kda_bwd_exported: bool = True, *,
-                    dht_honoured: bool = False, h_layout: str = "chunk_first", raw_wrapper: bool = False):
+                    dht_honoured: bool = False, h_layout: str = "chunk_first", raw_wrapper: bool = False,
+                    kda_fused_bwd_exported: bool = True):
     """Put the stand-in on sys.path and point the adapter at it (also used inside spawned workers), playing the
     fla-npu build the knobs describe (the stand-in's docstring): ``kda_bwd_exported`` a revision that exports
-    the KDA backward stages (the pinned one does not), ``dht_honoured`` one whose reverse state pass honours
+    the KDA backward stages (the pinned one does not), ``kda_fused_bwd_exported`` one that exports the monolithic
+    ``chunk_kda_bwd`` (the KDA backward off Ascend 950), ``dht_honoured`` one whose reverse state pass honours
     ``dht`` (none read does), ``h_layout`` chunk-first or head-first chunk states, ``raw_wrapper`` exports whose
     signature reads ``(name: str)``. tests/backends/test_backend_ascendc_contract.py covers each."""
     if STANDIN not in sys.path:
         sys.path.insert(0, STANDIN)
     forget_fla_npu()
     os.environ["FLA_NPU_STANDIN_KDA_BWD_EXPORTED"] = "1" if kda_bwd_exported else "0"
+    os.environ["FLA_NPU_STANDIN_KDA_FUSED_BWD_EXPORTED"] = "1" if kda_fused_bwd_exported else "0"
     os.environ["FLA_NPU_STANDIN_DHU_USES_DHT"] = "1" if dht_honoured else "0"
     os.environ["FLA_NPU_STANDIN_H_LAYOUT"] = h_layout
     os.environ["FLA_NPU_STANDIN_RAW_WRAPPER"] = "1" if raw_wrapper else "0"
@@ -87,8 +93,10 @@ def default_device():
     return "npu" if REAL else "cpu"
 
 
-def compare(kind, problem, *, soc_dtype=torch.float32, safe_gate=False, device=None):
-    """Errors of ascendc (inputs in soc_dtype) vs eager (fp32 copies of the same values): o, final, grads."""
+def compare(kind, problem, *, soc_dtype=torch.float32, safe_gate=False, device=None, final_state=True):
+    """Errors of ascendc (inputs in soc_dtype) vs eager (fp32 copies of the same values): o, final, grads.
+    ``final_state=False``: no final state and no final-state cotangent (KDA's backward off Ascend 950 takes no
+    ``dht``)."""
     device = device or default_device()
     tensors, flags = make_problem(kind, **problem)
     extra = {"safe_gate": safe_gate} if kind == "kda" else {}
@@ -105,12 +113,15 @@ def compare(kind, problem, *, soc_dtype=torch.float32, safe_gate=False, device=N
     dS = torch.randn(N, HV, tensors["q"].shape[-1], V, generator=gen).bfloat16().float().to(device)
     out, out_dtype = {}, None
     for name, backend, leaves in (("ascendc", "ascendc", low), ("eager", "eager", ref)):
-        o, S = OPS[kind](**leaves, **flags, output_final_state=True, backend=backend, **extra)
+        o, S = OPS[kind](**leaves, **flags, output_final_state=final_state, backend=backend, **extra)
         out_dtype = out_dtype or o.dtype
-        grads = torch.autograd.grad((o.float() * do).sum() + (S * dS).sum(), list(leaves.values()))
+        loss = (o.float() * do).sum() + ((S * dS).sum() if final_state else 0.0)
+        grads = torch.autograd.grad(loss, list(leaves.values()))
         out[name] = (o.float(), S, dict(zip(leaves, grads)))
     (o, S, g), (o_ref, S_ref, g_ref) = out["ascendc"], out["eager"]
-    errs = {"o": rel_err(o, o_ref), "final_state": rel_err(S, S_ref)}
+    errs = {"o": rel_err(o, o_ref)}
+    if final_state:
+        errs["final_state"] = rel_err(S, S_ref)
     errs.update({f"d{n}": rel_err(g[n], g_ref[n]) for n in g})
     return errs, out_dtype
 

@@ -1,7 +1,9 @@
 """The ascendc backend: fla-npu's Ascend C kernels behind the ``layers.ops`` contract (Ascend NPUs).
 
-GDN: composite forward/backward (``gdn.py``; backward Ascend 950 only). KDA: staged prepare / state pass /
-finalize and their backward stages (``kda.py``; backward Ascend 950 only). Decode steps: fla-npu's recurrent
+GDN: composite forward/backward (``gdn.py``; the backward on the building blocks off Ascend 950,
+``gdn_staged.py``). KDA: staged prepare / state pass / finalize and their backward stages (``kda.py``; backward
+stages Ascend 950 only), the monolithic backward on 910B / 910_93 (``kda_fused.py``: no initial state or
+final-state gradient, safe gate only). Decode steps: fla-npu's recurrent
 kernels (``step.py``). CP on fla-npu's native summary and merge kernels lives with the CP engine
 (``layers/cp/ascendc.py``). Short convolution: fla-npu's ``causal_conv1d`` is an inference cache operator (no
 history gradient), so this backend's conv (and conv decode step) is the eager backend's PyTorch depthwise

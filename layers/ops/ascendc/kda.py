@@ -3,9 +3,11 @@
 Forward: ``chunk_kda_fwd_prepare`` (13 slots: gates, L2 norm, beta, WY tensors; the in-kernel gate and
 sigmoid run here) -> ``chunk_fwd_h`` (state pass, per-channel log2 gate ``gk``) -> ``chunk_kda_fwd_finalize``.
 Backward: ``chunk_kda_bwd_prepare`` (3 slots) -> ``chunk_gated_delta_rule_bwd_dhu`` (reverse state pass with
-the initial state and terminal gradient) -> ``chunk_kda_bwd_finalize`` (7 slots, every input gradient). The
-staged path is used instead of fla-npu's monolithic ``chunk_kda_bwd`` because that one rejects
-``initial_state`` and ``dht``, which initial states, final-state gradients and CP need.
+the initial state and terminal gradient) -> ``chunk_kda_bwd_finalize`` (7 slots, every input gradient). On
+Ascend 950 the staged path is used instead of fla-npu's monolithic ``chunk_kda_bwd`` because that one rejects
+``initial_state`` and ``dht``, which initial states, final-state gradients and state-passing CP need; on 910B /
+910_93, where the staged backward's op-defs are not registered, the backward is that monolithic op
+(``layers/ops/ascendc/kda_fused.py``, its limits checked up front).
 
 Layouts: token-major ``[B,T,H,D]`` inputs are ``BSND`` (packed: rank-3 ``TND`` views ``[T,H,D]``); every
 intermediate is head-major (``BNSD`` / packed ``NTD``), so the upstream gradient is transposed once.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from layers.ops.ascendc import runtime
+from layers.ops.ascendc.kda_fused import check_fused_backward, fused_backward, pre_transforms
 from layers.ops.ascendc.terminal import Extension
 from layers.ops.gates import kda_gate
 
@@ -191,12 +194,21 @@ class AscendCKimiDeltaAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        ops = runtime.require_api("kda_bwd")
         meta = ctx.meta
         packed = meta["packed"]
         saved = dict(zip(ctx.names, ctx.saved_tensors))
-        dq, dk, dv, dbeta, dg, da_log, ddt, dh0 = kda_local_backward(
-            ops, saved, head_major(do, packed), dfinal, saved["h0"], meta)
+        if meta["fused_bwd"]:  # off Ascend 950: fla-npu's monolithic ChunkKdaBwd (kda_fused.py)
+            # autograd hands an unused final state zeros; only a nonzero terminal gradient needs dht (one sync)
+            if dfinal is not None and bool(dfinal.ne(0).any()):
+                raise RuntimeError("backend='ascendc' KDA off Ascend 950: a final-state gradient arrived, but "
+                                   "fla-npu's monolithic ChunkKdaBwd takes no dht: do not differentiate the final "
+                                   "state there, or use Ascend 950 / backend='eager'")
+            dq, dk, dv, dbeta, dg = fused_backward(runtime.require_api("kda_fused_bwd"), saved,
+                                                   head_major(do, packed), meta)
+            da_log = ddt = dh0 = None
+        else:
+            dq, dk, dv, dbeta, dg, da_log, ddt, dh0 = kda_local_backward(
+                runtime.require_api("kda_bwd"), saved, head_major(do, packed), dfinal, saved["h0"], meta)
         dbeta, dg = token_major_scalars(dbeta, dg, packed)
         qd, kd, vd, gd, bd = ctx.dtypes
         dh0 = None if dh0 is None else dh0.float()
@@ -205,13 +217,13 @@ class AscendCKimiDeltaAttention(torch.autograd.Function):
 
 
 def kda_meta(q, *, scale, output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-             use_gate_in_kernel, lower_bound, safe_gate, cu_seqlens):
+             use_gate_in_kernel, lower_bound, safe_gate, cu_seqlens, fused_bwd=False):
     packed = cu_seqlens is not None
     cu = runtime.host_offsets(cu_seqlens)
     return {"scale": float(scale), "cu": cu, "chunk_indices": runtime.chunk_indices(cu), "packed": packed,
             "layout": "TND" if packed else "BSND", "output_final_state": output_final_state,
             "l2norm": use_qk_l2norm_in_kernel, "beta_sigmoid": use_beta_sigmoid_in_kernel,
-            "gate": use_gate_in_kernel, "lower_bound": lower_bound, "safe_gate": safe_gate}
+            "gate": use_gate_in_kernel, "lower_bound": lower_bound, "safe_gate": safe_gate, "fused_bwd": fused_bwd}
 
 
 def kernel_gate_matches(A_log, lower_bound, safe_gate: bool) -> bool:
@@ -233,10 +245,14 @@ def resolve_gate(g, A_log, dt_bias, use_gate_in_kernel, lower_bound, safe_gate):
     return kda_gate(g.float(), A_log, dt_bias, lower_bound), None, None, False
 
 
+def needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def require_backward_api(device_name: str, *tensors):
-    """When a gradient will be needed: check the KDA backward exports and the SoC up front (one clear error,
+    """When a gradient will be needed: check the staged KDA backward's exports and SoC up front (one clear error,
     no wasted forward)."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if needs_grad(*tensors):
         runtime.check_soc_features(device_name, kda_backward=True)
         runtime.require_api("kda_bwd")
 
@@ -249,11 +265,20 @@ def chunk_kda(q, k, v, g, beta, *, scale, initial_state, output_final_state, use
     device_name = runtime.soc(q.device)
     check_kda(q, v)
     runtime.require_api("kda")
-    require_backward_api(device_name, q, k, v, g, beta, A_log, dt_bias, initial_state)
+    fused = needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state) and not device_name.startswith(
+        runtime.A5_SOCS)
+    if fused:  # off Ascend 950 the backward is the monolithic ChunkKdaBwd (kda_fused.py): its limits up front
+        check_fused_backward(device_name, initial_state, safe_gate)
+        runtime.require_api("kda_fused_bwd")
+        q, k, beta, g = pre_transforms(q, k, beta, g, A_log, dt_bias, lower_bound, use_qk_l2norm_in_kernel,
+                                       use_beta_sigmoid_in_kernel, use_gate_in_kernel)
+        use_qk_l2norm_in_kernel = use_beta_sigmoid_in_kernel = use_gate_in_kernel = False
+    else:
+        require_backward_api(device_name, q, k, v, g, beta, A_log, dt_bias, initial_state)
     g, A, dtb, gate = resolve_gate(g, A_log, dt_bias, use_gate_in_kernel, lower_bound, safe_gate)
     meta = kda_meta(q, scale=scale, output_final_state=output_final_state,
                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                     use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, use_gate_in_kernel=gate,
-                    lower_bound=lower_bound, safe_gate=safe_gate, cu_seqlens=cu_seqlens)
+                    lower_bound=lower_bound, safe_gate=safe_gate, cu_seqlens=cu_seqlens, fused_bwd=fused)
     state = None if initial_state is None else initial_state.float().contiguous()
     return AscendCKimiDeltaAttention.apply(q, k, v, g, beta, A, dtb, state, meta)

@@ -15,15 +15,16 @@ Builds that wrap every export in ``_make_raw_wrapper`` (04097f56, main 17e24fdd)
 then reads the signature of the wrapped implementation from the module's ``ASCENDC_CTYPES_OPS`` table, and skips
 the keyword check of an operator whose implementation it cannot reach (the call itself then names a bad keyword).
 
-Device policy: fla-npu ships kernels for Atlas A2 (Ascend910B), A3 (Ascend910_93 / 910C) and A5 (Ascend950).
-Ascend 950 only: the composite GDN backward (A2/A3 run GDN's backward on the building blocks instead, feature
-``gdn_staged_bwd``, ``layers/ops/ascendc/gdn_staged.py``), ``chunk_gated_delta_rule_fwd_prepare`` (A2/A3 GDN CP
-gets w / u from the composite forward's A through ``recompute_w_u_fwd``), the KDA backward stages (the
-ChunkKdaBwdPrepare / ChunkKdaBwdFinalize op-defs register ascend950 only, and nothing on A2/A3 replaces them
-here: KDA trains on Ascend 950 only), the composite forward's in-kernel L2 norm / sigmoid (run in PyTorch
-elsewhere). A3 rejects the BSND/TND layouts (BNSD is used there). The recurrent (decode) kernels and the CP
-summary / merge kernels register all three. Devices are asked through :data:`DEVICE` (``torch.npu`` via
-``torch_npu``), which tests replace.
+Device policy: fla-npu ships kernels for Atlas A2 (Ascend910B), A3 (Ascend910_93 / 910C) and A5 (Ascend950). Ascend
+950 only: the composite GDN backward (A2/A3 run GDN's backward on the building blocks instead, feature
+``gdn_staged_bwd``, ``layers/ops/ascendc/gdn_staged.py``), ``chunk_gated_delta_rule_fwd_prepare`` (A2/A3 GDN CP gets w
+/ u from the composite forward's A through ``recompute_w_u_fwd``), the KDA backward stages (the ChunkKdaBwdPrepare /
+ChunkKdaBwdFinalize op-defs register ascend950 only; A2/A3 run KDA's backward on the monolithic ``chunk_kda_bwd``,
+feature ``kda_fused_bwd``, ``layers/ops/ascendc/kda_fused.py``, without initial states or terminal gradients, so KDA's
+state-passing CP trains on Ascend 950 only), the composite forward's in-kernel L2 norm / sigmoid (run in PyTorch
+elsewhere). A3 rejects the BSND/TND layouts (BNSD is used there). The recurrent (decode) kernels and the CP summary /
+merge kernels register all three. Devices are asked through :data:`DEVICE` (``torch.npu`` via ``torch_npu``), which
+tests replace.
 """
 from __future__ import annotations
 
@@ -76,6 +77,11 @@ API = {
                                    "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "safe_gate", "lower_bound",
                                    "output_layout", "cu_seqlens"),
     },
+    "kda_fused_bwd": {  # KDA backward off Ascend 950 (kda_fused.py; undated _stable.py 8-slot signature)
+        "chunk_kda_bwd": ("raw_g", "A_log", "dt_bias", "initial_state", "dht", "cu_seqlens", "chunk_indices",
+                          "chunk_size", "safe_gate", "lower_bound", "use_gate_in_kernel", "disable_recompute",
+                          "use_exp2", "state_v_first"),
+    },
     "gdn_staged_bwd": {  # GDN backward off Ascend 950 (gdn_staged.py; main 17e24fdd _aclnn_ctypes.py signatures)
         "recompute_w_u_fwd": ("g", "cu_seqlens", "chunk_indices"),
         "chunk_fwd_h": ("initial_state", "output_final_state", "chunk_size", "cu_seqlens", "chunk_indices",
@@ -110,6 +116,9 @@ ALIASES = {"pre_process_bwd_kernel_merged": ("pre_process_bwd_kernel_merged", "c
 # The fla-npu build that has each feature, for the errors.
 FEATURE_SOURCE = {"kda_bwd": "fla-npu revisions that export npu_chunk_kda_bwd_prepare / npu_chunk_kda_bwd_finalize "
                              f"(after {PINNED_REVISION[:8]}, whose export table lacks them)",
+                  "kda_fused_bwd": "an fla-npu build exporting npu_chunk_kda_bwd (the head of PR #334, 7a8a59a3, "
+                                   "2026-08-20, and later _stable.py versions; main 17e24fdd's export table lacks "
+                                   "it), the KDA backward on Ascend 910B / 910_93; or train with backend='eager'",
                   "gdn_staged_bwd": "an fla-npu build exporting the GDN building blocks (main 17e24fdd's export table "
                                     "has them; d05824fe examples/chunk_gdn_cp.py imports them), the GDN backward on "
                                     "Ascend 910B / 910_93; or train with backend='eager'",
@@ -243,9 +252,10 @@ def check_soc_features(device_name: str, **needs: bool) -> None:
     """One RuntimeError listing every feature this SoC lacks; ``needs``: gdn_backward, kda_backward."""
     missing = []
     if needs.get("kda_backward") and not device_name.startswith(KDA_BACKWARD_SOCS):
-        missing.append("KDA backward uses fla-npu's ChunkKdaBwdPrepare / ChunkKdaBwdFinalize, whose op-defs "
-                       "register Ascend950 only: run forward without grad or use backend='eager' (FLA's "
-                       "triton-ascend KDA backend is the other route on this SoC; not wired here)")
+        missing.append("KDA backward with initial states / terminal gradients (KDA CP state passing) uses fla-npu's "
+                       "ChunkKdaBwdPrepare / ChunkKdaBwdFinalize, whose op-defs register Ascend950 only; on this SoC "
+                       "KDA trains through the monolithic ChunkKdaBwd without them (single rank, packed, CP method "
+                       "'ulysses'): use that, run forward without grad, or use backend='eager'")
     if needs.get("gdn_backward") and not device_name.startswith(GDN_BACKWARD_SOCS):
         missing.append(f"GDN backward runs on {GDN_BACKWARD_SOCS} only: run forward without grad or use "
                        "backend='eager'")

@@ -10,11 +10,13 @@ recurrent wrappers). docs/backends.md lists each fact with the revision and file
 real package and hp_megatron's contract differ, this file follows the real package.
 
 Knobs (environment variables) play the builds the revisions disagree on; the tests run each setting:
-``FLA_NPU_STANDIN_SOC`` (SoC, default ``Ascend950PR``), ``FLA_NPU_STANDIN_KDA_BWD_EXPORTED`` (KDA backward
-stages exported; read at import), ``FLA_NPU_STANDIN_DHU_USES_DHT`` (a build whose reverse state pass honours
-``dht``: the dhu op and the composite GDN backward), ``FLA_NPU_STANDIN_H_LAYOUT`` (``chunk_first`` h / dh
-``[B,NT,HV,K,V]``, the default, or the earlier ``head_first`` ``[B,HV,NT,K,V]``), ``FLA_NPU_STANDIN_RAW_WRAPPER``
-(exports wrapped as fla-npu's ``_make_raw_wrapper`` does, whose signature reads ``(name: str)``; read at import).
+``FLA_NPU_STANDIN_SOC`` (SoC, default ``Ascend950PR``), ``FLA_NPU_STANDIN_KDA_BWD_EXPORTED`` (KDA backward stages
+exported; read at import), ``FLA_NPU_STANDIN_KDA_FUSED_BWD_EXPORTED`` (the monolithic ``chunk_kda_bwd`` exported, as
+PR #334's head 7a8a59a3 and later ``_stable.py`` versions do; read at import), ``FLA_NPU_STANDIN_DHU_USES_DHT`` (a
+build whose reverse state pass honours ``dht``: the dhu op and the composite GDN backward),
+``FLA_NPU_STANDIN_H_LAYOUT`` (``chunk_first`` h / dh ``[B,NT,HV,K,V]``, the default, or the earlier ``head_first``
+``[B,HV,NT,K,V]``), ``FLA_NPU_STANDIN_RAW_WRAPPER`` (exports wrapped as fla-npu's ``_make_raw_wrapper`` does, whose
+signature reads ``(name: str)``; read at import).
 
 What it enforces like that revision (each check names the operator):
 - exports: ``_ASCENDC_OPS`` lists ``npu_<op>``; each is exported under that name and its short name. The KDA
@@ -27,6 +29,8 @@ What it enforces like that revision (each check names the operator):
   Ascend 950 only: the composite GDN backward, ``chunk_gated_delta_rule_fwd_prepare``, the KDA backward stages);
   the composite forward's in-kernel L2 norm / sigmoid take a 950-only path; Ascend 910_93 (A3) rejects the
   BSND/TND layouts of the composite forward.
+- the monolithic KDA backward ``chunk_kda_bwd`` (op-def ChunkKdaBwd registers all three SoCs, 7a8a59a3): no
+  ``initial_state`` / ``dht``, ``safe_gate=True`` only, no GVA (q/k/v one head count), head-major, chunk-first h.
 - the GDN building blocks fla-npu's A2/A3 example composes (``recompute_w_u_fwd``, ``chunk_local_cumsum``,
   ``chunk_bwd_dqkwg``, ``prepare_wy_repr_bwd_da`` / ``_full``; signatures from main 17e24fdd ``_aclnn_ctypes.py``).
 - dtypes: bf16 (composite GDN: bf16 only; KDA: ``chunk_fwd_h``, ``chunk_kda_fwd_finalize`` and the backward
@@ -160,6 +164,9 @@ REGISTERED_SOCS = {
                                                  "recurrent_gated_delta_rule/op_host/"
                                                  "recurrent_gated_delta_rule_def.cpp"),
     "npu_recurrent_kda": (ALL_SOCS, "main 17e24fdd fla/ops/ascendc/kda/recurrent_kda/op_host/recurrent_kda_def.cpp"),
+    # the monolithic KDA backward: PR #334 head 7a8a59a3 (2026-08-20; also 225d3136 / b8bedc76, 2026-06-27, with
+    # other ABIs); not in main 17e24fdd's tree
+    "npu_chunk_kda_bwd": (ALL_SOCS, "7a8a59a3 fla/ops/ascendc/kda/chunk_kda_bwd/op_host/chunk_kda_bwd_def.cpp"),
 }
 
 
@@ -178,7 +185,12 @@ def _require_950(op, what=""):
 
 
 # ------------------------------------------------------------------------------------------- helpers
+_INSIDE: list = []          # a composite operator whose internal stages are running (not the caller's calls)
+
+
 def _record(name):
+    if _INSIDE:
+        return
     CALLS.append(name)
     _require_registered(name)
 
@@ -1045,6 +1057,99 @@ def chunk_kda_bwd_finalize(q, k, v, gk, raw_g, beta, a_log, dt_bias, akk, v_new,
             _from_head_major(dv, output_layout, rank).to(v.dtype), sq(dbeta), sq(dg), da_log, ddt)
 
 
+def chunk_kda_bwd(q, k, v, beta, gk, Aqk, Akk, w, qg, kg, v_new, h, d_o, scale, *, raw_g=None, A_log=None,
+                  dt_bias=None, initial_state=None, dht=None, cu_seqlens=None, chunk_indices=None, chunk_size=64,
+                  safe_gate=True, lower_bound=-5.0, use_gate_in_kernel=False, disable_recompute=True, use_exp2=True,
+                  state_v_first=False):
+    """The monolithic KDA backward ``npu_chunk_kda_bwd`` (op-def ChunkKdaBwd: Ascend 910B, 910_93 and 950).
+
+    Contract of the undated ``_stable.py`` version that returns 8 slots, with the checks of the 7a8a59a3
+    ``_aclnn_ctypes.py`` wrapper: head-major dense ``[B,H,T,D]`` or packed ``[H,T,D]`` with ``cu_seqlens`` (at most
+    1024 sequences, canonical ``chunk_indices``); q and k of one shape and v of q's ``[B,H,T]`` prefix (no GVA);
+    K = 128, V in {128, 256}; q/k/v one bf16/fp16 dtype; gk fp32 (log2 chunk-cumulative gate); beta fp32/bf16;
+    h chunk-first ``[B,NT,H,K,V]`` (packed ``[NT,H,K,V]``); the forward's saved Aqk / Akk / w / qg / kg / v_new.
+    Refuses ``initial_state`` / ``dht``, ``safe_gate=False``, ``disable_recompute=False``, ``use_exp2=False``,
+    ``state_v_first=True``. Returns ``(dq, dk, dv, db, dg, dh0, dA, dbias)``: dq, dk, db, dg fp32, dv in v's
+    dtype, all head-major; dg w.r.t. the per-token log gate (w.r.t. raw_g with the in-kernel gate); dh0 None;
+    dA [H] / dbias [H,K] fp32 with the in-kernel gate, else None. Values: the kernel's stages
+    (d_o -> intra dv / dAqk / dq, the reverse state pass from a zero terminal gradient, the WY / gate chain)."""
+    op = "npu_chunk_kda_bwd"
+    _record(op)
+    if int(chunk_size) != 64:
+        raise RuntimeError(f"{op}: chunk_size must be 64.")
+    for flag, ok, what in ((disable_recompute, True, "disable_recompute=false"), (use_exp2, True, "use_exp2=false"),
+                           (state_v_first, False, "state_v_first=true"), (safe_gate, True, "safe_gate=False")):
+        if bool(flag) != ok:
+            raise RuntimeError(f"{op}: {what} is reserved but not supported.")
+    if initial_state is not None or dht is not None:
+        raise RuntimeError(f"{op}: initial_state and dht are not supported by the current fused backward.")
+    cu = _host_list(op, cu_seqlens)
+    varlen = cu is not None
+    rank = 3 if varlen else 4
+    if any(x.dim() != rank for x in (q, k, v)):
+        raise RuntimeError(f"{op}: dense inputs use [B,H,T,D]; varlen inputs use [H,T,D].")
+    if q.shape != k.shape:
+        raise RuntimeError(f"{op}: q and k must have identical shape.")
+    if v.shape[:-1] != q.shape[:-1]:
+        raise RuntimeError(f"{op}: v must share q's [B,H,T] or [H,T] prefix.")
+    K, V = q.shape[-1], v.shape[-1]
+    if K != 128 or V not in (128, 256):
+        raise RuntimeError(f"{op}: current fused path requires K=128 and V in {{128,256}}.")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_dtype(op, name, x)
+    if len({q.dtype, k.dtype, v.dtype}) != 1:
+        raise RuntimeError(f"{op}: q/k/v must use the same float16 or bfloat16 dtype.")
+    key_shape, value_shape, matrix_shape = (*q.shape[:-1], K), (*q.shape[:-1], V), (*q.shape[:-1], 64)
+    for name, x, want in (("gk", gk, key_shape), ("w", w, key_shape), ("qg", qg, key_shape), ("kg", kg, key_shape),
+                          ("v_new", v_new, value_shape), ("d_o", d_o, value_shape), ("Aqk", Aqk, matrix_shape),
+                          ("Akk", Akk, matrix_shape), ("beta", beta, q.shape[:-1])):
+        if tuple(x.shape) != tuple(want):
+            raise RuntimeError(f"{op}: {name} must have shape {tuple(want)}.")
+    _check_strict_dtype(op, "gk", gk, (torch.float32,))
+    _check_strict_dtype(op, "beta", beta, (torch.float32, torch.bfloat16))
+    if varlen and len(cu) - 1 > 1024:
+        raise RuntimeError(f"{op}: varlen supports at most 1024 sequences.")
+    _check_indices(op, cu, chunk_indices, 64, required=False)
+    up = (lambda x: None if x is None else x.unsqueeze(0)) if varlen else (lambda x: x)
+    B, H, T = up(q).shape[:3]
+    NT = _total_chunks(T, cu, 64)
+    want_h = (B, NT, H, K, V)
+    if tuple(up(h).shape) != want_h:
+        raise RuntimeError(f"{op}: h must have shape {want_h[1:] if varlen else want_h}.")
+    if use_gate_in_kernel:
+        if raw_g is None or A_log is None:
+            raise RuntimeError(f"{op}: raw_g and A_log are required when use_gate_in_kernel=True.")
+        if tuple(raw_g.shape) != tuple(key_shape) or raw_g.dtype not in (torch.float32, torch.bfloat16):
+            raise RuntimeError(f"{op}: raw_g must be BF16/FP32 with the same shape as gk.")
+        if dt_bias is not None and (tuple(dt_bias.shape) != (H, K) or dt_bias.dtype != torch.float32):
+            raise RuntimeError(f"{op}: dt_bias must be float32 [H,K].")
+    elif any(x is not None for x in (raw_g, A_log, dt_bias)):
+        raise RuntimeError(f"{op}: raw_g/A_log/dt_bias require use_gate_in_kernel=True.")
+    q4, k4, v4, b4, gk4, aqk4, akk4, w4, qg4, kg4, vn4, do4 = (
+        up(x) for x in (q, k, v, beta, gk, Aqk, Akk, w, qg, kg, v_new, d_o))
+    h_b = _h_out(up(h).transpose(1, 2))                  # the internal stages read h in this build's layout
+    if use_gate_in_kernel:
+        g_raw = up(raw_g).float()
+    else:  # the per-token log gate behind gk (natural log)
+        g_raw = torch.zeros_like(gk4)
+        for b, s, e in m.segments(B, T, cu):
+            g_raw[b, :, s:e] = m.per_token_gate(gk4[b, :, s:e] * m.LN2, 64)
+    _INSIDE.append(op)
+    try:
+        d_aqk, dv_local, dq_raw = _IMPL["chunk_kda_bwd_prepare"](aqk4, vn4, do4, h_b, scale=scale, layout="BNSD",
+                                                                 cu_seqlens=cu)
+        dh, _, dv2 = chunk_gated_delta_rule_bwd_dhu(qg4, kg4, w4, do4, dv_local, scale, 64, gK=gk4, cu_seqlens=cu,
+                                                    chunk_indices=chunk_indices, use_exp2=True)
+        dq, dk, dv, db, dg, da, dbias = _IMPL["chunk_kda_bwd_finalize"](
+            q4, k4, v4, gk4, g_raw, b4, A_log, dt_bias, akk4, vn4, h_b, dh, dv2, d_aqk, dq_raw, scale=scale,
+            use_exp2=True, use_gate_in_kernel=use_gate_in_kernel, safe_gate=True, lower_bound=lower_bound,
+            output_layout="BNSD", cu_seqlens=cu)
+    finally:
+        _INSIDE.pop()
+    sq = (lambda x: x.squeeze(0)) if varlen else (lambda x: x)
+    return (sq(dq).float(), sq(dk).float(), sq(dv).to(v.dtype), sq(db).float(), sq(dg).float(), None, da, dbias)
+
+
 # ------------------------------------------------------------------------------------------- CP ops
 def _summary_inputs(op, k, w, u, g, gk, chunk_size):
     """The CP summary kernels' checks (chunk 64, B = 1, K = V = 128) and inputs: (C, k, w, u as [1, N, T, D] fp32,
@@ -1347,7 +1452,9 @@ _ASCENDC_OPS = ("npu_chunk_gated_delta_rule_fwd", "npu_chunk_gated_delta_rule_bw
                 "npu_prepare_wy_repr_bwd_full")
 if _flag("FLA_NPU_STANDIN_KDA_BWD_EXPORTED"):  # later revisions export the KDA backward stages
     _ASCENDC_OPS += ("npu_chunk_kda_bwd_prepare", "npu_chunk_kda_bwd_finalize")
-_IMPL = {n: globals()[n] for n in ("chunk_kda_bwd_prepare", "chunk_kda_bwd_finalize")}
+if _flag("FLA_NPU_STANDIN_KDA_FUSED_BWD_EXPORTED"):  # 7a8a59a3 (PR #334), later _stable.py; not main 17e24fdd
+    _ASCENDC_OPS += ("npu_chunk_kda_bwd",)
+_IMPL = {n: globals()[n] for n in ("chunk_kda_bwd_prepare", "chunk_kda_bwd_finalize", "chunk_kda_bwd")}
 for _n in _IMPL:
     del globals()[_n]
 # name -> implementation, like fla-npu's ``_aclnn_ctypes.ASCENDC_CTYPES_OPS`` (imported into this module there too)
