@@ -108,8 +108,9 @@ DEEPSEEK_V3 = dict(
 
 def transformers_defaults(config_class: str) -> dict:
     """config.json of a transformers config class at its defaults, which its docstring names as a released model's
-    shapes (``OlmoHybridConfig``: allenai/Olmo-Hybrid-7B; ``BailingHybridConfig``: inclusionAI/Ling-3.0-Flash);
-    OLMo-Hybrid without RoPE, as its released checkpoints."""
+    shapes (``OlmoHybridConfig``: allenai/Olmo-Hybrid-7B; ``BailingHybridConfig``: inclusionAI/Ling-3.0-Flash;
+    ``Qwen3_5TextConfig``: Qwen/Qwen3.5-27B; ``Qwen3_5MoeTextConfig``: Qwen/Qwen3.5-35B-A3B, the language models of
+    the released VL checkpoints); OLMo-Hybrid without RoPE, as its released checkpoints."""
     import transformers
 
     hf = getattr(transformers, config_class)().to_dict()
@@ -120,7 +121,9 @@ def transformers_defaults(config_class: str) -> dict:
 
 PRESETS = {"Qwen3-Next-80B-A3B": QWEN3_NEXT_80B_A3B, "Kimi-Linear-48B-A3B": KIMI_LINEAR_48B_A3B,
            "DeepSeek-V3": DEEPSEEK_V3, "OLMo-Hybrid-7B": lambda: transformers_defaults("OlmoHybridConfig"),
-           "Ling-3.0-Flash": lambda: transformers_defaults("BailingHybridConfig")}
+           "Ling-3.0-Flash": lambda: transformers_defaults("BailingHybridConfig"),
+           "Qwen3.5-27B": lambda: transformers_defaults("Qwen3_5TextConfig"),
+           "Qwen3.5-35B-A3B": lambda: transformers_defaults("Qwen3_5MoeTextConfig")}
 MIXERS = {"G": "GDN", "K": "KDA", "M": "MLA", "A": "attention (Qwen3-Next: gated)"}
 
 

@@ -3,7 +3,7 @@
 RL trainers compare the log-probs of the training forward with those of the rollout (generation) and with an
 older policy's; a CP method whose bf16 numerics drift inflates the KL terms (a chunkwise CP fork's ``ppo_kl`` grew
 about 220x in bf16). For a tiny random model of ``--model`` (an architecture of ``hp_megatron.models.tiny``,
-default ``qwen3_5_moe_text``: GDN + gated attention + MoE; a Ling-like ``bailing_hybrid`` plugs in the same way),
+default ``qwen3_5_moe_text``: GDN + gated attention + MoE; ``bailing_hybrid``: Ling-like KDA + MLA + MoE),
 converted from transformers' random weights, on gloo CPU ranks with the eager kernels:
 
 (a) per-token log-probs of the training forward (``GPTModel`` logits, fp32 log-softmax of the target token) at CP 2
@@ -19,6 +19,7 @@ converted from transformers' random weights, on gloo CPU ranks with the eager ke
 ``--backend triton`` runs the same on a GPU (NCCL would be needed there; this script is written for gloo / CPU).
 
     python benchmarks/parity.py --model qwen3_5_moe_text --write-docs --plot docs/parity_qwen3_5_moe_text.png
+    python benchmarks/parity.py --model bailing_hybrid --write-docs --plot docs/parity_bailing_hybrid.png
 """
 from __future__ import annotations
 

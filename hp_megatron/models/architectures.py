@@ -146,7 +146,8 @@ ARCHITECTURES = {arch.model_type: arch for arch in (
 
 
 # conversion_rules(hf, mtp_num_layers)
-MTP_ARCHITECTURES = (deepseek_v3.MODEL_TYPE, qwen3_next.MODEL_TYPE, *qwen3_5.MODEL_TYPES, dsa_models.DEEPSEEK_V32)
+MTP_ARCHITECTURES = (deepseek_v3.MODEL_TYPE, qwen3_next.MODEL_TYPE, *qwen3_5.MODEL_TYPES, dsa_models.DEEPSEEK_V32,
+                     bailing_hybrid.MODEL_TYPE)
 
 
 def get_architecture(model_type: str) -> Architecture:

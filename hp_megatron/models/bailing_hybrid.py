@@ -12,9 +12,18 @@ megatron-core equivalents of what differs from Kimi Linear / DeepSeek-V3:
   transformers' ``BailingHybridMLP(config)``).
 
 Checkpoint names are the released ones (``save_pretrained`` writes them): ``model.word_embeddings``,
-``model.layers.<i>.attention.*``, ``mlp.gate.expert_bias``. The checkpoints' multi-token-prediction layers,
-``model.layers.<num_hidden_layers + i>`` (``num_nextn_predict_layers``), are listed as unmodeled (dropped with
-``--drop-unmodeled``); converting them is not implemented yet.
+``model.layers.<i>.attention.*``, ``mlp.gate.expert_bias``.
+
+Multi-token prediction (``num_nextn_predict_layers``, transformers' ``num_mtp_layers``): the checkpoints store MTP
+layer ``k`` as ``model.layers.<num_hidden_layers + k>.``, which transformers 5.25 skips on load
+(``_keys_to_ignore_on_load_unexpected``) and has no forward for. Its layout is the Ling family's NextN layer (Ling
+2.0's, as SGLang's ``BailingMoeForCausalLMNextN`` loads it): ``enorm``, ``hnorm``, ``eh_proj`` over
+``[enorm(emb); hnorm(h)]``, ``final_layernorm``, and a decoder layer of the full-attention kind, here MLA with the
+output gate (``attention.*``), with the MoE MLP (``mlp.*``; transformers' ``get_mtp_config`` makes MTP layers MoE)
+and its two norms; no copies of the embedding or head. Built with MTP (``conversion_rules(hf, mtp_num_layers)``,
+the converter's ``--mtp-num-layers``) they are megatron-core's ``mtp.layers.<k>.*``, not SwiGLU-clipped (the limit
+lists have one entry per main layer). Without MTP ``unmodeled_tensors`` lists them and the converter drops them
+only when asked (``--drop-unmodeled``).
 """
 from __future__ import annotations
 
@@ -23,19 +32,20 @@ from dataclasses import replace
 import torch
 
 from hp_megatron.convert.rules import TensorRule, identity_rule
-from hp_megatron.models.common import (ModelPreset, decoder_config, field_of, first_of, grouped_sigmoid_moe_config,
-                                       layer_prefix, mla_fields, mla_rules, mlp_rules, moe_rules, norm_rules, refuse,
-                                       require, rope_parameters)
+from hp_megatron.models.common import (ModelPreset, check_mtp_depth, decoder_config, field_of, first_of,
+                                       grouped_sigmoid_moe_config, layer_prefix, mla_fields, mla_rules, mlp_rules,
+                                       moe_rules, mtp_head_rules, mtp_layer_prefix, norm_rules, refuse, require,
+                                       rope_parameters)
 from hp_megatron.registry import check_hf_symbols, conversion_rules_of, register_conversion_rules
 
 MODEL_TYPE = "bailing_hybrid"
 LAYER_SYMBOLS = check_hf_symbols(MODEL_TYPE, {"linear_attention": "K", "full_attention": "M"})
 MTP_FIELD = "num_nextn_predict_layers"
-
-
+MTP_SYMBOL = "M"   # the kind of the MTP layers' decoder layer: MLA with the output gate
 
 
 def mtp_depth(hf: dict) -> int:
+    """The multi-token-prediction layers config.json declares (``num_nextn_predict_layers``; 0 when absent)."""
     return first_of(hf, MTP_FIELD, "num_mtp_layers", default=0)
 
 
@@ -104,11 +114,11 @@ def megatron_config(hf: dict) -> ModelPreset:
                  kda_safe_gate=bool(hf.get("kda_safe_gate", True)), kda_lower_bound=lower,
                  mla_output_gate=True, hp_swiglu_limits=_limits(hf, "expert_swiglu_limit_list", "swiglu_limits", flags),
                  hp_shared_swiglu_limits=_limits(hf, "share_expert_swiglu_limit_list", "swiglu_limits_shared", flags),
-                 **mla_fields(hf, MODEL_TYPE, "rope", rope))
+                 hp_mtp_layer_symbol=MTP_SYMBOL, **mla_fields(hf, MODEL_TYPE, "rope", rope))
     gpt = dict(vocab_size=field_of(hf, MODEL_TYPE, "vocab_size"), position_embedding_type="none",
                share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)))
     return ModelPreset(MODEL_TYPE, "".join(LAYER_SYMBOLS[t] for t in types), transformer_fields=config,
-                       mixer_fields=mixer, gpt_model_kwargs=gpt)
+                       mixer_fields=mixer, gpt_model_kwargs=gpt, mtp_symbol=MTP_SYMBOL, mtp_num_layers=mtp_depth(hf))
 
 
 def _cat_rule(mcore_key: str, hf_keys: tuple, sizes: list) -> TensorRule:
@@ -140,25 +150,42 @@ def mla_layer_rules(mcore: str, hf_layer: str, hf: dict, preset: ModelPreset) ->
     return rules + [identity_rule(mcore + "linear_gate_proj.weight", attn + "g_proj.weight")]
 
 
-def conversion_rules(hf: dict) -> list[TensorRule]:
-    """One rule per megatron-core tensor of the model of :func:`megatron_config`."""
-    preset = megatron_config(hf)
-    experts = preset.transformer_fields.get("num_moe_experts", 0)
+def _decoder_layer_rules(mcore: str, theirs: str, symbol: str, is_moe: bool, hf: dict,
+                         preset: ModelPreset) -> list[TensorRule]:
+    """One decoder layer's rules: its mixer, its two norms and its MLP (MoE or dense)."""
+    rules = conversion_rules_of(MODEL_TYPE, symbol)(mcore + "self_attention.", theirs, hf, preset)
+    rules += norm_rules(mcore, theirs)
+    if not is_moe:
+        return rules + mlp_rules(mcore + "mlp.", theirs + "mlp.")
     shared = "shared_experts." if preset.transformer_fields.get("moe_shared_expert_intermediate_size") else None
+    return rules + moe_rules(mcore + "mlp.", theirs + "mlp.", preset.transformer_fields["num_moe_experts"],
+                             router="gate.weight", shared=shared, expert_bias="gate.expert_bias")
+
+
+def _mtp_rules(hf: dict, preset: ModelPreset, mtp_num_layers: int) -> list[TensorRule]:
+    """MTP layer ``k`` <- ``model.layers.<num_hidden_layers + k>.`` (the module docstring's layout)."""
+    check_mtp_depth(MODEL_TYPE, MTP_FIELD, mtp_depth(hf), mtp_num_layers)
+    moe = bool(preset.transformer_fields.get("num_moe_experts"))
+    rules = []
+    for k in range(mtp_num_layers):
+        theirs = f"model.layers.{field_of(hf, MODEL_TYPE, 'num_hidden_layers') + k}."
+        rules += mtp_head_rules(k, enorm=theirs + "enorm.weight", hnorm=theirs + "hnorm.weight",
+                                eh_proj=theirs + "eh_proj.weight", final_norm=theirs + "final_layernorm.weight")
+        rules += _decoder_layer_rules(mtp_layer_prefix(k), theirs, MTP_SYMBOL, moe, hf, preset)
+    return rules
+
+
+def conversion_rules(hf: dict, mtp_num_layers: int = 0) -> list[TensorRule]:
+    """One rule per megatron-core tensor of the model of :func:`megatron_config`, with ``mtp_num_layers`` MTP layers
+    (0 or config.json's ``num_nextn_predict_layers``)."""
+    preset = megatron_config(hf)
     rules = [identity_rule("embedding.word_embeddings.weight", "model.word_embeddings.weight"),
              identity_rule("decoder.final_layernorm.weight", "model.norm.weight")]
     if not preset.gpt_model_kwargs["share_embeddings_and_output_weights"]:
         rules.append(identity_rule("output_layer.weight", "lm_head.weight"))
     for i, (symbol, is_moe) in enumerate(zip(preset.pattern, moe_layers(hf))):
-        mcore, theirs = layer_prefix(i), f"model.layers.{i}."
-        rules += conversion_rules_of(MODEL_TYPE, symbol)(mcore + "self_attention.", theirs, hf, preset)
-        rules += norm_rules(mcore, theirs)
-        if is_moe:
-            rules += moe_rules(mcore + "mlp.", theirs + "mlp.", experts, router="gate.weight", shared=shared,
-                               expert_bias="gate.expert_bias")
-        else:
-            rules += mlp_rules(mcore + "mlp.", theirs + "mlp.")
-    return rules
+        rules += _decoder_layer_rules(layer_prefix(i), f"model.layers.{i}.", symbol, is_moe, hf, preset)
+    return rules + (_mtp_rules(hf, preset, mtp_num_layers) if mtp_num_layers else [])
 
 
 register_conversion_rules(MODEL_TYPE, "K", kda_layer_rules)

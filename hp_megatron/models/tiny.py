@@ -231,7 +231,11 @@ MTP_LAYER_TYPE = {"qwen3_next": dict(layer_types=["full_attention"], mlp_only_la
                   "qwen3_5_moe_text": dict(layer_types=["full_attention"]),
                   "qwen3_5": dict(layer_types=["full_attention"]), "qwen3_5_moe": dict(layer_types=["full_attention"]),
                   "deepseek_v32": dict(first_k_dense_replace=0, mlp_layer_types=["sparse"],
-                                       layer_types=["indexed_attention"])}
+                                       layer_types=["indexed_attention"]),
+                  "bailing_hybrid": dict(first_k_dense_replace=0, mlp_layer_types=["sparse"],
+                                         layer_types=["full_attention"], swiglu_limits=[0],
+                                         swiglu_limits_shared=[0])}
+LAYER_INDEXED_MTP = ("deepseek_v3", "deepseek_v32", "bailing_hybrid")   # MTP as model.layers.<num_hidden_layers>.*
 
 
 def tiny_mtp_tensors(arch: str, seed: int = 0, vocab_size: int = TINY_VOCAB, main_state: dict | None = None) -> tuple:
@@ -242,7 +246,9 @@ def tiny_mtp_tensors(arch: str, seed: int = 0, vocab_size: int = TINY_VOCAB, mai
     head), ``num_nextn_predict_layers: 1``; Qwen3-Next ``mtp.*`` (``pre_fc_norm_embedding``,
     ``pre_fc_norm_hidden``, ``fc``, a gated-attention + MoE ``layers.0``, ``norm``), ``mtp_num_hidden_layers: 1``;
     Qwen3.5 (text and VL) the same names (the dense model's MTP layer has a dense MLP); for VL the depth goes into
-    ``text_config`` (:func:`add_tiny_mtp_layer`).
+    ``text_config`` (:func:`add_tiny_mtp_layer`); Ling 3.0 ``model.layers.<num_hidden_layers>.*`` (``enorm``,
+    ``hnorm``, ``eh_proj``, an MLA + MoE decoder layer, ``final_layernorm``; no embedding / head copies),
+    ``num_nextn_predict_layers: 1``.
 
     The decoder layer is a one-layer model of the same config (that layer kind) saved by transformers, so its
     tensors have the checkpoint's names (per-expert keys)."""
@@ -268,14 +274,20 @@ def tiny_mtp_tensors(arch: str, seed: int = 0, vocab_size: int = TINY_VOCAB, mai
                 saved.update(load_file(os.path.join(tmp, name)))
     gen = torch.Generator().manual_seed(seed + 2)
     hidden = cfg.hidden_size
-    deepseek = arch in ("deepseek_v3", "deepseek_v32")   # MTP as model.layers.<num_hidden_layers>.*
-    centred = not deepseek   # Qwen3-Next's and Qwen3.5's norms store weight - 1
+    deepseek = arch in ("deepseek_v3", "deepseek_v32")
+    centred = arch not in LAYER_INDEXED_MTP   # Qwen3-Next's and Qwen3.5's norms store weight - 1
 
     def norm():
         return (0.0 if centred else 1.0) + 0.1 * torch.randn(hidden, generator=gen)
 
     proj = torch.randn(hidden, 2 * hidden, generator=gen) / (2 * hidden) ** 0.5
     decoder = {k[len("model.layers.0."):]: v for k, v in saved.items() if k.startswith("model.layers.0.")}
+    if arch == "bailing_hybrid":
+        prefix = f"model.layers.{layers}."
+        tensors = {prefix + k: v for k, v in decoder.items()}
+        tensors.update({prefix + "enorm.weight": norm(), prefix + "hnorm.weight": norm(),
+                        prefix + "eh_proj.weight": proj, prefix + "final_layernorm.weight": norm()})
+        return {"num_nextn_predict_layers": 1}, tensors
     if not deepseek:
         tensors = {f"mtp.layers.0.{k}": v for k, v in decoder.items()}
         tensors.update({"mtp.pre_fc_norm_embedding.weight": norm(), "mtp.pre_fc_norm_hidden.weight": norm(),

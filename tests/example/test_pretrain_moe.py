@@ -14,7 +14,10 @@ load-balancing loss and the expert-bias update (the router loads all-reduced bef
   TP2 x CP2 with sequence parallelism;
 * Ling 3.0 (KDA + output-gated MLA, grouped sigmoid router with expert bias, clipped SwiGLU experts) at EP2 and at
   TP2 x CP2 with sequence parallelism, and with packed documents (``--reset-position-ids --reset-attention-mask
-  --eod-mask-loss``) at CP2 with the KDA CP methods ``p2p`` and ``ulysses`` against one rank with the same flags;
+  --eod-mask-loss``) at CP2 with the KDA CP methods ``p2p`` and ``ulysses`` against one rank with the same flags,
+  and with its multi-token-prediction layer (a released-style ``model.layers.<num_hidden_layers>.*`` MLA + MoE layer,
+  converted and trained with ``--mtp-num-layers 1``) at TP2 x CP2 with sequence parallelism: also the logged
+  ``mtp_1 loss``;
 all in the same two spawns.
 
 Two spawns: 4 ranks for the three layouts (each case streamed, so a failing layout fails its own test only),
@@ -27,8 +30,9 @@ import pytest
 
 from tests.support.converted_runs import example, example_argv, layouts_and_references, write_converted
 
+LING_MTP = "bailing_hybrid_mtp"   # the tiny Ling 3.0 with an MTP layer (<root>/bailing_hybrid_mtp_{hf,ckpt})
 ARCH_FLAGS = {"deepseek_v3": [], "qwen3_next": ["--moe-aux-loss-coeff", "1e-2"], "olmo_hybrid": [],
-              "bailing_hybrid": []}
+              "bailing_hybrid": [], LING_MTP: ["--mtp-num-layers", "1"]}
 # 128 tokens and seed 1: the first global batch holds a document end (test_packed_batch_crosses_a_document_end);
 # per-token loss: with --eod-mask-loss the CP ranks hold different numbers of loss tokens, and only the global
 # token mean is the one-rank gradient (Megatron's default averages each rank's own mean)
@@ -51,6 +55,8 @@ LAYOUTS = {
     "ling_packed_cp2_p2p": ("bailing_hybrid", ["--context-parallel-size", "2", "--hp-cp-method", "p2p", *PACKED]),
     "ling_packed_cp2_ulysses": ("bailing_hybrid", ["--context-parallel-size", "2", "--hp-cp-method", "ulysses",
                                                    *PACKED]),
+    "ling_mtp_tp2_cp2": (LING_MTP, ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+                                    "--sequence-parallel"]),
 }
 REFERENCE_OF = {"ling_packed_cp2_p2p": "bailing_hybrid_packed", "ling_packed_cp2_ulysses": "bailing_hybrid_packed"}
 
@@ -61,8 +67,17 @@ def _argv(root, arch, extra=()):
 
 @pytest.fixture(scope="module")
 def root(pydoc_data, tmp_path_factory):
-    """The data and, per architecture, the tiny HF checkpoint and its conversion."""
-    return write_converted(str(tmp_path_factory.mktemp("pretrain_moe")), pydoc_data, ARCH_FLAGS)
+    """The data and, per architecture, the tiny HF checkpoint and its conversion; Ling also with an MTP layer."""
+    from prepare_data import BPETokenizer
+
+    from tests.support.models_case import converted_tiny_model
+
+    root = write_converted(str(tmp_path_factory.mktemp("pretrain_moe")), pydoc_data,
+                           [arch for arch in ARCH_FLAGS if arch != LING_MTP])
+    vocab = BPETokenizer(os.path.join(root, "data", "tokenizer.json")).vocab_size
+    converted_tiny_model("bailing_hybrid", os.path.join(root, f"{LING_MTP}_hf"), os.path.join(root, f"{LING_MTP}_ckpt"),
+                         seed=3, vocab_size=vocab, mtp_num_layers=1, mtp_seed=4)
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +108,14 @@ def test_layout_first_iteration_matches_single_rank(runs, name):
         assert "load_balancing_loss" not in ref, ref
         assert ref["expert bias update"] == pytest.approx(1e-3, rel=1e-4), ref
         assert got["expert bias update"] == pytest.approx(ref["expert bias update"], rel=1e-6), (got, ref)
+
+
+def test_ling_mtp_loss_matches_single_rank(runs):
+    """Ling's MTP layer trains at TP2 x CP2 + SP: the logged depth-1 loss is the single rank's."""
+    layout, single = runs
+    got, ref = layout("ling_mtp_tp2_cp2"), single[LING_MTP]
+    assert ref["mtp_1 loss"] > 0 and "mtp_1 loss" not in single["bailing_hybrid"], (ref, single["bailing_hybrid"])
+    assert _rel(got["mtp_1 loss"], ref["mtp_1 loss"]) <= 1e-4, (got, ref)
 
 
 def test_packed_batch_crosses_a_document_end(root):

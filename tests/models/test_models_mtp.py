@@ -26,7 +26,7 @@ def _converted_model(architecture, config, ckpt):
     return model
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next", "qwen3_5_moe_text", "bailing_hybrid"])
 def test_mtp_converts_and_matches_the_reference(single_rank, arch, tmp_path, capsys):
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 

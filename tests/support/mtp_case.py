@@ -3,6 +3,9 @@
 
 * DeepSeek-V3: transformers' own ``transformers.modeling_layers.MtpModel`` (enorm / hnorm / eh_proj, the decoder
   layer, the post norm, the shared head) loaded by ``MtpModel.from_pretrained`` from the checkpoint.
+* Ling 3.0 (transformers skips ``model.layers.<num_hidden_layers>.*`` and has no MTP forward for it):
+  :func:`ling_mtp_reference`, transformers' generic ``MtpLayer`` around its ``BailingHybridDecoderLayer`` (MLA + MoE)
+  loaded from the checkpoint.
 * Qwen3-Next and Qwen3.5 (transformers skips ``mtp.*``): :class:`Qwen3NextMTPReference`, the DeepSeek-V3 report's
   section 2.2 ``h' = fc([RMSNorm(Emb(t_{i+1})); RMSNorm(h_i)])``, one decoder layer, a final norm, the shared head, in
   Qwen3-Next's module names, from transformers' Qwen3-Next modules (the decoder layer loaded by transformers
@@ -22,8 +25,8 @@ from torch import nn
 
 from tests.support.models_case import read_safetensors, tiny_hf_model
 
-MTP_PREFIX = {"deepseek_v3": "model.layers.{layers}.", "qwen3_next": "mtp.", "qwen3_5_text": "mtp.",
-              "qwen3_5_moe_text": "mtp.", "qwen3_5": "mtp.", "qwen3_5_moe": "mtp."}
+MTP_PREFIX = {"deepseek_v3": "model.layers.{layers}.", "bailing_hybrid": "model.layers.{layers}.", "qwen3_next": "mtp.",
+              "qwen3_5_text": "mtp.", "qwen3_5_moe_text": "mtp.", "qwen3_5": "mtp.", "qwen3_5_moe": "mtp."}
 
 
 def tiny_mtp_checkpoint(arch: str, directory: str, seed: int = 0):
@@ -103,29 +106,75 @@ def qwen3_next_mtp_reference(hf_dir: str, main) -> Qwen3NextMTPReference:
     transformers model of the checkpoint's class (Qwen3-Next, Qwen3.5 text) and the MTP layer's kind (full
     attention, MoE or dense) loaded by transformers from
     ``mtp.layers.0.*`` (so transformers fuses its experts)."""
-    import transformers
-
     state = read_safetensors(hf_dir)
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        config = json.load(f)
-    config.update(num_hidden_layers=1, layer_types=["full_attention"])
-    if config["model_type"] == "qwen3_next":
-        config["mlp_only_layers"] = []
-    one = {k.replace("mtp.layers.0.", "model.layers.0."): v for k, v in state.items() if k.startswith("mtp.layers.0.")}
-    one.update({k: state[k] for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
-                if k in state})
-    with tempfile.TemporaryDirectory() as tmp:
-        from safetensors.torch import save_file
-
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config, f)
-        save_file(one, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        layer_model = transformers.AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager").float()
-    reference = Qwen3NextMTPReference(main, layer_model.model.layers[0])
+    overrides = dict(layer_types=["full_attention"])
+    if main.config.model_type == "qwen3_next":
+        overrides["mlp_only_layers"] = []
+    layer, _ = one_layer_from_checkpoint(hf_dir, state, "mtp.layers.0.", overrides)
+    reference = Qwen3NextMTPReference(main, layer)
     heads = {k[len("mtp."):]: v for k, v in state.items() if k.startswith("mtp.") and not k.startswith("mtp.layers.")}
     missing, unexpected = reference.load_state_dict(heads, strict=False)
     assert not unexpected and all(k.startswith("layers.0.") for k in missing), (missing, unexpected)
     return reference.float()
+
+
+def one_layer_from_checkpoint(hf_dir: str, state: dict, prefix: str, overrides: dict, skip: tuple = ()):
+    """The decoder layer stored under ``prefix`` in ``state`` (the checkpoint of ``hf_dir``), loaded by transformers
+    as the one layer of a model of the checkpoint's class and config (``overrides``: its layer-kind fields), so
+    transformers renames and fuses its tensors as it does the main model's (``skip``: keys under ``prefix`` that are
+    not the layer's). Returns (the layer, the one-layer model's config)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    config.update(num_hidden_layers=1, **overrides)
+    one = {"model.layers.0." + k[len(prefix):]: v for k, v in state.items()
+           if k.startswith(prefix) and k[len(prefix):] not in skip}
+    one.update({k: state[k] for k in ("model.embed_tokens.weight", "model.word_embeddings.weight", "model.norm.weight",
+                                      "lm_head.weight") if k in state})
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f)
+        save_file(one, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        layer_model = transformers.AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager").float()
+    return layer_model.model.layers[0], layer_model.config
+
+
+def ling_mtp_reference(hf_dir: str, main, layers: int):
+    """Ling 3.0's MTP layer (transformers 5.25 has no forward for it: it skips ``model.layers.<num_hidden_layers>.``
+    on load): transformers' own generic ``MtpLayer`` (``eh_proj([enorm(emb); hnorm(h)])``, the decoder layer, the
+    post norm) around transformers' ``BailingHybridDecoderLayer`` of the full-attention (MLA) kind with a MoE MLP,
+    loaded by transformers from the checkpoint's ``model.layers.<layers>.*``; the norms and projection loaded by hand
+    from ``enorm`` / ``hnorm`` / ``eh_proj`` / ``final_layernorm`` (the post norm)."""
+    from transformers.modeling_layers import MtpLayer
+
+    state = read_safetensors(hf_dir)
+    prefix = f"model.layers.{layers}."
+    heads = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+             "post_norm.weight": "final_layernorm.weight"}
+    layer, config = one_layer_from_checkpoint(hf_dir, state, prefix, dict(
+        layer_types=["full_attention"], mlp_layer_types=["sparse"], first_k_dense_replace=0,
+        expert_swiglu_limit_list=[0], share_expert_swiglu_limit_list=[0]), skip=tuple(heads.values()))
+    mtp = MtpLayer(config, type(layer), type(main.model.norm), 0, use_post_norm=True)
+    mtp.mtp_block = layer
+    missing, unexpected = mtp.load_state_dict({ours: state[prefix + theirs] for ours, theirs in heads.items()},
+                                              strict=False)
+    assert not unexpected and all(k.startswith("mtp_block.") for k in missing), (missing, unexpected)
+    return mtp.float()
+
+
+def ling_reference_names(mtp, layers: int) -> dict:
+    """``{checkpoint key: parameter}`` of :func:`ling_mtp_reference` (transformers' in-memory names of the decoder
+    layer, ``self_attn.o_proj`` etc., put back under the checkpoint's)."""
+    prefix, out = f"model.layers.{layers}.", {}
+    renames = (("mtp_block.", ""), ("post_norm.", "final_layernorm."), ("self_attn.o_proj.", "attention.dense."),
+               ("self_attn.", "attention."), ("mlp.gate.e_score_correction_bias", "mlp.gate.expert_bias"))
+    for name, p in mtp.named_parameters():
+        for a, b in renames:
+            name = name.replace(a, b)
+        out[prefix + name] = p
+    return out
 
 
 def qwen3_next_reference_names(reference) -> dict:
@@ -146,9 +195,13 @@ def reference_mtp_logits(arch: str, hf_dir: str, main, ids: torch.Tensor, config
         mtp = deepseek_mtp_reference(hf_dir, main)
         states = mtp.forward_layer(0, hidden, positions, None, input_ids=next_ids)
         return mtp, deepseek_reference_names(mtp, config["num_hidden_layers"]), main.lm_head(states)
-    reference = qwen3_next_mtp_reference(hf_dir, main)
     embeds = main.model.embed_tokens(next_ids)
     mask = create_causal_mask(config=main.config, inputs_embeds=embeds, attention_mask=None, past_key_values=None,
                               position_ids=positions)
+    if arch == "bailing_hybrid":
+        mtp = ling_mtp_reference(hf_dir, main, config["num_hidden_layers"])
+        states = mtp(embeds, hidden, main.model.rotary_emb(embeds, positions), mask, positions, None)
+        return mtp, ling_reference_names(mtp, config["num_hidden_layers"]), main.lm_head(states)
+    reference = qwen3_next_mtp_reference(hf_dir, main)
     states = reference(embeds, hidden, main.model.rotary_emb(embeds, positions), mask)
     return reference, qwen3_next_reference_names(reference), main.lm_head(states)
