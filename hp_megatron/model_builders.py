@@ -52,10 +52,12 @@ def hybrid_gpt_model(config, layer_spec, *, vocab_size: int, max_sequence_length
 def hybrid_model_config(config, hybrid_layer_pattern: str):
     """``config`` (a GPT model's, layers numbered as ``GPTModel`` numbers them) in ``HybridModel``'s numbering: a
     copy with ``num_layers`` = the main pattern's layer count, ``moe_layer_freq`` one 0/1 per hybrid layer (``E``)
-    and ``mtp_num_layers`` = the pattern's MTP depths; a config already so numbered comes back equal."""
+    and ``mtp_num_layers`` = the pattern's MTP depths, plus ``hp_gpt_layer_numbers`` (``{hybrid layer: GPT layer}``,
+    ``numbering.gpt_layer_numbers``) and ``hp_gpt_num_layers``, which the layers read per-GPT-layer settings through;
+    a config already so numbered comes back equal."""
     import copy
 
-    from hp_megatron.hybrid_model.numbering import split_pattern
+    from hp_megatron.hybrid_model.numbering import MLP_SYMBOLS, gpt_layer_numbers, split_pattern
 
     main, mtp = split_pattern(hybrid_layer_pattern)
     declared = getattr(config, "mtp_num_layers", None) or 0
@@ -64,6 +66,10 @@ def hybrid_model_config(config, hybrid_layer_pattern: str):
                          f"{hybrid_layer_pattern!r} has {len(mtp)} MTP depths ('/' parts)")
     hybrid = copy.copy(config)
     hybrid.num_layers = len(main)
+    # per-GPT-layer settings (SwiGLU limits, post-norm, DSA's top-k sharing) index GPT layers: the layers read them
+    # through these (hp_megatron.hybrid_model.stack), not config fields of their own
+    hybrid.hp_gpt_layer_numbers = gpt_layer_numbers(hybrid_layer_pattern)
+    hybrid.hp_gpt_num_layers = len([s for s in main if s not in MLP_SYMBOLS])
     hybrid.mtp_num_layers = len(mtp) or None
     if getattr(config, "num_moe_experts", None):
         hybrid.moe_layer_freq = [int(s == "E") for s in main]

@@ -95,19 +95,37 @@ def _post_normed_spec(spec, norm, what: str, config=None):
     return functools.partial(func, *spec.args, **keywords)
 
 
-def with_post_norm(config, symbol: str, layer):
-    """``layer`` (``TransformerLayerSubmodules``) as a post-norm layer when ``symbol`` is in
-    ``config.hp_post_norm_symbols``, else unchanged. ValueError for a MoE MLP."""
+def is_post_norm(config, symbol: str) -> bool:
+    """Whether layers of our mixer ``symbol`` are post-norm (``config.hp_post_norm_symbols``)."""
+    return symbol in (getattr(config, "hp_post_norm_symbols", None) or "")
+
+
+def post_norm_mixer(layer):
+    """``layer`` (``TransformerLayerSubmodules``) without its input norm, its mixer owning that norm as
+    ``post_norm`` over its output."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    return replace(layer, input_layernorm=IdentityOp,
+                   self_attention=_post_normed_spec(layer.self_attention, layer.input_layernorm, "mixer"))
+
+
+def post_norm_mlp(config, layer):
+    """``layer`` without its pre-MLP norm, its (dense) MLP owning that norm as ``post_norm``; ValueError for a MoE
+    MLP."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    symbols = getattr(config, "hp_post_norm_symbols", None) or ""
-    if symbol not in symbols:
-        return layer
     mlp = layer.mlp
     if isinstance(_built_class(mlp), type) and issubclass(_built_class(mlp), MoELayer):
-        raise ValueError(f"hp_post_norm_symbols={symbols!r}: layer {symbol!r} has a MoE MLP; post-norm layers have "
-                         "dense MLPs only")
-    return replace(layer, input_layernorm=IdentityOp, pre_mlp_layernorm=IdentityOp,
-                   self_attention=_post_normed_spec(layer.self_attention, layer.input_layernorm, "mixer"),
+        raise ValueError(f"hp_post_norm_symbols={config.hp_post_norm_symbols!r}: a post-norm layer has a MoE MLP; "
+                         "post-norm layers have dense MLPs only")
+    return replace(layer, pre_mlp_layernorm=IdentityOp,
                    mlp=_post_normed_spec(mlp, layer.pre_mlp_layernorm, "MLP", config))
+
+
+def with_post_norm(config, symbol: str, layer):
+    """``layer`` (``TransformerLayerSubmodules``, a GPT layer: mixer and MLP) as a post-norm layer when ``symbol`` is
+    in ``config.hp_post_norm_symbols``, else unchanged. ValueError for a MoE MLP."""
+    if not is_post_norm(config, symbol):
+        return layer
+    return post_norm_mixer(post_norm_mlp(config, layer))

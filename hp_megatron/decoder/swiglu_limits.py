@@ -73,23 +73,26 @@ def _with_fc1(spec, limit):
     return spec
 
 
-def _limit(config, name: str, index: int):
+def _limit(config, name: str, index: int, num_layers: int):
     limits = getattr(config, name, None)
     if not limits:
         return None
-    if len(limits) != config.num_layers or any(not isinstance(v, (int, float)) or v < 0 for v in limits):
-        raise ValueError(f"config.{name} must hold one number >= 0 per layer (num_layers={config.num_layers}), got "
+    if len(limits) != num_layers or any(not isinstance(v, (int, float)) or v < 0 for v in limits):
+        raise ValueError(f"config.{name} must hold one number >= 0 per layer (num_layers={num_layers}), got "
                          f"{list(limits)}")
     return float(limits[index]) or None
 
 
-def with_swiglu_limits(config, layer, global_layer_number: int):
+def with_swiglu_limits(config, layer, global_layer_number: int, num_layers: int | None = None):
     """``layer`` (``TransformerLayerSubmodules``) with its layer's SwiGLU limits: the dense MLP or the routed experts
-    ``config.hp_swiglu_limits[i]``, the shared experts ``config.hp_shared_swiglu_limits[i]`` (0 or no list: none)."""
+    ``config.hp_swiglu_limits[i]``, the shared experts ``config.hp_shared_swiglu_limits[i]`` (0 or no list: none).
+    ``global_layer_number`` counts GPT layers (mixer + MLP), of which the lists hold ``num_layers`` (default
+    ``config.num_layers``; a HybridModel's config counts its mixer and MLP layers apart)."""
     from megatron.core.transformer.moe.moe_layer import MoESubmodules
 
-    index = global_layer_number - 1
-    routed, shared = _limit(config, "hp_swiglu_limits", index), _limit(config, "hp_shared_swiglu_limits", index)
+    index, count = global_layer_number - 1, config.num_layers if num_layers is None else num_layers
+    routed = _limit(config, "hp_swiglu_limits", index, count)
+    shared = _limit(config, "hp_shared_swiglu_limits", index, count)
     mlp = layer.mlp
     submodules = getattr(mlp, "submodules", None) or getattr(mlp, "keywords", {}).get("submodules")
     if isinstance(submodules, MoESubmodules):

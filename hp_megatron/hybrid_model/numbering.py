@@ -7,6 +7,7 @@ symbol = one layer: GPT layer ``i`` is the ``i``-th mixer layer and the ``i``-th
 * :func:`hybrid_pattern_of`: the hybrid pattern of a GPT model (our ``hp_layer_pattern`` over ``num_layers``, MoE
   layers per ``moe_layer_freq``, ``|`` between the layers of pipeline stages, ``/`` + one MTP layer per depth).
 * :func:`delta_slot_mixers`: which of our mixers each layer of a shared slot (``G``: GDN and KDA) takes.
+* :func:`gpt_layer_numbers`: the GPT layer each HybridModel layer is half of (what per-GPT-layer settings index).
 * :class:`LayerNumbering`: checkpoint / state-dict keys of one numbering in the other (``gpt_to_hybrid`` and
   ``hybrid_to_gpt``), for any architecture: only the layer index and the MTP inner-layer part of a key change.
 """
@@ -97,6 +98,21 @@ def delta_slot_mixers(hybrid_pattern: str, gpt_pattern: str | None, slot_symbol:
         raise ValueError(f"layer pattern {gpt_pattern!r} has {len(ours)} mixers of the {slot_symbol!r} slot, the "
                          f"hybrid layer pattern {hybrid_pattern!r} {len(positions)} {slot_symbol!r} layers")
     return {n: ours[k % len(ours)] for k, n in enumerate(positions)}
+
+
+def gpt_layer_numbers(hybrid_pattern: str) -> dict:
+    """``{1-based HybridModel layer number: 1-based GPT layer number}`` of the main pattern: the ``i``-th mixer layer
+    and the ``i``-th MLP layer are GPT layer ``i``'s halves (MTP parts are not numbered)."""
+    main, _ = split_pattern(hybrid_pattern)
+    numbers, mixers, mlps = {}, 0, 0
+    for n, symbol in enumerate(main, start=1):
+        if symbol in MLP_SYMBOLS:
+            mlps += 1
+            numbers[n] = mlps
+        else:
+            mixers += 1
+            numbers[n] = mixers
+    return numbers
 
 
 _LAYER_KEY = re.compile(r"^(?P<head>(?:.*\.)?decoder\.layers\.)(?P<index>\d+)\.(?P<part>[^.]+)(?P<rest>\..*)$")

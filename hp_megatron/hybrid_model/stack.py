@@ -24,6 +24,14 @@ so MLA (``+``) and RoPE attention (``*``) layers can share a model. A slot that 
 GDN and KDA, while megatron-core has no ``K``) takes the mixer of each layer from ``mixer_by_layer`` (``{global layer
 number: our symbol}``, ``hp_megatron.hybrid_model.numbering.delta_slot_mixers``) among ``mixer_specs``: one model
 holds GDN and KDA layers without a symbol of its own in megatron-core.
+
+Per-GPT-layer settings: a HybridModel layer is half of a GPT layer (``config.hp_gpt_layer_numbers``, set by
+``hp_megatron.model_builders.hybrid_model_config``), and the settings of that GPT layer apply to it as in a
+``GPTModel``: :class:`HybridStackLayer` makes its mixer post-norm where ``config.hp_post_norm_symbols`` names it,
+:class:`HybridMLPLayer` / :class:`HybridMoELayer` (the ``-`` / ``E`` slots) take the GPT layer's SwiGLU limits
+(``hp_megatron.decoder.swiglu_limits``) and, after a post-norm mixer, a post-norm MLP; DSA's top-k sharing counts
+GPT layers the same way (``layers.mixers.mla.dsa``). Megatron-LM's module-level specs build no such numbering: their
+layers are megatron-core's numbering as it is, and post-norm layers are refused there.
 """
 from __future__ import annotations
 
@@ -31,11 +39,15 @@ from dataclasses import replace
 
 from megatron.core.models.hybrid.hybrid_block import HybridStack as MegatronHybridStack
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 
+from hp_megatron.decoder.pattern import symbol_for_layer
+from hp_megatron.decoder.post_norm import is_post_norm, post_norm_mixer, post_norm_mlp
 from hp_megatron.decoder.qk_norm import resolve_qk_norm
 from hp_megatron.decoder.rotary import without_rotary
+from hp_megatron.decoder.swiglu_limits import with_swiglu_limits
 
 # pattern symbol -> HybridStackSubmodules slot
 SLOTS = {Symbols.MAMBA: "mamba_layer", Symbols.GDN: "gdn_layer", Symbols.ATTENTION: "attention_layer",
@@ -89,18 +101,61 @@ class HybridStackLayer(TransformerLayer):
     for its mixer (module docstring); every other argument is megatron-core's."""
 
     def __init__(self, config, submodules, layer_number: int = 1, *args, own_positions: bool = False,
-                 mixer_by_layer=None, mixer_specs=None, **kwargs):
-        self.mixer_symbol = None
+                 mixer_by_layer=None, mixer_specs=None, symbol=None, **kwargs):
+        self.mixer_symbol = symbol
         if mixer_by_layer:
             if layer_number not in mixer_by_layer:
                 raise ValueError(f"HybridModel layer {layer_number} of a shared slot has no mixer in mixer_by_layer "
                                  f"(layers {sorted(mixer_by_layer)})")
             self.mixer_symbol = mixer_by_layer[layer_number]
             submodules = replace(submodules, self_attention=mixer_specs[self.mixer_symbol])
-        super().__init__(config, resolve_qk_norm(config, submodules), layer_number, *args, **kwargs)
+        submodules = resolve_qk_norm(config, submodules)
+        if self.mixer_symbol is not None and is_post_norm(config, self.mixer_symbol):
+            submodules = post_norm_mixer(submodules)
+        super().__init__(config, submodules, layer_number, *args, **kwargs)
         self.own_positions = own_positions
 
     def forward(self, *args, **kwargs):
         if self.own_positions:
             kwargs = without_rotary(kwargs)
         return super().forward(*args, **kwargs)
+
+
+def _mlp_submodules(config, submodules, layer_number: int):
+    """The MLP half of GPT layer ``config.hp_gpt_layer_numbers[layer_number]``: its SwiGLU limits and, when that
+    layer's mixer (``config.hp_layer_pattern``) is post-norm, a post-norm MLP. Layers the config does not number
+    (MTP parts; Megatron-LM's module-level specs, which build no renumbered config) are megatron-core's as they are,
+    unless the config asks for post-norm layers, which they could not honour (a ValueError)."""
+    number = (getattr(config, "hp_gpt_layer_numbers", None) or {}).get(layer_number)
+    if number is None:
+        if getattr(config, "hp_post_norm_symbols", None):
+            raise ValueError(f"HybridModel layer {layer_number} is not a GPT layer's half (config.hp_gpt_layer_numbers"
+                             f", hp_megatron.model_builders.hybrid_model_config): post-norm layers "
+                             f"(hp_post_norm_symbols={config.hp_post_norm_symbols!r}) need it; MTP with post-norm "
+                             "layers is not supported")
+        return submodules
+    submodules = with_swiglu_limits(config, submodules, number, config.hp_gpt_num_layers)
+    pattern = getattr(config, "hp_layer_pattern", None)
+    if getattr(config, "hp_post_norm_symbols", None):
+        if not pattern:
+            raise ValueError(f"post-norm layers (hp_post_norm_symbols={config.hp_post_norm_symbols!r}) in a "
+                             "HybridModel need config.hp_layer_pattern (--hp-layer-pattern) to tell which MLP layers "
+                             "follow them")
+        if is_post_norm(config, symbol_for_layer(pattern, number)):
+            submodules = post_norm_mlp(config, submodules)
+    return submodules
+
+
+class HybridMLPLayer(MLPLayer):
+    """megatron-core's ``MLPLayer`` (``-``) with its GPT layer's SwiGLU limits and post-norm
+    (:func:`_mlp_submodules`)."""
+
+    def __init__(self, config, submodules, layer_number: int = 1, *args, **kwargs):
+        super().__init__(config, _mlp_submodules(config, submodules, layer_number), layer_number, *args, **kwargs)
+
+
+class HybridMoELayer(MoETransformerLayer):
+    """megatron-core's ``MoETransformerLayer`` (``E``) with its GPT layer's SwiGLU limits (:func:`_mlp_submodules`)."""
+
+    def __init__(self, config, submodules, layer_number: int = 1, *args, **kwargs):
+        super().__init__(config, _mlp_submodules(config, submodules, layer_number), layer_number, *args, **kwargs)

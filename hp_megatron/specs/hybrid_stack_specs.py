@@ -11,8 +11,9 @@ symbol  slot                        our layer (``get_hybrid_stack_spec``)
 ``*``   ``attention_layer``         RMSNorm -> causal softmax attention (``ContextParallelDotProductAttention``,
                                     q/k RMSNorms per ``--qk-layernorm``), the model's RoPE
 ``+``   ``mla_layer``               RMSNorm -> our MLA (``layers.mixers.mla.layer``; its own rotary embedding)
-``-``   ``mlp_layer``               RMSNorm -> megatron-core's ``MLP`` (``--ffn-hidden-size``, ``--swiglu``)
-``E``   ``moe_layer``               RMSNorm -> megatron-core's ``MoELayer`` (``SequentialMLP`` experts)
+``-``   ``mlp_layer``               RMSNorm -> megatron-core's ``MLP`` (``--ffn-hidden-size``, ``--swiglu``); its GPT
+                                    layer's SwiGLU limits / post-norm (``hybrid_model.stack.HybridMLPLayer``)
+``E``   ``moe_layer``               RMSNorm -> megatron-core's ``MoELayer`` (``SequentialMLP`` experts); SwiGLU limits
 ``M``   ``mamba_layer``             none: refused (``hp_megatron.hybrid_model.stack.check_slots``)
 ``D``   ``dsa_layer``               RMSNorm -> our DSA (``layers.mixers.mla.dsa``: MLA over the indexer's top-k tokens)
 ======  ==========================  ===========================================================================
@@ -53,15 +54,13 @@ def _megatron_hybrid():
     """megatron-core's HybridModel pieces; RuntimeError naming the version where it has none (before 0.19)."""
     try:
         from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
-        from megatron.core.ssm.mlp_layer import MLPLayer
-        from megatron.core.transformer.transformer_layer import MoETransformerLayer
     except ImportError as err:
         from megatron.core.package_info import __version__
 
         raise RuntimeError(f"stack specs are for megatron-core's HybridModel (megatron.core.models.hybrid, "
                            f"megatron-core 0.19+); the installed megatron-core {__version__} has none ({err})"
                            ) from err
-    return HybridStackSubmodules, MLPLayer, MoETransformerLayer
+    return HybridStackSubmodules
 
 
 def slot_symbols() -> dict:
@@ -84,7 +83,7 @@ def _mixer_layer(default: str, slot_mixers, provider, qk_layernorm, cp_layout) -
     def mixer_spec(symbol):
         return get_mixer_spec(mixer(symbol).name, provider, qk_layernorm=qk_layernorm, cp_layout=cp_layout)
 
-    params = {"own_positions": mixer(default).own_positions}
+    params = {"own_positions": mixer(default).own_positions, "symbol": default}
     if slot_mixers and set(slot_mixers.values()) != {default}:
         if any(mixer(s).own_positions != params["own_positions"] for s in slot_mixers.values()):
             raise ValueError(f"the mixers of one HybridModel slot {sorted(set(slot_mixers.values()))} differ in "
@@ -129,8 +128,8 @@ def get_hybrid_stack_spec(backend="eager", *, g_mixer: str = "gdn", qk_layernorm
     if entry.stack_slot != "gdn_layer":
         raise ValueError(f"g_mixer (the mixer of the 'G' slot) must be one of {g_mixers()}, got {g_mixer!r} (it "
                          f"fills HybridModel's {entry.stack_slot})")
-    HybridStackSubmodules, MLPLayer, MoETransformerLayer = _megatron_hybrid()
-    from hp_megatron.hybrid_model.stack import HybridStack
+    HybridStackSubmodules = _megatron_hybrid()
+    from hp_megatron.hybrid_model.stack import HybridMLPLayer, HybridMoELayer, HybridStack
 
     provider = get_spec_provider(backend, linear=linear)
     norm = provider.layer_norm(rms_norm=True)
@@ -144,9 +143,9 @@ def get_hybrid_stack_spec(backend="eager", *, g_mixer: str = "gdn", qk_layernorm
         mixer_slots[slot] = _mixer_layer(default, mine, provider, qk_layernorm, cp_layout)
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
         **mixer_slots,
-        mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        mlp_layer=ModuleSpec(module=HybridMLPLayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=norm, mlp=mlp, mlp_bda=get_bias_dropout_add)),
-        moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+        moe_layer=ModuleSpec(module=HybridMoELayer, submodules=TransformerLayerSubmodules(
             pre_mlp_layernorm=norm, mlp=_moe_mlp_spec(provider), mlp_bda=get_bias_dropout_add)),
         mtp_block_spec=hybrid_mtp_block_spec(provider) if mtp else None,
     ))

@@ -6,8 +6,10 @@ i-th MLP layer of the hybrid pattern; MTP inner layers split the same way), whic
 HybridModel exactly once and invert. Then the loss (with labels: the main loss and, with MTP, the MTP losses in the
 backward) and every gradient are equal. Cases: GDN and KDA layers in one model (``G`` slot per layer from
 ``config.hp_layer_pattern``) with RoPE attention and q/k norms; the same with dense and MoE MLPs mixed and an MTP
-layer of attention + MoE; KDA / GDN / MLA with an MLA MTP layer. Also: the derived patterns (``|`` per pipeline stage,
-``/`` per MTP depth) and the refusals.
+layer of attention + MoE; KDA / GDN / MLA with an MLA MTP layer; post-norm attention layers (and their MLPs) with
+q/k norms over the whole projection and SwiGLU limits (OLMo-Hybrid's); per-layer routed / shared-expert SwiGLU limits
+on MoE layers (Ling 3.0's), the clipped fc1s counted in both models. Also: the derived patterns (``|`` per pipeline
+stage, ``/`` per MTP depth) and the refusals.
 """
 import pytest
 import torch
@@ -30,6 +32,17 @@ CASES = {
                           ["GatedDeltaNet", "KimiDeltaAttention", "GatedDeltaNet", "SelfAttention"]),
     "kda_mla_mtp_mla": ("KGKM", {"mtp_num_layers": 1}, "M", "G-G-G-+-/+-",
                         ["KimiDeltaAttention", "GatedDeltaNet", "KimiDeltaAttention", "MultiLatentAttention"]),
+    # OLMo-Hybrid's layer features: post-norm attention layers, q/k norms over the whole projection, SwiGLU limits
+    # (small enough to clip); the MLP after a post-norm mixer is post-norm too
+    "post_norm_qk_projection_swiglu_limits": (
+        "GAGA", {"qk_layernorm": True, "hp_qk_norm_scope": "projection", "hp_post_norm_symbols": "A",
+                 "hp_swiglu_limits": [0.0, 0.3, 0.5, 0.0]}, None, "G-*-G-*-",
+        ["GatedDeltaNet", "PostNormSelfAttention", "GatedDeltaNet", "PostNormSelfAttention"]),
+    # Ling 3.0's: per-layer limits of routed and shared experts on MoE layers
+    "moe_swiglu_limits": ("KAKA", dict(MOE, moe_shared_expert_intermediate_size=32,
+                                       hp_swiglu_limits=[0.0, 0.3, 0.4, 0.0],
+                                       hp_shared_swiglu_limits=[0.0, 0.2, 0.0, 0.0]), None, "G-*EGE*-",
+                          ["KimiDeltaAttention", "SelfAttention", "KimiDeltaAttention", "SelfAttention"]),
 }
 
 
@@ -70,6 +83,8 @@ def test_hybrid_model_equals_gpt_model_of_the_same_weights(case):
         assert type(hybrid).__mro__[1] is HybridModel and hybrid.hybrid_layer_pattern == expected_pattern
         assert [type(layer.self_attention).__name__ for layer in hybrid.decoder.layers[::2]] == mixers
         assert hybrid.config.num_layers == 2 * len(pattern) and config.num_layers == len(pattern)
+        clipped = [sum(type(m).__name__ == "ClippedSwiGLUInput" for m in model.modules()) for model in (gpt, hybrid)]
+        assert clipped[0] == clipped[1] and (clipped[0] > 0) == ("hp_swiglu_limits" in fields), clipped
         numbering = LayerNumbering(hybrid.hybrid_layer_pattern)
         hybrid_params, gpt_params = dict(hybrid.named_parameters()), dict(gpt.named_parameters())
         mapped = {numbering.gpt_to_hybrid(name): name for name in gpt_params}

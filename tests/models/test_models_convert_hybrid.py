@@ -1,8 +1,11 @@
 """``python -m hp_megatron.convert --model-class hybrid``: every architecture's conversion rules (written once, for
 GPTModel) on megatron-core's HybridModel through the layer numbering (``hp_megatron.hybrid_model.numbering``).
 
-Per architecture (Llama, Qwen3-Next, DeepSeek-V3 and Kimi Linear tiny random transformers models; Qwen3-Next and
-DeepSeek-V3 also with a released-style MTP layer): HF -> HybridModel checkpoint -> HF is bit-exact; the checkpoint
+Per architecture (every architecture of ``ARCHITECTURES``' tiny random transformers models: Llama, Qwen3-Next,
+DeepSeek-V3, Kimi Linear, Qwen3.5 dense text, the Qwen3.5 VL checkpoint's language model (vision tower dropped),
+OLMo-Hybrid (post-norm attention, projection q/k norms), GLM-5 (DSA with shared top-k layers: the schedule counts GPT
+layers); with a released-style MTP layer: Qwen3-Next, DeepSeek-V3, Qwen3.5-MoE VL, Ling 3.0 (SwiGLU limits),
+DeepSeek-V3.2 (DSA)): HF -> HybridModel checkpoint -> HF is bit-exact; the checkpoint
 loads through ``sharded_state_dict`` into the architecture's HybridModel, which holds exactly the renumbered rules'
 tensors and gives transformers' logits and greedy next tokens. mcore-to-hf runs through the command line and reads the
 model class from the checkpoint. Skipped before megatron-core 0.19 (no HybridModel).
@@ -24,7 +27,9 @@ except ImportError:  # megatron-core before 0.19
 
 pytestmark = pytest.mark.skipif(HybridModel is None, reason="megatron-core's HybridModel is 0.19+")
 
-CASES = {"llama": 0, "qwen3_next": 0, "deepseek_v3": 0, "kimi_linear": 0, "qwen3_next_mtp": 1, "deepseek_v3_mtp": 1}
+CASES = {"llama": 0, "qwen3_next": 0, "deepseek_v3": 0, "kimi_linear": 0, "qwen3_next_mtp": 1, "deepseek_v3_mtp": 1,
+         "qwen3_5_text": 0, "qwen3_5_moe_mtp": 1, "qwen3_5": 0, "olmo_hybrid": 0, "bailing_hybrid_mtp": 1,
+         "deepseek_v32_mtp": 1, "glm_moe_dsa": 0}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -50,10 +55,12 @@ def test_hybrid_round_trip_load_and_logits(single_rank, case, tmp_path):
     with open(os.path.join(hf_dir, "config.json")) as f:
         hf_config = json.load(f)
     architecture = get_architecture(arch).with_mtp(mtp).for_model_class("hybrid")
-    hf_to_mcore(hf_dir, ckpt, architecture)
+    vl = "text_config" in hf_config   # Qwen3.5 VL: every modeled tensor (the vision tower is dropped)
+    hf_to_mcore(hf_dir, ckpt, architecture, drop_unmodeled=vl)
     assert stored_model_class(ckpt) == "hybrid"
     assert convert_main(["mcore-to-hf", "--load", ckpt, "--save", back, "--max-shard-size", "50KB"]) == 0
-    original, exported = read_safetensors(hf_dir), read_safetensors(back)
+    original = {k: v for k, v in read_safetensors(hf_dir).items() if not k.startswith("model.visual.")}
+    exported = read_safetensors(back)
     assert sorted(exported) == sorted(original)
     for key, tensor in original.items():
         assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key

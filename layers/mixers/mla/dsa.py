@@ -158,7 +158,10 @@ class DSAttention(MultiLatentAttention):
         self.block_size = block_size
         self.topk = c.dsa_indexer_topk
         freq, offset = c.dsa_indexer_topk_freq or 1, c.dsa_indexer_skip_topk_offset or 0
-        number = layer_number or 1
+        # the schedule counts the model's mixer layers: a HybridModel numbers its MLP layers too, and its config says
+        # which GPT layer each of its layers is half of (hp_gpt_layer_numbers, hp_megatron.model_builders)
+        number = (getattr(c, "hp_gpt_layer_numbers", None) or {}).get(layer_number, layer_number or 1)
+        self.topk_layer = number
         self.source_layer = source_topk_layer(number, offset, freq) if freq > 1 else number
         self.indexer = DSAIndexer(c, c.q_lora_rank) if self.source_layer == number else None
         self.loss_coeff = float(c.dsa_indexer_loss_coeff or 0.0)
@@ -222,13 +225,13 @@ class DSAttention(MultiLatentAttention):
         index = None
         if self.indexer is None:
             if self.source_layer not in holder:
-                raise RuntimeError(f"DSA skip layer {self.layer_number} needs the top-k of layer {self.source_layer}, "
+                raise RuntimeError(f"DSA skip layer {self.topk_layer} needs the top-k of layer {self.source_layer}, "
                                    f"which did not run before it in this micro-batch (layers run: {sorted(holder)})")
             topk = holder[self.source_layer]
         else:
             index = self._index(step)
             topk = select_topk(*index, self.topk, q_ids=q_ids, cu_seqlens=cu_seqlens, relu=self.relu)
-            holder[self.layer_number or 1] = topk
+            holder[self.topk_layer] = topk
         scale = self.core_attention.softmax_scale
         out = sparse_attention(query, key, value, topk, scale=scale, block_size=self.block_size)
         if index is not None and self.training and self.loss_coeff > 0 and torch.is_grad_enabled():
