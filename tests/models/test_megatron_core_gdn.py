@@ -2,7 +2,8 @@
 
 In this process (no kernel runs): a ``torch_dist`` checkpoint of megatron-core's GPTModel and of its HybridModel
 with its GDN layers (TE modules stood in, tests/support/te_standin.py) converts to ours and back bit-exactly
-(``hp_megatron.models.megatron_gdn``), and the key maps refuse what has no counterpart.
+(``hp_megatron.models.megatron_gdn``); their HybridModel's checkpoint goes on through ``gpt-to-hybrid``
+(``hp_megatron.convert.migrate``) into our HybridModel, bit-exact; and the key maps refuse what has no counterpart.
 
 In one spawn of 2 gloo ranks with Triton's interpreter (their layer calls FLA's Triton kernels; on CPU the
 interpreter runs them): their layer against ours on the same weights, in fp32 — output, input gradient and every
@@ -333,6 +334,20 @@ def test_checkpoint_to_ours_and_back_is_bit_exact(kind, tmp_path, single_rank):
     assert sorted(plain_objects) == sorted(key_map.to_ours(k) for k in model_objects)
     assert plain.read_objects(plain_objects) == {key_map.to_ours(k): v
                                                  for k, v in source.read_objects(model_objects).items()}
+
+    if kind == "hybrid":   # their HybridModel -> our GPTModel -> (gpt-to-hybrid) our HybridModel, bit-exact
+        from hp_megatron.convert.migrate import migrate_gpt_to_hybrid
+        from hp_megatron.hybrid_model.numbering import LayerNumbering
+
+        ours_hybrid = our_model(key_map, "hybrid")
+        assert ours_hybrid.hybrid_layer_pattern == HYBRID_PATTERN
+        migrate_gpt_to_hybrid(str(tmp_path / "ours"), str(tmp_path / "ours_hybrid"), HYBRID_PATTERN)
+        _load(ours_hybrid, str(tmp_path / "ours_hybrid"))
+        migrated, numbering = _tensors(ours_hybrid), LayerNumbering(HYBRID_PATTERN)
+        expected = {numbering.gpt_to_hybrid(k): v for k, v in key_map.state_dict_to_ours(original).items()}
+        assert sorted(k for k in migrated if not k.endswith("_extra_state")) == sorted(expected)
+        for key, value in expected.items():
+            assert torch.equal(migrated[key], value), key
 
     key_map.checkpoint_to_theirs(str(tmp_path / "ours"), str(tmp_path / "back"), target=theirs)
     fresh = build()

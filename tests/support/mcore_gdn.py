@@ -170,15 +170,18 @@ def hybrid_model(pattern=HYBRID_PATTERN):
                            hybrid_layer_pattern=pattern, position_embedding_type="rope")
 
 
-def our_model(key_map):
-    """Our GPTModel for a megatron_gdn ``KeyMap`` (its pattern and MoE layers)."""
+def our_model(key_map, model_class: str = "gpt"):
+    """Our GPTModel (``model_class="hybrid"``: our HybridModel) for a megatron_gdn ``KeyMap`` (its pattern and MoE
+    layers)."""
     from hp_megatron.config import HybridTransformerConfig
     from hp_megatron.specs import get_hybrid_layer_spec
-    from hp_megatron.model_builders import hybrid_gpt_model
+    from hp_megatron.model_builders import hybrid_gpt_model, hybrid_model
 
     moe = dict(MOE_FIELDS, moe_layer_freq=[int(m) for m in key_map.moe_layers]) if any(key_map.moe_layers) else {}
     config = HybridTransformerConfig(num_layers=len(key_map.pattern), hp_layer_pattern=key_map.pattern,
                                      **MODEL_FIELDS, **moe, **_platform_fields())
+    if model_class == "hybrid":
+        return hybrid_model(config, vocab_size=VOCAB, max_sequence_length=MAX_SEQ, position_embedding_type="rope")
     return hybrid_gpt_model(config, get_hybrid_layer_spec(key_map.pattern), vocab_size=VOCAB,
                             max_sequence_length=MAX_SEQ, position_embedding_type="rope")
 
