@@ -12,7 +12,7 @@ references to what the generator yielded show it keeps at most the current rule'
 exporter, called again after an in-place change of the weights, yields the changed weights; a rank whose
 ``sharded_state_dict`` fails stops every rank.
 
-Multi-token prediction: the tiny Qwen3-Next, DeepSeek-V3 and Qwen3.5-MoE VL (its language model under
+Multi-token prediction: the tiny Qwen3-Next, DeepSeek-V3, Ling 3.0 and Qwen3.5-MoE VL (its language model under
 ``model.language_model.``, the vision tower dropped) checkpoints with one MTP layer
 (tests/support/mtp_case.py), converted with ``with_mtp(1)``, are loaded into models built with
 ``mtp_num_layers=1`` at TP2 x PP2 x EP2 (the MTP block and its embedding copy on the last stage) and exported by
@@ -35,7 +35,7 @@ CASES = (("qwen3_next", "qwen3_next", "tp2_pp2_ep2", None), ("deepseek_v3", "dee
          ("qwen3_next_cp2", "qwen3_next", "tp2_cp2_ep2", 2), ("qwen3_next_mtp", "qwen3_next", "tp2_pp2_ep2", None),
          ("deepseek_v3_mtp", "deepseek_v3", "tp2_pp2_ep2", 3), ("qwen3_5_text", "qwen3_5_text", "tp2_pp2_ep2", 1),
          ("qwen3_5_moe_mtp", "qwen3_5_moe", "tp2_pp2_ep2", 0),   # Qwen3.5: dense text; VL MoE with MTP
-         ("olmo_hybrid", "olmo_hybrid", "tp2_pp2_ep2", 0), ("bailing_hybrid", "bailing_hybrid", "tp2_pp2_ep2", 1))
+         ("olmo_hybrid", "olmo_hybrid", "tp2_pp2_ep2", 0), ("bailing_hybrid_mtp", "bailing_hybrid", "tp2_pp2_ep2", 1))
 LAYOUTS = {"tp2_pp2_ep2": dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                                expert_model_parallel_size=2, expert_tensor_parallel_size=1),
            "tp2_cp2_ep2": dict(tensor_model_parallel_size=2, context_parallel_size=2,
