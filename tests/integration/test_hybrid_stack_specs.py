@@ -128,7 +128,8 @@ def test_module_level_stack_specs(monkeypatch):
         mixer = spec.submodules.gdn_layer.submodules.self_attention
         assert mixer.module.__name__ == {"gdn": "GatedDeltaNet", "kda": "KimiDeltaAttention"}[g_mixer], name
         assert mixer.params["backend"] == backend, name
-        assert spec.submodules.mla_layer.params == {"own_positions": True}
+        assert spec.submodules.mla_layer.params == {"own_positions": True, "symbol": "M"}
+        assert spec.submodules.gdn_layer.params["symbol"] == {"gdn": "G", "kda": "K"}[g_mixer], name
     assert sorted(specs.STACK_SPECS) == sorted(
         f"{prefix}hybrid_stack{suffix}_spec" for prefix in ("", "kda_") for suffix in ("", "_triton", "_ascendc"))
     with pytest.raises(AttributeError, match="no attribute 'hybrid_stack_cuda_spec'"):
