@@ -22,14 +22,11 @@ CP_COMM_TYPE_FLAG = "--cp-comm-type"
 GIVEN_DEST = "hp_cp_comm_type_given"   # args attribute: whether --cp-comm-type was on the command line
 
 
-def given_on_command_line(argv, flag: str) -> bool:
-    """Whether ``flag`` is on ``argv`` (``--flag V`` or ``--flag=V``; abbreviations are off)."""
-    return any(arg == flag or arg.startswith(flag + "=") for arg in argv)
-
-
 def record_given_cp_comm_type(parser, argv=None) -> None:
     """Set the parser's default of ``args.hp_cp_comm_type_given``: whether ``--cp-comm-type`` is on ``argv``
     (default ``sys.argv[1:]``, what Megatron-LM's ``parse_args`` parses)."""
+    from hp_megatron.flags import given_on_command_line
+
     parser.set_defaults(**{GIVEN_DEST: given_on_command_line(sys.argv[1:] if argv is None else argv,
                                                              CP_COMM_TYPE_FLAG)})
 

@@ -75,6 +75,14 @@ def model_flag_dests() -> tuple:
     return tuple(row.dest for row in flag_table() if row.model and row.flag is not None)
 
 
+def given_on_command_line(argv, flag: str) -> bool:
+    """Whether ``flag`` (``--name``, or its args dest ``name_with_underscores``) is on ``argv`` (``--name V`` or
+    ``--name=V``; Megatron-LM and the example turn abbreviations off)."""
+    if not flag.startswith("--"):
+        flag = "--" + flag.replace("_", "-")
+    return any(arg == flag or arg.startswith(flag + "=") for arg in argv)
+
+
 def preset_flag_fields() -> dict:
     """``{args name: config field}`` of the flags ``--hp-hf-config``'s architecture decides (``OptionRow.preset``)."""
     return {row.dest: row.field for row in flag_table() if row.preset and row.flag is not None}

@@ -15,6 +15,8 @@ import warnings
 from contextlib import contextmanager
 
 from hp_megatron.arguments import add_hp_arguments, validate_hp_args
+from hp_megatron.flags import given_on_command_line
+from hp_megatron.models.args import apply_hf_preset
 from hp_megatron.registry import UnsupportedByMixer
 
 PROG = "pretrain_hybrid.py"
@@ -207,55 +209,6 @@ def parse_args(argv=None, parser=None):
     return args
 
 
-# --hp-hf-config: the example's model flags -> the preset's Megatron argument (hp_megatron.models.args) or the
-# config field of our layers it sets (ModelPreset.mixer_fields)
-PRESET_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-               "rotary_base", "hp_layer_pattern", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
-               "moe_router_score_function", "moe_router_enable_expert_bias")
-# how the router is balanced is a training choice: given on the command line, these flags (all three, with
-# Megatron-LM's defaults for those not given) replace the preset's balancing (none: transformers' loss has no aux loss)
-TRAINING_MOE_ARGS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_router_bias_update_rate")
-
-
-def _given_on_command_line(argv, dest: str) -> bool:
-    """Whether the flag of ``dest`` (``--`` + dest with dashes) is on ``argv`` (``--flag V`` or ``--flag=V``;
-    abbreviations are off)."""
-    flag = "--" + dest.replace("_", "-")
-    return any(arg == flag or arg.startswith(flag + "=") for arg in argv)
-
-
-def apply_hf_preset(args, argv):
-    """With ``--hp-hf-config PATH``: the model flags from that HF config (``apply_hf_config_to_args``); returns
-    the ``ModelPreset`` (None without the flag). A model flag given on the command line with another value than
-    the preset's is refused (ValueError naming both)."""
-    if args.hp_hf_config is None:
-        return None
-    from hp_megatron.flags import preset_flag_fields
-    from hp_megatron.models import preset_from_hf
-    from hp_megatron.models.args import apply_hf_config_to_args, megatron_args
-
-    preset = preset_from_hf(args.hp_hf_config)
-    wanted = megatron_args(preset)
-    source = f"--hp-hf-config {args.hp_hf_config}"
-    for dest in PRESET_ARGS:
-        value = wanted.get(dest, None)
-        if dest == "num_query_groups" and value is None:
-            value = wanted["num_attention_heads"]
-        if _given_on_command_line(argv, dest) and getattr(args, dest) != value:
-            raise ValueError(f"--{dest.replace('_', '-')} {getattr(args, dest)} conflicts with {source} "
-                             f"({preset.model_type}: {dest} {value})")
-    for dest, attr in preset_flag_fields().items():   # the flag table's rows the preset decides
-        if _given_on_command_line(argv, dest) and getattr(args, dest) != preset.mixer_fields.get(attr):
-            raise ValueError(f"--{dest.replace('_', '-')} {getattr(args, dest)} conflicts with {source} "
-                             f"({preset.model_type}: {attr} {preset.mixer_fields.get(attr)})")
-    training_choices = {dest: getattr(args, dest) for dest in TRAINING_MOE_ARGS}
-    preset = apply_hf_config_to_args(args, preset)
-    if any(_given_on_command_line(argv, dest) for dest in TRAINING_MOE_ARGS):
-        for dest, value in training_choices.items():
-            setattr(args, dest, value)
-    return preset
-
-
 def apply_hybrid_layer_pattern(args, argv) -> None:
     """``--hybrid-layer-pattern`` (``--model-class hybrid`` only): the GPT numbering's flags it implies. Its mixer
     layers are ``--num-layers`` (given: must agree), its ``/`` parts ``--mtp-num-layers`` (given: must agree) and
@@ -291,7 +244,7 @@ def apply_hybrid_layer_pattern(args, argv) -> None:
     if has_moe != (args.num_experts is not None):
         raise ValueError(f"--hybrid-layer-pattern {pattern} has {'' if has_moe else 'no '}MoE layers (E) but "
                          f"{'no --num-experts' if has_moe else f'--num-experts {args.num_experts}'} is given")
-    if _given_on_command_line(argv, "num_layers") and args.num_layers != len(mixers):
+    if given_on_command_line(argv, "num_layers") and args.num_layers != len(mixers):
         raise ValueError(f"--num-layers {args.num_layers} conflicts with --hybrid-layer-pattern {pattern} "
                          f"({len(mixers)} mixer layers, each with its MLP layer: one GPT layer)")
     args.num_layers = len(mixers)

@@ -45,6 +45,7 @@ from cli import parse_args, quiet_known_warnings, run_reporting_errors, same_on_
 from hp_megatron.arguments import apply_hp_config  # noqa: E402
 from hp_megatron.training.cp_subgroup_registration import register_cp_subgroups_from_args  # noqa: E402
 from hp_megatron.models import preset_gpt_model, preset_hybrid_model, preset_transformer_config  # noqa: E402
+from hp_megatron.models.args import preset_vocab_size  # noqa: E402
 from hp_megatron.platform import CPU_SAFE_CONFIG, apply_cpu_training_shims  # noqa: E402
 from hp_megatron.training.model_args import (MODEL_ARGS_KEY, hybrid_config_from_args,  # noqa: E402
                                              hybrid_model_from_args, stored_model_args)
@@ -91,19 +92,11 @@ def pad_vocab(vocab_size, tp, multiple=128):
 
 def model_vocab_size(args, tokenizer_vocab: int) -> int:
     """The embedding rows: the tokenizer's vocabulary padded to 128 x TP, or with ``--hp-hf-config`` the HF
-    config's ``vocab_size`` (the converted checkpoint's rows; it must hold the tokenizer's ids and split over TP)."""
+    config's ``vocab_size`` (``hp_megatron.models.args.preset_vocab_size``: the converted checkpoint's rows)."""
     tp = args.tensor_model_parallel_size
     if args.hp_preset is None:
         return pad_vocab(tokenizer_vocab, tp)
-    vocab = args.hp_preset.gpt_model_kwargs["vocab_size"]
-    if vocab < tokenizer_vocab:
-        raise ValueError(f"--hp-hf-config {args.hp_hf_config} has vocab_size {vocab}, fewer than the "
-                         f"{tokenizer_vocab} ids of --tokenizer {args.tokenizer}: the data must use the model's "
-                         "tokenizer")
-    if vocab % tp:
-        raise ValueError(f"--hp-hf-config {args.hp_hf_config}: vocab_size {vocab} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}")
-    return vocab
+    return preset_vocab_size(args.hp_preset, tokenizer_vocab, tp, f"--hp-hf-config {args.hp_hf_config}")
 
 
 def build_config(args, vocab_size):

@@ -34,15 +34,17 @@ def preset_layer_spec(preset, backend="eager", **kwargs):
 
 
 def preset_gpt_model(preset, config, backend="eager", *, max_sequence_length: int, pre_process: bool = True,
-                     post_process: bool = True, vp_stage=None, **spec_kwargs):
+                     post_process: bool = True, vp_stage=None, pg_collection=None, **spec_kwargs):
     """megatron-core ``GPTModel`` of ``preset`` for this pipeline stage
     (``hp_megatron.model_builders.hybrid_gpt_model``: our RMSNorm as the final norm); ``config`` is typically
-    :func:`preset_transformer_config`'s."""
+    :func:`preset_transformer_config`'s; ``pg_collection``: megatron-core's process groups (Megatron-LM 0.19's
+    builders pass theirs; None: ``parallel_state``'s)."""
     from hp_megatron.model_builders import hybrid_gpt_model
 
     model = hybrid_gpt_model(config, preset_layer_spec(preset, backend, **spec_kwargs),
                              max_sequence_length=max_sequence_length, pre_process=pre_process,
                              post_process=post_process, vp_stage=vp_stage, backend=backend,
+                             **({} if pg_collection is None else {"pg_collection": pg_collection}),
                              **preset.gpt_model_kwargs)
     if preset.position_ids_map is not None:
         model.register_forward_pre_hook(_mapping_position_ids(preset.position_ids_map), with_kwargs=True)

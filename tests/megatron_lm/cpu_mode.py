@@ -191,7 +191,16 @@ SITES_019 = (
     ("megatron/core/pipeline_parallel/schedules.py", 749, "platform:schedules.torch", 'device="cuda"'),
 )
 
-SITES = {(0, 16): SITES_016, (0, 19): SITES_019}  # by the (major, minor) of megatron-core
+# reached by MoE models only (the 2026 families from --hp-hf-config: tests/megatron_lm/test_megatron_lm_hf_config.py;
+# SITES_019 is what tests/megatron_lm/test_megatron_lm_019.py's dense runs reach, every entry)
+SITES_019_MOE = (
+    ("megatron/training/initialize.py", 131, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/core/transformer/moe/router.py", 98, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/core/transformer/moe/router.py", 184, "torch.cuda.current_device", "torch.cuda.current_device()"),
+    ("megatron/core/transformer/moe/router.py", 193, "torch.cuda.current_device", "torch.cuda.current_device()"),
+)
+
+SITES = {(0, 16): SITES_016, (0, 19): SITES_019 + SITES_019_MOE}  # by the (major, minor) of megatron-core
 DISCOVER = "HP_MEGATRON_LM_DISCOVER_SITES"
 
 _LISTED: set = set()

@@ -150,3 +150,19 @@ def test_launchers_finalize_grads_with_the_once_per_step_tp_sum():
     training = SimpleNamespace(finalize_model_grads=None)
     use_hp_finalize_model_grads(training)
     assert training.finalize_model_grads is finalize_model_grads
+
+
+@pytest.mark.parametrize("dest", ["reset_attention_mask", "dataloader_inter_document_masking"])
+def test_launchers_refuse_packed_documents(dest):
+    """Megatron-LM's packed-document batches (an attention mask, or 0.19's own CP split of cu_seqlens) are not
+    what our GDN / KDA state follows: refused in one line naming the flag and the example's THD path."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, SCRIPTS)
+    try:
+        from hp_launch import check_args
+    finally:
+        sys.path.remove(SCRIPTS)
+    flag = "--" + dest.replace("_", "-")
+    with pytest.raises(ValueError, match=f"^{flag}: packed documents .*pretrain_hybrid.py --reset-position-ids"):
+        check_args(SimpleNamespace(**{dest: True}))

@@ -104,5 +104,11 @@ def layouts_and_references(layouts: dict, references: dict, every: bool = False,
         pass  # each test reports what it misses
     if between is not None:
         between()
+    return layout, single_rank_runs(references, every)
+
+
+def single_rank_runs(references: dict, every: bool = False) -> dict:
+    """``references`` (``{name: argv}``) one after another on one rank, in one spawn: ``{name: its first iteration
+    (``every``: all its iterations)}``."""
     single = tuple((name, tuple(argv)) for name, argv in references.items())
-    return layout, run_distributed(_first_iterations, 1, single, every)[0]
+    return run_distributed(_first_iterations, 1, single, every)[0]

@@ -31,13 +31,16 @@ SEQ, GBS, ITERS, LR = 32, 2, 3, 1e-2
 NO_SAVE = ["--save", ""]
 
 
-def run_script(script, dims, workdir, sites_dir, env_vars, extra):
-    """One launch of ``script`` (a train_*.sh) with the model ``dims``; returns (per-iteration records, log text)."""
+def run_script(script, dims, workdir, sites_dir, env_vars, extra, tiny=True):
+    """One launch of ``script`` (a train_*.sh) with the model ``dims`` (and, with ``tiny``, the tiny dims and norm
+    epsilon above; without: the model's flags come from elsewhere, e.g. ``--hp-hf-config``); returns
+    (per-iteration records, log text)."""
     env = dict(MEGATRON_LM_PATH=MEGATRON_LM, GPUS="1", TP="1", CP="1", BACKEND="eager", DTYPE="fp32", SEQ=str(SEQ),
                GBS=str(GBS), ITERS=str(ITERS), LR=str(LR), CKPT=os.path.join(workdir, "ckpt"))
     env.update(env_vars)
     env["GPUS"] = str(int(env["TP"]) * int(env["CP"]))
-    return _launch(["bash", os.path.join(SCRIPTS, script), *CPU_FLAGS, *TINY, *NORM_EPS, *dims, *extra], env,
+    model = [*TINY, *NORM_EPS] if tiny else []
+    return _launch(["bash", os.path.join(SCRIPTS, script), *CPU_FLAGS, *model, *dims, *extra], env,
                    workdir, sites_dir, without_fla=env["BACKEND"] == "eager")
 
 

@@ -7,8 +7,13 @@ is :class:`HybridGPTModelBuilder`: ``GPTModelBuilder`` whose ``build_model`` pas
 to ``hp_megatron.model_builders.hybrid_gpt_model``, as the launcher's ``gpt_builder`` does on 0.16 (the
 block-final norm is our RMSNorm; with ``--mtp-num-layers`` the MTP block of the spec's MTP kind). Everything else
 of the builder (virtual pipeline stages, pre-wrap hooks, DDP, mixed precision) is Megatron-LM's.
+
+With ``--hp-hf-config HF_DIR`` the config also holds that architecture's preset (``hp_preset``) and the model is
+``hp_megatron.models.preset_gpt_model`` of it: exactly the model the conversion rules of that config target (its
+layer spec, ``GPTModel`` keywords and position-id check), as the example builds it.
 """
-from typing import ClassVar
+import dataclasses
+from typing import Any, ClassVar
 
 from megatron.core.pipeline_parallel.utils import (is_pp_first_stage, is_pp_last_stage, is_vp_first_stage,
                                                    is_vp_last_stage)
@@ -16,10 +21,15 @@ from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
 from megatron.training.vocab_utils import calculate_padded_vocab_size
 
 
+@dataclasses.dataclass
 class HybridGPTModelConfig(GPTModelConfig):
-    """``GPTModelConfig`` built by :class:`HybridGPTModelBuilder`; ``transformer_layer_spec`` is the ``--spec``."""
+    """``GPTModelConfig`` built by :class:`HybridGPTModelBuilder`; ``transformer_layer_spec`` is the ``--spec``, or
+    with ``hp_preset`` (an ``hp_megatron.models.common.ModelPreset``) the preset's spec with
+    ``hp_layer_spec_kwargs`` (``linear``, ``cp_layout``)."""
 
     builder: ClassVar[str] = f"{__name__}.HybridGPTModelBuilder"
+    hp_preset: Any = None
+    hp_layer_spec_kwargs: dict = dataclasses.field(default_factory=dict)
 
 
 class HybridGPTModelBuilder(GPTModelBuilder):
@@ -41,6 +51,13 @@ class HybridGPTModelBuilder(GPTModelBuilder):
             pre_process = is_vp_first_stage(vp_stage=vp_stage, vp_size=vp_size) and is_pp_first_stage(pg_collection.pp)
         if post_process is None:
             post_process = is_vp_last_stage(vp_stage=vp_stage, vp_size=vp_size) and is_pp_last_stage(pg_collection.pp)
+        if cfg.hp_preset is not None:
+            from hp_megatron.models import preset_gpt_model
+
+            return preset_gpt_model(cfg.hp_preset, cfg.transformer, cfg.transformer.hp_backend,
+                                    max_sequence_length=cfg.seq_length, pre_process=pre_process,
+                                    post_process=post_process, vp_stage=vp_stage, pg_collection=pg_collection,
+                                    **cfg.hp_layer_spec_kwargs)
         return hybrid_gpt_model(
             cfg.transformer, cfg.transformer_layer_spec, vocab_size=vocab_size, max_sequence_length=cfg.seq_length,
             pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,

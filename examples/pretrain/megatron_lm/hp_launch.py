@@ -11,6 +11,8 @@
 * :func:`exit_refusing_unsupported`: a launcher's ``main`` with a combination a mixer declares it does not support
   (``hp_megatron.registry.UnsupportedByMixer``, found by :func:`check_args` before the model is built) reported as
   one line and exit status 2, as the example and ``python -m hp_megatron.generate`` do;
+* :func:`add_hp_arguments_from_hf_config`: Megatron-LM's ``extra_args_provider``: the ``--hp-*`` flags, and with
+  ``--hp-hf-config HF_DIR`` the model flags of that config applied between parsing and Megatron-LM's validation;
 * :func:`pretrain_from_container`: 0.19's ``__main__`` of ``pretrain_gpt.py`` / ``pretrain_hybrid.py`` with the
   ``--hp-*`` flags, our config in the model config, and the CP sub-groups registered before the model is wrapped.
 
@@ -26,6 +28,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+# Megatron-LM's packed-document flags (0.19 adds the second): refused by check_args
+PACKED_DOCUMENT_ARGS = ("reset_attention_mask", "dataloader_inter_document_masking")
 _PIP_NAMES = {"yaml": "pyyaml", "sentencepiece": "sentencepiece", "tiktoken": "tiktoken"}
 
 
@@ -78,11 +82,18 @@ def uses_config_container(pretrain) -> bool:
 
 
 def check_args(args):
-    """Refuse combinations Megatron-LM's own data path would silently get wrong, and those a mixer of
+    """Refuse combinations Megatron-LM's own data path would silently get wrong (packed documents, a CP layout
+    other than its zigzag), and those a mixer of
     ``--hp-layer-pattern`` declares it does not support (``hp_megatron.arguments.check_mixer_support``: CP, MTP,
     backend, the mixer's own ``check_args``; Megatron-LM's batches are not packed THD here)."""
     from hp_megatron.arguments import check_mixer_support
 
+    for dest in PACKED_DOCUMENT_ARGS:
+        if getattr(args, dest, False):
+            raise ValueError(f"--{dest.replace('_', '-')}: packed documents through Megatron-LM's get_batch are not "
+                             "wired to our layers (an attention mask or Megatron-LM's own CP split, which the GDN / "
+                             "KDA state does not follow); train them with examples/pretrain/pretrain_hybrid.py "
+                             "--reset-position-ids --reset-attention-mask (THD)")
     check_mixer_support(args, thd=False)
     if args.hp_cp_layout != "zigzag":
         raise ValueError(f"--hp-cp-layout {args.hp_cp_layout}: Megatron-LM's get_batch hands every CP rank a zigzag "
@@ -128,6 +139,26 @@ def with_hp_config(build_config):
     return wrapper
 
 
+def add_hp_arguments_from_hf_config(parser):
+    """Megatron-LM's ``extra_args_provider``: ``parser`` with the ``--hp-*`` flags
+    (``hp_megatron.arguments.add_hp_arguments``) whose ``parse_args`` then applies ``--hp-hf-config``
+    (``hp_megatron.models.args.apply_hf_preset``: the architecture's model flags, ``args.hp_preset``; a model flag
+    given with another value is refused), before Megatron-LM validates the args and derives the rest from them."""
+    from hp_megatron.arguments import add_hp_arguments
+    from hp_megatron.models.args import apply_hf_preset
+
+    parser = add_hp_arguments(parser)
+    parse = parser.parse_args
+
+    @functools.wraps(parse)
+    def parse_args(argv=None, namespace=None):
+        args = parse(argv, namespace)
+        args.hp_preset = apply_hf_preset(args, sys.argv[1:] if argv is None else argv)
+        return args
+    parser.parse_args = parse_args
+    return parser
+
+
 def register_cp_subgroups_hook(models):
     """A ``ModelConfig.pre_wrap_hooks`` entry: our CP sub-groups, registered on every rank at the same point (after
     the model stages are built, before DDP wraps them and before any forward); returns ``models`` unchanged."""
@@ -148,9 +179,7 @@ def pretrain_from_container(entry, model_type, pretrain, model_config, **pretrai
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
 
-    from hp_megatron.arguments import add_hp_arguments
-
-    args = parse_and_validate_args(extra_args_provider=add_hp_arguments,
+    args = parse_and_validate_args(extra_args_provider=add_hp_arguments_from_hf_config,
                                    args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     if getattr(args, "yaml_cfg", None):
         raise ValueError("--yaml-cfg is not supported by the hp_megatron launchers (they build the model's config "

@@ -1,7 +1,10 @@
 """Megatron-LM's ``pretrain_gpt.py`` with hp_megatron's flags (``extra_args_provider``) and config fields.
 
 Needs a Megatron-LM checkout on PYTHONPATH (``pretrain_gpt.py``, ``megatron/training``); the model comes from
-``--spec hp_megatron.specs NAME`` as with the unmodified script. Four things are added:
+``--spec hp_megatron.specs NAME`` as with the unmodified script, or (Megatron-LM 0.19) from ``--hp-hf-config HF_DIR``:
+that Hugging Face config's architecture and dims (``hp_megatron.models.args.apply_hf_preset``, applied between
+Megatron-LM's parsing and its validation; a model flag given with another value is refused), the model the
+converted checkpoint of that config loads into (``--load``). Four things are added:
 
 * ``extra_args_provider=hp_megatron.arguments.add_hp_arguments`` (``--hp-*`` flags),
 * the ``TransformerConfig`` that Megatron-LM builds from its args (``core_transformer_config_from_args``) becomes
@@ -96,14 +99,31 @@ def _model_provider(pretrain_gpt):
 
 def _model_config(args, config):
     """Megatron-LM 0.19: the ``ModelConfig`` of ``pretrain_gpt.py``'s ``__main__`` with our ``config``; for
-    ``--spec hp_megatron.specs NAME`` built by ``hp_gpt_model.HybridGPTModelBuilder``."""
+    ``--spec hp_megatron.specs NAME`` or ``--hp-hf-config HF_DIR`` built by ``hp_gpt_model.HybridGPTModelBuilder``
+    (with the HF config: that architecture's model, its embedding rows the config's ``vocab_size``)."""
     from megatron.training.argument_utils import gpt_config_from_args
 
-    if not _is_hp_spec(args):
+    preset = getattr(args, "hp_preset", None)
+    if preset is None and not _is_hp_spec(args):
         return gpt_config_from_args(args, config=config)
     from hp_gpt_model import HybridGPTModelConfig
 
-    return gpt_config_from_args(args, config=config, model_config_cls=HybridGPTModelConfig)
+    if preset is None:
+        return gpt_config_from_args(args, config=config, model_config_cls=HybridGPTModelConfig)
+    from megatron.training import get_tokenizer
+
+    from hp_megatron.models.args import preset_vocab_size
+
+    source = f"--hp-hf-config {args.hp_hf_config}"
+    if args.spec is not None:
+        raise ValueError(f"--spec {' '.join(args.spec)} conflicts with {source}, whose architecture decides the "
+                         "layers: drop --spec")
+    args.padded_vocab_size = preset_vocab_size(preset, get_tokenizer().vocab_size, args.tensor_model_parallel_size,
+                                               source)
+    model_config = gpt_config_from_args(args, config=config, model_config_cls=HybridGPTModelConfig)
+    model_config.hp_preset = preset
+    model_config.hp_layer_spec_kwargs = {"linear": args.hp_linear, "cp_layout": args.hp_cp_layout}
+    return model_config
 
 
 def main():
@@ -114,6 +134,9 @@ def main():
         return
     from hp_megatron.arguments import add_hp_arguments
 
+    if "--hp-hf-config" in sys.argv or any(arg.startswith("--hp-hf-config=") for arg in sys.argv):
+        raise ValueError("--hp-hf-config with pretrain_gpt_hp.py needs Megatron-LM 0.19 (this checkout's pretrain "
+                         "is older): give the model flags, or use examples/pretrain/pretrain_hybrid.py --hp-hf-config")
     _patch_config_builders(pretrain_gpt)
     pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
     pretrain(pretrain_gpt.train_valid_test_datasets_provider, _model_provider(pretrain_gpt),

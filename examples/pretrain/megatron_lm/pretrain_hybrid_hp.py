@@ -58,6 +58,10 @@ def _model_config(args, config):
     """Megatron-LM's ``HybridModelConfig`` from the args, with our ``config``; a spec is required."""
     from megatron.training.argument_utils import hybrid_config_from_args
 
+    if getattr(args, "hp_preset", None) is not None:
+        raise ValueError(f"--hp-hf-config {args.hp_hf_config}: pretrain_hybrid_hp.py builds HybridModel from --spec "
+                         "and --hybrid-layer-pattern; train an HF architecture with pretrain_gpt_hp.py --hp-hf-config "
+                         "or examples/pretrain/pretrain_hybrid.py --hp-hf-config --model-class hybrid")
     if args.spec is None:
         raise ValueError("pretrain_hybrid_hp.py needs --spec MODULE NAME, a HybridModel stack spec, e.g. --spec "
                          "hp_megatron.specs hybrid_stack_spec (hp_megatron.specs.STACK_SPECS)")
