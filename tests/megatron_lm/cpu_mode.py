@@ -187,6 +187,12 @@ SITES_019 = (
     ("megatron/core/utils.py", 715, "torch.cuda.current_device", "torch.cuda.current_device()"),
     ("megatron/core/models/common/embeddings/rotary_pos_embedding.py", 162, "torch.cuda.current_device",
      "torch.cuda.current_device()"),
+    # pipeline stages (pretrain_hybrid.py at PP2): the p2p receive buffers and the batched-p2p sync
+    ("megatron/core/pipeline_parallel/p2p_communication.py", 334, "torch.cuda.current_device",
+     "torch.cuda.current_device()"),
+    ("megatron/core/pipeline_parallel/p2p_communication.py", 342, "torch.cuda.current_device",
+     "torch.cuda.current_device()"),
+    ("megatron/core/pipeline_parallel/p2p_communication.py", 419, "torch.cuda.synchronize", "torch.cuda.synchronize()"),
     # served by hp_megatron.platform's module-level torch of the schedules (not seen by the recorder)
     ("megatron/core/pipeline_parallel/schedules.py", 749, "platform:schedules.torch", 'device="cuda"'),
 )

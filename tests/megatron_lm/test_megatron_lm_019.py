@@ -8,11 +8,13 @@ mode of tests/megatron_lm/cpu_mode.py (its core_v0.19.0 site table). Three model
 * ``gpt``: ``pretrain_gpt.py --spec hp_megatron.specs kimi_linear_spec`` (KKKM: our KDA and MLA);
 * ``hybrid_kda``: ``pretrain_hybrid.py --spec hp_megatron.specs kda_hybrid_stack_spec --hybrid-layer-pattern
   G-G-G-+-`` (our KDA in the ``G`` slot, our MLA in ``+``, MLP layers ``-``);
+* ``hybrid_kda_mtp``: the same with an MTP part, ``--hybrid-layer-pattern G-G-G-+-/+-`` (one MTP depth of MLA +
+  MLP: our ``MTPHybridModel``, examples/pretrain/megatron_lm/hp_hybrid_model.py);
 * ``hybrid_gdn``: ``--spec hp_megatron.specs hybrid_stack_spec --hybrid-layer-pattern G-G-G-*-`` (our GDN, RoPE
   attention with GQA); its reference is Megatron-LM's unmodified ``pretrain_hybrid.py`` with Megatron-LM's own
   flags (``--linear-*`` for the GDN dims, no ``--hp-*`` flag).
 
-Nine launches, each feeding the tests named:
+Twelve launches, each feeding the tests named:
 
 * ``gpt`` reference, one rank: 3 iterations, evaluation at 2, torch_dist checkpoints at 2 and 3 (trains, evaluates
   and saves; the example's first loss; the iterations TP2 / CP2 compare with);
@@ -20,15 +22,19 @@ Nine launches, each feeding the tests named:
 * ``gpt`` CP2 (allgather) resumed from the reference's iteration-2 checkpoint (weights only: ``--no-load-optim
   --no-load-rng``), its iteration 3: pretrain_gpt.py's CP2 and checkpoint resume;
 * ``hybrid_kda`` reference, one rank, as ``gpt``'s (pretrain_hybrid.py with our KDA / MLA stack trains, evaluates,
-  saves; the HybridModel it builds), its TP2 from scratch and its CP2 (allgather) resumed from the reference's
-  iteration-2 checkpoint: pretrain_hybrid.py's TP2, CP2 and checkpoint resume;
+  saves; the HybridModel it builds), its TP2 from scratch and its CP2 (allgather) and PP2 (HybridModel's two
+  pipeline stages, the pattern split in halves) resumed from the reference's iteration-2 checkpoint:
+  pretrain_hybrid.py's TP2, CP2, PP2 and checkpoint resume across layouts (PP from scratch draws megatron's
+  initial weights in another RNG order, docs/usage.md, so PP2 is compared on the same loaded weights);
+* ``hybrid_kda_mtp`` one rank and CP2 (allgather), their first iteration: = the example's MTP losses, CP2 = one
+  rank;
 * ``hybrid_gdn`` reference: the unmodified script's first iteration (builds our stack from ``--spec`` alone);
 * ``hybrid_gdn`` TP2 and CP2 (``p2p``) from scratch through the launch script, their first iteration:
   pretrain_hybrid.py's TP2 and CP2.
 
 Loss and gradient norm equal the single rank's (relative 1e-5, full precision from tests/megatron_lm/record.py); the
 GPT path's first loss equals examples/pretrain/pretrain_hybrid.py's; every listed CUDA site is reached, no unlisted
-one. 1:26 wall (110 CPU s) on an idle 2-core machine.
+one. 1:35 wall on a 2-core machine (measured while another test run shared it).
 Skips unless the installed megatron-core is 0.19.x with its Megatron-LM checkout (tests/support/paths.py).
 """
 import os
@@ -38,7 +44,7 @@ import sys
 import pytest
 
 from tests.support.megatron_lm_runs import (GBS, ITERS, LR, NORM_EPS, NO_SAVE, SEQ, cuda_sites, example_first_loss,
-                                            launched_once, run_megatron_lm_entry, run_script)
+                                            example_first_record, launched_once, run_megatron_lm_entry, run_script)
 from tests.support.paths import megatron_lm_skip
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cpu_mode
@@ -48,15 +54,18 @@ pytestmark = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
 
 MLA_DIMS = ["--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "8"]
 # name -> (script, model flags, {parallel layout: (env, resumed from the reference's iteration 2)}, the reference:
-# "full" (the script: 3 iterations, evaluation, checkpoints) or "unmodified" (Megatron-LM's own pretrain_hybrid.py,
-# iteration 1))
+# "full" (the script: 3 iterations, evaluation, checkpoints), "first" (the script's iteration 1) or "unmodified"
+# (Megatron-LM's own pretrain_hybrid.py, iteration 1))
 MODELS = {
     "gpt": ("train_kimi_linear_like.sh",
             ["--hp-mla-kv-lora-rank", "16", "--hp-mla-qk-head-dim", "8", "--hp-mla-qk-pos-emb-head-dim", "8",
              "--hp-mla-v-head-dim", "8"],
             {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "allgather"}, True)}, "full"),
     "hybrid_kda": ("train_kimi_linear_like_hybrid.sh", ["--hybrid-layer-pattern", "G-G-G-+-", *MLA_DIMS],
-                   {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "allgather"}, True)}, "full"),
+                   {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "allgather"}, True),
+                    "pp2": ({"PP": "2"}, True)}, "full"),
+    "hybrid_kda_mtp": ("train_kimi_linear_like_hybrid.sh", ["--hybrid-layer-pattern", "G-G-G-+-/+-", *MLA_DIMS],
+                       {"cp2": ({"CP": "2", "CP_METHOD": "allgather"}, False)}, "first"),
     "hybrid_gdn": ("train_qwen3_next_like_hybrid.sh",
                    ["--hybrid-layer-pattern", "G-G-G-*-", "--kv-channels", "8", "--hp-linear-num-value-heads", "8"],
                    {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "p2p"}, False)}, "unmodified"),
@@ -96,6 +105,8 @@ def _launch_all(model, data, sites_dir, tmp_path_factory):
     if reference == "full":
         out = {"ref": run_script(script, dims, ref_dir, sites_dir, {**data, "SAVE_INTERVAL": "2"},
                                  ["--eval-interval", "2", "--eval-iters", "1"])}
+    elif reference == "first":
+        out = {"ref": run_script(script, dims, ref_dir, sites_dir, data, [*FIRST, *NO_SAVE])}
     else:
         out = {"ref": run_megatron_lm_entry("pretrain_hybrid.py", _unmodified_hybrid_argv(data), ref_dir, sites_dir)}
     for name, (env_vars, resumed) in layouts.items():
@@ -127,8 +138,13 @@ def test_parallel_iteration_matches_single_rank(runs, model, layout):
     want = ref[iteration - 1]
     assert _rel(got[0]["lm loss"], want["lm loss"]) <= 1e-5, (got[0], want)
     assert _rel(got[0]["grad_norm"], want["grad_norm"]) <= 1e-5, (got[0], want)
-    size = "context-parallel size: 2" if layout.startswith("cp2") else "tensor-model-parallel size: 2"
+    size = {"tp2": "tensor-model-parallel size: 2", "cp2": "context-parallel size: 2",
+            "pp2": "pipeline-model-parallel size: 2"}[layout]
     assert size in log
+    if layout == "pp2":   # HybridModel's two stages, each its half of the pattern
+        pattern = MODELS[model][1][1]
+        for rank, part in enumerate((pattern[:len(pattern) // 2], pattern[len(pattern) // 2:])):
+            assert f"HybridModel: pp_rank={rank}/2" in log and f"layers='{part}'" in log, log[-3000:]
     if resumed:
         assert "successfully loaded checkpoint" in log and "at iteration 2" in log, log[-3000:]
 
@@ -147,12 +163,12 @@ def test_tp2_run_saves_its_sharded_checkpoint(runs):
     assert "successfully saved checkpoint from iteration       1" in log and "[ t 1/2" in log, log[-3000:]
 
 
-@pytest.mark.parametrize("model", ["hybrid_kda", "hybrid_gdn"])
+@pytest.mark.parametrize("model", ["hybrid_kda", "hybrid_kda_mtp", "hybrid_gdn"])
 def test_hybrid_runs_build_hybrid_model_from_the_pattern(runs, model):
     """megatron-core's HybridModel logs the layers it builds from --hybrid-layer-pattern (which of our layers fill
     its slots: tests/integration/test_hybrid_stack_specs.py)."""
     _, log = runs(model)["ref"]
-    pattern = MODELS[model][1][1]
+    pattern = MODELS[model][1][1].split("/")[0]   # the decoder's layers (MTP parts: the MTP block's)
     assert f"HybridModel: pp_rank=0/1, vp_stage=0, segment_index=0/1, layers='{pattern}' ({len(pattern)} layers)" \
         in log, log[-3000:]
 
@@ -163,6 +179,28 @@ def test_gpt_first_loss_matches_the_example(runs, data):
     ref, _ = runs("gpt")["ref"]
     example = example_first_loss("KKKM", data, ["--hp-mla-cp-strategy", "latent", "--hp-mla-rope-type", "none"])
     assert _rel(ref[0]["lm loss"], example) <= 1e-5, (ref[0], example)
+
+
+def _mtp_loss(log):
+    found = re.findall(r"iteration\s+1/.*mtp_1 loss: ([0-9.E+-]+)", log)
+    assert len(found) == 1, log[-3000:]
+    return float(found[0])
+
+
+def test_hybrid_mtp_matches_the_example(runs, data):
+    """pretrain_hybrid.py with an MTP part ('/+-': MLA + MLP) builds our MTPHybridModel over the stack spec with its
+    MTP block (hp_hybrid_model.py): its first iteration (lm loss, grad norm, the mtp_1 loss Megatron-LM logs, 7
+    digits) equals the example's --model-class hybrid on the same patterns, dims and data; CP2 = one rank too
+    (test_parallel_iteration_matches_single_rank), with the same mtp_1 loss."""
+    (ref,), log = runs("hybrid_kda_mtp")["ref"]
+    flags = ["--model-class", "hybrid", "--hybrid-layer-pattern", "G-G-G-+-/+-", "--hp-mla-kv-lora-rank", "16",
+             "--hp-mla-qk-head-dim", "8", "--hp-mla-qk-pos-emb-head-dim", "8", "--hp-mla-v-head-dim", "8",
+             "--hp-mla-cp-strategy", "latent", "--hp-mla-rope-type", "none"]
+    example = example_first_record("KKKM", data, flags)
+    assert _rel(ref["lm loss"], example["lm_loss"]) <= 1e-5, (ref, example)
+    assert _rel(ref["grad_norm"], example["grad_norm"]) <= 1e-5, (ref, example)
+    assert _rel(_mtp_loss(log), example["mtp_1 loss"]) <= 1e-6, (log[-2000:], example)
+    assert _rel(_mtp_loss(runs("hybrid_kda_mtp")["cp2"][1]), _mtp_loss(log)) <= 1e-6
 
 
 def test_cuda_sites_all_reached_none_unlisted(runs, sites_dir):

@@ -38,7 +38,7 @@ def run_script(script, dims, workdir, sites_dir, env_vars, extra, tiny=True):
     env = dict(MEGATRON_LM_PATH=MEGATRON_LM, GPUS="1", TP="1", CP="1", BACKEND="eager", DTYPE="fp32", SEQ=str(SEQ),
                GBS=str(GBS), ITERS=str(ITERS), LR=str(LR), CKPT=os.path.join(workdir, "ckpt"))
     env.update(env_vars)
-    env["GPUS"] = str(int(env["TP"]) * int(env["CP"]))
+    env["GPUS"] = str(int(env["TP"]) * int(env["CP"]) * int(env.get("PP", "1")))
     model = [*TINY, *NORM_EPS] if tiny else []
     return _launch(["bash", os.path.join(SCRIPTS, script), *CPU_FLAGS, *model, *dims, *extra], env,
                    workdir, sites_dir, without_fla=env["BACKEND"] == "eager")
@@ -118,9 +118,14 @@ def example_first_loss(pattern: str, data: dict, flags) -> float:
     """examples/pretrain/pretrain_hybrid.py's first-iteration lm loss for the layer ``pattern`` (``--hp-layer-pattern``)
     on the launches' dims, data, split and schedule (its ``train`` on one gloo rank of tests/support/dist.py, full
     precision); ``flags``: the model's other flags."""
+    return example_first_record(pattern, data, flags)["lm_loss"]
+
+
+def example_first_record(pattern: str, data: dict, flags) -> dict:
+    """The first iteration's record of the run of :func:`example_first_loss` (lm loss, grad norm, MTP losses)."""
     from tests.support.dist import run_distributed
 
-    return run_distributed(_example_first_iteration, 1, example_argv(pattern, data, flags))[0]["lm_loss"]
+    return run_distributed(_example_first_iteration, 1, example_argv(pattern, data, flags))[0]
 
 
 def example_records(pattern: str, data: dict, flags) -> list:

@@ -9,7 +9,10 @@ the layers from the stack spec of ``--spec``, e.g. ``--spec hp_megatron.specs hy
 * the ``--hp-*`` flags (``hp_megatron.arguments.add_hp_arguments``);
 * the model's ``TransformerConfig`` is our declared ``HybridTransformerConfig`` with those fields
   (``hp_megatron.arguments.apply_hp_config``), passed to Megatron-LM's ``hybrid_config_from_args``;
-* our CP sub-groups are registered on every rank before the model is wrapped (a ``pre_wrap_hooks`` entry).
+* our CP sub-groups are registered on every rank before the model is wrapped (a ``pre_wrap_hooks`` entry);
+* multi-token prediction (``/`` parts in ``--hybrid-layer-pattern``): the model is our ``MTPHybridModel`` over the
+  spec with its MTP block (``hp_hybrid_model``), as the example's ``--model-class hybrid`` builds it, and
+  Megatron-LM logs ``mtp_1 loss`` ... as for its own models.
 
 MLA layers (``+``): Megatron-LM turns on ``--multi-latent-attention`` for a pattern with ``+``, so their dims come
 from Megatron-LM's MLA flags (``--q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim``),
@@ -65,7 +68,14 @@ def _model_config(args, config):
     if args.spec is None:
         raise ValueError("pretrain_hybrid_hp.py needs --spec MODULE NAME, a HybridModel stack spec, e.g. --spec "
                          "hp_megatron.specs hybrid_stack_spec (hp_megatron.specs.STACK_SPECS)")
-    return hybrid_config_from_args(args, config=_mla_rope_type(args, config, sys.argv[1:]))
+    config = _mla_rope_type(args, config, sys.argv[1:])
+    if "/" not in (args.hybrid_layer_pattern or "") or args.spec[0] != "hp_megatron.specs":
+        return hybrid_config_from_args(args, config=config)
+    from hp_hybrid_model import HybridStackModelConfig, with_mtp_block
+
+    model_config = hybrid_config_from_args(args, config=config, model_config_cls=HybridStackModelConfig)
+    model_config.hybrid_stack_spec = with_mtp_block(args.spec[-1])
+    return model_config
 
 
 def main():
