@@ -21,6 +21,7 @@ import os
 import pytest
 
 from tests.support.converted_runs import example_argv, layouts_and_references, write_converted
+from tests.support.short_documents import write_short_documents
 
 CP_METHODS = ("p2p", "allgather", "grouped_allgather_p2p", "recursive_doubling", "ulysses")
 # the global token mean (Megatron's default weighs each CP rank by its own loss-token count, unequal here)
@@ -39,43 +40,11 @@ LAYOUTS = {  # name: (reference, layout flags)
 }
 
 
-def _short_documents(source: str, target: str) -> str:
-    """``target``: the pydoc dataset's tokenizer and its tokens cut into documents of 3..20 tokens (each ending in
-    the end-of-document token), under the pydoc dataset's file names."""
-    import shutil
-
-    import numpy as np
-    import torch
-    from megatron.core.datasets.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, get_bin_path,
-                                                        get_idx_path)
-
-    os.makedirs(target)
-    shutil.copy(os.path.join(source, "tokenizer.json"), target)
-    from prepare_data import BPETokenizer
-
-    eod = BPETokenizer(os.path.join(target, "tokenizer.json")).eod
-    pydoc = IndexedDataset(os.path.join(source, "pydoc_text_document"))   # memory-mapped: copy before it closes
-    tokens = np.concatenate([np.array(pydoc[i], copy=True) for i in range(8)])
-    del pydoc
-    tokens = tokens[tokens != eod]
-    lengths = np.random.default_rng(0).integers(3, 21, size=len(tokens) // 3)
-    prefix = os.path.join(target, "pydoc_text_document")
-    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=tokens.dtype.type)
-    start = 0
-    for n in lengths:
-        if start + n > len(tokens):
-            break
-        builder.add_document(torch.tensor(np.append(tokens[start:start + n], eod).astype(np.int64)), [n + 1])
-        start += n
-    builder.finalize(get_idx_path(prefix))
-    return target
-
-
 @pytest.fixture(scope="module")
 def root(pydoc_data, tmp_path_factory):
     """The short-document data and the three converted tiny Qwen3.5 checkpoints."""
     top = tmp_path_factory.mktemp("pretrain_qwen3_5")
-    data = _short_documents(pydoc_data, str(top / "short_documents"))
+    data = write_short_documents(pydoc_data, str(top / "short_documents"))
     os.makedirs(top / "run")
     return write_converted(str(top / "run"), data, sorted({arch for arch, _ in REFERENCES.values()}))
 

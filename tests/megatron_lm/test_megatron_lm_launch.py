@@ -152,10 +152,17 @@ def test_launchers_finalize_grads_with_the_once_per_step_tp_sum():
     assert training.finalize_model_grads is finalize_model_grads
 
 
-@pytest.mark.parametrize("dest", ["reset_attention_mask", "dataloader_inter_document_masking"])
-def test_launchers_refuse_packed_documents(dest):
-    """Megatron-LM's packed-document batches (an attention mask, or 0.19's own CP split of cu_seqlens) are not
-    what our GDN / KDA state follows: refused in one line naming the flag and the example's THD path."""
+@pytest.mark.parametrize("args,message", [
+    ({"dataloader_inter_document_masking": True},
+     "--dataloader-inter-document-masking: Megatron-LM 0.19 splits such rows zigzag over CP as a whole"),
+    ({"reset_attention_mask": True, "reset_position_ids": False}, "--reset-attention-mask needs --reset-position-ids"),
+    ({"reset_attention_mask": True, "reset_position_ids": True, "pipeline_model_parallel_size": 2},
+     "--reset-attention-mask with --pipeline-model-parallel-size 2: packed rows vary in length"),
+])
+def test_launchers_refuse_what_packed_rows_cannot_be(args, message):
+    """Megatron-LM 0.19's inter-document masking (its whole-row CP split) is not a layout our layers take; our packed
+    THD rows (hp_packed.py) need restarting positions and one pipeline stage: each refused in one line."""
+    import re
     from types import SimpleNamespace
 
     sys.path.insert(0, SCRIPTS)
@@ -163,6 +170,5 @@ def test_launchers_refuse_packed_documents(dest):
         from hp_launch import check_args
     finally:
         sys.path.remove(SCRIPTS)
-    flag = "--" + dest.replace("_", "-")
-    with pytest.raises(ValueError, match=f"^{flag}: packed documents .*pretrain_hybrid.py --reset-position-ids"):
-        check_args(SimpleNamespace(**{dest: True}))
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        check_args(SimpleNamespace(**args))

@@ -28,8 +28,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-# Megatron-LM's packed-document flags (0.19 adds the second): refused by check_args
-PACKED_DOCUMENT_ARGS = ("reset_attention_mask", "dataloader_inter_document_masking")
 _PIP_NAMES = {"yaml": "pyyaml", "sentencepiece": "sentencepiece", "tiktoken": "tiktoken"}
 
 
@@ -82,19 +80,26 @@ def uses_config_container(pretrain) -> bool:
 
 
 def check_args(args):
-    """Refuse combinations Megatron-LM's own data path would silently get wrong (packed documents, a CP layout
-    other than its zigzag), and those a mixer of
+    """Refuse combinations Megatron-LM's own data path would silently get wrong (its inter-document masking, a CP
+    layout other than its zigzag; packed documents only as our THD rows on one pipeline stage), and those a mixer of
     ``--hp-layer-pattern`` declares it does not support (``hp_megatron.arguments.check_mixer_support``: CP, MTP,
-    backend, the mixer's own ``check_args``; Megatron-LM's batches are not packed THD here)."""
+    backend, the mixer's own ``check_args``; THD with ``--reset-attention-mask``)."""
     from hp_megatron.arguments import check_mixer_support
 
-    for dest in PACKED_DOCUMENT_ARGS:
-        if getattr(args, dest, False):
-            raise ValueError(f"--{dest.replace('_', '-')}: packed documents through Megatron-LM's get_batch are not "
-                             "wired to our layers (an attention mask or Megatron-LM's own CP split, which the GDN / "
-                             "KDA state does not follow); train them with examples/pretrain/pretrain_hybrid.py "
-                             "--reset-position-ids --reset-attention-mask (THD)")
-    check_mixer_support(args, thd=False)
+    if getattr(args, "dataloader_inter_document_masking", False):
+        raise ValueError("--dataloader-inter-document-masking: Megatron-LM 0.19 splits such rows zigzag over CP as a "
+                         "whole, a layout our layers do not take; pack documents with --reset-position-ids "
+                         "--reset-attention-mask (our THD rows: hp_packed.py)")
+    packed = bool(getattr(args, "reset_attention_mask", False))
+    if packed:
+        if not getattr(args, "reset_position_ids", False):
+            raise ValueError("--reset-attention-mask needs --reset-position-ids here (documents are cut where the "
+                             "positions restart)")
+        if args.pipeline_model_parallel_size > 1:
+            raise ValueError(f"--reset-attention-mask with --pipeline-model-parallel-size "
+                             f"{args.pipeline_model_parallel_size}: packed rows vary in length per micro-batch and "
+                             "Megatron-LM's pipeline buffers have a fixed shape; use one pipeline stage")
+    check_mixer_support(args, thd=packed)
     if args.hp_cp_layout != "zigzag":
         raise ValueError(f"--hp-cp-layout {args.hp_cp_layout}: Megatron-LM's get_batch hands every CP rank a zigzag "
                          "shard; use --hp-cp-layout zigzag here (contiguous works with examples/pretrain/"
@@ -186,6 +191,10 @@ def pretrain_from_container(entry, model_type, pretrain, model_config, **pretrai
                          "from the command-line flags)")
     model_cfg = model_config(args, with_hp_config(core_transformer_config_from_args)(args))
     model_cfg.pre_wrap_hooks.append(register_cp_subgroups_hook)
+    if args.reset_attention_mask:   # packed documents as our THD rows (checked by check_args)
+        from hp_packed import packed_get_batch
+
+        entry.get_batch = packed_get_batch(entry)
     entry.train_valid_test_datasets_provider.is_distributed = True
     pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
     pretrain(pretrain_cfg_container_from_args(args, model_cfg), entry.train_valid_test_datasets_provider,

@@ -134,6 +134,9 @@ def main():
         return
     from hp_megatron.arguments import add_hp_arguments
 
+    if "--reset-attention-mask" in sys.argv:
+        raise ValueError("--reset-attention-mask with pretrain_gpt_hp.py needs Megatron-LM 0.19 (packed documents "
+                         "as our THD rows: hp_packed.py); use examples/pretrain/pretrain_hybrid.py on this checkout")
     if "--hp-hf-config" in sys.argv or any(arg.startswith("--hp-hf-config=") for arg in sys.argv):
         raise ValueError("--hp-hf-config with pretrain_gpt_hp.py needs Megatron-LM 0.19 (this checkout's pretrain "
                          "is older): give the model flags, or use examples/pretrain/pretrain_hybrid.py --hp-hf-config")
