@@ -14,7 +14,7 @@ mode of tests/megatron_lm/cpu_mode.py (its core_v0.19.0 site table). Three model
   attention with GQA); its reference is Megatron-LM's unmodified ``pretrain_hybrid.py`` with Megatron-LM's own
   flags (``--linear-*`` for the GDN dims, no ``--hp-*`` flag).
 
-Twelve launches, each feeding the tests named:
+Fourteen launches, each feeding the tests named:
 
 * ``gpt`` reference, one rank: 3 iterations, evaluation at 2, torch_dist checkpoints at 2 and 3 (trains, evaluates
   and saves; the example's first loss; the iterations TP2 / CP2 compare with);
@@ -30,11 +30,13 @@ Twelve launches, each feeding the tests named:
   rank;
 * ``hybrid_gdn`` reference: the unmodified script's first iteration (builds our stack from ``--spec`` alone);
 * ``hybrid_gdn`` TP2 and CP2 (``p2p``) from scratch through the launch script, their first iteration:
-  pretrain_hybrid.py's TP2 and CP2.
+  pretrain_hybrid.py's TP2 and CP2;
+* ``hybrid_gdn_packed``: the same model on short documents, packed (``--reset-position-ids --reset-attention-mask
+  --eod-mask-loss --calculate-per-token-loss``: our THD rows, hp_packed.py), one rank and CP2 (``p2p``).
 
 Loss and gradient norm equal the single rank's (relative 1e-5, full precision from tests/megatron_lm/record.py); the
 GPT path's first loss equals examples/pretrain/pretrain_hybrid.py's; every listed CUDA site is reached, no unlisted
-one. 1:35 wall on a 2-core machine (measured while another test run shared it).
+one. 2:00 wall on an idle 2-core machine.
 Skips unless the installed megatron-core is 0.19.x with its Megatron-LM checkout (tests/support/paths.py).
 """
 import os
@@ -44,14 +46,18 @@ import sys
 import pytest
 
 from tests.support.megatron_lm_runs import (GBS, ITERS, LR, NORM_EPS, NO_SAVE, SEQ, cuda_sites, example_first_loss,
-                                            example_first_record, launched_once, run_megatron_lm_entry, run_script)
+                                            example_first_record, launched_once, run_megatron_lm_entry, run_script,
+                                            write_data)
 from tests.support.paths import megatron_lm_skip
+from tests.support.short_documents import write_short_documents
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # cpu_mode
 
 SKIP = megatron_lm_skip((0, 19))
 pytestmark = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
 
+# packed documents as our THD rows (hp_packed.py); the global token mean (each CP rank's own count is unequal here)
+PACKED = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss", "--calculate-per-token-loss"]
 MLA_DIMS = ["--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "8"]
 # name -> (script, model flags, {parallel layout: (env, resumed from the reference's iteration 2)}, the reference:
 # "full" (the script: 3 iterations, evaluation, checkpoints), "first" (the script's iteration 1) or "unmodified"
@@ -69,7 +75,12 @@ MODELS = {
     "hybrid_gdn": ("train_qwen3_next_like_hybrid.sh",
                    ["--hybrid-layer-pattern", "G-G-G-*-", "--kv-channels", "8", "--hp-linear-num-value-heads", "8"],
                    {"tp2": ({"TP": "2"}, False), "cp2": ({"CP": "2", "CP_METHOD": "p2p"}, False)}, "unmodified"),
+    "hybrid_gdn_packed": ("train_qwen3_next_like_hybrid.sh",
+                          ["--hybrid-layer-pattern", "G-G-G-*-", "--kv-channels", "8", "--hp-linear-num-value-heads",
+                           "8", *PACKED],
+                          {"cp2": ({"CP": "2", "CP_METHOD": "p2p"}, False)}, "first"),
 }
+PACKED_MODELS = ("hybrid_gdn_packed",)   # trained on short documents (several per sample)
 SAVING = ("gpt", "tp2")  # the one parallel run that saves (TP-sharded) at exit; the others' saves repeat it
 RESUME = ["--ckpt-step", "2", "--no-load-optim", "--no-load-rng", "--eval-iters", "1", *NO_SAVE]
 FIRST = ["--exit-interval", "1", "--eval-iters", "1"]
@@ -94,9 +105,16 @@ def _unmodified_hybrid_argv(data):
 
 
 @pytest.fixture(scope="module")
-def runs(data, sites_dir, tmp_path_factory):
-    """``runs(model)``: ``{"ref" | layout: (records, log)}``, launched once per module."""
-    return launched_once(lambda model: _launch_all(model, data, sites_dir, tmp_path_factory))
+def runs(data, pydoc_data, sites_dir, tmp_path_factory):
+    """``runs(model)``: ``{"ref" | layout: (records, log)}``, launched once per module (``PACKED_MODELS`` on short
+    documents: tests/support/short_documents.py)."""
+    def launch(model):
+        model_data = data
+        if model in PACKED_MODELS:
+            short = write_short_documents(pydoc_data, str(tmp_path_factory.mktemp("short") / "documents"))
+            model_data = write_data(short, str(tmp_path_factory.mktemp("short_tokenizer")))
+        return _launch_all(model, model_data, sites_dir, tmp_path_factory)
+    return launched_once(launch)
 
 
 def _launch_all(model, data, sites_dir, tmp_path_factory):
@@ -163,7 +181,7 @@ def test_tp2_run_saves_its_sharded_checkpoint(runs):
     assert "successfully saved checkpoint from iteration       1" in log and "[ t 1/2" in log, log[-3000:]
 
 
-@pytest.mark.parametrize("model", ["hybrid_kda", "hybrid_kda_mtp", "hybrid_gdn"])
+@pytest.mark.parametrize("model", ["hybrid_kda", "hybrid_kda_mtp", "hybrid_gdn", "hybrid_gdn_packed"])
 def test_hybrid_runs_build_hybrid_model_from_the_pattern(runs, model):
     """megatron-core's HybridModel logs the layers it builds from --hybrid-layer-pattern (which of our layers fill
     its slots: tests/integration/test_hybrid_stack_specs.py)."""
@@ -201,6 +219,14 @@ def test_hybrid_mtp_matches_the_example(runs, data):
     assert _rel(ref["grad_norm"], example["grad_norm"]) <= 1e-5, (ref, example)
     assert _rel(_mtp_loss(log), example["mtp_1 loss"]) <= 1e-6, (log[-2000:], example)
     assert _rel(_mtp_loss(runs("hybrid_kda_mtp")["cp2"][1]), _mtp_loss(log)) <= 1e-6
+
+
+def test_packed_runs_pack_several_documents_per_row(runs):
+    """The packed launches log their first THD row: several documents (the short-document data), padded."""
+    for name in ("ref", "cp2"):
+        _, log = runs("hybrid_gdn_packed")[name]
+        found = re.findall(r"packed documents: (\d+) documents in the first micro-batch's THD row of (\d+) tokens", log)
+        assert len(found) == 1 and int(found[0][0]) > 1 and int(found[0][1]) >= SEQ, log[-3000:]
 
 
 def test_cuda_sites_all_reached_none_unlisted(runs, sites_dir):

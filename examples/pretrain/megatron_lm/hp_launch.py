@@ -195,6 +195,10 @@ def pretrain_from_container(entry, model_type, pretrain, model_config, **pretrai
         from hp_packed import packed_get_batch
 
         entry.get_batch = packed_get_batch(entry)
+        if not hasattr(entry, "args"):
+            # core_v0.19.0's pretrain_hybrid.forward_step reads an undefined name `args` on its packed path
+            # (`tokens_per_sample=args.seq_length`, a NameError): the module's `args` are Megatron-LM's global args
+            entry.args = args
     entry.train_valid_test_datasets_provider.is_distributed = True
     pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
     pretrain(pretrain_cfg_container_from_args(args, model_cfg), entry.train_valid_test_datasets_provider,

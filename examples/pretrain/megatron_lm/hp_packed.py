@@ -20,10 +20,12 @@ def packed_get_batch(entry):
     module) returning its ``BATCH_KEYS`` for our packed THD rows (module docstring)."""
     from megatron.core import mpu
     from megatron.core.utils import get_batch_on_this_tp_rank
-    from megatron.training import get_args, get_tokenizer
+    from megatron.training import get_args, get_tokenizer, print_rank_0
 
     from hp_megatron.data import get_batch_on_this_cp_rank
     from hp_megatron.training.packing import PACKED_KEYS, document_multiple, pack_documents
+
+    said = []
 
     def get_batch(data_iterator, vp_stage=None):
         args = get_args()
@@ -47,6 +49,10 @@ def packed_get_batch(entry):
                                      args.sequence_parallel)
         packed, params = pack_documents({key: batch[key] for key in PACKED_KEYS},
                                         tokenizer.eod if pad_id is None or pad_id < 0 else pad_id, multiple)
+        if not said:
+            said.append(True)
+            print_rank_0(f"packed documents: {params.cu_seqlens_q.numel() - 1} documents in the first micro-batch's "
+                         f"THD row of {int(params.cu_seqlens_q[-1])} tokens (each padded to a multiple of {multiple})")
         packed = get_batch_on_this_cp_rank(packed, params, layout="zigzag")
         cu_seqlens = params.cu_seqlens_q.to(packed["tokens"].device)
         out = {**packed, "attention_mask": None, "cu_seqlens": cu_seqlens, "cu_seqlens_padded": cu_seqlens,
